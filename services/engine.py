@@ -1,0 +1,50 @@
+"""The engine core in one process: a scheduler driving a worker through typed step messages.
+
+The cluster puts the same StepPlan / StepResult on gRPC; nothing else changes.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scheduler_svc.request import Request
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from services.config import EngineConfig
+from services.messages import TokenDelta
+from services.sampling_params import SamplingParams
+from worker_svc.worker import Worker
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, fallback_eos_token_id: int | None = None) -> None:
+        self.config = config
+        self.worker = Worker(config)
+        described = self.worker.describe()
+        self.max_model_len = described.max_model_len
+        self.eos_token_ids = described.eos_token_ids or (
+            (fallback_eos_token_id,) if fallback_eos_token_id is not None else ()
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=described.max_model_len,
+                block_size=described.block_size,
+                num_blocks=described.num_kv_blocks,
+                vocab_size=described.vocab_size,
+            )
+        )
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params, self.eos_token_ids))
+
+    def abort_request(self, request_id: str) -> TokenDelta | None:
+        return self.scheduler.abort_request(request_id)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    def step(self) -> list[TokenDelta]:
+        plan = self.scheduler.schedule()
+        result = self.worker.execute(plan)
+        return self.scheduler.update(plan, result)

@@ -1,0 +1,72 @@
+"""Typed messages that cross the scheduler <-> worker boundary.
+
+Step plans are deltas: a request new to the worker arrives with all its token ids
+and blocks once; after that each step carries only its new block ids and its
+computed-token count. The worker keeps the rest between steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    request_id: str
+    # Prompt plus any tokens already generated (a request resumed after preemption).
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+
+
+@dataclass
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[int]
+    # Tokens whose KV the worker already holds; lets the worker check it is in sync.
+    num_computed_tokens: int
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # Tokens to compute this step per request, in batch order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Finished, aborted or preempted since the last plan: the worker drops their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    # Only the requests that reached the end of their known tokens get a token.
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkerDescription:
+    """What the scheduler needs to know about the worker group it drives."""
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class TokenDelta:
+    """New tokens of one request after a step, as streamed to the request's front end."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # set on the request's last delta
+    stop_reason: int | str | None = None

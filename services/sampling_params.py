@@ -1,0 +1,66 @@
+"""SamplingParams with vLLM's field names, defaults and validation.
+
+Validation raises `ValueError` whose message starts with the offending field name,
+so every front end (SDK, REST, gRPC) can report which parameter was wrong.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidParameter(ValueError):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 disables it, as in vLLM
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            ("n", self.n == 1, "must be 1 (parallel sampling is not supported yet)"),
+            ("temperature", self.temperature >= 0.0, f"must be >= 0, got {self.temperature}"),
+            ("top_p", 0.0 < self.top_p <= 1.0, f"must be in (0, 1], got {self.top_p}"),
+            ("top_k", self.top_k >= 0, f"must be -1 (disable) or >= 1, got {self.top_k}"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, f"must be in [0, 1], got {self.min_p}"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
+             f"must be at least 1, got {self.max_tokens}"),
+            ("min_tokens", self.min_tokens >= 0, f"must be >= 0, got {self.min_tokens}"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, f"must be >= 0, got {self.logprobs}"),
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "token ids must be >= 0"),
+            ("stop", all(s for s in self.stop), "stop strings must not be empty"),
+        ]
+        for param, ok, message in checks:
+            if not ok:
+                raise InvalidParameter(param, message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

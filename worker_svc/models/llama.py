@@ -1,0 +1,115 @@
+"""The Llama family (Llama 2/3, SmolLM, Mistral, and Qwen2 with its QKV bias) over a paged KV cache.
+
+Weights arrive with transformers' parameter names; q/k/v and gate/up are fused at
+load time so each becomes one matmul.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_svc.attention.backend import AttentionBackend
+from worker_svc.layers import RMSNorm, RotaryEmbedding
+from worker_svc.model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: object
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: object
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, max_positions: int, device: torch.device
+    ) -> None:
+        """Build under `torch.device("meta")` and call load_weights: parameters are
+        assigned, never allocated twice; the rope tables live on `device` regardless."""
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, device)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], metadata: object
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, metadata)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) for the rows that sample; the final norm is per row, so only they need it."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy transformers-named weights in, fusing q/k/v and gate/up."""
+        fused: dict[str, torch.Tensor] = {}
+        for i in range(self.config.num_hidden_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            for kind in ("weight", "bias"):
+                parts = [weights.pop(f"{src}self_attn.{p}_proj.{kind}", None) for p in "qkv"]
+                if all(p is not None for p in parts):
+                    fused[f"{dst}self_attn.qkv_proj.{kind}"] = torch.cat(parts)
+            gate_up = [weights.pop(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")]
+            fused[f"{dst}mlp.gate_up_proj.weight"] = torch.cat(gate_up)
+        for name, tensor in weights.items():
+            fused[name.removeprefix("model.")] = tensor
+        if self.config.tie_word_embeddings:
+            fused["lm_head.weight"] = fused["embed_tokens.weight"]
+        # assign=True keeps tied embeddings one tensor and skips a copy.
+        missing, unexpected = self.load_state_dict(fused, strict=False, assign=True)
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")

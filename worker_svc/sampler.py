@@ -1,0 +1,77 @@
+"""Batched sampling: one set of tensor ops over the whole batch's logits.
+
+Greedy rows take the argmax; the others are tempered, filtered by top-k / top-p /
+min-p, and drawn with the exponential-race trick (argmax of p / Exp(1) noise), which
+lets seeded rows draw their noise from their own generator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [S]; 0 means greedy
+    top_p: torch.Tensor  # [S]
+    top_k: torch.Tensor  # [S]; 0 means off
+    min_p: torch.Tensor  # [S]
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+
+    @classmethod
+    def from_params(
+        cls, params: list[SamplingParams], generators: list[torch.Generator | None], device: torch.device
+    ) -> SamplingBatch:
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            generators=generators,
+            all_greedy=all(p.greedy for p in params),
+        )
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Token ids [S] from float32 logits [S, V]."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy_tokens
+    greedy = batch.temperature == 0
+    logits = logits / torch.where(greedy, 1.0, batch.temperature)[:, None]
+    logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    probs = logits.softmax(dim=-1)
+    if bool((batch.min_p > 0).any()):
+        threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    noise = torch.empty_like(probs).exponential_()
+    for row, generator in enumerate(batch.generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    random_tokens = (probs / noise).argmax(dim=-1)
+    return torch.where(greedy, greedy_tokens, random_tokens)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) the logits outside each row's top-k and top-p nucleus."""
+    use_top_k = bool((top_k > 0).any())
+    use_top_p = bool((top_p < 1.0).any())
+    if not (use_top_k or use_top_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if use_top_k:
+        k = torch.where(top_k > 0, top_k, logits.shape[-1])
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        remove |= ranks[None, :] >= k[:, None]
+    if use_top_p:
+        sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already cover top_p; the
+        # first token always stays.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        remove |= mass_before >= top_p[:, None]
+    return logits.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))

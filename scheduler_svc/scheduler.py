@@ -80,6 +80,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def has_work(self) -> bool:
+        """Requests to run, or ended ones the worker has not been told to drop yet."""
+        return bool(self.requests or self._dropped_ids)
+
     # -- one step --------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:

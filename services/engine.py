@@ -41,8 +41,8 @@ class EngineCore:
         return self.scheduler.abort_request(request_id)
 
     @property
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
 
     def step(self) -> list[TokenDelta]:
         plan = self.scheduler.schedule()

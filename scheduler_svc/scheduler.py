@@ -194,7 +194,16 @@ class Scheduler:
                     self.running.remove(request)
                     self._finish(request, reason)
                     break
-            deltas.append(TokenDelta(request_id, accepted, _value(request.finish_reason), request.stop_reason))
+            logprobs = result.logprobs.get(request_id)
+            deltas.append(
+                TokenDelta(
+                    request_id,
+                    accepted,
+                    _value(request.finish_reason),
+                    request.stop_reason,
+                    logprobs[: len(accepted)] if logprobs is not None else None,
+                )
+            )
         return deltas
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:

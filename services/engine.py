@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from services.config import EngineConfig
-from services.messages import TokenDelta
+from services.messages import EngineStats, TokenDelta
 from services.sampling_params import SamplingParams
 from worker_svc.worker import Worker
 
@@ -48,3 +48,13 @@ class EngineCore:
         plan = self.scheduler.schedule()
         result = self.worker.execute(plan)
         return self.scheduler.update(plan, result)
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(
+            num_requests_running=len(scheduler.running),
+            num_requests_waiting=len(scheduler.waiting),
+            kv_cache_usage=scheduler.block_pool.usage,
+            num_preemptions=scheduler.num_preemptions,
+            num_kv_blocks=scheduler.block_pool.num_blocks,
+        )

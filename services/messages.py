@@ -49,6 +49,9 @@ class StepResult:
     step_id: int
     # Only the requests that reached the end of their known tokens get a token.
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # For requests that asked for logprobs: per sampled token, {token id: logprob}
+    # holding the top-`logprobs` tokens (best first) and the sampled one.
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -70,3 +73,15 @@ class TokenDelta:
     new_token_ids: list[int]
     finish_reason: str | None = None  # set on the request's last delta
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None  # one entry per new token, when asked for
+
+
+@dataclass
+class EngineStats:
+    """A scheduler's gauges and counters, exported with vLLM's metric names."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float  # used blocks / total blocks
+    num_preemptions: int  # counter
+    num_kv_blocks: int

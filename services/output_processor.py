@@ -1,4 +1,8 @@
-"""Turns token deltas into text: incremental detokenization and stop strings, per request."""
+"""Turns token deltas into text: incremental detokenization and stop strings.
+
+`TextStream` handles one request and serves every front end (the offline SDK and
+the gateway's streams); `OutputProcessor` collects the SDK's RequestOutputs.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -12,10 +16,59 @@ from tokenizer_svc.tokenizer import Tokenizer
 
 
 @dataclass
+class TextDelta:
+    text: str  # new text, already cut at a stop string
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    # True when a stop string ended the request here: the engine must still abort it.
+    hit_stop_string: bool = False
+
+
+class TextStream:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+        )
+        self.text = ""  # the text so far, as the client sees it
+        self._raw_text = ""  # before stop-string truncation
+        self.finished = False
+
+    def apply(self, delta: TokenDelta) -> TextDelta:
+        new_text = self.detokenizer.step(delta.new_token_ids)
+        self._raw_text += new_text
+        result = TextDelta(new_text, delta.new_token_ids, delta.logprobs, delta.finish_reason, delta.stop_reason)
+        hit = _find_stop_string(self._raw_text, len(new_text), self.params)
+        if hit is not None:
+            end, stop = hit
+            result.text = self._raw_text[len(self.text) : end]
+            result.finish_reason, result.stop_reason = "stop", stop
+            result.hit_stop_string = delta.finish_reason is None
+        self.text += result.text
+        self.finished = result.finish_reason is not None
+        return result
+
+
+def _find_stop_string(text: str, new_chars: int, params: SamplingParams) -> tuple[int, str] | None:
+    """(where the visible text ends, stop string) for the earliest stop string the new text completes."""
+    best: tuple[int, str] | None = None
+    for stop in params.stop:
+        # Only a match that ends inside the new text is new.
+        index = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
+    if best is None:
+        return None
+    index, stop = best
+    return (index + len(stop) if params.include_stop_str_in_output else index), stop
+
+
+@dataclass
 class _Tracked:
     output: RequestOutput
-    params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    stream: TextStream
 
 
 class OutputProcessor:
@@ -26,11 +79,11 @@ class OutputProcessor:
     def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
-        )
-        output = RequestOutput(request_id, prompt, prompt_token_ids, [CompletionOutput(0, "", [])])
-        self._requests[request_id] = _Tracked(output, params, detokenizer)
+        completion = CompletionOutput(0, "", [])
+        if params.logprobs is not None:
+            completion.logprobs, completion.cumulative_logprob = [], 0.0
+        output = RequestOutput(request_id, prompt, prompt_token_ids, [completion])
+        self._requests[request_id] = _Tracked(output, TextStream(self.tokenizer, prompt_token_ids, params))
 
     def process(self, deltas: list[TokenDelta], abort: Callable[[str], object]) -> list[RequestOutput]:
         """Apply deltas; return the outputs that finished. A stop-string hit ends the
@@ -40,36 +93,18 @@ class OutputProcessor:
             tracked = self._requests.get(delta.request_id)
             if tracked is None:
                 continue
+            update = tracked.stream.apply(delta)
             completion = tracked.output.outputs[0]
-            completion.token_ids.extend(delta.new_token_ids)
-            new_text = tracked.detokenizer.step(delta.new_token_ids)
-            completion.text += new_text
-            finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
-            hit = self._find_stop_string(completion.text, len(new_text), tracked.params)
-            if hit is not None:
-                completion.text, stop_reason = hit
-                finish_reason = "stop"
-                if delta.finish_reason is None:
-                    abort(delta.request_id)
-            if finish_reason is not None:
-                completion.finish_reason, completion.stop_reason = finish_reason, stop_reason
+            completion.text += update.text
+            completion.token_ids.extend(update.token_ids)
+            if update.logprobs is not None:
+                completion.logprobs.extend(update.logprobs)
+                completion.cumulative_logprob += sum(e[t] for e, t in zip(update.logprobs, update.token_ids))
+            if update.hit_stop_string:
+                abort(delta.request_id)
+            if update.finish_reason is not None:
+                completion.finish_reason, completion.stop_reason = update.finish_reason, update.stop_reason
                 tracked.output.finished = True
                 finished.append(tracked.output)
                 del self._requests[delta.request_id]
         return finished
-
-    @staticmethod
-    def _find_stop_string(text: str, new_chars: int, params: SamplingParams) -> tuple[str, str] | None:
-        """(truncated text, stop string) for the earliest stop string that the new text completes."""
-        best: tuple[int, str] | None = None
-        for stop in params.stop:
-            # Only a match that ends inside the new text is new.
-            search_from = max(0, len(text) - new_chars - len(stop) + 1)
-            index = text.find(stop, search_from)
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        if best is None:
-            return None
-        index, stop = best
-        end = index + len(stop) if params.include_stop_str_in_output else index
-        return text[:end], stop

@@ -11,6 +11,10 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # When SamplingParams.logprobs is set: per token, {token id: logprob} of the top
+    # tokens (best first) plus the sampled one.
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass

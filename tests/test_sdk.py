@@ -145,3 +145,23 @@ def test_kv_pool_too_small_for_max_model_len_fails_at_startup():
 
     with pytest.raises(KVCacheTooSmall, match="max_model_len=8192.*--max-model-len"):
         LLM("smollm2", num_gpu_blocks_override=100)
+
+
+def test_logprobs_match_transformers_log_softmax(llm, hf_smollm2):
+    import torch
+
+    prompt = llm.get_tokenizer().encode("The capital of France is")
+    [output] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=5))
+    completion = output.outputs[0]
+    assert len(completion.logprobs) == 3
+    with torch.inference_mode():
+        logits = hf_smollm2(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1]
+    expected = logits.float().log_softmax(-1)
+    for position, (entry, token) in enumerate(zip(completion.logprobs, completion.token_ids)):
+        top = expected[position].topk(5)
+        assert list(entry)[:5] == top.indices.tolist()  # best first
+        assert entry[token] == pytest.approx(expected[position, token].item(), abs=1e-3)
+        assert token == list(entry)[0]  # greedy took the best token
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(e[t] for e, t in zip(completion.logprobs, completion.token_ids))
+    )

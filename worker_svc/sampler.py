@@ -75,3 +75,25 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         remove |= mass_before >= top_p[:, None]
     return logits.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
+
+
+def gather_logprobs(
+    logits: torch.Tensor, sampled: torch.Tensor, wanted: list[int | None]
+) -> dict[int, dict[int, float]]:
+    """Per row that asked: {token: logprob} for its top-n tokens (best first) and the
+    sampled token. Logprobs are of the raw model distribution, as vLLM reports by default."""
+    logprobs = logits.log_softmax(dim=-1)
+    max_n = max(n for n in wanted if n is not None)
+    top_values, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (None, None)
+    sampled_values = logprobs.gather(-1, sampled[:, None]).squeeze(-1).tolist()
+    out = {}
+    for row, n in enumerate(wanted):
+        if n is None:
+            continue
+        entry = {}
+        if n:
+            entry = dict(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist()))
+        token = int(sampled[row])
+        entry.setdefault(token, sampled_values[row])
+        out[row] = entry
+    return out

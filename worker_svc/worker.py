@@ -10,7 +10,7 @@ from worker_svc.attention.torch_backend import TorchAttentionBackend
 from worker_svc.batch import RequestState, prepare_inputs
 from worker_svc.kv_cache import allocate_kv_cache, bytes_per_block, check_fits_one_request, num_blocks_for_budget
 from worker_svc.models.llama import LlamaForCausalLM
-from worker_svc.sampler import SamplingBatch, sample
+from worker_svc.sampler import SamplingBatch, gather_logprobs, sample
 from worker_svc.weights import load_weights
 
 
@@ -69,10 +69,15 @@ class Worker:
             batch = SamplingBatch.from_params(
                 [s.sampling_params for s in states], [s.generator for s in states], self.device
             )
-            tokens = sample(logits, batch).tolist()
+            sampled = sample(logits, batch)
+            tokens = sampled.tolist()
             for request_id, state, token in zip(inputs.sample_request_ids, states, tokens):
                 state.token_ids.append(token)
                 result.sampled_token_ids[request_id] = [token]
+            wanted = [s.sampling_params.logprobs for s in states]
+            if any(n is not None for n in wanted):
+                for row, entry in gather_logprobs(logits, sampled, wanted).items():
+                    result.logprobs[inputs.sample_request_ids[row]] = [entry]
         for request_id, count in plan.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += count
         return result

@@ -1,11 +1,14 @@
-"""The KV block pool: a free list and a reference count per block.
+"""The KV block pool: ref counts, an LRU free queue and the prefix-cache index.
 
-Blocks are shared by reference count (parallel samples, cached prefixes); a block
-returns to the free list when its last holder lets go.
+A block holding a full, hashed block of tokens stays indexed after its last holder
+frees it: it sits in the free queue, evictable, and a later request with the same
+prefix can take it back. Allocation takes from the front of the queue (least
+recently freed), dropping the old hash. Requests free their blocks tail first, so
+a prompt's shared head outlives its private tail.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 
 class NoFreeBlocks(RuntimeError):
@@ -17,11 +20,14 @@ class BlockPool:
         if num_blocks <= 0:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
+        """Unheld blocks, evictable cached ones included."""
         return len(self._free)
 
     @property
@@ -32,24 +38,63 @@ class BlockPool:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise NoFreeBlocks(f"asked for {count} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
-        for block in blocks:
+        blocks = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
             self._ref_counts[block] = 1
+            blocks.append(block)
         return blocks
 
     def share(self, block_ids: list[int]) -> None:
+        """Take another reference to each block, reviving evictable cached ones."""
         for block in block_ids:
-            assert self._ref_counts[block] > 0, f"block {block} is not allocated"
+            if self._ref_counts[block] == 0:
+                del self._free[block]
             self._ref_counts[block] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        # Reversed so a request's tail blocks come back last and are reused last.
         for block in reversed(block_ids):
             count = self._ref_counts[block]
             assert count > 0, f"block {block} freed twice"
             self._ref_counts[block] = count - 1
             if count == 1:
-                self._free.append(block)
+                self._free[block] = None
+
+    def lookup(self, block_hashes: list[bytes]) -> list[int]:
+        """Blocks of the longest cached prefix of `block_hashes`."""
+        hits = []
+        for block_hash in block_hashes:
+            block = self._cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def num_unheld(self, block_ids: list[int]) -> int:
+        """How many of these blocks sit in the free queue (sharing them uses up free space)."""
+        return sum(1 for block in block_ids if self._ref_counts[block] == 0)
+
+    def cache(self, block: int, block_hash: bytes) -> None:
+        """Index a block that now holds the full block of tokens `block_hash` stands for."""
+        if block_hash not in self._cached and self._block_hash[block] is None:
+            self._cached[block_hash] = block
+            self._block_hash[block] = block_hash
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self._cached.values()):
+            self._block_hash[block] = None
+        self._cached.clear()
+
+    def _evict(self, block: int) -> None:
+        block_hash = self._block_hash[block]
+        if block_hash is not None:
+            del self._cached[block_hash]
+            self._block_hash[block] = None

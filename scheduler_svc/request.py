@@ -10,7 +10,8 @@ from services.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # KV dropped; recomputed when resumed
+    SWAPPED = "swapped"  # KV copied to the host pool; copied back when resumed
     FINISHED = "finished"
 
 
@@ -34,6 +35,12 @@ class Request:
     stop_reason: int | str | None = None
     # Set when the worker has this request's state: later steps send only deltas.
     known_to_worker: bool = False
+    cache_salt: str | None = None
+    # Prefix caching: hashes of the full blocks of all_token_ids, and how many of
+    # this request's blocks are indexed in the pool already.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    host_block_ids: list[int] = field(default_factory=list)  # while SWAPPED
 
     @property
     def num_tokens(self) -> int:

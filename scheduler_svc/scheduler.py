@@ -3,8 +3,9 @@
 Each step gives every scheduled request a token count: a decode is one token, a
 prompt (or a chunk of it) is many. There are no prefill and decode phases. Running
 requests go first, oldest first, so streams keep flowing; waiting requests fill the
-remaining token budget. When blocks run out the newest running request is preempted
-and later recomputed from its tokens.
+remaining token budget, starting from their longest cached prefix. When blocks run
+out the newest running request is preempted: its KV is dropped and recomputed
+later, or (swap mode) copied to a host pool and back.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
+from scheduler_svc.block_hash import extend_block_hashes, extra_keys_bytes
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from services.messages import CachedRequestData, NewRequestData, StepPlan, StepResult, TokenDelta
@@ -26,16 +28,30 @@ class SchedulerConfig:
     block_size: int
     num_blocks: int
     vocab_size: int
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap"
+    num_host_blocks: int = 0  # the swap pool
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < config.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be at "
+                f"least max_model_len ({config.max_model_len}): raise --max-num-batched-tokens, lower "
+                "--max-model-len, or enable chunked prefill"
+            )
         self.config = config
         self.block_pool = BlockPool(config.num_blocks)
+        self.host_pool = BlockPool(config.num_host_blocks) if config.preemption_mode == "swap" else None
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_swapped_preemptions = 0  # the part of num_preemptions that swapped rather than dropped KV
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # tokens found there
         self._step_ids = itertools.count()
         # Ended or preempted since the last plan; the next plan tells the worker.
         self._dropped_ids: list[str] = []
@@ -106,7 +122,7 @@ class Scheduler:
             new_blocks = self._allocate_slots(request, num_tokens)
             while new_blocks is None:
                 victim = self.running.pop()
-                self._preempt(victim)
+                self._preempt(victim, plan)
                 if victim is request:
                     return budget
                 new_blocks = self._allocate_slots(request, num_tokens)
@@ -118,15 +134,64 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_blocks = self._allocate_slots(request, num_tokens)
-            if new_blocks is None:
+            if request.status is RequestStatus.SWAPPED:
+                admitted = self._swap_in(request, plan, budget)
+            else:
+                admitted = self._admit(request, budget)
+            if admitted is None:
                 return
+            num_tokens, new_blocks = admitted
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add_to_plan(plan, request, num_tokens, new_blocks)
             budget -= num_tokens
+
+    def _admit(self, request: Request, budget: int) -> tuple[int, list[int]] | None:
+        """Start (or restart) a request from its longest cached prefix, if it fits."""
+        hits = self._cached_prefix(request)
+        num_computed = len(hits) * self.config.block_size
+        remaining = request.num_tokens - num_computed
+        if not self.config.enable_chunked_prefill and remaining > budget:
+            return None
+        num_tokens = min(remaining, budget)
+        needed = -(-(num_computed + num_tokens) // self.config.block_size) - len(hits)
+        if needed > self.block_pool.num_free_blocks - self.block_pool.num_unheld(hits):
+            return None
+        self.block_pool.share(hits)
+        request.block_ids = hits + self.block_pool.allocate(needed)
+        request.num_computed_tokens = num_computed
+        request.num_cached_blocks = len(hits)
+        if self.config.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_computed
+        return num_tokens, request.block_ids
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        if not self.config.enable_prefix_caching:
+            return []
+        self._hash_full_blocks(request)
+        # At least one token must be computed to get logits for the next one.
+        max_hit_blocks = (request.num_tokens - 1) // self.config.block_size
+        return self.block_pool.lookup(request.block_hashes[:max_hit_blocks])
+
+    def _hash_full_blocks(self, request: Request) -> None:
+        extra = extra_keys_bytes(cache_salt=request.cache_salt)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.config.block_size, extra)
+
+    def _swap_in(self, request: Request, plan: StepPlan, budget: int) -> tuple[int, list[int]] | None:
+        """Resume a swapped request: fresh device blocks, its KV copied back into them."""
+        num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+        needed = -(-(request.num_computed_tokens + num_tokens) // self.config.block_size)
+        if needed > self.block_pool.num_free_blocks:
+            return None
+        request.block_ids = self.block_pool.allocate(needed)
+        # The host pool may be reused once the worker has copied these, which it
+        # does first thing in this very step.
+        plan.blocks_to_swap_in.extend(zip(request.host_block_ids, request.block_ids))
+        self.host_pool.free(request.host_block_ids)
+        request.host_block_ids = []
+        return num_tokens, request.block_ids
 
     def _allocate_slots(self, request: Request, num_tokens: int) -> list[int] | None:
         """Blocks for `num_tokens` more tokens of KV, or None when the pool is short."""
@@ -158,12 +223,21 @@ class Scheduler:
             )
         )
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute-mode preemption: drop the KV, requeue at the front."""
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Free the request's device blocks and requeue it at the front: its KV goes to
+        the host pool in swap mode (when it fits), otherwise it is recomputed later."""
+        num_blocks = len(request.block_ids)
+        if self.host_pool is not None and num_blocks <= self.host_pool.num_free_blocks:
+            request.host_block_ids = self.host_pool.allocate(num_blocks)
+            plan.blocks_to_swap_out.extend(zip(request.block_ids, request.host_block_ids))
+            request.status = RequestStatus.SWAPPED
+            self.num_swapped_preemptions += 1
+        else:
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
         self.block_pool.free(request.block_ids)
         request.block_ids = []
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
+        request.num_cached_blocks = 0
         self._forget_on_worker(request)
         self.waiting.appendleft(request)
         self.num_preemptions += 1
@@ -183,28 +257,39 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_tokens
             sampled = result.sampled_token_ids.get(request_id)
-            if not sampled:
-                continue  # a prompt chunk that did not reach the end of the prompt
-            accepted = []
-            for token in sampled:
-                request.output_token_ids.append(token)
-                accepted.append(token)
-                reason = self._stop_reason(request, token)
-                if reason is not None:
-                    self.running.remove(request)
-                    self._finish(request, reason)
-                    break
-            logprobs = result.logprobs.get(request_id)
-            deltas.append(
-                TokenDelta(
-                    request_id,
-                    accepted,
-                    _value(request.finish_reason),
-                    request.stop_reason,
-                    logprobs[: len(accepted)] if logprobs is not None else None,
-                )
-            )
+            if sampled:
+                deltas.append(self._accept(request, sampled, result.logprobs.get(request_id)))
+            if self.config.enable_prefix_caching and not request.is_finished:
+                self._cache_computed_blocks(request)
         return deltas
+
+    def _accept(self, request: Request, sampled: list[int], logprobs: list[dict[int, float]] | None) -> TokenDelta:
+        accepted = []
+        for token in sampled:
+            request.output_token_ids.append(token)
+            accepted.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason)
+                break
+        return TokenDelta(
+            request.request_id,
+            accepted,
+            _value(request.finish_reason),
+            request.stop_reason,
+            logprobs[: len(accepted)] if logprobs is not None else None,
+        )
+
+    def _cache_computed_blocks(self, request: Request) -> None:
+        """Index the blocks whose tokens are now all computed."""
+        num_full = request.num_computed_tokens // self.config.block_size
+        if num_full <= request.num_cached_blocks:
+            return
+        self._hash_full_blocks(request)
+        for index in range(request.num_cached_blocks, num_full):
+            self.block_pool.cache(request.block_ids[index], request.block_hashes[index])
+        request.num_cached_blocks = num_full
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling_params
@@ -223,6 +308,9 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.block_pool.free(request.block_ids)
+        if request.host_block_ids:
+            self.host_pool.free(request.host_block_ids)
+            request.host_block_ids = []
         request.block_ids = []
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

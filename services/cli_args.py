@@ -17,16 +17,23 @@ _HELP = {
     "num_gpu_blocks_override": "KV blocks to allocate, ignoring the memory budget",
     "kv_cache_memory": "bytes of KV cache on CPU",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
+    "enable_prefix_caching": "reuse the KV of cached prompt prefixes",
+    "enable_chunked_prefill": "split long prompts into chunks that share steps with decodes",
+    "preemption_mode": "recompute or swap, when KV blocks run out",
+    "swap_space": "GiB of host memory for swapped-out KV blocks",
     "seed": "engine seed",
 }
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in fields(EngineConfig):
-        kind = {"int": int, "float": float, "str": str}[str(f.type).split(" ")[0]]
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}", type=kind, default=f.default, help=f"{_HELP[f.name]} (default: %(default)s)"
-        )
+        flag, help_text = f"--{f.name.replace('_', '-')}", f"{_HELP[f.name]} (default: %(default)s)"
+        kind = str(f.type).split(" ")[0]
+        if kind == "bool":  # --enable-x / --no-enable-x, as in vLLM
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        else:
+            parser.add_argument(flag, type={"int": int, "float": float, "str": str}[kind], default=f.default,
+                                help=help_text)
 
 
 def engine_args(namespace: argparse.Namespace) -> dict:

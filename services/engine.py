@@ -31,11 +31,22 @@ class EngineCore:
                 block_size=described.block_size,
                 num_blocks=described.num_kv_blocks,
                 vocab_size=described.vocab_size,
+                enable_prefix_caching=config.enable_prefix_caching,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode,
+                num_host_blocks=described.num_host_blocks,
             )
         )
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params, self.eos_token_ids))
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, cache_salt=cache_salt)
+        self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> TokenDelta | None:
         return self.scheduler.abort_request(request_id)
@@ -57,4 +68,6 @@ class EngineCore:
             kv_cache_usage=scheduler.block_pool.usage,
             num_preemptions=scheduler.num_preemptions,
             num_kv_blocks=scheduler.block_pool.num_blocks,
+            prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits,
         )

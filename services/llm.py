@@ -17,7 +17,8 @@ from services.sampling_params import SamplingParams
 from services.threads import configure_torch_threads
 from tokenizer_svc.tokenizer import Tokenizer
 
-# A prompt is text, token ids, or vLLM's dict form {"prompt": ...} / {"prompt_token_ids": ...}.
+# A prompt is text, token ids, or vLLM's dict form {"prompt": ...} / {"prompt_token_ids": ...},
+# where the dict may carry a "cache_salt" that keeps its prefix cache apart from other tenants'.
 Prompt = Union[str, Sequence[int], dict[str, Any]]
 _CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
 
@@ -50,7 +51,8 @@ class LLM:
             for prompt, params in zip(prompt_list, params_list):
                 text, token_ids = self._tokenize(prompt)
                 request_id = str(next(self._request_ids))
-                self.engine.add_request(request_id, token_ids, params)
+                cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                self.engine.add_request(request_id, token_ids, params, cache_salt=cache_salt)
                 processor.add_request(request_id, text, token_ids, params)
                 order.append(request_id)
         except Exception:

@@ -38,6 +38,10 @@ class StepPlan:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Finished, aborted or preempted since the last plan: the worker drops their state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Swap preemption, applied before the forward pass: (device block, host block)
+    # pairs to copy out, then (host block, device block) pairs to copy back in.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -59,6 +63,7 @@ class WorkerDescription:
     """What the scheduler needs to know about the worker group it drives."""
 
     num_kv_blocks: int
+    num_host_blocks: int  # the swap pool
     block_size: int
     max_model_len: int
     vocab_size: int
@@ -85,3 +90,5 @@ class EngineStats:
     kv_cache_usage: float  # used blocks / total blocks
     num_preemptions: int  # counter
     num_kv_blocks: int
+    prefix_cache_queries: int  # counter, in tokens
+    prefix_cache_hits: int  # counter, in tokens

@@ -52,12 +52,46 @@ def test_block_size_32_matches_transformers(make_llm, prompts, reference):
     assert generate_tokens(llm, prompts) == reference
 
 
-def test_preemption_matches_transformers(make_llm, prompts, reference):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_matches_transformers(make_llm, prompts, reference, mode):
     # 40 blocks of 16 hold 640 tokens; the batch needs ~2,300, so requests are
-    # preempted and recomputed. max_model_len must still fit one request.
-    llm = make_llm(dtype="float32", num_gpu_blocks_override=40, max_model_len=40 * 16)
+    # preempted. max_model_len must still fit one request. 0.05 GiB of swap is
+    # ~70 host blocks: swap mode swaps, and falls back to recompute when that is full.
+    llm = make_llm(dtype="float32", num_gpu_blocks_override=40, max_model_len=40 * 16, preemption_mode=mode,
+                   swap_space=0.05)
     assert generate_tokens(llm, prompts) == reference
-    assert llm.engine.scheduler.num_preemptions > 0
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_preemptions > 0
+    assert (scheduler.num_swapped_preemptions > 0) == (mode == "swap")
+
+
+def test_no_prefix_caching_matches_transformers(make_llm, prompts, reference):
+    llm = make_llm(dtype="float32", enable_prefix_caching=False)
+    assert generate_tokens(llm, prompts) == reference
+    assert generate_tokens(llm, prompts) == reference
+    assert llm.engine.scheduler.prefix_cache_hits == 0 and llm.engine.scheduler.block_pool.num_cached_blocks == 0
+
+
+def test_no_chunked_prefill_matches_transformers(make_llm, prompts, reference):
+    # Whole prompts only: the budget must hold a max-length prompt.
+    llm = make_llm(dtype="float32", enable_chunked_prefill=False, max_model_len=512, max_num_batched_tokens=512)
+    assert generate_tokens(llm, prompts) == reference
+
+
+def test_prefix_cache_hits_give_the_same_tokens(make_llm, hf_smollm2, default_llm):
+    tokens = default_llm.get_tokenizer().encode(TEXT)
+    system = tokens[:150]
+    shared = [system + tokens[start : start + 20] for start in (200, 260, 320, 380)]
+    reference = [hf_greedy(hf_smollm2, prompt, 16) for prompt in shared]
+    llm = make_llm(dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(shared, params, use_tqdm=False)]
+    scheduler = llm.engine.scheduler
+    hits_after_first = scheduler.prefix_cache_hits
+    second = [o.outputs[0].token_ids for o in llm.generate(shared, params, use_tqdm=False)]
+    assert first == second == reference
+    # The second round finds every full block of each prompt but the one holding its last token.
+    assert scheduler.prefix_cache_hits - hits_after_first == 4 * ((len(shared[0]) - 1) // 16 * 16)
 
 
 def test_batch_invariance(default_llm, prompts, reference):

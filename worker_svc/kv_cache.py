@@ -53,3 +53,15 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     # costs nothing until blocks are used (torch.zeros would touch every page now).
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def copy_blocks(
+    pairs: list[tuple[int, int]], sources: list[torch.Tensor], destinations: list[torch.Tensor]
+) -> None:
+    """Copy whole blocks (source id, destination id) between two per-layer caches, e.g. device and host."""
+    if not pairs:
+        return
+    source_ids = torch.tensor([source for source, _ in pairs], device=sources[0].device)
+    destination_ids = torch.tensor([destination for _, destination in pairs], device=destinations[0].device)
+    for source, destination in zip(sources, destinations):
+        destination[:, destination_ids] = source[:, source_ids].to(destination.device)

@@ -5,10 +5,17 @@ import torch
 
 from services.config import EngineConfig
 from services.messages import StepPlan, StepResult, WorkerDescription
+from services.sampling_params import SamplingParams
 from services.model_source import resolve_model
 from worker_svc.attention.torch_backend import TorchAttentionBackend
 from worker_svc.batch import RequestState, prepare_inputs
-from worker_svc.kv_cache import allocate_kv_cache, bytes_per_block, check_fits_one_request, num_blocks_for_budget
+from worker_svc.kv_cache import (
+    allocate_kv_cache,
+    bytes_per_block,
+    check_fits_one_request,
+    copy_blocks,
+    num_blocks_for_budget,
+)
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.sampler import SamplingBatch, gather_logprobs, sample
 from worker_svc.weights import load_weights
@@ -27,30 +34,67 @@ class Worker:
         self.model.load_weights({name: t.to(self.device) for name, t in weights.items()})
         self.model.eval()
         self.block_size = config.block_size
+        self.requests: dict[str, RequestState] = {}
         self.num_blocks = self._size_kv_cache()
         self.kv_caches = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
-        self.requests: dict[str, RequestState] = {}
+        block_bytes = bytes_per_block(self.model_config, self.block_size, self.dtype)
+        self.num_host_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
+        self.host_kv_caches = (
+            allocate_kv_cache(self.model_config, self.num_host_blocks, self.block_size, self.dtype, torch.device("cpu"))
+            if self.num_host_blocks
+            else []
+        )
 
     def _size_kv_cache(self) -> int:
+        """Blocks that fit the memory budget once a full step's activations are accounted for."""
         block_bytes = bytes_per_block(self.model_config, self.block_size, self.dtype)
         if self.config.num_gpu_blocks_override is not None:
             num_blocks = self.config.num_gpu_blocks_override
         elif self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._profile_run()
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
-            num_blocks = budget // block_bytes
+            # Weights plus the profiled step's peak, and whatever else holds memory.
+            in_use = torch.cuda.max_memory_allocated(self.device) + (total - free - torch.cuda.memory_allocated())
+            num_blocks = (int(total * self.config.gpu_memory_utilization) - in_use) // block_bytes
         else:
+            # On CPU the KV budget is given outright, as vLLM's VLLM_CPU_KVCACHE_SPACE, and
+            # activations come from the host heap: there is nothing for a profile to size.
             num_blocks = num_blocks_for_budget(
                 self.model_config, self.block_size, self.dtype, self.config.kv_cache_memory
             )
         check_fits_one_request(num_blocks, self.block_size, self.max_model_len, block_bytes)
         return num_blocks
 
+    def _profile_run(self) -> None:
+        """Run one step of `max_num_batched_tokens` prompt tokens through a scratch
+        cache, so the activation peak is known (and any OOM happens now, not mid-serving)."""
+        total = self.config.max_num_batched_tokens
+        lengths = [self.max_model_len] * (total // self.max_model_len) + [total % self.max_model_len]
+        lengths = [n for n in lengths if n]
+        blocks_per_seq = [-(-n // self.block_size) for n in lengths]
+        scratch = allocate_kv_cache(self.model_config, sum(blocks_per_seq), self.block_size, self.dtype, self.device)
+        plan = StepPlan(step_id=-1)
+        first_block = 0
+        for index, (length, num_blocks) in enumerate(zip(lengths, blocks_per_seq)):
+            request_id = f"profile-{index}"
+            block_ids = list(range(first_block, first_block + num_blocks))
+            first_block += num_blocks
+            self.requests[request_id] = RequestState([0] * length, block_ids, 0, SamplingParams(), None)
+            plan.num_scheduled_tokens[request_id] = length
+        try:
+            inputs = prepare_inputs(plan, self.requests, self.block_size, self.device)
+            hidden = self.model(inputs.input_ids, inputs.positions, scratch, self.attention_backend.build_metadata(inputs.layout))
+            self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        finally:
+            self.requests.clear()
+
     def describe(self) -> WorkerDescription:
         return WorkerDescription(
             num_kv_blocks=self.num_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
+            num_host_blocks=self.num_host_blocks,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=self.model_config.eos_token_ids,
         )
@@ -85,6 +129,8 @@ class Worker:
     def _apply_deltas(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
+        copy_blocks(plan.blocks_to_swap_out, self.kv_caches, self.host_kv_caches)
+        copy_blocks(plan.blocks_to_swap_in, self.host_kv_caches, self.kv_caches)
         for new in plan.new_requests:
             generator = None
             if new.sampling_params.seed is not None:

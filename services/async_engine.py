@@ -1,0 +1,234 @@
+"""The embedded engine client: one EngineCore stepping on its own thread, streamed to asyncio.
+
+EngineCore is not thread-safe, so every call to it happens on the engine thread.
+Callers on asyncio loops send adds and aborts through a thread-safe inbox that the
+engine thread drains before each step; when there is no work it blocks on the inbox.
+Results go back with one `call_soon_threadsafe` per event loop per iteration (never
+one per token) into per-request asyncio queues. Each stream remembers its own loop,
+so several event loops (e.g. two servers in one process) can share one engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from services.engine import EngineCore
+from services.engine_client import EngineUnavailable, RequestFailed
+from services.messages import EngineStats, TokenDelta
+from services.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# What a stream's queue carries: deltas, or the exception that ends the request.
+_Item = TokenDelta | BaseException
+
+
+@dataclass(eq=False)
+class _Stream:
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
+
+
+@dataclass
+class _Add:
+    stream: _Stream
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Stop
+
+
+def _deliver(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
+    """Runs on the consumer's event loop."""
+    for target, item in items:
+        target.put_nowait(item)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        # Guards `_stopped` together with puts, so nothing lands in the inbox after
+        # the engine thread has drained it for the last time.
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        # Owned by the engine thread.
+        self._streams: dict[str, _Stream] = {}
+        self._outbox: defaultdict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = defaultdict(list)
+        # Replaced (never mutated) by the engine thread, so any thread may read it.
+        self._stats: EngineStats = core.stats()
+
+    # -- lifecycle (any thread) ------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine was already started")
+        self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stops the loop; requests still running end with EngineUnavailable."""
+        if self._thread is None:
+            return
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                self._inbox.put(_Stop())
+        self._thread.join()
+
+    def is_ready(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopped
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # -- requests (asyncio side) -----------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenDelta]:
+        stream = _Stream(request_id, asyncio.get_running_loop())
+        self._send(_Add(stream, list(prompt_token_ids), params))
+        ended = False  # the engine no longer holds the request
+        try:
+            while not ended:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                ended = item.finish_reason is not None
+                yield item
+        finally:
+            if not ended:  # the consumer left early: free the request's blocks
+                self._send_abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._send_abort(request_id)
+
+    def _send(self, command: _Command) -> None:
+        with self._lock:
+            if self._stopped or self._thread is None:
+                raise EngineUnavailable("the engine is not running")
+            self._inbox.put(command)
+
+    def _send_abort(self, request_id: str) -> None:
+        with self._lock:
+            # After a stop the engine thread aborts every request itself.
+            if not self._stopped:
+                self._inbox.put(_Abort(request_id))
+
+    # -- the engine thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException:
+            logger.exception("the engine loop died")
+            raise
+        finally:
+            with self._lock:
+                self._stopped = True
+            self._close_all()
+
+    def _serve(self) -> None:
+        while True:
+            for command in self._take_commands(block=not self.core.has_work):
+                if isinstance(command, _Stop):
+                    return
+                if isinstance(command, _Add):
+                    self._add(command)
+                else:
+                    self._abort(command.request_id)
+            if self.core.has_work:
+                self._step()
+            self._flush()
+            self._stats = self.core.stats()
+
+    def _take_commands(self, block: bool) -> list[_Command]:
+        commands = [self._inbox.get()] if block else []
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _add(self, command: _Add) -> None:
+        stream = command.stream
+        try:
+            self.core.add_request(stream.request_id, command.prompt_token_ids, command.params)
+        except Exception as exc:  # rejected input: the caller gets the error, the loop goes on
+            self._post(stream, exc)
+            return
+        self._streams[stream.request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        delta = self.core.abort_request(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and delta is not None:
+            self._post(stream, delta)
+
+    def _step(self) -> None:
+        try:
+            deltas = self.core.step()
+        except Exception as exc:
+            # The step's state is unknown; EngineCore does not say which requests the
+            # failed step held, so every live request ends, explicitly, and the loop
+            # goes on serving new ones.
+            logger.exception("an engine step failed; aborting %d requests", len(self._streams))
+            self._fail_all(lambda request_id: RequestFailed(request_id, f"engine step failed: {exc!r}"))
+            return
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                continue
+            if delta.finish_reason is not None:
+                del self._streams[delta.request_id]
+            self._post(stream, delta)
+
+    def _fail_all(self, error: Callable[[str], Exception]) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            try:
+                self.core.abort_request(request_id)
+            except Exception:
+                logger.exception("could not abort %s", request_id)
+            self._post(stream, error(request_id))
+
+    def _close_all(self) -> None:
+        """After the loop ends: nothing may wait forever on a stream."""
+        for command in self._take_commands(block=False):
+            if isinstance(command, _Add):
+                self._post(command.stream, EngineUnavailable("the engine shut down"))
+        self._fail_all(lambda request_id: EngineUnavailable("the engine shut down"))
+        self._flush()
+        self._stats = self.core.stats()
+
+    def _post(self, stream: _Stream, item: _Item) -> None:
+        self._outbox[stream.loop].append((stream, item))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, defaultdict(list)
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, [(stream.queue, item) for stream, item in items])
+            except RuntimeError:  # the loop is closed: nobody reads these streams any more
+                for stream, _ in items:
+                    if self._streams.pop(stream.request_id, None) is not None:
+                        self.core.abort_request(stream.request_id)

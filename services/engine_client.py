@@ -1,0 +1,48 @@
+"""What the gateway needs from an engine, whatever carries it.
+
+Embedded mode implements it with `AsyncEngine` (an EngineCore on its own thread);
+the cluster transports (gRPC submit/abort, NATS token stream) implement the same
+interface, so the gateway never knows which one it talks to.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from services.messages import EngineStats, TokenDelta
+from services.sampling_params import SamplingParams
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is not running (not started, shut down, or its loop died)."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine ended a request with an internal error; the request is aborted."""
+
+    finish_reason = "abort"
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id} failed: {message}")
+        self.request_id = request_id
+
+
+class EngineClient(Protocol):
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def is_ready(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    # Implemented as an async generator (`async def` with `yield`), hence `def` here.
+    # Yields deltas in order (each may carry several tokens); the last one has a
+    # finish_reason. Rejected input raises InvalidParameter / ValueError from the first
+    # iteration, an internal failure raises RequestFailed. Closing the generator before
+    # its last delta aborts the request in the engine.
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenDelta]: ...
+
+    async def abort(self, request_id: str) -> None: ...

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import assert_no_leaks, hf_greedy
 from corpus import TEXT, parity_prompts
 from kvfleet import SamplingParams
 
@@ -22,6 +22,12 @@ def default_llm():
     from kvfleet import LLM
 
     return LLM("smollm2", dtype="float32")
+
+
+@pytest.fixture(autouse=True)
+def _default_llm_has_no_leaks(default_llm):
+    yield
+    assert_no_leaks(default_llm)
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +48,6 @@ def test_prompt_shapes(prompts):
 
 def test_default_settings_match_transformers(default_llm, prompts, reference):
     assert generate_tokens(default_llm, prompts) == reference
-    from conftest import assert_no_leaks
-
-    assert_no_leaks(default_llm)
 
 
 def test_block_size_32_matches_transformers(make_llm, prompts, reference):

@@ -5,19 +5,30 @@ The cluster puts the same StepPlan / StepResult on gRPC; nothing else changes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from services.config import EngineConfig
-from services.messages import EngineStats, TokenDelta
+from services.messages import EngineStats, StepPlan, StepResult, TokenDelta, WorkerDescription
 from services.sampling_params import SamplingParams
 from worker_svc.worker import Worker
 
 
+class WorkerHandle(Protocol):
+    """What the scheduler needs of a worker group: the in-process Worker, or a gRPC client of one."""
+
+    def describe(self) -> WorkerDescription: ...
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, fallback_eos_token_id: int | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, fallback_eos_token_id: int | None = None, worker: WorkerHandle | None = None
+    ) -> None:
         self.config = config
-        self.worker = Worker(config)
+        self.worker = worker if worker is not None else Worker(config)
         described = self.worker.describe()
         self.max_model_len = described.max_model_len
         self.eos_token_ids = described.eos_token_ids or (

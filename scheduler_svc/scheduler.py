@@ -75,11 +75,14 @@ class Scheduler:
                 "prompt",
                 f"the prompt is {prompt_len} tokens long, more than the maximum model length of {limit}",
             )
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise InvalidParameter(
-                "prompt", f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})"
-            )
+        vocab = self.config.vocab_size
+        named = {"prompt": request.prompt_token_ids, "logit_bias": list(request.sampling_params.logit_bias or {}),
+                 "allowed_token_ids": request.sampling_params.allowed_token_ids or [],
+                 "stop_token_ids": request.sampling_params.stop_token_ids}
+        for param, token_ids in named.items():
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidParameter(param, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> TokenDelta | None:
         request = self.requests.get(request_id)
@@ -217,6 +220,7 @@ class Scheduler:
             NewRequestData(
                 request_id=request.request_id,
                 token_ids=request.all_token_ids,
+                num_prompt_tokens=len(request.prompt_token_ids),
                 block_ids=list(request.block_ids),
                 num_computed_tokens=request.num_computed_tokens,
                 sampling_params=request.sampling_params,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Union
 
 from tqdm.auto import tqdm
@@ -49,6 +49,8 @@ class LLM:
         order = []
         try:
             for prompt, params in zip(prompt_list, params_list):
+                if params.bad_words:
+                    params = replace(params, bad_words_token_ids=self.tokenizer.bad_words_token_ids(params.bad_words))
                 text, token_ids = self._tokenize(prompt)
                 request_id = str(next(self._request_ids))
                 cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None

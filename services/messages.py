@@ -16,6 +16,7 @@ class NewRequestData:
     request_id: str
     # Prompt plus any tokens already generated (a request resumed after preemption).
     token_ids: list[int]
+    num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams

@@ -17,11 +17,17 @@ class InvalidParameter(ValueError):
 @dataclass
 class SamplingParams:
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 disables it, as in vLLM
     min_p: float = 0.0
     seed: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
@@ -31,6 +37,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Filled by the front end that owns the tokenizer: each bad word as token ids,
+    # with and without a leading space, as vLLM does.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -39,11 +48,23 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
         self._validate()
 
     def _validate(self) -> None:
         checks = [
             ("n", self.n == 1, "must be 1 (parallel sampling is not supported yet)"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0,
+             f"must be in [-2, 2], got {self.presence_penalty}"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0,
+             f"must be in [-2, 2], got {self.frequency_penalty}"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0,
+             f"must be in (0, 2], got {self.repetition_penalty}"),
+            ("logit_bias", all(-100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()),
+             "biases must be in [-100, 100]"),
+            ("allowed_token_ids", self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+             "must not be empty"),
             ("temperature", self.temperature >= 0.0, f"must be >= 0, got {self.temperature}"),
             ("top_p", 0.0 < self.top_p <= 1.0, f"must be in (0, 1], got {self.top_p}"),
             ("top_k", self.top_k >= 0, f"must be -1 (disable) or >= 1, got {self.top_k}"),

@@ -165,3 +165,30 @@ def test_logprobs_match_transformers_log_softmax(llm, hf_smollm2):
     assert completion.cumulative_logprob == pytest.approx(
         sum(e[t] for e, t in zip(completion.logprobs, completion.token_ids))
     )
+
+
+def test_repetition_penalty_and_bad_words_match_transformers(llm, hf_smollm2):
+    import torch
+
+    prompt = llm.get_tokenizer().encode("The capital of France is Paris. The capital of France is")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3, bad_words=["Paris"])
+    [output] = llm.generate([prompt], params)
+    banned = llm.get_tokenizer().bad_words_token_ids(["Paris"])
+    with torch.inference_mode():
+        expected = hf_smollm2.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, repetition_penalty=1.3,
+            bad_words_ids=banned, pad_token_id=0,
+        )[0, len(prompt):].tolist()
+    assert output.outputs[0].token_ids == expected
+    assert "Paris" not in output.outputs[0].text
+
+
+def test_logit_bias_and_allowed_tokens_steer_generation(llm):
+    prompt = "Hello, my name is"
+    [forced] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, logit_bias={42: 100}))
+    assert forced.outputs[0].token_ids == [42, 42, 42, 42]
+    [allowed] = llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=8, allowed_token_ids=[11, 12, 13]))
+    assert set(allowed.outputs[0].token_ids) <= {11, 12, 13}
+    with pytest.raises(InvalidParameter) as error:
+        llm.generate(prompt, SamplingParams(logit_bias={10**6: 1.0}))
+    assert error.value.param == "logit_bias"

@@ -85,6 +85,16 @@ class Tokenizer:
             hf = AutoTokenizer.from_pretrained(source.path, local_files_only=True)
         return cls(hf, source.name)
 
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Each word as token ids, alone and after a space (mid-sentence spelling), as vLLM bans them."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for spelling in (word, " " + word.lstrip()):
+                ids = self.encode(spelling, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
     def save_pretrained(self, directory: Path) -> None:
         """Write HF tokenizer files, e.g. to make a model directory complete."""
         self._hf.save_pretrained(directory)

@@ -13,10 +13,15 @@ from worker_svc.attention.backend import BatchLayout
 @dataclass
 class RequestState:
     token_ids: list[int]  # prompt and every token sampled so far
+    num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass

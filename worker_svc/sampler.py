@@ -37,7 +37,7 @@ class SamplingBatch:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Token ids [S] from float32 logits [S, V]."""
+    """Token ids [S] from float32 logits [S, V], already adjusted by the logits processors."""
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_tokens

@@ -16,6 +16,7 @@ from worker_svc.kv_cache import (
     copy_blocks,
     num_blocks_for_budget,
 )
+from worker_svc.logits_processors import LogitsAdjustments
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.sampler import SamplingBatch, gather_logprobs, sample
 from worker_svc.weights import load_weights
@@ -80,7 +81,7 @@ class Worker:
             request_id = f"profile-{index}"
             block_ids = list(range(first_block, first_block + num_blocks))
             first_block += num_blocks
-            self.requests[request_id] = RequestState([0] * length, block_ids, 0, SamplingParams(), None)
+            self.requests[request_id] = RequestState([0] * length, length, block_ids, 0, SamplingParams(), None)
             plan.num_scheduled_tokens[request_id] = length
         try:
             inputs = prepare_inputs(plan, self.requests, self.block_size, self.device)
@@ -113,7 +114,10 @@ class Worker:
             batch = SamplingBatch.from_params(
                 [s.sampling_params for s in states], [s.generator for s in states], self.device
             )
-            sampled = sample(logits, batch)
+            adjustments = LogitsAdjustments.build(
+                states, self.model_config.vocab_size, self.model_config.eos_token_ids, self.device
+            )
+            sampled = sample(adjustments.apply(logits) if adjustments else logits, batch)
             tokens = sampled.tolist()
             for request_id, state, token in zip(inputs.sample_request_ids, states, tokens):
                 state.token_ids.append(token)
@@ -136,7 +140,12 @@ class Worker:
             if new.sampling_params.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(new.sampling_params.seed)
             self.requests[new.request_id] = RequestState(
-                list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.sampling_params, generator
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                list(new.block_ids),
+                new.num_computed_tokens,
+                new.sampling_params,
+                generator,
             )
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]

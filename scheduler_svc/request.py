@@ -12,6 +12,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # KV dropped; recomputed when resumed
     SWAPPED = "swapped"  # KV copied to the host pool; copied back when resumed
+    AWAITING_FORK = "awaiting_fork"  # a parallel sample waiting for its leader's prompt KV
     FINISHED = "finished"
 
 
@@ -41,6 +42,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     host_block_ids: list[int] = field(default_factory=list)  # while SWAPPED
+    # Parallel samples forked from this request once its prompt is computed.
+    followers: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -55,13 +55,22 @@ class Scheduler:
         self._step_ids = itertools.count()
         # Ended or preempted since the last plan; the next plan tells the worker.
         self._dropped_ids: list[str] = []
+        # Copy-on-write of forked requests' partly filled blocks, for the next plan.
+        self._pending_copies: list[tuple[int, int]] = []
 
     # -- admission -----------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        self._validate(request)
+    def add_request(self, request: Request, followers: list[Request] = ()) -> None:
+        """Queue a request; `followers` are its parallel samples, forked from it once
+        its prompt is computed, so the prompt's KV is computed and held once."""
+        for candidate in (request, *followers):
+            self._validate(candidate)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        for follower in followers:
+            follower.status = RequestStatus.AWAITING_FORK
+            self.requests[follower.request_id] = follower
+        request.followers = list(followers)
 
     def _validate(self, request: Request) -> None:
         prompt_len = len(request.prompt_token_ids)
@@ -90,6 +99,10 @@ class Scheduler:
             return None
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.AWAITING_FORK:
+            for leader in self.requests.values():
+                if request in leader.followers:
+                    leader.followers.remove(request)
         else:
             self.waiting.remove(request)
         self._finish(request, FinishReason.ABORT)
@@ -115,6 +128,7 @@ class Scheduler:
         if self.num_preemptions == preemptions_before:
             self._schedule_waiting(plan, budget)
         plan.finished_request_ids, self._dropped_ids = self._dropped_ids, []
+        plan.blocks_to_copy, self._pending_copies = self._pending_copies, []
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
@@ -263,9 +277,37 @@ class Scheduler:
             sampled = result.sampled_token_ids.get(request_id)
             if sampled:
                 deltas.append(self._accept(request, sampled, result.logprobs.get(request_id)))
+            if request.followers and request.num_computed_tokens >= len(request.prompt_token_ids):
+                self._fork_followers(request)
             if self.config.enable_prefix_caching and not request.is_finished:
                 self._cache_computed_blocks(request)
         return deltas
+
+    def _fork_followers(self, leader: Request) -> None:
+        """Start each follower from the leader's prompt KV: the full blocks of all but
+        the last prompt token are shared; the partly filled one is copied, since both
+        will write into it. Each follower then computes the last prompt token itself
+        and samples its own first token. Without a free block for the copy, a follower
+        is admitted like any request (its prefix still comes from the cache)."""
+        fork_len = len(leader.prompt_token_ids) - 1
+        num_shared, partial = divmod(fork_len, self.config.block_size)
+        shared = leader.block_ids[:num_shared]
+        for follower in leader.followers:
+            if partial and self.block_pool.num_free_blocks == 0:
+                follower.status = RequestStatus.WAITING
+                self.waiting.appendleft(follower)
+                continue
+            self.block_pool.share(shared)
+            follower.block_ids = list(shared)
+            if partial:
+                [copy] = self.block_pool.allocate(1)
+                self._pending_copies.append((leader.block_ids[num_shared], copy))
+                follower.block_ids.append(copy)
+            follower.num_computed_tokens = fork_len
+            follower.num_cached_blocks = num_shared
+            follower.status = RequestStatus.RUNNING
+            self.running.append(follower)
+        leader.followers = []
 
     def _accept(self, request: Request, sampled: list[int], logprobs: list[dict[int, float]] | None) -> TokenDelta:
         accepted = []
@@ -311,6 +353,10 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        for follower in request.followers:  # never forked: they start on their own
+            follower.status = RequestStatus.WAITING
+            self.waiting.appendleft(follower)
+        request.followers = []
         self.block_pool.free(request.block_ids)
         if request.host_block_ids:
             self.host_pool.free(request.host_block_ids)

@@ -10,6 +10,7 @@ from typing import Protocol
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from services.config import EngineConfig
+from services.parallel_sampling import child_params, child_request_id, num_children
 from services.messages import EngineStats, StepPlan, StepResult, TokenDelta, WorkerDescription
 from services.sampling_params import SamplingParams
 from worker_svc.worker import Worker
@@ -56,8 +57,22 @@ class EngineCore:
         params: SamplingParams,
         cache_salt: str | None = None,
     ) -> None:
-        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, cache_salt=cache_salt)
-        self.scheduler.add_request(request)
+        """Queue a request; with n > 1 (or best_of) as child requests named by
+        `child_request_id`, which share the prompt's KV."""
+        count = num_children(params)
+        if count == 1:
+            self.scheduler.add_request(self._request(request_id, prompt_token_ids, params, cache_salt))
+            return
+        leader, *followers = (
+            self._request(child_request_id(request_id, i), prompt_token_ids, child_params(params, i), cache_salt)
+            for i in range(count)
+        )
+        self.scheduler.add_request(leader, followers)
+
+    def _request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str | None
+    ) -> Request:
+        return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, cache_salt=cache_salt)
 
     def abort_request(self, request_id: str) -> TokenDelta | None:
         return self.scheduler.abort_request(request_id)

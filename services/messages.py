@@ -39,6 +39,9 @@ class StepPlan:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Finished, aborted or preempted since the last plan: the worker drops their state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Copy-on-write of forked parallel samples: (source block, destination block),
+    # applied first, before anything else can write to either.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Swap preemption, applied before the forward pass: (device block, host block)
     # pairs to copy out, then (host block, device block) pairs to copy back in.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)

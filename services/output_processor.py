@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from services.messages import TokenDelta
 from services.outputs import CompletionOutput, RequestOutput
+from services.parallel_sampling import child_params, child_request_id, num_children
 from services.sampling_params import SamplingParams
 from tokenizer_svc.detokenizer import IncrementalDetokenizer
 from tokenizer_svc.tokenizer import Tokenizer
@@ -66,35 +67,47 @@ def _find_stop_string(text: str, new_chars: int, params: SamplingParams) -> tupl
 
 
 @dataclass
-class _Tracked:
-    output: RequestOutput
+class _Child:
+    parent: RequestOutput
+    completion: CompletionOutput
     stream: TextStream
 
 
 class OutputProcessor:
+    """Collects the SDK's RequestOutputs; a request with n > 1 gathers its children."""
+
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._requests: dict[str, _Tracked] = {}
+        self._children: dict[str, _Child] = {}
+        self._params: dict[str, SamplingParams] = {}
+        self._unfinished: dict[str, int] = {}
 
     def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        completion = CompletionOutput(0, "", [])
-        if params.logprobs is not None:
-            completion.logprobs, completion.cumulative_logprob = [], 0.0
-        output = RequestOutput(request_id, prompt, prompt_token_ids, [completion])
-        self._requests[request_id] = _Tracked(output, TextStream(self.tokenizer, prompt_token_ids, params))
+        count = num_children(params)
+        output = RequestOutput(request_id, prompt, prompt_token_ids)
+        for index in range(count):
+            child = child_params(params, index)
+            completion = CompletionOutput(index, "", [])
+            if child.logprobs is not None:
+                completion.logprobs, completion.cumulative_logprob = [], 0.0
+            output.outputs.append(completion)
+            child_id = request_id if count == 1 else child_request_id(request_id, index)
+            self._children[child_id] = _Child(output, completion, TextStream(self.tokenizer, prompt_token_ids, child))
+        self._params[request_id] = params
+        self._unfinished[request_id] = count
 
     def process(self, deltas: list[TokenDelta], abort: Callable[[str], object]) -> list[RequestOutput]:
         """Apply deltas; return the outputs that finished. A stop-string hit ends the
         request here and calls `abort` so the engine frees it."""
         finished = []
         for delta in deltas:
-            tracked = self._requests.get(delta.request_id)
-            if tracked is None:
+            child = self._children.get(delta.request_id)
+            if child is None:
                 continue
-            update = tracked.stream.apply(delta)
-            completion = tracked.output.outputs[0]
+            update = child.stream.apply(delta)
+            completion = child.completion
             completion.text += update.text
             completion.token_ids.extend(update.token_ids)
             if update.logprobs is not None:
@@ -102,9 +115,25 @@ class OutputProcessor:
                 completion.cumulative_logprob += sum(e[t] for e, t in zip(update.logprobs, update.token_ids))
             if update.hit_stop_string:
                 abort(delta.request_id)
-            if update.finish_reason is not None:
-                completion.finish_reason, completion.stop_reason = update.finish_reason, update.stop_reason
-                tracked.output.finished = True
-                finished.append(tracked.output)
-                del self._requests[delta.request_id]
+            if update.finish_reason is None:
+                continue
+            completion.finish_reason, completion.stop_reason = update.finish_reason, update.stop_reason
+            del self._children[delta.request_id]
+            request_id = child.parent.request_id
+            self._unfinished[request_id] -= 1
+            if self._unfinished[request_id] == 0:
+                finished.append(self._finalize(child.parent, self._params.pop(request_id)))
+                del self._unfinished[request_id]
         return finished
+
+    @staticmethod
+    def _finalize(output: RequestOutput, params: SamplingParams) -> RequestOutput:
+        if params.best_of and params.best_of > params.n:
+            best = sorted(output.outputs, key=lambda c: c.cumulative_logprob, reverse=True)[: params.n]
+            for index, completion in enumerate(best):
+                completion.index = index
+                if params.logprobs is None:  # computed only to rank the candidates
+                    completion.logprobs = completion.cumulative_logprob = None
+            output.outputs = best
+        output.finished = True
+        return output

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MAX_PARALLEL_SAMPLES = 128
+
+
 class InvalidParameter(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
@@ -17,6 +20,7 @@ class InvalidParameter(ValueError):
 @dataclass
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None  # sample this many, return the n with the best cumulative logprob
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -54,7 +58,9 @@ class SamplingParams:
 
     def _validate(self) -> None:
         checks = [
-            ("n", self.n == 1, "must be 1 (parallel sampling is not supported yet)"),
+            ("n", 1 <= self.n <= MAX_PARALLEL_SAMPLES, f"must be in [1, {MAX_PARALLEL_SAMPLES}], got {self.n}"),
+            ("best_of", self.best_of is None or self.n <= self.best_of <= MAX_PARALLEL_SAMPLES,
+             f"must be in [n, {MAX_PARALLEL_SAMPLES}], got {self.best_of} with n={self.n}"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0,
              f"must be in [-2, 2], got {self.presence_penalty}"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0,

@@ -133,6 +133,7 @@ class Worker:
     def _apply_deltas(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
+        copy_blocks(plan.blocks_to_copy, self.kv_caches, self.kv_caches)
         copy_blocks(plan.blocks_to_swap_out, self.kv_caches, self.host_kv_caches)
         copy_blocks(plan.blocks_to_swap_in, self.host_kv_caches, self.kv_caches)
         for new in plan.new_requests:

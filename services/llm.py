@@ -8,6 +8,7 @@ from typing import Any, Union
 
 from tqdm.auto import tqdm
 
+from services.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from services.config import EngineConfig
 from services.engine import EngineCore
 from services.model_source import resolve_model
@@ -81,6 +82,14 @@ class LLM:
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        def next_tokens(token_lists: list[list[int]], round_params: SamplingParams) -> list[dict[int, float]]:
+            outputs = self.generate(token_lists, round_params, use_tqdm=False)
+            return [output.outputs[0].logprobs[0] for output in outputs]
+
+        eos = self.engine.eos_token_ids
+        return [beam_search(self._tokenize(p)[1], params, eos, next_tokens) for p in _as_prompt_list(prompts)]
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

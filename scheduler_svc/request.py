@@ -42,6 +42,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     host_block_ids: list[int] = field(default_factory=list)  # while SWAPPED
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # when asked for
     # Parallel samples forked from this request once its prompt is computed.
     followers: list[Request] = field(default_factory=list)
 

@@ -185,7 +185,8 @@ class Scheduler:
         return num_tokens, request.block_ids
 
     def _cached_prefix(self, request: Request) -> list[int]:
-        if not self.config.enable_prefix_caching:
+        # Prompt logprobs need every prompt position computed, cached or not.
+        if not self.config.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         self._hash_full_blocks(request)
         # At least one token must be computed to get logits for the next one.
@@ -274,6 +275,8 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_tokens
+            if request_id in result.prompt_logprobs:
+                request.prompt_logprobs += result.prompt_logprobs[request_id]
             sampled = result.sampled_token_ids.get(request_id)
             if sampled:
                 deltas.append(self._accept(request, sampled, result.logprobs.get(request_id)))
@@ -319,12 +322,16 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, reason)
                 break
+        prompt_logprobs = None
+        if request.sampling_params.prompt_logprobs is not None and len(request.output_token_ids) == len(accepted):
+            prompt_logprobs = request.prompt_logprobs  # first delta: the prompt is done
         return TokenDelta(
             request.request_id,
             accepted,
             _value(request.finish_reason),
             request.stop_reason,
             logprobs[: len(accepted)] if logprobs is not None else None,
+            prompt_logprobs,
         )
 
     def _cache_computed_blocks(self, request: Request) -> None:

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from services.engine import EngineCore
 from services.engine_client import EngineUnavailable, RequestFailed
 from services.messages import EngineStats, TokenDelta
-from services.sampling_params import SamplingParams
+from services.parallel_sampling import num_children
+from services.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,10 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenDelta]:
+        if num_children(params) != 1:
+            # The engine would run child requests under their own ids (parallel_sampling),
+            # which this one-stream-per-request client does not route yet.
+            raise InvalidParameter("n", "parallel sampling (n or best_of > 1) is not supported here yet")
         stream = _Stream(request_id, asyncio.get_running_loop())
         self._send(_Add(stream, list(prompt_token_ids), params))
         ended = False  # the engine no longer holds the request
@@ -218,6 +223,13 @@ class AsyncEngine:
                 self._post(command.stream, EngineUnavailable("the engine shut down"))
         self._fail_all(lambda request_id: EngineUnavailable("the engine shut down"))
         self._flush()
+        try:
+            # Nothing is left to run: these steps only tell the worker to drop the state
+            # of ended requests.
+            while self.core.has_work:
+                self.core.step()
+        except Exception:
+            logger.exception("could not release the worker's request state")
         self._stats = self.core.stats()
 
     def _post(self, stream: _Stream, item: _Item) -> None:

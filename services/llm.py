@@ -53,6 +53,9 @@ class LLM:
                 if params.bad_words:
                     params = replace(params, bad_words_token_ids=self.tokenizer.bad_words_token_ids(params.bad_words))
                 text, token_ids = self._tokenize(prompt)
+                if params.truncate_prompt_tokens is not None:
+                    keep = params.truncate_prompt_tokens
+                    token_ids = token_ids[-(self.engine.max_model_len if keep == -1 else keep) :]
                 request_id = str(next(self._request_ids))
                 cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
                 self.engine.add_request(request_id, token_ids, params, cache_salt=cache_salt)

@@ -60,6 +60,9 @@ class StepResult:
     # For requests that asked for logprobs: per sampled token, {token id: logprob}
     # holding the top-`logprobs` tokens (best first) and the sampled one.
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # For requests that asked for prompt_logprobs: entries for the prompt positions
+    # computed this step (position p holds the logprob of prompt token p + 1).
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,8 @@ class TokenDelta:
     finish_reason: str | None = None  # set on the request's last delta
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None  # one entry per new token, when asked for
+    # On the first delta, when asked for: one entry per prompt token after the first.
+    prompt_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass

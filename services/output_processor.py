@@ -107,6 +107,8 @@ class OutputProcessor:
             if child is None:
                 continue
             update = child.stream.apply(delta)
+            if delta.prompt_logprobs is not None and child.parent.prompt_logprobs is None:
+                child.parent.prompt_logprobs = [None, *delta.prompt_logprobs]
             completion = child.completion
             completion.text += update.text
             completion.token_ids.extend(update.token_ids)

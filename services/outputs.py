@@ -23,4 +23,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    # When SamplingParams.prompt_logprobs is set: None for the first prompt token,
+    # then {token id: logprob} of the top tokens plus the actual one.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     finished: bool = False

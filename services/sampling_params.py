@@ -39,6 +39,9 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-k per prompt token (computing them bypasses the prefix cache)
+    # Keep only the last k prompt tokens; -1 keeps max_model_len of them.
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # Filled by the front end that owns the tokenizer: each bad word as token ids,
@@ -81,6 +84,10 @@ class SamplingParams:
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, f"must be >= 0, got {self.logprobs}"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             f"must be >= 0, got {self.prompt_logprobs}"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
+             or self.truncate_prompt_tokens >= 1, f"must be -1 or >= 1, got {self.truncate_prompt_tokens}"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "token ids must be >= 0"),
             ("stop", all(s for s in self.stop), "stop strings must not be empty"),
         ]

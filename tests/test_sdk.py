@@ -192,3 +192,24 @@ def test_logit_bias_and_allowed_tokens_steer_generation(llm):
     with pytest.raises(InvalidParameter) as error:
         llm.generate(prompt, SamplingParams(logit_bias={10**6: 1.0}))
     assert error.value.param == "logit_bias"
+
+
+def test_prompt_logprobs_match_transformers(llm, hf_smollm2):
+    import torch
+
+    prompt = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog")
+    [output] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))
+    assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt)
+    with torch.inference_mode():
+        expected = hf_smollm2(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    for position, entry in enumerate(output.prompt_logprobs[1:]):
+        token = prompt[position + 1]
+        assert entry[token] == pytest.approx(expected[position, token].item(), abs=1e-3)
+        assert list(entry)[:2] == expected[position].topk(2).indices.tolist()
+
+
+def test_truncate_prompt_tokens_keeps_the_tail(llm):
+    prompt = list(range(1000, 1100))
+    [output] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=10))
+    [tail] = llm.generate([prompt[-10:]], SamplingParams(temperature=0, max_tokens=2))
+    assert output.outputs[0].token_ids == tail.outputs[0].token_ids

@@ -31,6 +31,7 @@ class StepInputs:
     layout: BatchLayout
     sample_rows: torch.Tensor  # [S] rows whose logits are sampled
     sample_request_ids: list[str]
+    row_starts: list[int]  # each scheduled request's first row, in plan order
 
 
 def prepare_inputs(
@@ -44,9 +45,11 @@ def prepare_inputs(
     block_tables: list[list[int]] = []
     sample_rows: list[int] = []
     sample_request_ids: list[str] = []
+    row_starts: list[int] = []
     for request_id, count in zip(request_ids, counts):
         state = requests[request_id]
         start = state.num_computed_tokens
+        row_starts.append(len(input_ids))
         input_ids += state.token_ids[start : start + count]
         starts.append(start)
         block_tables.append(state.block_ids)
@@ -76,4 +79,5 @@ def prepare_inputs(
         layout=layout,
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         sample_request_ids=sample_request_ids,
+        row_starts=row_starts,
     )

@@ -126,9 +126,25 @@ class Worker:
             if any(n is not None for n in wanted):
                 for row, entry in gather_logprobs(logits, sampled, wanted).items():
                     result.logprobs[inputs.sample_request_ids[row]] = [entry]
+        self._prompt_logprobs(plan, inputs.row_starts, hidden, result)
         for request_id, count in plan.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += count
         return result
+
+    def _prompt_logprobs(self, plan: StepPlan, row_starts: list[int], hidden: torch.Tensor, result: StepResult) -> None:
+        """Logprobs of the prompt tokens this step computed, for the requests that asked."""
+        for (request_id, count), first_row in zip(plan.num_scheduled_tokens.items(), row_starts):
+            state = self.requests[request_id]
+            top = state.sampling_params.prompt_logprobs
+            start = state.num_computed_tokens
+            # Position p predicts prompt token p + 1, so the last prompt position has nothing to score.
+            end = min(start + count, state.num_prompt_tokens - 1)
+            if top is None or start >= end:
+                continue
+            logits = self.model.compute_logits(hidden[first_row : first_row + end - start])
+            targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=self.device)
+            entries = gather_logprobs(logits, targets, [top] * (end - start))
+            result.prompt_logprobs[request_id] = [entries[row] for row in range(end - start)]
 
     def _apply_deltas(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:

@@ -1,0 +1,226 @@
+"""Conversions between the in-process dataclasses (services/messages.py, SamplingParams)
+and their protos (protos/kvfleet/v1). Each pair round-trips exactly; where a proto
+cannot tell an empty list from None, the Python field treats both alike (see common.proto).
+"""
+from __future__ import annotations
+
+from services.messages import (
+    CachedRequestData,
+    EngineStats,
+    NewRequestData,
+    StepPlan,
+    StepResult,
+    TokenDelta,
+    WorkerDescription,
+)
+from services.pb.kvfleet.v1 import common_pb2, worker_pb2
+from services.sampling_params import SamplingParams
+
+# SamplingParams' scalar fields; each is `optional` in the proto.
+_SCALARS = (
+    "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+    "top_k", "min_p", "seed", "include_stop_str_in_output", "ignore_eos", "max_tokens", "min_tokens",
+    "logprobs", "skip_special_tokens", "spaces_between_special_tokens",
+)
+# Scalars whose Python value may be None: unset in the proto means None, not the default.
+_NULLABLE = ("best_of", "seed", "max_tokens", "logprobs")
+
+_FINISH_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+
+# -- SamplingParams -------------------------------------------------------------------
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams(
+        logit_bias=params.logit_bias or {},
+        bad_words=params.bad_words or [],
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        bad_words_token_ids=[common_pb2.TokenIds(token_ids=ids) for ids in params.bad_words_token_ids],
+    )
+    for name in _SCALARS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(message, name, value)
+    if params.allowed_token_ids is not None:
+        message.allowed_token_ids.token_ids.extend(params.allowed_token_ids)
+        message.allowed_token_ids.SetInParent()  # an empty list is still "set" (and then rejected)
+    return message
+
+
+def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises InvalidParameter, naming the field, on a bad value."""
+    kwargs = {name: getattr(message, name) for name in _SCALARS if message.HasField(name)}
+    kwargs.update({name: None for name in _NULLABLE if name not in kwargs})
+    return SamplingParams(
+        logit_bias=dict(message.logit_bias) or None,
+        allowed_token_ids=list(message.allowed_token_ids.token_ids) if message.HasField("allowed_token_ids") else None,
+        bad_words=list(message.bad_words) or None,
+        stop=list(message.stop),
+        stop_token_ids=list(message.stop_token_ids),
+        bad_words_token_ids=[list(ids.token_ids) for ids in message.bad_words_token_ids],
+        **kwargs,
+    )
+
+
+# -- logprobs ---------------------------------------------------------------------------
+
+
+def logprobs_to_proto(positions: list[dict[int, float]]) -> common_pb2.Logprobs:
+    return common_pb2.Logprobs(
+        positions=[common_pb2.TokenLogprobs(token_ids=list(p), logprobs=list(p.values())) for p in positions]
+    )
+
+
+def logprobs_from_proto(message: common_pb2.Logprobs) -> list[dict[int, float]]:
+    return [dict(zip(p.token_ids, p.logprobs)) for p in message.positions]
+
+
+# -- TokenDelta, EngineStats ----------------------------------------------------------
+
+
+def delta_to_proto(delta: TokenDelta, error: str = "") -> common_pb2.TokenDelta:
+    """`error` is the internal failure that ended the request, if one did."""
+    message = common_pb2.TokenDelta(
+        request_id=delta.request_id,
+        new_token_ids=delta.new_token_ids,
+        finish_reason=_FINISH_TO_PROTO[delta.finish_reason],
+        error=error,
+    )
+    if isinstance(delta.stop_reason, int):
+        message.stop_token_id = delta.stop_reason
+    elif isinstance(delta.stop_reason, str):
+        message.stop_string = delta.stop_reason
+    if delta.logprobs is not None:
+        message.logprobs.CopyFrom(logprobs_to_proto(delta.logprobs))
+    return message
+
+
+def delta_from_proto(message: common_pb2.TokenDelta) -> TokenDelta:
+    """The delta without `error`: a caller that surfaces failures reads `message.error`."""
+    stop_field = message.WhichOneof("stop_reason")
+    return TokenDelta(
+        request_id=message.request_id,
+        new_token_ids=list(message.new_token_ids),
+        finish_reason=_FINISH_FROM_PROTO[message.finish_reason],
+        stop_reason=getattr(message, stop_field) if stop_field else None,
+        logprobs=logprobs_from_proto(message.logprobs) if message.HasField("logprobs") else None,
+    )
+
+
+def stats_to_proto(stats: EngineStats) -> common_pb2.EngineStats:
+    return common_pb2.EngineStats(**vars(stats))
+
+
+def stats_from_proto(message: common_pb2.EngineStats) -> EngineStats:
+    return EngineStats(**{f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields})
+
+
+# -- the worker's messages ------------------------------------------------------------
+
+
+def description_to_proto(description: WorkerDescription) -> worker_pb2.WorkerDescription:
+    return worker_pb2.WorkerDescription(**vars(description))
+
+
+def description_from_proto(message: worker_pb2.WorkerDescription) -> WorkerDescription:
+    return WorkerDescription(
+        num_kv_blocks=message.num_kv_blocks,
+        num_host_blocks=message.num_host_blocks,
+        block_size=message.block_size,
+        max_model_len=message.max_model_len,
+        vocab_size=message.vocab_size,
+        eos_token_ids=tuple(message.eos_token_ids),
+    )
+
+
+def _copies_to_proto(pairs: list[tuple[int, int]]) -> list[worker_pb2.BlockCopy]:
+    return [worker_pb2.BlockCopy(src_block_id=src, dst_block_id=dst) for src, dst in pairs]
+
+
+def _copies_from_proto(copies) -> list[tuple[int, int]]:
+    return [(c.src_block_id, c.dst_block_id) for c in copies]
+
+
+def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
+    return worker_pb2.StepPlan(
+        step_id=plan.step_id,
+        new_requests=[
+            worker_pb2.NewRequestData(
+                request_id=new.request_id,
+                token_ids=new.token_ids,
+                block_ids=new.block_ids,
+                num_computed_tokens=new.num_computed_tokens,
+                sampling_params=sampling_params_to_proto(new.sampling_params),
+            )
+            for new in plan.new_requests
+        ],
+        cached_requests=[
+            worker_pb2.CachedRequestData(
+                request_id=cached.request_id,
+                new_block_ids=cached.new_block_ids,
+                num_computed_tokens=cached.num_computed_tokens,
+            )
+            for cached in plan.cached_requests
+        ],
+        num_scheduled_tokens=[
+            worker_pb2.ScheduledTokens(request_id=request_id, num_tokens=count)
+            for request_id, count in plan.num_scheduled_tokens.items()
+        ],
+        finished_request_ids=plan.finished_request_ids,
+        blocks_to_copy=_copies_to_proto(plan.blocks_to_copy),
+        blocks_to_swap_out=_copies_to_proto(plan.blocks_to_swap_out),
+        blocks_to_swap_in=_copies_to_proto(plan.blocks_to_swap_in),
+    )
+
+
+def plan_from_proto(message: worker_pb2.StepPlan) -> StepPlan:
+    return StepPlan(
+        step_id=message.step_id,
+        new_requests=[
+            NewRequestData(
+                request_id=new.request_id,
+                token_ids=list(new.token_ids),
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                sampling_params=sampling_params_from_proto(new.sampling_params),
+            )
+            for new in message.new_requests
+        ],
+        cached_requests=[
+            CachedRequestData(
+                request_id=cached.request_id,
+                new_block_ids=list(cached.new_block_ids),
+                num_computed_tokens=cached.num_computed_tokens,
+            )
+            for cached in message.cached_requests
+        ],
+        num_scheduled_tokens={s.request_id: s.num_tokens for s in message.num_scheduled_tokens},
+        finished_request_ids=list(message.finished_request_ids),
+        blocks_to_copy=_copies_from_proto(message.blocks_to_copy),
+        blocks_to_swap_out=_copies_from_proto(message.blocks_to_swap_out),
+        blocks_to_swap_in=_copies_from_proto(message.blocks_to_swap_in),
+    )
+
+
+def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
+    return worker_pb2.StepResult(
+        step_id=result.step_id,
+        sampled_token_ids={rid: common_pb2.TokenIds(token_ids=ids) for rid, ids in result.sampled_token_ids.items()},
+        logprobs={rid: logprobs_to_proto(positions) for rid, positions in result.logprobs.items()},
+    )
+
+
+def result_from_proto(message: worker_pb2.StepResult) -> StepResult:
+    return StepResult(
+        step_id=message.step_id,
+        sampled_token_ids={rid: list(ids.token_ids) for rid, ids in message.sampled_token_ids.items()},
+        logprobs={rid: logprobs_from_proto(positions) for rid, positions in message.logprobs.items()},
+    )

@@ -1,0 +1,52 @@
+"""Serves a Worker (or any WorkerHandle) over gRPC: the worker role's process."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from services.engine import WorkerHandle
+from services.pb.kvfleet.v1 import worker_pb2, worker_pb2_grpc
+from services.transport.convert import description_to_proto, plan_from_proto, result_to_proto
+from services.transport.grpc_server import RoleServer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, worker: WorkerHandle) -> None:
+        self._worker = worker
+        # The worker's per-request state assumes one step at a time.
+        self._lock = threading.Lock()
+
+    def Describe(
+        self, request: worker_pb2.DescribeWorkerRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.WorkerDescription:
+        return description_to_proto(self._worker.describe())
+
+    def ExecuteStep(self, request: worker_pb2.StepPlan, context: grpc.ServicerContext) -> worker_pb2.StepResult:
+        try:
+            plan = plan_from_proto(request)
+        except ValueError as exc:  # sampling params the scheduler should have rejected
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        with self._lock:
+            try:
+                result = self._worker.execute(plan)
+            except Exception as exc:
+                logger.exception("step %d failed", plan.step_id)
+                context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {exc!r}")
+        return result_to_proto(result)
+
+
+def start_worker_server(worker: WorkerHandle, address: str) -> RoleServer:
+    """Serves `worker` on `address` ("host:port"; port 0 picks a free one)."""
+    # Steps run one at a time; the other threads answer Describe and health checks.
+    server = RoleServer(
+        address, SERVICE_NAME, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), s),
+        max_workers=4,
+    )
+    server.start()
+    return server

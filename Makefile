@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test bench clean
+.PHONY: setup test serve bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q
+
+serve: setup
+	$(PY) -m kvfleet.cli serve --model smollm2 --host 127.0.0.1 --port 8000
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py

@@ -3,21 +3,37 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from services.cli_args import add_engine_args, engine_args
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfleet", description="LLM serving with a paged KV cache")
     commands = parser.add_subparsers(dest="command", required=True)
+
     generate = commands.add_parser("generate", help="complete prompts offline and print JSON lines")
     add_engine_args(generate)
     generate.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     generate.add_argument("--max-tokens", type=int, default=16)
     generate.add_argument("--temperature", type=float, default=0.0)
-    args = parser.parse_args(argv)
 
+    serve = commands.add_parser("serve", help="the OpenAI-compatible HTTP server (embedded engine)")
+    # vLLM's `vllm serve MODEL` form: a positional model overrides --model.
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model; same as --model")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    serve.add_argument(
+        "--api-key", default=os.environ.get("KVFLEET_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1 routes (default: $KVFLEET_API_KEY)",
+    )
+    serve.add_argument("--served-model-name", help="the model name clients use (default: the --model value)")
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
     from kvfleet import LLM, SamplingParams
 
     llm = LLM(**engine_args(args))
@@ -27,6 +43,20 @@ def main(argv: list[str] | None = None) -> int:
         record = {"prompt": output.prompt, "text": completion.text, "finish_reason": completion.finish_reason}
         print(json.dumps(record), file=sys.stdout)
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.server import serve_embedded
+
+    if args.model_tag:
+        args.model = args.model_tag
+    serve_embedded(engine_args(args), args.host, args.port, args.api_key, args.served_model_name)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return _generate(args) if args.command == "generate" else _serve(args)
 
 
 if __name__ == "__main__":

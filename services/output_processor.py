@@ -36,17 +36,24 @@ class TextStream:
         self.text = ""  # the text so far, as the client sees it
         self._raw_text = ""  # before stop-string truncation
         self.finished = False
+        # A stop string may begin in text already decoded: hold back enough of the
+        # tail that no emitted character ever has to be taken back.
+        self._hold_back = 0 if params.include_stop_str_in_output or not params.stop else max(map(len, params.stop)) - 1
 
     def apply(self, delta: TokenDelta) -> TextDelta:
         new_text = self.detokenizer.step(delta.new_token_ids)
         self._raw_text += new_text
-        result = TextDelta(new_text, delta.new_token_ids, delta.logprobs, delta.finish_reason, delta.stop_reason)
+        result = TextDelta("", delta.new_token_ids, delta.logprobs, delta.finish_reason, delta.stop_reason)
         hit = _find_stop_string(self._raw_text, len(new_text), self.params)
         if hit is not None:
             end, stop = hit
-            result.text = self._raw_text[len(self.text) : end]
             result.finish_reason, result.stop_reason = "stop", stop
             result.hit_stop_string = delta.finish_reason is None
+        elif delta.finish_reason is not None:
+            end = len(self._raw_text)
+        else:
+            end = max(len(self.text), len(self._raw_text) - self._hold_back)
+        result.text = self._raw_text[len(self.text) : end]
         self.text += result.text
         self.finished = result.finish_reason is not None
         return result

@@ -213,3 +213,11 @@ def test_truncate_prompt_tokens_keeps_the_tail(llm):
     [output] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=10))
     [tail] = llm.generate([prompt[-10:]], SamplingParams(temperature=0, max_tokens=2))
     assert output.outputs[0].token_ids == tail.outputs[0].token_ids
+
+
+def test_stop_string_that_begins_in_an_earlier_step(llm):
+    [free] = llm.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    text = free.outputs[0].text  # " Alex, and I'm a professional coach. ..."
+    stop = "professional coach"  # spans several tokens, so it begins steps before it completes
+    [output] = llm.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=24, stop=[stop]))
+    assert output.outputs[0].text == text[: text.index(stop)]

@@ -1,0 +1,28 @@
+"""API-key check for the OpenAI routes (`/v1/...`), as vLLM's `--api-key` does.
+
+A plain ASGI middleware rather than a route dependency, so that every /v1 path,
+unknown ones included, answers 401 without the key, and streaming responses pass
+through untouched. /health, /metrics and the rest stay open for probes and scrapers.
+"""
+from __future__ import annotations
+
+import secrets
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.errors import error_response
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self._expected):
+                response = error_response(401, "invalid or missing API key", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

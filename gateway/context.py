@@ -1,0 +1,43 @@
+"""What every endpoint of one app shares: the engine client, tokenizer, model name, metrics."""
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from gateway.errors import OpenAIError
+from gateway.generation import generate_text
+from gateway.metrics import GatewayMetrics
+from services.engine_client import EngineClient
+from services.output_processor import TextDelta
+from services.sampling_params import SamplingParams
+from tokenizer_svc.tokenizer import Tokenizer
+
+
+@dataclass
+class GatewayContext:
+    engine: EngineClient
+    tokenizer: Tokenizer
+    served_model_name: str
+    max_model_len: int
+    metrics: GatewayMetrics
+
+    def check_model(self, model: str | None) -> None:
+        # Like vLLM, a request that names no model gets the served one.
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def check_ready(self) -> None:
+        if not self.engine.is_ready():
+            raise OpenAIError(503, "the engine is not ready")
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncGenerator[TextDelta, None]:
+        return generate_text(self.engine, self.tokenizer, self.metrics, request_id, prompt_token_ids, params)
+
+
+def get_context(request: Request) -> GatewayContext:
+    """FastAPI dependency: the context of the app serving this request."""
+    return request.app.state.gateway

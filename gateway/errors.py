@@ -1,0 +1,95 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+Clients (the openai SDK included) pick the exception class from the status code and
+show `message`; `param` names the request field at fault.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from gateway.protocol import ErrorInfo, ErrorResponse
+from services.engine_client import EngineUnavailable, RequestFailed
+from services.sampling_params import InvalidParameter
+from tokenizer_svc.tokenizer import NoChatTemplateError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error"}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def bad_request(param: str | None, message: str) -> OpenAIError:
+    return OpenAIError(400, message, param)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> ErrorResponse:
+    return ErrorResponse(error=ErrorInfo(message=message, type=_TYPES.get(status, "server_error"), param=param, code=code))
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code).model_dump(), status_code=status)
+
+
+def error_for(exc: Exception) -> OpenAIError:
+    """The OpenAI error an exception raised while serving a request stands for."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, InvalidParameter):
+        return OpenAIError(400, str(exc), exc.param)
+    if isinstance(exc, NoChatTemplateError):
+        return OpenAIError(400, str(exc), "messages")
+    if isinstance(exc, ValueError):  # the engine's other input checks
+        return OpenAIError(400, str(exc))
+    if isinstance(exc, EngineUnavailable):
+        return OpenAIError(503, str(exc))
+    if isinstance(exc, RequestFailed):
+        return OpenAIError(500, str(exc))
+    logger.exception("unexpected error", exc_info=exc)
+    return OpenAIError(500, f"internal error: {exc!r}")
+
+
+def _validation_param(error: dict) -> str | None:
+    # FastAPI's loc is ("body", field, ...); the top-level field is what OpenAI's
+    # `param` names. A body that is not JSON at all has no field.
+    loc = [part for part in error.get("loc", ()) if part != "body"]
+    return str(loc[0]) if loc and isinstance(loc[0], str) else None
+
+
+async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    param = _validation_param(first)
+    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+    return error_response(400, message, param)
+
+
+async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    return error_response(exc.status_code, str(exc.detail))
+
+
+async def _on_error(_: Request, exc: Exception) -> JSONResponse:
+    error = error_for(exc)
+    return error_response(error.status, error.message, error.param, error.code)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(HTTPException, _on_http_error)
+    for handled in (OpenAIError, ValueError, EngineUnavailable, RequestFailed):
+        app.add_exception_handler(handled, _on_error)
+    # Anything else is a bug: still answered in OpenAI's shape, and logged by the server.
+    app.add_exception_handler(Exception, _on_error)

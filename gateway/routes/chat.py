@@ -1,0 +1,114 @@
+"""POST /v1/chat/completions, streamed in OpenAI's chunk format or answered whole."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway.chat_messages import message_dicts
+from gateway.context import GatewayContext, get_context
+from gateway.disconnect import cancel_on_disconnect
+from gateway.errors import bad_request
+from gateway.generation import prime
+from gateway.logprobs import chat_logprobs
+from gateway.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatTokenLogprob,
+    DeltaMessage,
+    Usage,
+)
+from gateway.sampling import to_sampling_params
+from gateway.sse import DONE, event, sse_response
+from services.output_processor import TextDelta
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, ctx: GatewayContext = Depends(get_context)
+) -> Response:
+    return await cancel_on_disconnect(request, _chat(body, ctx))
+
+
+async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
+    ctx.check_model(body.model)
+    ctx.check_ready()
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options", "stream_options is only allowed when stream is true")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise bad_request("response_format", f"response_format type {body.response_format.type!r} is not supported yet")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs", "top_logprobs needs logprobs set to true")
+    prompt_token_ids = ctx.tokenizer.apply_chat_template(message_dicts(body.messages))
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    num_top = body.top_logprobs or 0
+    params = to_sampling_params(body, ctx.tokenizer, max_tokens, num_top if body.logprobs else None)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    stream = await prime(ctx.generate(request_id, prompt_token_ids, params))
+
+    def logprobs_of(delta: TextDelta) -> list[ChatTokenLogprob]:
+        return chat_logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs, num_top) if delta.logprobs else []
+
+    if body.stream:
+        head = ChatCompletionChunk(id=request_id, model=ctx.served_model_name, choices=[])
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return sse_response(_events(head, stream, logprobs_of, len(prompt_token_ids), include_usage))
+    text: list[str] = []
+    content_logprobs: list[ChatTokenLogprob] = []
+    num_tokens = 0
+    async for delta in stream:
+        text.append(delta.text)
+        num_tokens += len(delta.token_ids)
+        content_logprobs.extend(logprobs_of(delta))
+    # The stream's last delta carries the finish reason.
+    choice = ChatChoice(
+        index=0,
+        message=ChatMessage(content="".join(text)),
+        logprobs=ChatLogprobs(content=content_logprobs) if body.logprobs else None,
+        finish_reason=delta.finish_reason,
+        stop_reason=delta.stop_reason,
+    )
+    response = ChatCompletionResponse(
+        id=request_id, model=ctx.served_model_name, choices=[choice], usage=Usage.of(len(prompt_token_ids), num_tokens)
+    )
+    return JSONResponse(response.model_dump())
+
+
+async def _events(
+    head: ChatCompletionChunk,
+    stream: AsyncGenerator[TextDelta, None],
+    logprobs_of: Callable[[TextDelta], list[ChatTokenLogprob]],
+    num_prompt_tokens: int,
+    include_usage: bool,
+) -> AsyncGenerator[str, None]:
+    def chunk(delta: DeltaMessage, logprobs: list[ChatTokenLogprob] | None = None, finish_reason: str | None = None) -> str:
+        choice = ChatChunkChoice(
+            index=0, delta=delta, logprobs=ChatLogprobs(content=logprobs) if logprobs else None,
+            finish_reason=finish_reason,
+        )
+        return event(head.model_copy(update={"choices": [choice]}))
+
+    yield chunk(DeltaMessage(role="assistant", content=""))
+    num_tokens = 0
+    async with aclosing(stream):
+        async for delta in stream:
+            num_tokens += len(delta.token_ids)
+            logprobs = logprobs_of(delta)
+            if delta.text or logprobs:
+                yield chunk(DeltaMessage(content=delta.text), logprobs)
+            if delta.finish_reason is not None:
+                # OpenAI ends a choice with an empty delta that carries the reason.
+                yield chunk(DeltaMessage(), finish_reason=delta.finish_reason)
+    if include_usage:
+        yield event(head.model_copy(update={"usage": Usage.of(num_prompt_tokens, num_tokens)}))
+    yield DONE

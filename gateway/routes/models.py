@@ -1,0 +1,14 @@
+"""GET /v1/models: the one model this server serves."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from gateway.context import GatewayContext, get_context
+from gateway.protocol import ModelCard, ModelList
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(ctx: GatewayContext = Depends(get_context)) -> ModelList:
+    return ModelList(data=[ModelCard(id=ctx.served_model_name, max_model_len=ctx.max_model_len)])

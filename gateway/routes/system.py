@@ -1,0 +1,27 @@
+"""Operational endpoints: /health for probes, /version, /metrics for Prometheus."""
+from __future__ import annotations
+
+from importlib.metadata import version
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from gateway.context import GatewayContext, get_context
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(ctx: GatewayContext = Depends(get_context)) -> Response:
+    return Response(status_code=200 if ctx.engine.is_ready() else 503)
+
+
+@router.get("/version")
+async def get_version() -> dict[str, str]:
+    return {"version": version("kvfleet")}
+
+
+@router.get("/metrics")
+async def metrics(ctx: GatewayContext = Depends(get_context)) -> Response:
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,34 @@
+"""vLLM's POST /tokenize and /detokenize, for clients that count or inspect tokens."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from gateway.chat_messages import message_dicts
+from gateway.context import GatewayContext, get_context
+from gateway.errors import bad_request
+from gateway.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, ctx: GatewayContext = Depends(get_context)) -> TokenizeResponse:
+    ctx.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("prompt", "give either prompt or messages")
+    if body.messages is not None:
+        text = ctx.tokenizer.render_chat(message_dicts(body.messages), body.add_generation_prompt)
+        # The chat template writes its own special tokens.
+        tokens = ctx.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    else:
+        add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
+        tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=add_special_tokens)
+    return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, ctx: GatewayContext = Depends(get_context)) -> DetokenizeResponse:
+    ctx.check_model(body.model)
+    if any(token < 0 for token in body.tokens):
+        raise bad_request("tokens", "token ids must be >= 0")
+    return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))

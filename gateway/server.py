@@ -1,0 +1,32 @@
+"""`kvfleet serve` in embedded mode: engine, tokenizer and gateway in one process."""
+from __future__ import annotations
+
+from typing import Any
+
+import uvicorn
+
+from gateway.app import build_app
+from services.async_engine import AsyncEngine
+from services.config import EngineConfig
+from services.engine import EngineCore
+from services.model_source import resolve_model
+from services.threads import configure_torch_threads
+from tokenizer_svc.tokenizer import Tokenizer
+
+
+def serve_embedded(
+    engine_args: dict[str, Any], host: str, port: int, api_key: str | None, served_model_name: str | None
+) -> None:
+    configure_torch_threads()
+    config = EngineConfig(**engine_args)
+    tokenizer = Tokenizer.load(resolve_model(config.model))
+    core = EngineCore(config, fallback_eos_token_id=tokenizer.eos_token_id)
+    engine = AsyncEngine(core)
+    app = build_app(
+        engine, tokenizer, served_model_name or config.model, api_key, max_model_len=core.max_model_len
+    )
+    engine.start()
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        engine.shutdown()

@@ -1,0 +1,155 @@
+"""AsyncEngine, the embedded engine client, without HTTP: delivery across event loops,
+batched wake-ups, rejected input, shutdown with live requests. Each test runs its own
+engine thread over one module EngineCore, and checks the pool is whole afterwards."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import assert_no_leaks
+from services.async_engine import AsyncEngine
+from services.config import EngineConfig
+from services.engine import EngineCore
+from services.engine_client import EngineUnavailable
+from services.messages import TokenDelta
+from services.model_source import resolve_model
+from services.sampling_params import InvalidParameter, SamplingParams
+from tokenizer_svc.tokenizer import Tokenizer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = [[1, 504, 3458, 282], [19556, 28, 957, 1462, 314], [504, 2030, 282, 5140, 314], [2, 3, 4]]
+
+
+@pytest.fixture(scope="module")
+def core() -> EngineCore:
+    tokenizer = Tokenizer.load(resolve_model("smollm2"))
+    config = EngineConfig(model="smollm2", max_model_len=256, kv_cache_memory=64 * 2**20)
+    return EngineCore(config, tokenizer.eos_token_id)
+
+
+@pytest.fixture(scope="module")
+def reference(core: EngineCore) -> list[list[int]]:
+    """Greedy tokens of PROMPTS from the core stepped directly, before any engine thread."""
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(f"ref-{i}", prompt, GREEDY)
+    tokens: dict[str, list[int]] = {f"ref-{i}": [] for i in range(len(PROMPTS))}
+    while core.has_work:
+        for delta in core.step():
+            tokens[delta.request_id] += delta.new_token_ids
+    return list(tokens.values())
+
+
+@pytest.fixture
+def engine(core: EngineCore, reference: list[list[int]]) -> Iterator[AsyncEngine]:
+    running = AsyncEngine(core)
+    running.start()
+    yield running
+    running.shutdown()
+    assert_no_leaks(SimpleNamespace(engine=core))
+
+
+async def _tokens(engine: AsyncEngine, request_id: str, prompt: list[int]) -> list[int]:
+    deltas = [delta async for delta in engine.generate(request_id, prompt, GREEDY)]
+    assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+    return [token for delta in deltas for token in delta.new_token_ids]
+
+
+def test_streams_on_two_event_loops_get_their_own_tokens(engine: AsyncEngine, reference: list[list[int]]) -> None:
+    results: dict[int, list[list[int]]] = {}
+
+    def serve(loop_id: int) -> None:
+        async def both() -> list[list[int]]:
+            return await asyncio.gather(
+                *(_tokens(engine, f"{loop_id}-{i}", PROMPTS[i]) for i in (2 * loop_id, 2 * loop_id + 1))
+            )
+
+        results[loop_id] = asyncio.run(both())
+
+    threads = [threading.Thread(target=serve, args=(loop_id,)) for loop_id in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert results[0] + results[1] == reference
+
+
+def test_one_wakeup_per_step_not_per_token(engine: AsyncEngine, reference: list[list[int]]) -> None:
+    async def run() -> tuple[list[list[int]], int]:
+        loop = asyncio.get_running_loop()
+        calls = 0
+        original = loop.call_soon_threadsafe
+
+        def counting(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return original(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        tokens = await asyncio.gather(*(_tokens(engine, f"w-{i}", p) for i, p in enumerate(PROMPTS)))
+        return tokens, calls
+
+    tokens, calls = asyncio.run(run())
+    assert tokens == reference
+    # 4 requests x 8 tokens in about 8 steps: one hand-off per step carries every request's delta.
+    assert calls <= GREEDY.max_tokens + 2 < sum(map(len, tokens))
+
+
+def test_rejected_input_raises_to_the_caller_and_the_loop_goes_on(
+    engine: AsyncEngine, reference: list[list[int]]
+) -> None:
+    async def run() -> list[int]:
+        with pytest.raises(InvalidParameter) as caught:
+            [delta async for delta in engine.generate("bad", [], GREEDY)]
+        assert caught.value.param == "prompt"
+        with pytest.raises(InvalidParameter, match="maximum model length of 256"):
+            [delta async for delta in engine.generate("long", [1] * 257, GREEDY)]
+        with pytest.raises(InvalidParameter) as caught:
+            [delta async for delta in engine.generate("many", PROMPTS[0], SamplingParams(n=2))]
+        assert caught.value.param == "n"
+        return await _tokens(engine, "good", PROMPTS[0])
+
+    assert asyncio.run(run()) == reference[0]
+    assert engine.is_ready()
+
+
+def test_closing_a_stream_early_aborts_its_request(engine: AsyncEngine) -> None:
+    async def run() -> None:
+        params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)  # seconds of decoding
+        stream = engine.generate("early", PROMPTS[1], params)
+        first = await anext(stream)
+        assert first.new_token_ids and first.finish_reason is None
+        await stream.aclose()
+        # Checked while this loop still runs: a closed loop would also end its streams.
+        deadline = time.monotonic() + 1.0
+        while (stats := engine.stats()).num_requests_running or stats.kv_cache_usage:
+            assert time.monotonic() < deadline, f"the request still runs: {stats}"
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+
+
+def test_shutdown_ends_live_requests_explicitly(engine: AsyncEngine) -> None:
+    async def run() -> list[TokenDelta]:
+        received: list[TokenDelta] = []
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        with pytest.raises(EngineUnavailable):
+            async for delta in engine.generate("live", PROMPTS[0], params):
+                received.append(delta)
+                if len(received) == 2:
+                    await asyncio.to_thread(engine.shutdown)
+        return received
+
+    received = asyncio.run(run())
+    assert len(received) >= 2 and all(delta.finish_reason is None for delta in received)
+    assert not engine.is_ready()
+
+    async def after() -> None:
+        [delta async for delta in engine.generate("late", PROMPTS[0], GREEDY)]
+
+    with pytest.raises(EngineUnavailable):
+        asyncio.run(after())

@@ -261,6 +261,10 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
+    def resend_drops(self, request_ids: list[str]) -> None:
+        """A plan failed, so the worker may not have dropped these: the next plan says it again."""
+        self._dropped_ids.extend(request_ids)
+
     def _forget_on_worker(self, request: Request) -> None:
         if request.known_to_worker:
             request.known_to_worker = False

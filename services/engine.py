@@ -16,6 +16,14 @@ from services.sampling_params import SamplingParams
 from worker_svc.worker import Worker
 
 
+class StepFailed(RuntimeError):
+    """A step's execution failed; its requests have been aborted."""
+
+    def __init__(self, request_ids: list[str], cause: Exception) -> None:
+        super().__init__(f"step failed for {len(request_ids)} requests: {cause!r}")
+        self.request_ids = request_ids
+
+
 class WorkerHandle(Protocol):
     """What the scheduler needs of a worker group: the in-process Worker, or a gRPC client of one."""
 
@@ -83,7 +91,16 @@ class EngineCore:
 
     def step(self) -> list[TokenDelta]:
         plan = self.scheduler.schedule()
-        result = self.worker.execute(plan)
+        try:
+            result = self.worker.execute(plan)
+        except Exception as exc:
+            # Only the requests in this step are in doubt: end them (freeing their
+            # blocks) and let the caller report them; the rest keep running.
+            failed = list(plan.num_scheduled_tokens)
+            for request_id in failed:
+                self.scheduler.abort_request(request_id)
+            self.scheduler.resend_drops(plan.finished_request_ids)
+            raise StepFailed(failed, exc) from exc
         return self.scheduler.update(plan, result)
 
     def stats(self) -> EngineStats:

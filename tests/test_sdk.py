@@ -221,3 +221,27 @@ def test_stop_string_that_begins_in_an_earlier_step(llm):
     stop = "professional coach"  # spans several tokens, so it begins steps before it completes
     [output] = llm.generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=24, stop=[stop]))
     assert output.outputs[0].text == text[: text.index(stop)]
+
+
+def test_a_failed_step_ends_only_its_requests(make_llm, monkeypatch):
+    from services.engine import StepFailed
+
+    engine = make_llm(dtype="float32", max_num_seqs=1).engine  # one request per step
+    engine.add_request("victim", [4, 5, 6], SamplingParams(temperature=0, max_tokens=8))
+    engine.add_request("bystander", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8))
+    real_execute = engine.worker.execute
+
+    def failing_execute(plan):
+        if "victim" in plan.num_scheduled_tokens:
+            raise RuntimeError("injected")
+        return real_execute(plan)
+
+    monkeypatch.setattr(engine.worker, "execute", failing_execute)
+    finished = {}
+    while engine.has_work:
+        try:
+            finished.update({d.request_id: d.finish_reason for d in engine.step() if d.finish_reason})
+        except StepFailed as error:
+            assert error.request_ids == ["victim"]
+            finished["victim"] = "failed"
+    assert finished == {"victim": "failed", "bystander": "length"}

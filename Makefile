@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test serve bench clean
+.PHONY: setup test serve bench protos clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ serve: setup
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py
+
+# Regenerates services/pb from protos/; commit the result (tests/test_protos.py fails on stale stubs).
+protos: setup
+	$(PY) protos/generate.py
 
 clean:
 	rm -rf $(VENV)

@@ -8,14 +8,11 @@ histograms are recorded by the gateway as deltas stream through it.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from services.engine_client import EngineClient
-from services.messages import EngineStats
+from services.telemetry import EngineStatsCollector
 
 # vLLM's buckets, so histograms line up with its dashboards.
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -31,45 +28,10 @@ FINISH_REASONS = ("stop", "length", "abort")
 disable_created_metrics()
 
 
-class _EngineStatsCollector(Collector):
-    """The scheduler's gauges and counters, read from the engine client at scrape time."""
-
-    _GAUGES = (
-        ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_requests_running"),
-        ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_requests_waiting"),
-        ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
-    )
-    _COUNTERS = (
-        ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
-        ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-         "prefix_cache_queries"),
-        ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
-    )
-
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
-        self._engine = engine
-        self._labels = [model_name]
-
-    def describe(self) -> Iterator[Metric]:
-        # Without describe() the registry would call collect() (and the engine) on register.
-        return self._families(None)
-
-    def collect(self) -> Iterator[Metric]:
-        return self._families(self._engine.stats())
-
-    def _families(self, stats: EngineStats | None) -> Iterator[Metric]:
-        for kind, specs in ((GaugeMetricFamily, self._GAUGES), (CounterMetricFamily, self._COUNTERS)):
-            for name, doc, attribute in specs:
-                family = kind(name, doc, labels=["model_name"])
-                if stats is not None:
-                    family.add_metric(self._labels, getattr(stats, attribute))
-                yield family
-
-
 class GatewayMetrics:
     def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(engine, model_name))
+        self.registry.register(EngineStatsCollector(engine, model_name))
         labels = ["model_name"]
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=self.registry

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from services import roles
 from services.cli_args import add_engine_args, engine_args
 
 
@@ -30,6 +31,13 @@ def _parser() -> argparse.ArgumentParser:
         help="require `Authorization: Bearer KEY` on /v1 routes (default: $KVFLEET_API_KEY)",
     )
     serve.add_argument("--served-model-name", help="the model name clients use (default: the --model value)")
+
+    for name, help_text, add_args in (
+        ("worker", "a worker: the model and its KV cache, serving step plans over gRPC", roles.add_worker_args),
+        ("scheduler", "a scheduler: queues and block tables, driving a worker over gRPC", roles.add_scheduler_args),
+        ("tokenizer", "the tokenizer service over gRPC", roles.add_tokenizer_args),
+    ):
+        add_args(commands.add_parser(name, help=help_text))
     return parser
 
 
@@ -56,7 +64,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return _generate(args) if args.command == "generate" else _serve(args)
+    run = {
+        "generate": _generate,
+        "serve": _serve,
+        "worker": roles.run_worker,
+        "scheduler": roles.run_scheduler,
+        "tokenizer": roles.run_tokenizer,
+    }[args.command]
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ class Scheduler:
         prompt_len = len(request.prompt_token_ids)
         limit = self.config.max_model_len
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise InvalidParameter("request_id", f"{request.request_id!r} is already in use")
         if prompt_len == 0:
             raise InvalidParameter("prompt", "the prompt is empty")
         if prompt_len > limit:

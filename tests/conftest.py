@@ -53,6 +53,19 @@ def assert_no_leaks(llm: LLM) -> None:
     assert not llm.engine.worker.requests, "the worker still holds request state"
 
 
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    """The default model, shared by a module's tests."""
+    return LLM("smollm2", dtype="float32")
+
+
+@pytest.fixture(autouse=True)
+def _shared_llm_has_no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "llm" in request.fixturenames:
+        assert_no_leaks(request.getfixturevalue("llm"))
+
+
 @pytest.fixture
 def make_llm() -> Iterator[Callable[..., LLM]]:
     """Builds LLMs for a test and checks, after it, that every block went back to the pool."""

@@ -4,15 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_no_leaks
-from kvfleet import LLM, BeamSearchParams
+
+from kvfleet import BeamSearchParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "My favourite season is autumn because"]
-
-
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM("smollm2", dtype="float32")
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -28,4 +23,3 @@ def test_beam_search_matches_transformers(llm, hf_smollm2, prompt):
     assert len(output.beams) == 3
     scores = [b.cumulative_logprob for b in output.beams]
     assert scores == sorted(scores, reverse=True)
-    assert_no_leaks(llm)

@@ -1,21 +1,8 @@
 """n and best_of: children share the prompt's KV blocks (copy-on-write of the last one)."""
 from __future__ import annotations
 
-import pytest
 
-from conftest import assert_no_leaks
-from kvfleet import LLM, SamplingParams
-
-
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM("smollm2", dtype="float32")
-
-
-@pytest.fixture(autouse=True)
-def _no_leaks(llm):
-    yield
-    assert_no_leaks(llm)
+from kvfleet import SamplingParams
 
 
 def test_n8_on_a_1000_token_prompt_holds_the_prompt_once(llm):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_no_leaks, hf_greedy
+from conftest import hf_greedy
 from corpus import TEXT, parity_prompts
 from kvfleet import SamplingParams
 
@@ -13,21 +13,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def prompts(default_llm) -> list[list[int]]:
-    return parity_prompts(default_llm.get_tokenizer().encode(TEXT))
-
-
-@pytest.fixture(scope="module")
-def default_llm():
-    from kvfleet import LLM
-
-    return LLM("smollm2", dtype="float32")
-
-
-@pytest.fixture(autouse=True)
-def _default_llm_has_no_leaks(default_llm):
-    yield
-    assert_no_leaks(default_llm)
+def prompts(llm) -> list[list[int]]:
+    return parity_prompts(llm.get_tokenizer().encode(TEXT))
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +33,8 @@ def test_prompt_shapes(prompts):
     assert len(prompts) >= 12 and min(lengths) == 5 and max(lengths) == 400
 
 
-def test_default_settings_match_transformers(default_llm, prompts, reference):
-    assert generate_tokens(default_llm, prompts) == reference
+def test_default_settings_match_transformers(llm, prompts, reference):
+    assert generate_tokens(llm, prompts) == reference
 
 
 def test_block_size_32_matches_transformers(make_llm, prompts, reference):
@@ -81,8 +68,8 @@ def test_no_chunked_prefill_matches_transformers(make_llm, prompts, reference):
     assert generate_tokens(llm, prompts) == reference
 
 
-def test_prefix_cache_hits_give_the_same_tokens(make_llm, hf_smollm2, default_llm):
-    tokens = default_llm.get_tokenizer().encode(TEXT)
+def test_prefix_cache_hits_give_the_same_tokens(make_llm, hf_smollm2, llm):
+    tokens = llm.get_tokenizer().encode(TEXT)
     system = tokens[:150]
     shared = [system + tokens[start : start + 20] for start in (200, 260, 320, 380)]
     reference = [hf_greedy(hf_smollm2, prompt, 16) for prompt in shared]
@@ -97,9 +84,9 @@ def test_prefix_cache_hits_give_the_same_tokens(make_llm, hf_smollm2, default_ll
     assert scheduler.prefix_cache_hits - hits_after_first == 4 * ((len(shared[0]) - 1) // 16 * 16)
 
 
-def test_batch_invariance(default_llm, prompts, reference):
-    alone = [generate_tokens(default_llm, [prompt])[0] for prompt in prompts]
-    together = generate_tokens(default_llm, prompts)
+def test_batch_invariance(llm, prompts, reference):
+    alone = [generate_tokens(llm, [prompt])[0] for prompt in prompts]
+    together = generate_tokens(llm, prompts)
     assert alone == together == reference
 
 

@@ -8,22 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_no_leaks
+
 from kvfleet import LLM, SamplingParams
 from services.sampling_params import InvalidParameter
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM("smollm2", dtype="float32")
-
-
-@pytest.fixture(autouse=True)
-def _no_leaks(llm):
-    yield
-    assert_no_leaks(llm)
 
 
 def test_readme_example_runs_as_written():

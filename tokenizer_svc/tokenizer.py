@@ -95,6 +95,10 @@ class Tokenizer:
                     sequences.append(ids)
         return sequences
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self._hf.chat_template is not None
+
     def save_pretrained(self, directory: Path) -> None:
         """Write HF tokenizer files, e.g. to make a model directory complete."""
         self._hf.save_pretrained(directory)
@@ -146,7 +150,7 @@ class Tokenizer:
         tools: list[dict] | None = None,
         **template_kwargs: Any,
     ) -> str:
-        if self._hf.chat_template is None:
+        if not self.has_chat_template:
             raise NoChatTemplateError(f"model {self.name!r} has no chat template; use a completion request")
         return self._hf.apply_chat_template(
             messages,

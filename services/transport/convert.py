@@ -4,6 +4,8 @@ cannot tell an empty list from None, the Python field treats both alike (see com
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from services.messages import (
     CachedRequestData,
     EngineStats,
@@ -20,10 +22,10 @@ from services.sampling_params import SamplingParams
 _SCALARS = (
     "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
     "top_k", "min_p", "seed", "include_stop_str_in_output", "ignore_eos", "max_tokens", "min_tokens",
-    "logprobs", "skip_special_tokens", "spaces_between_special_tokens",
+    "logprobs", "prompt_logprobs", "truncate_prompt_tokens", "skip_special_tokens", "spaces_between_special_tokens",
 )
 # Scalars whose Python value may be None: unset in the proto means None, not the default.
-_NULLABLE = ("best_of", "seed", "max_tokens", "logprobs")
+_NULLABLE = ("best_of", "seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 
 _FINISH_TO_PROTO = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -100,6 +102,8 @@ def delta_to_proto(delta: TokenDelta, error: str = "") -> common_pb2.TokenDelta:
         message.stop_string = delta.stop_reason
     if delta.logprobs is not None:
         message.logprobs.CopyFrom(logprobs_to_proto(delta.logprobs))
+    if delta.prompt_logprobs is not None:
+        message.prompt_logprobs.CopyFrom(logprobs_to_proto(delta.prompt_logprobs))
     return message
 
 
@@ -112,6 +116,9 @@ def delta_from_proto(message: common_pb2.TokenDelta) -> TokenDelta:
         finish_reason=_FINISH_FROM_PROTO[message.finish_reason],
         stop_reason=getattr(message, stop_field) if stop_field else None,
         logprobs=logprobs_from_proto(message.logprobs) if message.HasField("logprobs") else None,
+        prompt_logprobs=(
+            logprobs_from_proto(message.prompt_logprobs) if message.HasField("prompt_logprobs") else None
+        ),
     )
 
 
@@ -145,7 +152,7 @@ def _copies_to_proto(pairs: list[tuple[int, int]]) -> list[worker_pb2.BlockCopy]
     return [worker_pb2.BlockCopy(src_block_id=src, dst_block_id=dst) for src, dst in pairs]
 
 
-def _copies_from_proto(copies) -> list[tuple[int, int]]:
+def _copies_from_proto(copies: Iterable[worker_pb2.BlockCopy]) -> list[tuple[int, int]]:
     return [(c.src_block_id, c.dst_block_id) for c in copies]
 
 
@@ -156,6 +163,7 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
             worker_pb2.NewRequestData(
                 request_id=new.request_id,
                 token_ids=new.token_ids,
+                num_prompt_tokens=new.num_prompt_tokens,
                 block_ids=new.block_ids,
                 num_computed_tokens=new.num_computed_tokens,
                 sampling_params=sampling_params_to_proto(new.sampling_params),
@@ -188,6 +196,7 @@ def plan_from_proto(message: worker_pb2.StepPlan) -> StepPlan:
             NewRequestData(
                 request_id=new.request_id,
                 token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 sampling_params=sampling_params_from_proto(new.sampling_params),
@@ -215,6 +224,7 @@ def result_to_proto(result: StepResult) -> worker_pb2.StepResult:
         step_id=result.step_id,
         sampled_token_ids={rid: common_pb2.TokenIds(token_ids=ids) for rid, ids in result.sampled_token_ids.items()},
         logprobs={rid: logprobs_to_proto(positions) for rid, positions in result.logprobs.items()},
+        prompt_logprobs={rid: logprobs_to_proto(positions) for rid, positions in result.prompt_logprobs.items()},
     )
 
 
@@ -223,4 +233,5 @@ def result_from_proto(message: worker_pb2.StepResult) -> StepResult:
         step_id=message.step_id,
         sampled_token_ids={rid: list(ids.token_ids) for rid, ids in message.sampled_token_ids.items()},
         logprobs={rid: logprobs_from_proto(positions) for rid, positions in message.logprobs.items()},
+        prompt_logprobs={rid: logprobs_from_proto(positions) for rid, positions in message.prompt_logprobs.items()},
     )

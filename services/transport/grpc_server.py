@@ -32,9 +32,8 @@ class RoleServer:
         self.service_name = service_name
         self._before_stop = before_stop
         self._health = health.HealthServicer()
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers, thread_name_prefix=service_name), options=MESSAGE_OPTIONS
-        )
+        self._executor = futures.ThreadPoolExecutor(max_workers, thread_name_prefix=service_name)
+        self._server = grpc.server(self._executor, options=MESSAGE_OPTIONS)
         register(self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         # Port 0 picks a free port; the bound one is in self.port.
@@ -48,9 +47,12 @@ class RoleServer:
         logger.info("%s serving on %s", self.service_name, self.address)
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Stops taking calls; calls in flight get `grace_s` seconds to finish."""
+        """Stops taking calls; calls in flight get `grace_s` seconds to finish, then are
+        cancelled. Returns once no handler runs any more (a cancelled call's handler
+        may still be inside, e.g., a worker step)."""
         self._health.enter_graceful_shutdown()
         if self._before_stop is not None:
             self._before_stop()
         self._server.stop(grace_s).wait()
+        self._executor.shutdown(wait=True)
         logger.info("%s on %s stopped", self.service_name, self.address)

@@ -6,8 +6,9 @@ Submits and aborts arrive through a thread-safe inbox drained before each step; 
 no work the thread blocks on the inbox (no busy-wait). After each iteration every
 gateway with new deltas gets one batch: never one message per token.
 
-Failure isolation: a step that raises ends the requests that step touched, each with
-a final ABORT delta carrying the error (a lost worker among them), and the loop goes on.
+Failure isolation: a step whose worker call fails (a lost worker among the causes)
+ends the requests that step held, each with a final ABORT delta carrying the error,
+and the loop goes on.
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from services.config import EngineConfig
-from services.engine import EngineCore, WorkerHandle
+from services.engine import EngineCore, StepFailed, WorkerHandle
 from services.engine_client import EngineUnavailable
-from services.messages import EngineStats, StepPlan, StepResult, TokenDelta, WorkerDescription
+from services.messages import EngineStats, TokenDelta
+from services.parallel_sampling import num_children
 from services.pb.kvfleet.v1 import common_pb2
 from services.sampling_params import InvalidParameter, SamplingParams
 from services.transport.convert import delta_to_proto
@@ -53,37 +55,11 @@ class _Stop:
 _Command = _Submit | _Abort | _Stop
 
 
-class _StepTracker:
-    """The worker handle EngineCore drives, wrapped to know what a failed step touched.
-
-    The scheduler hands each drop (finished_request_ids) to one plan only; when that
-    plan fails, the tracker sends those drops again with the next plan (dropping an
-    unknown id is a no-op on the worker), so the worker does not keep dead requests.
-    """
-
-    def __init__(self, worker: WorkerHandle) -> None:
-        self._worker = worker
-        self.plan: StepPlan | None = None  # the plan of the step in progress, once scheduled
-        self._undelivered_drops: list[str] = []
-
-    def describe(self) -> WorkerDescription:
-        return self._worker.describe()
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        plan.finished_request_ids = self._undelivered_drops + plan.finished_request_ids
-        self._undelivered_drops = plan.finished_request_ids
-        self.plan = plan
-        result = self._worker.execute(plan)
-        self._undelivered_drops = []
-        return result
-
-
 class StepLoop:
     def __init__(
         self, config: EngineConfig, worker: WorkerHandle, hub: OutputHub, fallback_eos_token_id: int | None = None
     ) -> None:
-        self._tracker = _StepTracker(worker)
-        self.core = EngineCore(config, fallback_eos_token_id, worker=self._tracker)
+        self.core = EngineCore(config, fallback_eos_token_id, worker=worker)
         self._hub = hub
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         # Guards `_stopped` together with puts, so nothing lands in the inbox after
@@ -179,6 +155,10 @@ class StepLoop:
         try:
             if command.request_id in self._gateways:
                 raise InvalidParameter("request_id", f"{command.request_id!r} is already in use")
+            if num_children(command.params) != 1:
+                # The engine would run the samples as child requests under ids of their
+                # own (services/parallel_sampling.py), which this loop does not route yet.
+                raise InvalidParameter("n", "parallel sampling (n or best_of > 1) is not supported over gRPC yet")
             self.core.add_request(command.request_id, command.prompt_token_ids, command.params, command.cache_salt)
         except Exception as exc:  # rejected input: the caller gets the error, the loop goes on
             command.accepted.set_exception(exc)
@@ -192,18 +172,17 @@ class StepLoop:
             self._outputs[gateway_id].append(delta_to_proto(self.core.abort_request(request_id)))
 
     def _step(self) -> None:
-        self._tracker.plan = None
         try:
             deltas = self.core.step()
-        except Exception as exc:
-            plan = self._tracker.plan
-            # The requests it scheduled, or preempted (their KV may not have moved).
-            # Before a plan exists the scheduler itself failed: its state is unknown.
-            touched = self._gateways.keys() if plan is None else {*plan.num_scheduled_tokens, *plan.finished_request_ids}
-            failed = [request_id for request_id in touched if request_id in self._gateways]
-            logger.exception("an engine step failed; ending its %d requests", len(failed))
-            for request_id in failed:
-                self._end(request_id, f"engine step failed: {exc}")
+        except StepFailed as exc:  # the engine has aborted the step's requests already
+            logger.error("an engine step failed, ending its %d requests: %s", len(exc.request_ids), exc.__cause__)
+            for request_id in exc.request_ids:
+                self._end(request_id, f"engine step failed: {exc.__cause__}")
+            return
+        except Exception as exc:  # the scheduler itself failed: its state is unknown
+            logger.exception("the scheduler failed; ending all %d requests", len(self._gateways))
+            for request_id in list(self._gateways):
+                self._end(request_id, f"the scheduler failed: {exc!r}")
             return
         for delta in deltas:
             gateway_id = self._gateways[delta.request_id]

@@ -2,7 +2,10 @@
 process exactly as it drives an in-process one. Synchronous, like EngineCore's loop."""
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
+from google.protobuf.message import Message
 
 from services.messages import StepPlan, StepResult, WorkerDescription
 from services.pb.kvfleet.v1 import worker_pb2, worker_pb2_grpc
@@ -37,10 +40,12 @@ class RemoteWorker:
     def close(self) -> None:
         self._channel.close()
 
-    def _call(self, method, request, **kwargs):
+    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: Message, **kwargs: Any) -> Any:
         try:
             return method(request, **kwargs)
         except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise WorkerError(f"worker at {self.address} is unreachable: {exc.details()}") from exc
-            raise WorkerError(f"worker at {self.address} failed: {exc.code().name}: {exc.details()}") from exc
+            code = exc.code()
+            # We never cancel a call ourselves: CANCELLED is the worker's server going away.
+            lost = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+            what = "is unreachable" if lost else "failed"
+            raise WorkerError(f"worker at {self.address} {what}: {code.name}: {exc.details()}") from exc

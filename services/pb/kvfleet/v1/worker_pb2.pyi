@@ -28,18 +28,20 @@ class WorkerDescription(_message.Message):
     def __init__(self, num_kv_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NewRequestData(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_ids", "num_computed_tokens", "sampling_params")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling_params")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_prompt_tokens: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     sampling_params: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class CachedRequestData(_message.Message):
     __slots__ = ("request_id", "new_block_ids", "num_computed_tokens")
@@ -88,7 +90,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequestData, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "logprobs")
+    __slots__ = ("step_id", "sampled_token_ids", "logprobs", "prompt_logprobs")
     class SampledTokenIdsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -103,10 +105,19 @@ class StepResult(_message.Message):
         key: str
         value: _common_pb2.Logprobs
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ...) -> None: ...
+    class PromptLogprobsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _common_pb2.Logprobs
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: _containers.MessageMap[str, _common_pb2.TokenIds]
     logprobs: _containers.MessageMap[str, _common_pb2.Logprobs]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Mapping[str, _common_pb2.TokenIds]] = ..., logprobs: _Optional[_Mapping[str, _common_pb2.Logprobs]] = ...) -> None: ...
+    prompt_logprobs: _containers.MessageMap[str, _common_pb2.Logprobs]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Mapping[str, _common_pb2.TokenIds]] = ..., logprobs: _Optional[_Mapping[str, _common_pb2.Logprobs]] = ..., prompt_logprobs: _Optional[_Mapping[str, _common_pb2.Logprobs]] = ...) -> None: ...

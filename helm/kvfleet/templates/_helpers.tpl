@@ -1,0 +1,225 @@
+{{/*
+Names and labels.
+*/}}
+{{- define "kvfleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The release's base name; every object is "<fullname>-<component>". */}}
+{{- define "kvfleet.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Usage: include "kvfleet.componentName" (list $ "gateway") */}}
+{{- define "kvfleet.componentName" -}}
+{{- printf "%s-%s" (include "kvfleet.fullname" (index . 0)) (index . 1) }}
+{{- end }}
+
+{{/* Usage: include "kvfleet.selectorLabels" (list $ "gateway") */}}
+{{- define "kvfleet.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "kvfleet.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{/* Usage: include "kvfleet.labels" (list $ "gateway") */}}
+{{- define "kvfleet.labels" -}}
+{{- $root := index . 0 -}}
+helm.sh/chart: {{ printf "%s-%s" $root.Chart.Name $root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "kvfleet.selectorLabels" . }}
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+app.kubernetes.io/part-of: kvfleet
+{{- end }}
+
+{{/*
+Ports. Fixed inside the pods (each role's flags set them); only the gateway's
+Service port is a value.
+*/}}
+{{- define "kvfleet.port.gateway" -}}8000{{- end }}
+{{- define "kvfleet.port.worker" -}}50051{{- end }}
+{{- define "kvfleet.port.scheduler" -}}50052{{- end }}
+{{- define "kvfleet.port.tokenizer" -}}50053{{- end }}
+{{- define "kvfleet.metricsPort.worker" -}}9091{{- end }}
+{{- define "kvfleet.metricsPort.scheduler" -}}9092{{- end }}
+{{- define "kvfleet.metricsPort.tokenizer" -}}9093{{- end }}
+
+{{- define "kvfleet.image" -}}
+{{- printf "%s:%s" .Values.image.repository (toString .Values.image.tag) }}
+{{- end }}
+
+{{/* NATS and Redis: the bundled Services, or the URLs given in values. */}}
+{{- define "kvfleet.natsUrl" -}}
+{{- if .Values.nats.bundled }}
+{{- printf "nats://%s:4222" (include "kvfleet.componentName" (list . "nats")) }}
+{{- else }}
+{{- required "nats.url is required when nats.bundled is false" .Values.nats.url }}
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.redisUrl" -}}
+{{- if .Values.redis.bundled }}
+{{- printf "redis://%s:6379/0" (include "kvfleet.componentName" (list . "redis")) }}
+{{- else }}
+{{- required "redis.url is required when redis.bundled is false" .Values.redis.url }}
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.apiKeySecretName" -}}
+{{- default (include "kvfleet.componentName" (list . "api-key")) .Values.auth.existingSecret }}
+{{- end }}
+
+{{/*
+Engine flags. The <fullname>-engine ConfigMap holds one variable per flag; the
+scheduler and worker containers load it with envFrom and name each variable in
+their args, where Kubernetes expands $(VAR). Both read one source, so they cannot
+disagree. A flag's variable is KVFLEET_ plus its name in capitals
+(max-model-len: KVFLEET_MAX_MODEL_LEN). A boolean's variable holds the whole flag
+(--enable-prefix-caching or --no-enable-prefix-caching), as vLLM spells them.
+*/}}
+{{- define "kvfleet.engineVar" -}}
+{{- printf "KVFLEET_%s" (. | trimPrefix "--" | upper | replace "-" "_") }}
+{{- end }}
+
+{{/* The ConfigMap's data lines for .Values.engine; null values are left out. */}}
+{{- define "kvfleet.engineData" -}}
+{{- range $flag, $value := .Values.engine }}
+{{- $name := $flag | trimPrefix "--" }}
+{{- if has $name (list "model" "served-model-name") }}
+{{- fail (printf "set %s at the top level of the values, not under engine" $name) }}
+{{- end }}
+{{- if kindIs "bool" $value }}
+{{ include "kvfleet.engineVar" $name }}: {{ ternary (printf "--%s" $name) (printf "--no-%s" $name) $value | quote }}
+{{- else if not (kindIs "invalid" $value) }}
+{{ include "kvfleet.engineVar" $name }}: {{ ternary $value (toJson $value) (kindIs "string" $value) | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The scheduler's and worker's args for the engine flags. */}}
+{{- define "kvfleet.engineArgs" -}}
+- --model=$(KVFLEET_MODEL)
+{{- range $flag, $value := .Values.engine }}
+{{- $name := $flag | trimPrefix "--" }}
+{{- if kindIs "bool" $value }}
+- $({{ include "kvfleet.engineVar" $name }})
+{{- else if not (kindIs "invalid" $value) }}
+- --{{ $name }}=$({{ include "kvfleet.engineVar" $name }})
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* envFrom of every kvfleet container: the model and the engine flags. */}}
+{{- define "kvfleet.engineEnvFrom" -}}
+envFrom:
+  - configMapRef:
+      name: {{ include "kvfleet.componentName" (list . "engine") }}
+{{- end }}
+
+{{/* Env of the containers that use no GPU. The CUDA image sets
+NVIDIA_VISIBLE_DEVICES=all, with which the NVIDIA container runtime would hand such a
+container every GPU of its node, past the device plugin's accounting. */}}
+{{- define "kvfleet.noGpuEnv" -}}
+- name: NVIDIA_VISIBLE_DEVICES
+  value: void
+{{- end }}
+
+{{/*
+Draining. On deletion a pod first runs its preStop hook (a sleep, while Services
+and the gateway's scheduler list drop it), then gets SIGTERM: readiness fails, new
+requests get 503, in-flight ones get --shutdown-timeout to finish. The grace period
+covers both, plus a margin for the process to exit.
+*/}}
+{{- define "kvfleet.terminationGracePeriodSeconds" -}}
+{{- add .Values.drain.preStopSleepSeconds .Values.drain.shutdownTimeoutSeconds 10 }}
+{{- end }}
+
+{{- define "kvfleet.preStopSleep" -}}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", "{{ .Values.drain.preStopSleepSeconds }}"]
+{{- end }}
+
+{{/*
+gRPC probes of a role (grpc.health.v1, service ""): SERVING once its model or
+tokenizer is loaded, NOT_SERVING from SIGTERM on. Usage:
+include "kvfleet.grpcProbes" (dict "port" 50051 "startupSeconds" 600)
+*/}}
+{{- define "kvfleet.grpcProbes" -}}
+startupProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: 5
+  failureThreshold: {{ max 1 (div .startupSeconds 5) }}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: 5
+  timeoutSeconds: 3
+  failureThreshold: 2
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end }}
+
+{{/* The pod-level settings of a kvfleet pod: security, draining, and placement from
+a component's values. Usage: include "kvfleet.podSettings" (list $ .Values.gateway) */}}
+{{- define "kvfleet.podSettings" -}}
+{{- $root := index . 0 -}}
+{{- $component := index . 1 -}}
+securityContext:
+  {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
+terminationGracePeriodSeconds: {{ include "kvfleet.terminationGracePeriodSeconds" $root }}
+{{- with $root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $component.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $component.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $component.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The model cache volume: a PVC, a node directory, or an emptyDir. */}}
+{{- define "kvfleet.modelCacheVolume" -}}
+- name: models
+{{- if .Values.modelCache.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.modelCache.existingClaim }}
+    readOnly: true
+{{- else if .Values.modelCache.hostPath }}
+  hostPath:
+    path: {{ .Values.modelCache.hostPath }}
+    type: Directory
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.modelCacheMount" -}}
+- name: models
+  mountPath: {{ .Values.modelCache.mountPath }}
+  readOnly: true
+{{- end }}

@@ -1,0 +1,60 @@
+"""Prometheus exposition shared by every role, under vLLM's metric names."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import REGISTRY, Collector
+
+from services.messages import EngineStats
+
+
+class HasStats(Protocol):
+    def stats(self) -> EngineStats: ...
+
+
+class EngineStatsCollector(Collector):
+    """A scheduler's gauges and counters, read at scrape time (never pushed from the step loop)."""
+
+    _GAUGES = (
+        ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_requests_running"),
+        ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_requests_waiting"),
+        ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+    )
+    _COUNTERS = (
+        ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
+        ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+         "prefix_cache_queries"),
+        ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
+    )
+
+    def __init__(self, source: HasStats, model_name: str) -> None:
+        self._source = source
+        self._labels = [model_name]
+
+    def describe(self) -> Iterator[Metric]:
+        # Without describe() the registry would call collect() (and the engine) on register.
+        return self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self._source.stats())
+
+    def _families(self, stats: EngineStats | None) -> Iterator[Metric]:
+        for kind, specs in ((GaugeMetricFamily, self._GAUGES), (CounterMetricFamily, self._COUNTERS)):
+            for name, doc, attribute in specs:
+                family = kind(name, doc, labels=["model_name"])
+                if stats is not None:
+                    family.add_metric(self._labels, getattr(stats, attribute))
+                yield family
+
+
+def serve_role_metrics(port: int, host: str, extra: Collector | None = None) -> None:
+    """/metrics on `port` (0: off) with the process collectors, plus the role's own."""
+    if not port:
+        return
+    registry: CollectorRegistry = REGISTRY
+    if extra is not None:
+        registry.register(extra)
+    start_http_server(port, addr=host, registry=registry)

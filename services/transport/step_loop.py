@@ -153,8 +153,6 @@ class StepLoop:
 
     def _submit(self, command: _Submit) -> None:
         try:
-            if command.request_id in self._gateways:
-                raise InvalidParameter("request_id", f"{command.request_id!r} is already in use")
             if num_children(command.params) != 1:
                 # The engine would run the samples as child requests under ids of their
                 # own (services/parallel_sampling.py), which this loop does not route yet.

@@ -261,6 +261,17 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
+    def requests_in(self, plan: StepPlan) -> list[str]:
+        """The live requests whose KV a plan computes or moves: if the plan fails, their KV is in doubt."""
+        moved = {host for _, host in plan.blocks_to_swap_out} | {dst for _, dst in plan.blocks_to_copy}
+        touched = [r for r in plan.num_scheduled_tokens if r in self.requests]
+        for request in self.requests.values():
+            if request.request_id not in plan.num_scheduled_tokens and moved.intersection(
+                request.host_block_ids + request.block_ids
+            ):
+                touched.append(request.request_id)
+        return touched
+
     def resend_drops(self, request_ids: list[str]) -> None:
         """A plan failed, so the worker may not have dropped these: the next plan says it again."""
         self._dropped_ids.extend(request_ids)

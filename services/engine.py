@@ -96,7 +96,7 @@ class EngineCore:
         except Exception as exc:
             # Only the requests in this step are in doubt: end them (freeing their
             # blocks) and let the caller report them; the rest keep running.
-            failed = list(plan.num_scheduled_tokens)
+            failed = self.scheduler.requests_in(plan)
             for request_id in failed:
                 self.scheduler.abort_request(request_id)
             self.scheduler.resend_drops(plan.finished_request_ids)

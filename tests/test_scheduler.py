@@ -130,3 +130,17 @@ def test_max_model_len_ends_generation():
         _, deltas = run_step(scheduler)
         reasons += [d.finish_reason for d in deltas if d.finish_reason]
     assert reasons == ["length"]
+
+
+def test_a_failed_plan_names_the_requests_whose_kv_it_moved():
+    scheduler = make_scheduler(num_blocks=6, max_model_len=24, preemption_mode="swap", num_host_blocks=8)
+    add(scheduler, "old", 8, max_tokens=12)
+    add(scheduler, "new", 8, max_tokens=12)
+    run_step(scheduler)
+    plan = scheduler.schedule()
+    while not plan.blocks_to_swap_out:  # run until a plan swaps "new" out
+        sampled = {rid: [7] for rid in plan.num_scheduled_tokens}
+        scheduler.update(plan, StepResult(plan.step_id, sampled))
+        plan = scheduler.schedule()
+    assert "new" not in plan.num_scheduled_tokens
+    assert sorted(scheduler.requests_in(plan)) == ["new", "old"]

@@ -23,13 +23,18 @@ def build_app(
     api_key: str | None = None,
     *,
     max_model_len: int,
+    eos_token_ids: tuple[int, ...] | None = None,
 ) -> FastAPI:
+    """`eos_token_ids`: the engine's (a model may have several); by default the tokenizer's."""
+    if eos_token_ids is None:
+        eos_token_ids = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
     app = FastAPI(title="kvfleet")
     app.state.gateway = GatewayContext(
         engine=engine_client,
         tokenizer=tokenizer,
         served_model_name=served_model_name,
         max_model_len=max_model_len,
+        eos_token_ids=eos_token_ids,
         metrics=GatewayMetrics(engine_client, served_model_name),
     )
     for module in (models, completions, chat, tokenize, system):

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from gateway.beam import beam_choices
+from gateway.choices import ChoiceDelta, generate_choices
 from gateway.errors import OpenAIError
-from gateway.generation import generate_text
 from gateway.metrics import GatewayMetrics
+from gateway.protocol import SamplingFields
 from services.engine_client import EngineClient
-from services.output_processor import TextDelta
 from services.sampling_params import SamplingParams
 from tokenizer_svc.tokenizer import Tokenizer
 
@@ -21,6 +22,7 @@ class GatewayContext:
     tokenizer: Tokenizer
     served_model_name: str
     max_model_len: int
+    eos_token_ids: tuple[int, ...]  # what ends a beam in beam search
     metrics: GatewayMetrics
 
     def check_model(self, model: str | None) -> None:
@@ -33,9 +35,17 @@ class GatewayContext:
             raise OpenAIError(503, "the engine is not ready")
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncGenerator[TextDelta, None]:
-        return generate_text(self.engine, self.tokenizer, self.metrics, request_id, prompt_token_ids, params)
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, body: SamplingFields
+    ) -> AsyncGenerator[ChoiceDelta, None]:
+        """The request's choices: sampled, or the best beams when the body asks for beam search."""
+        if body.use_beam_search:
+            return beam_choices(
+                self.engine, self.tokenizer, self.metrics, request_id, prompt_token_ids, params, body.length_penalty,
+                self.eos_token_ids, self.max_model_len, body.cache_salt,
+            )
+        return generate_choices(
+            self.engine, self.tokenizer, self.metrics, request_id, prompt_token_ids, params, body.cache_salt
+        )
 
 
 def get_context(request: Request) -> GatewayContext:

@@ -1,9 +1,5 @@
-"""One engine request seen as text, and the stream plumbing the endpoints share.
-
-The gateway owns detokenization and stop strings (the engine speaks token ids): each
-request gets a TextStream, and a stop-string hit finishes the response here and
-aborts the request in the engine so its blocks are freed at once.
-"""
+"""Stream plumbing the endpoints share: wait for a stream's first item before answering,
+and merge the streams of a batch of prompts."""
 from __future__ import annotations
 
 import asyncio
@@ -11,45 +7,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import TypeVar
 
-from gateway.metrics import GatewayMetrics
-from services.engine_client import EngineClient
-from services.output_processor import TextDelta, TextStream
-from services.sampling_params import SamplingParams
-from tokenizer_svc.tokenizer import Tokenizer
-
 T = TypeVar("T")
-
-
-async def generate_text(
-    engine: EngineClient,
-    tokenizer: Tokenizer,
-    metrics: GatewayMetrics,
-    request_id: str,
-    prompt_token_ids: list[int],
-    params: SamplingParams,
-) -> AsyncGenerator[TextDelta, None]:
-    text = TextStream(tokenizer, prompt_token_ids, params)
-    meter = metrics.request(len(prompt_token_ids))
-    # Whatever ends the stream before a finish_reason (disconnect, engine failure) is an abort.
-    finish_reason: str | None = "abort"
-    try:
-        async with aclosing(engine.generate(request_id, prompt_token_ids, params)) as deltas:
-            async for delta in deltas:
-                update = text.apply(delta)
-                meter.tokens(len(delta.new_token_ids))
-                if update.hit_stop_string:
-                    await engine.abort(request_id)
-                if update.finish_reason is not None:
-                    finish_reason = update.finish_reason
-                yield update
-                if update.finish_reason is not None:
-                    return
-    except ValueError:
-        finish_reason = None  # rejected input: the request never started
-        raise
-    finally:
-        if finish_reason is not None:
-            meter.finished(finish_reason)
 
 
 async def prime(stream: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:

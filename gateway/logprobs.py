@@ -1,8 +1,8 @@
 """The engine's logprobs ({token id: logprob} per token: the top-n best first, then the
-sampled token if it is not among them) in OpenAI's two formats."""
+sampled token if it is not among them) in OpenAI's two formats, and vLLM's prompt_logprobs."""
 from __future__ import annotations
 
-from gateway.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from gateway.protocol import ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob
 from tokenizer_svc.tokenizer import Tokenizer
 
 
@@ -18,21 +18,53 @@ def _top(entry: dict[int, float], num_top: int) -> list[tuple[int, float]]:
 class CompletionLogprobsBuilder:
     """The legacy format; text_offset runs on across the chunks of one stream."""
 
-    def __init__(self, tokenizer: Tokenizer, num_top: int, text_offset: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, num_top: int) -> None:
         self._tokenizer = tokenizer
         self._num_top = num_top
-        self._offset = text_offset
+        self._offset = 0
 
-    def build(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> CompletionLogprobs:
+    def build(self, token_ids: list[int], logprobs: list[dict[int, float] | None]) -> CompletionLogprobs:
+        """`None` stands for a token without a logprob: the first of an echoed prompt."""
         out = CompletionLogprobs()
         for token_id, entry in zip(token_ids, logprobs):
             text = _token_text(self._tokenizer, token_id)
             out.tokens.append(text)
-            out.token_logprobs.append(entry[token_id])
-            out.top_logprobs.append({_token_text(self._tokenizer, t): lp for t, lp in _top(entry, self._num_top)})
+            out.token_logprobs.append(None if entry is None else entry[token_id])
+            out.top_logprobs.append(
+                None if entry is None else {_token_text(self._tokenizer, t): lp for t, lp in _top(entry, self._num_top)}
+            )
             out.text_offset.append(self._offset)
             self._offset += len(text)
         return out
+
+    def build_echo(
+        self,
+        prompt_token_ids: list[int],
+        prompt_logprobs: list[dict[int, float]],
+        token_ids: list[int],
+        logprobs: list[dict[int, float]],
+    ) -> CompletionLogprobs:
+        """echo with logprobs, as OpenAI's legacy API: the prompt's tokens, then the completion's.
+        Prompt entries are aligned to the prompt's length, so no entry can shift onto a
+        completion token."""
+        entries: list[dict[int, float] | None] = [None, *prompt_logprobs][: len(prompt_token_ids)]
+        entries += [None] * (len(prompt_token_ids) - len(entries))
+        return self.build([*prompt_token_ids, *token_ids], [*entries, *logprobs])
+
+
+def prompt_logprobs(tokenizer: Tokenizer, entries: list[dict[int, float]], num_top: int) -> PromptLogprobs:
+    """vLLM's shape: None for the first prompt token, then {token id: logprob, rank, decoded token}.
+    An entry holds the top `num_top` (ranks 1..num_top), then the actual token when it
+    ranks lower, at a rank the engine does not report."""
+    out: PromptLogprobs = [None]
+    for entry in entries:
+        out.append({
+            token_id: PromptLogprob(
+                logprob=logprob, rank=rank + 1 if rank < num_top else None, decoded_token=_token_text(tokenizer, token_id)
+            )
+            for rank, (token_id, logprob) in enumerate(entry.items())
+        })
+    return out
 
 
 def chat_logprobs(

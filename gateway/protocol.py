@@ -2,18 +2,26 @@
 
 Unknown request fields are ignored, as OpenAI's API does, so clients that send newer
 or vendor-specific fields keep working. Value checks live in SamplingParams (one
-source of truth for every front end); these models only check types.
+source of truth for every front end); these models check types, and the bounds
+that keep a value representable where it goes: floats are finite, seeds and top_k
+fit torch's int64, token ids are below 2**31 (what a tokenizer can decode), and
+logprob counts stay within vLLM's max_logprobs (20).
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+NumLogprobs = Annotated[int, Field(le=20)]
+
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and infinities pass every range check by comparison rules of their own; refuse them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -25,10 +33,11 @@ class SamplingFields(_Request):
 
     model: str | None = None
     n: int = 1
+    best_of: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -39,7 +48,7 @@ class SamplingFields(_Request):
     repetition_penalty: float | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -47,14 +56,21 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: NumLogprobs | None = None
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: max_model_len of them
+    cache_salt: str | None = None  # keeps this request's prefix-cache entries apart from other salts'
+    # Beam search with beam width best_of or n, as vLLM's server runs it; the n best beams come back.
+    use_beam_search: bool = False
+    # |length_penalty| <= 10 keeps length ** length_penalty a finite, non-zero float.
+    length_penalty: float = Field(1.0, ge=-10, le=10)
 
 
 class CompletionRequest(SamplingFields):
     # Text, a batch of texts, token ids, or a batch of token-id lists.
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
-    logprobs: int | None = Field(None, le=20)
+    logprobs: NumLogprobs | None = None
 
 
 class TextContentPart(_Request):
@@ -78,7 +94,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, le=20)
+    top_logprobs: NumLogprobs | None = None
     response_format: ResponseFormat | None = None
 
 
@@ -95,7 +111,7 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # -- responses -------------------------------------------------------------------------
@@ -126,12 +142,23 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None  # 1 for the most likely token; None where unknown (the actual token past the top k)
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: None for the first prompt token, then {token id: PromptLogprob}.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's extra: the stop token or string
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra
 
 
 class CompletionResponse(BaseModel):
@@ -177,6 +204,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra
 
 
 class DeltaMessage(BaseModel):

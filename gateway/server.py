@@ -23,7 +23,8 @@ def serve_embedded(
     core = EngineCore(config, fallback_eos_token_id=tokenizer.eos_token_id)
     engine = AsyncEngine(core)
     app = build_app(
-        engine, tokenizer, served_model_name or config.model, api_key, max_model_len=core.max_model_len
+        engine, tokenizer, served_model_name or config.model, api_key, max_model_len=core.max_model_len,
+        eos_token_ids=core.eos_token_ids,
     )
     engine.start()
     try:

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from services import roles
+from services import cluster, cluster_roles, roles
 from services.cli_args import add_engine_args, engine_args
 
 
@@ -38,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
         ("tokenizer", "the tokenizer service over gRPC", roles.add_tokenizer_args),
     ):
         add_args(commands.add_parser(name, help=help_text))
+    gateway = commands.add_parser("gateway", help="the OpenAI-compatible HTTP server of a cluster (NATS, Redis)")
+    cluster_roles.add_gateway_args(gateway)
+    up = commands.add_parser("cluster", help="a whole cluster on this machine").add_subparsers(
+        dest="cluster_command", required=True).add_parser("up", help="start every role, NATS and Redis; Ctrl-C stops")
+    cluster.add_cluster_up_args(up)
     return parser
 
 
@@ -70,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         "worker": roles.run_worker,
         "scheduler": roles.run_scheduler,
         "tokenizer": roles.run_tokenizer,
+        "gateway": cluster_roles.run_gateway,
+        "cluster": cluster.run_cluster_up,
     }[args.command]
     return run(args)
 

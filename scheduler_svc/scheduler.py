@@ -85,6 +85,10 @@ class Scheduler:
                 f"the prompt is {prompt_len} tokens long, more than the maximum model length of {limit}",
             )
         vocab = self.config.vocab_size
+        for param in ("logprobs", "prompt_logprobs"):
+            wanted = getattr(request.sampling_params, param)
+            if wanted is not None and wanted > vocab:
+                raise InvalidParameter(param, f"asks for {wanted} tokens, more than the vocabulary's {vocab}")
         named = {"prompt": request.prompt_token_ids, "logit_bias": list(request.sampling_params.logit_bias or {}),
                  "allowed_token_ids": request.sampling_params.allowed_token_ids or [],
                  "stop_token_ids": request.sampling_params.stop_token_ids}

@@ -6,6 +6,10 @@ engine thread drains before each step; when there is no work it blocks on the in
 Results go back with one `call_soon_threadsafe` per event loop per iteration (never
 one per token) into per-request asyncio queues. Each stream remembers its own loop,
 so several event loops (e.g. two servers in one process) can share one engine.
+
+A request with n or best_of > 1 runs in the engine as child requests
+(`child_request_id`); every child's deltas go to the parent's stream, which ends
+once every child has ended.
 """
 from __future__ import annotations
 
@@ -17,11 +21,11 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from services.engine import EngineCore
+from services.engine import EngineCore, StepFailed
 from services.engine_client import EngineUnavailable, RequestFailed
 from services.messages import EngineStats, TokenDelta
-from services.parallel_sampling import num_children
-from services.sampling_params import InvalidParameter, SamplingParams
+from services.parallel_sampling import child_request_id, num_children
+from services.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,9 @@ class _Stream:
     request_id: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
+    # The engine request ids (the request's own, or its children's) still running;
+    # owned by the engine thread.
+    live: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -41,6 +48,7 @@ class _Add:
     stream: _Stream
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None
 
 
 @dataclass
@@ -70,8 +78,10 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopped = False
         self._thread: threading.Thread | None = None
-        # Owned by the engine thread.
+        # Owned by the engine thread: streams by request id, and by engine request id
+        # (a child's id routes to its parent's stream).
         self._streams: dict[str, _Stream] = {}
+        self._routes: dict[str, _Stream] = {}
         self._outbox: defaultdict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = defaultdict(list)
         # Replaced (never mutated) by the engine thread, so any thread may read it.
         self._stats: EngineStats = core.stats()
@@ -103,28 +113,27 @@ class AsyncEngine:
     # -- requests (asyncio side) -----------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> AsyncIterator[TokenDelta]:
-        if num_children(params) != 1:
-            # The engine would run child requests under their own ids (parallel_sampling),
-            # which this one-stream-per-request client does not route yet.
-            raise InvalidParameter("n", "parallel sampling (n or best_of > 1) is not supported here yet")
         stream = _Stream(request_id, asyncio.get_running_loop())
-        self._send(_Add(stream, list(prompt_token_ids), params))
-        ended = False  # the engine no longer holds the request
+        self._send(_Add(stream, list(prompt_token_ids), params, cache_salt))
+        # Each engine request (one, or one per child) ends with exactly one delta that
+        # has a finish_reason; the engine thread guarantees it.
+        running = num_children(params)
         try:
-            while not ended:
+            while running:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
-                    ended = True
+                    running = 0
                     raise item
-                ended = item.finish_reason is not None
+                running -= item.finish_reason is not None
                 yield item
         finally:
-            if not ended:  # the consumer left early: free the request's blocks
+            if running:  # the consumer left early: free the blocks of every live child
                 self._send_abort(request_id)
 
     async def abort(self, request_id: str) -> None:
+        """Aborts a request (every child of it), or one child by its child id."""
         self._send_abort(request_id)
 
     def _send(self, command: _Command) -> None:
@@ -163,8 +172,9 @@ class AsyncEngine:
                     self._abort(command.request_id)
             if self.core.has_work:
                 self._step()
-            self._flush()
+            # Stats first: whoever receives a delta then sees stats at least as new as it.
             self._stats = self.core.stats()
+            self._flush()
 
     def _take_commands(self, block: bool) -> list[_Command]:
         commands = [self._inbox.get()] if block else []
@@ -176,45 +186,77 @@ class AsyncEngine:
 
     def _add(self, command: _Add) -> None:
         stream = command.stream
+        count = num_children(command.params)
         try:
-            self.core.add_request(stream.request_id, command.prompt_token_ids, command.params)
+            self.core.add_request(stream.request_id, command.prompt_token_ids, command.params, command.cache_salt)
         except Exception as exc:  # rejected input: the caller gets the error, the loop goes on
             self._post(stream, exc)
             return
+        ids = [stream.request_id] if count == 1 else [child_request_id(stream.request_id, i) for i in range(count)]
+        stream.live = set(ids)
         self._streams[stream.request_id] = stream
+        for engine_id in stream.live:
+            self._routes[engine_id] = stream
 
     def _abort(self, request_id: str) -> None:
-        delta = self.core.abort_request(request_id)
-        stream = self._streams.pop(request_id, None)
-        if stream is not None and delta is not None:
-            self._post(stream, delta)
+        stream = self._streams.get(request_id)
+        for engine_id in sorted(stream.live) if stream is not None else [request_id]:
+            self._abort_one(engine_id)
+
+    def _abort_one(self, engine_id: str) -> None:
+        delta = self.core.abort_request(engine_id)
+        if engine_id in self._routes:
+            # The stream counts ended children, so it gets an end even if the core had none to give.
+            self._end(delta or TokenDelta(engine_id, [], "abort"))
 
     def _step(self) -> None:
         try:
             deltas = self.core.step()
+        except StepFailed as exc:  # the core has ended the step's requests; the others run on
+            logger.error("an engine step failed, ending its %d requests: %s", len(exc.request_ids), exc.__cause__)
+            for engine_id in exc.request_ids:
+                stream = self._routes.get(engine_id)
+                if stream is not None:  # a parallel request fails whole, once
+                    self._fail(stream, RequestFailed(stream.request_id, f"engine step failed: {exc.__cause__!r}"))
+            return
         except Exception as exc:
-            # The step's state is unknown; EngineCore does not say which requests the
-            # failed step held, so every live request ends, explicitly, and the loop
-            # goes on serving new ones.
-            logger.exception("an engine step failed; aborting %d requests", len(self._streams))
-            self._fail_all(lambda request_id: RequestFailed(request_id, f"engine step failed: {exc!r}"))
+            # The scheduler itself failed: its state is unknown, so every live request
+            # ends, explicitly, and the loop goes on serving new ones.
+            logger.exception("the engine failed; ending all %d requests", len(self._streams))
+            reason = f"engine step failed: {exc!r}"
+            self._fail_all(lambda request_id: RequestFailed(request_id, reason))
             return
         for delta in deltas:
-            stream = self._streams.get(delta.request_id)
-            if stream is None:
-                continue
             if delta.finish_reason is not None:
-                del self._streams[delta.request_id]
-            self._post(stream, delta)
+                self._end(delta)
+            elif delta.request_id in self._routes:
+                self._post(self._routes[delta.request_id], delta)
+
+    def _end(self, delta: TokenDelta) -> None:
+        """Posts an engine request's last delta; the stream ends with its last child."""
+        stream = self._routes.pop(delta.request_id, None)
+        if stream is None:
+            return
+        stream.live.discard(delta.request_id)
+        if not stream.live:
+            del self._streams[stream.request_id]
+        self._post(stream, delta)
 
     def _fail_all(self, error: Callable[[str], Exception]) -> None:
-        streams, self._streams = self._streams, {}
-        for request_id, stream in streams.items():
+        for stream in list(self._streams.values()):
+            self._fail(stream, error(stream.request_id))
+
+    def _fail(self, stream: _Stream, error: Exception) -> None:
+        """Ends a stream with `error`, aborting whatever of it the core still runs."""
+        for engine_id in stream.live:
+            del self._routes[engine_id]
             try:
-                self.core.abort_request(request_id)
+                self.core.abort_request(engine_id)
             except Exception:
-                logger.exception("could not abort %s", request_id)
-            self._post(stream, error(request_id))
+                logger.exception("could not abort %s", engine_id)
+        stream.live = set()
+        del self._streams[stream.request_id]
+        self._post(stream, error)
 
     def _close_all(self) -> None:
         """After the loop ends: nothing may wait forever on a stream."""
@@ -242,5 +284,5 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_deliver, [(stream.queue, item) for stream, item in items])
             except RuntimeError:  # the loop is closed: nobody reads these streams any more
                 for stream, _ in items:
-                    if self._streams.pop(stream.request_id, None) is not None:
-                        self.core.abort_request(stream.request_id)
+                    if self._streams.get(stream.request_id) is stream:
+                        self._fail(stream, EngineUnavailable("the event loop closed"))

@@ -38,11 +38,16 @@ class EngineClient(Protocol):
 
     # Implemented as an async generator (`async def` with `yield`), hence `def` here.
     # Yields deltas in order (each may carry several tokens); the last one has a
-    # finish_reason. Rejected input raises InvalidParameter / ValueError from the first
-    # iteration, an internal failure raises RequestFailed. Closing the generator before
-    # its last delta aborts the request in the engine.
+    # finish_reason. With n or best_of > 1 the request runs as child requests: each
+    # delta keeps its child's id (`child_request_id(request_id, i)`, so i is the
+    # choice), every child ends with one delta that has a finish_reason, and the
+    # stream ends when all have. Rejected input raises InvalidParameter / ValueError
+    # from the first iteration, an internal failure raises RequestFailed. Closing the
+    # generator before its end aborts every child still running. `cache_salt` keeps
+    # the request's prefix-cache entries apart from those of other salts.
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> AsyncIterator[TokenDelta]: ...
 
+    # A request id aborts the request and all its children; a child id, that child only.
     async def abort(self, request_id: str) -> None: ...

@@ -6,15 +6,20 @@ parser loads none of them (transformers, the model code)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import threading
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 from services.cli_args import add_engine_args, engine_args
+from services.cluster_roles import add_registry_args, role_lease, scheduler_lease
 from services.config import EngineConfig
 from services.model_source import resolve_model
 from services.threads import configure_torch_threads
-from services.telemetry import EngineStatsCollector, serve_role_metrics
+from services.telemetry import EngineStatsCollector, configure_logging, serve_role_metrics
 from services.transport.grpc_server import RoleServer
 
 logger = logging.getLogger(__name__)
@@ -42,6 +47,7 @@ def _add_listen_args(parser: argparse.ArgumentParser, port: int) -> None:
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     _add_listen_args(parser, WORKER_PORT)
+    add_registry_args(parser, required=False)
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
@@ -51,23 +57,31 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
         "--worker-address", default=f"127.0.0.1:{WORKER_PORT}",
         help="host:port of the worker group this scheduler drives (default: %(default)s)",
     )
+    parser.add_argument(
+        "--nats-url", help="publish token deltas on NATS (kvfleet.out.<gateway_id>), as `kvfleet gateway` reads "
+        "them; unset: over StreamOutputs only",
+    )
+    add_registry_args(parser, required=False)
 
 
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="alias (smollm2), a .gguf file, or a HuggingFace "
                         "model directory (default: %(default)s)")
     _add_listen_args(parser, TOKENIZER_PORT)
+    add_registry_args(parser, required=False)
 
 
 def run_worker(args: argparse.Namespace) -> int:
     from services.transport.worker_server import start_worker_server
     from worker_svc.worker import Worker
 
-    _configure_logging()
+    configure_logging()
     configure_torch_threads()
     worker = Worker(EngineConfig(**engine_args(args)))
     serve_role_metrics(args.metrics_port, args.host)
-    _serve_until_signalled(start_worker_server(worker, f"{args.host}:{args.port}"), args.shutdown_timeout)
+    server = start_worker_server(worker, f"{args.host}:{args.port}")
+    with _registered(args, lambda: role_lease("worker", args, server.port)):
+        _serve_until_signalled(server, args.shutdown_timeout)
     return 0
 
 
@@ -78,17 +92,23 @@ def run_scheduler(args: argparse.Namespace) -> int:
     from services.transport.worker_client import RemoteWorker
     from tokenizer_svc.tokenizer import Tokenizer
 
-    _configure_logging()
+    from services.bus import NatsOutputHub
+
+    if args.redis_url and not args.nats_url:
+        raise SystemExit("--redis-url needs --nats-url: gateways that find this scheduler read its tokens from NATS")
+    configure_logging()
     config = EngineConfig(**engine_args(args))
     worker = RemoteWorker(args.worker_address)
     logger.info("waiting for the worker at %s", args.worker_address)
     # Only a model whose config names no EOS needs the tokenizer's.
     fallback_eos = None if worker.describe().eos_token_ids else Tokenizer.load(resolve_model(config.model)).eos_token_id
-    hub = OutputHub()
+    hub = NatsOutputHub(args.nats_url) if args.nats_url else OutputHub()
     loop = StepLoop(config, worker, hub, fallback_eos)
     try:
         serve_role_metrics(args.metrics_port, args.host, EngineStatsCollector(loop, config.model))
-        _serve_until_signalled(start_scheduler_server(loop, hub, f"{args.host}:{args.port}"), args.shutdown_timeout)
+        server = start_scheduler_server(loop, hub, f"{args.host}:{args.port}")
+        with _registered(args, lambda: scheduler_lease(args, server.port, loop, hub)):
+            _serve_until_signalled(server, args.shutdown_timeout)
     finally:
         worker.close()
     return 0
@@ -98,15 +118,18 @@ def run_tokenizer(args: argparse.Namespace) -> int:
     from services.transport.tokenizer_server import start_tokenizer_server
     from tokenizer_svc.tokenizer import Tokenizer
 
-    _configure_logging()
+    configure_logging()
     tokenizer = Tokenizer.load(resolve_model(args.model))
     serve_role_metrics(args.metrics_port, args.host)
-    _serve_until_signalled(start_tokenizer_server(tokenizer, f"{args.host}:{args.port}"), args.shutdown_timeout)
+    server = start_tokenizer_server(tokenizer, f"{args.host}:{args.port}")
+    with _registered(args, lambda: role_lease("tokenizer", args, server.port)):
+        _serve_until_signalled(server, args.shutdown_timeout)
     return 0
 
 
-def _configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _registered(args: argparse.Namespace, lease: Callable[[], AbstractContextManager]) -> AbstractContextManager:
+    """The role's registry lease with --redis-url; without, nothing."""
+    return lease() if args.redis_url else contextlib.nullcontext()
 
 
 def _serve_until_signalled(server: RoleServer, grace_s: float) -> None:

@@ -76,7 +76,10 @@ class SamplingParams:
              "must not be empty"),
             ("temperature", self.temperature >= 0.0, f"must be >= 0, got {self.temperature}"),
             ("top_p", 0.0 < self.top_p <= 1.0, f"must be in (0, 1], got {self.top_p}"),
-            ("top_k", self.top_k >= 0, f"must be -1 (disable) or >= 1, got {self.top_k}"),
+            ("top_k", 0 <= self.top_k <= 2**63 - 1, f"must be -1 (disable) or >= 1, got {self.top_k}"),
+            # Children of a parallel request use seed + index; torch takes seeds in [-2**63, 2**64).
+            ("seed", self.seed is None or -(2**63) <= self.seed <= 2**64 - 1 - MAX_PARALLEL_SAMPLES,
+             f"must fit in 64 bits, got {self.seed}"),
             ("min_p", 0.0 <= self.min_p <= 1.0, f"must be in [0, 1], got {self.min_p}"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
              f"must be at least 1, got {self.max_tokens}"),

@@ -1,6 +1,7 @@
 """Prometheus exposition shared by every role, under vLLM's metric names."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -48,6 +49,11 @@ class EngineStatsCollector(Collector):
                 if stats is not None:
                     family.add_metric(self._labels, getattr(stats, attribute))
                 yield family
+
+
+def configure_logging() -> None:
+    """Every role logs the same way, to stderr, for the process supervisor to collect."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def serve_role_metrics(port: int, host: str, extra: Collector | None = None) -> None:

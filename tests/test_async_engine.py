@@ -1,6 +1,7 @@
 """AsyncEngine, the embedded engine client, without HTTP: delivery across event loops,
-batched wake-ups, rejected input, shutdown with live requests. Each test runs its own
-engine thread over one module EngineCore, and checks the pool is whole afterwards."""
+batched wake-ups, rejected input, parallel samples routed to one stream, cache salts,
+shutdown with live requests. Each test runs its own engine thread over one module
+EngineCore, and checks the pool is whole afterwards."""
 from __future__ import annotations
 
 import asyncio
@@ -15,9 +16,10 @@ from conftest import assert_no_leaks
 from services.async_engine import AsyncEngine
 from services.config import EngineConfig
 from services.engine import EngineCore
-from services.engine_client import EngineUnavailable
+from services.engine_client import EngineUnavailable, RequestFailed
 from services.messages import TokenDelta
 from services.model_source import resolve_model
+from services.parallel_sampling import child_request_id
 from services.sampling_params import InvalidParameter, SamplingParams
 from tokenizer_svc.tokenizer import Tokenizer
 
@@ -108,18 +110,91 @@ def test_rejected_input_raises_to_the_caller_and_the_loop_goes_on(
         assert caught.value.param == "prompt"
         with pytest.raises(InvalidParameter, match="maximum model length of 256"):
             [delta async for delta in engine.generate("long", [1] * 257, GREEDY)]
-        with pytest.raises(InvalidParameter) as caught:
-            [delta async for delta in engine.generate("many", PROMPTS[0], SamplingParams(n=2))]
-        assert caught.value.param == "n"
+        with pytest.raises(InvalidParameter) as caught:  # every child is checked before any runs
+            [delta async for delta in engine.generate("many", [10**9], SamplingParams(n=3))]
+        assert caught.value.param == "prompt"
         return await _tokens(engine, "good", PROMPTS[0])
 
     assert asyncio.run(run()) == reference[0]
     assert engine.is_ready()
 
 
+def test_parallel_samples_share_the_parent_stream(engine: AsyncEngine, reference: list[list[int]]) -> None:
+    async def run() -> list[TokenDelta]:
+        params = SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True)
+        return [delta async for delta in engine.generate("par", PROMPTS[2], params)]
+
+    deltas = asyncio.run(run())
+    children = [child_request_id("par", i) for i in range(3)]
+    assert {d.request_id for d in deltas} == set(children)
+    for child in children:
+        mine = [d for d in deltas if d.request_id == child]
+        assert [t for d in mine for t in d.new_token_ids] == reference[2]  # greedy children agree
+        assert [d.finish_reason for d in mine][-1] == "length" and all(d.finish_reason is None for d in mine[:-1])
+    # The stream ends with the last child's end, not the first.
+    assert deltas[-1].finish_reason == "length"
+
+
+def test_aborting_one_child_leaves_its_siblings_running(engine: AsyncEngine) -> None:
+    async def run() -> dict[str, list[TokenDelta]]:
+        params = SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True)
+        by_child: dict[str, list[TokenDelta]] = {child_request_id("two", i): [] for i in range(2)}
+        async for delta in engine.generate("two", PROMPTS[0], params):
+            by_child[delta.request_id].append(delta)
+            if delta.request_id == child_request_id("two", 0) and delta.finish_reason is None:
+                await engine.abort(delta.request_id)
+        return by_child
+
+    first, second = asyncio.run(run()).values()
+    assert first[-1].finish_reason == "abort" and sum(len(d.new_token_ids) for d in first) < 12
+    assert second[-1].finish_reason == "length" and sum(len(d.new_token_ids) for d in second) == 12
+
+
+def test_a_failed_step_fails_a_parallel_request_whole(
+    engine: AsyncEngine, core: EngineCore, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    execute = core.worker.execute
+    calls = 0
+
+    def fail_third_step(plan):  # by then every child runs
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("injected worker failure")
+        return execute(plan)
+
+    monkeypatch.setattr(core.worker, "execute", fail_third_step)
+
+    async def run() -> list[int]:
+        params = SamplingParams(n=3, temperature=0, max_tokens=50, ignore_eos=True)
+        with pytest.raises(RequestFailed, match="injected worker failure"):
+            [delta async for delta in engine.generate("doomed", PROMPTS[0], params)]
+        return await _tokens(engine, "after", PROMPTS[0])
+
+    assert asyncio.run(run()) == reference[0]  # the fixture then checks no child kept a block
+
+
+def test_cache_salt_keeps_prefix_caches_apart(engine: AsyncEngine) -> None:
+    prompt = list(range(1000, 1040))  # two full blocks to share
+
+    async def hits(request_id: str, salt: str | None) -> int:
+        # Hits are counted when the prompt is admitted, steps before the stream ends.
+        before = engine.stats().prefix_cache_hits
+        [delta async for delta in engine.generate(request_id, prompt, GREEDY, salt)]
+        return engine.stats().prefix_cache_hits - before
+
+    async def run() -> list[int]:
+        return [await hits(f"salt-{i}", salt) for i, salt in enumerate(("a", "a", "b", None, None))]
+
+    first_a, again_a, first_b, first_none, again_none = asyncio.run(run())
+    assert first_a == first_b == first_none == 0
+    assert again_a == again_none == 32
+
+
 def test_closing_a_stream_early_aborts_its_request(engine: AsyncEngine) -> None:
     async def run() -> None:
-        params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)  # seconds of decoding
+        # Seconds of decoding, in three children: closing the stream must abort them all.
+        params = SamplingParams(n=3, temperature=0, max_tokens=240, ignore_eos=True)
         stream = engine.generate("early", PROMPTS[1], params)
         first = await anext(stream)
         assert first.new_token_ids and first.finish_reason is None

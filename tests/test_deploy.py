@@ -433,17 +433,7 @@ def test_deploy_files_run_only_known_roles():
     assert {i.role for i in invocations} == set(ROLES), sorted({(i.role, i.where) for i in invocations})
 
 
-# Strict: each mark must come off the moment its role catches up with the deploy files.
-_PENDING = {
-    "gateway": "the cluster gateway role lands with the NATS/Redis work",
-    "scheduler": "--nats-url and --redis-url land with the NATS/Redis work",
-}
-
-
-@pytest.mark.parametrize(
-    "role", [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=_PENDING[r])) if r in _PENDING else r
-             for r in ROLES],
-)
+@pytest.mark.parametrize("role", ROLES)
 def test_deploy_flags_exist_in_role_help(role, role_help):
     """Every flag the chart (all value sets), docker-compose.yml and the Dockerfiles
     pass to `kvfleet <role>` is one its --help lists. Fails while the role does not
@@ -467,7 +457,7 @@ def test_scheduler_and_worker_get_the_same_engine_flags():
     """A replica's scheduler and worker must agree on the engine (model, block size,
     lengths): in every deploy file that runs both, the worker's engine flags (all
     but where it listens) appear in the scheduler's with the same values."""
-    own = {"--host", "--port", "--metrics-port", "--shutdown-timeout"}
+    own = {"--host", "--port", "--metrics-port", "--shutdown-timeout", "--advertise-address"}
     groups: dict[str, dict[str, Invocation]] = {}
     for invocation in chart_invocations() + compose_invocations():
         source = invocation.where.rsplit(" ", 1)[0]

@@ -234,3 +234,16 @@ def test_a_failed_step_ends_only_its_requests(make_llm, monkeypatch):
             assert error.request_ids == ["victim"]
             finished["victim"] = "failed"
     assert finished == {"victim": "failed", "bystander": "length"}
+
+
+@pytest.mark.parametrize("kwargs, param", [({"top_k": 2**64}, "top_k"), ({"seed": 2**65}, "seed")])
+def test_out_of_range_integers_are_rejected_before_the_engine(kwargs, param):
+    with pytest.raises(InvalidParameter) as error:
+        SamplingParams(**kwargs)
+    assert error.value.param == param
+
+
+def test_logprobs_beyond_the_vocabulary_are_rejected(llm):
+    with pytest.raises(InvalidParameter) as error:
+        llm.generate([[1, 2, 3]], SamplingParams(logprobs=10**6))
+    assert error.value.param == "logprobs"

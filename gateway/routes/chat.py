@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions, streamed in OpenAI's chunk format or answered whole."""
+"""POST /v1/chat/completions: n choices, streamed in OpenAI's chunk format or answered whole."""
 from __future__ import annotations
 
 import uuid
@@ -9,11 +9,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.chat_messages import message_dicts
+from gateway.choices import ChoiceDelta
 from gateway.context import GatewayContext, get_context
 from gateway.disconnect import cancel_on_disconnect
 from gateway.errors import bad_request
 from gateway.generation import prime
-from gateway.logprobs import chat_logprobs
+from gateway.logprobs import chat_logprobs, prompt_logprobs
 from gateway.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -26,7 +27,7 @@ from gateway.protocol import (
     DeltaMessage,
     Usage,
 )
-from gateway.sampling import to_sampling_params
+from gateway.sampling import fit_prompt, to_sampling_params
 from gateway.sse import DONE, event, sse_response
 from services.output_processor import TextDelta
 
@@ -49,12 +50,18 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
         raise bad_request("response_format", f"response_format type {body.response_format.type!r} is not supported yet")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs", "top_logprobs needs logprobs set to true")
-    prompt_token_ids = ctx.tokenizer.apply_chat_template(message_dicts(body.messages))
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    uses_completion_tokens = body.max_completion_tokens is not None
+    max_tokens = body.max_completion_tokens if uses_completion_tokens else body.max_tokens
     num_top = body.top_logprobs or 0
-    params = to_sampling_params(body, ctx.tokenizer, max_tokens, num_top if body.logprobs else None)
+    params = to_sampling_params(
+        body, ctx.tokenizer, max_tokens, num_top if body.logprobs else None, body.prompt_logprobs
+    )
+    prompt_token_ids = fit_prompt(
+        ctx.tokenizer.apply_chat_template(message_dicts(body.messages)), params, ctx.max_model_len, "messages",
+        "max_completion_tokens" if uses_completion_tokens else "max_tokens",
+    )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = await prime(ctx.generate(request_id, prompt_token_ids, params))
+    stream = await prime(ctx.generate(request_id, prompt_token_ids, params, body))
 
     def logprobs_of(delta: TextDelta) -> list[ChatTokenLogprob]:
         return chat_logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs, num_top) if delta.logprobs else []
@@ -62,53 +69,68 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
     if body.stream:
         head = ChatCompletionChunk(id=request_id, model=ctx.served_model_name, choices=[])
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse_response(_events(head, stream, logprobs_of, len(prompt_token_ids), include_usage))
-    text: list[str] = []
-    content_logprobs: list[ChatTokenLogprob] = []
+        return sse_response(_events(head, params.n, stream, logprobs_of, len(prompt_token_ids), include_usage))
+    text: list[list[str]] = [[] for _ in range(params.n)]
+    content_logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(params.n)]
+    last: list[TextDelta | None] = [None] * params.n  # each choice's last delta carries its finish reason
     num_tokens = 0
-    async for delta in stream:
-        text.append(delta.text)
+    entries = None
+    async for item in stream:
+        delta = item.text
+        text[item.index].append(delta.text)
+        content_logprobs[item.index].extend(logprobs_of(delta))
+        last[item.index] = delta
         num_tokens += len(delta.token_ids)
-        content_logprobs.extend(logprobs_of(delta))
-    # The stream's last delta carries the finish reason.
-    choice = ChatChoice(
-        index=0,
-        message=ChatMessage(content="".join(text)),
-        logprobs=ChatLogprobs(content=content_logprobs) if body.logprobs else None,
-        finish_reason=delta.finish_reason,
-        stop_reason=delta.stop_reason,
-    )
+        entries = entries or item.prompt_logprobs
+    choices = [
+        ChatChoice(
+            index=index,
+            message=ChatMessage(content="".join(text[index])),
+            logprobs=ChatLogprobs(content=content_logprobs[index]) if body.logprobs else None,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+        )
+        for index, delta in enumerate(last)
+    ]
     response = ChatCompletionResponse(
-        id=request_id, model=ctx.served_model_name, choices=[choice], usage=Usage.of(len(prompt_token_ids), num_tokens)
+        id=request_id, model=ctx.served_model_name, choices=choices, usage=Usage.of(len(prompt_token_ids), num_tokens),
+        prompt_logprobs=prompt_logprobs(ctx.tokenizer, entries or [], body.prompt_logprobs)
+        if body.prompt_logprobs is not None else None,
     )
     return JSONResponse(response.model_dump())
 
 
 async def _events(
     head: ChatCompletionChunk,
-    stream: AsyncGenerator[TextDelta, None],
+    n: int,
+    stream: AsyncGenerator[ChoiceDelta, None],
     logprobs_of: Callable[[TextDelta], list[ChatTokenLogprob]],
     num_prompt_tokens: int,
     include_usage: bool,
 ) -> AsyncGenerator[str, None]:
-    def chunk(delta: DeltaMessage, logprobs: list[ChatTokenLogprob] | None = None, finish_reason: str | None = None) -> str:
+    def chunk(
+        index: int, delta: DeltaMessage, logprobs: list[ChatTokenLogprob] | None = None,
+        finish_reason: str | None = None,
+    ) -> str:
         choice = ChatChunkChoice(
-            index=0, delta=delta, logprobs=ChatLogprobs(content=logprobs) if logprobs else None,
+            index=index, delta=delta, logprobs=ChatLogprobs(content=logprobs) if logprobs else None,
             finish_reason=finish_reason,
         )
         return event(head.model_copy(update={"choices": [choice]}))
 
-    yield chunk(DeltaMessage(role="assistant", content=""))
+    for index in range(n):  # as vLLM: every choice opens with its role
+        yield chunk(index, DeltaMessage(role="assistant", content=""))
     num_tokens = 0
     async with aclosing(stream):
-        async for delta in stream:
+        async for item in stream:
+            delta = item.text
             num_tokens += len(delta.token_ids)
             logprobs = logprobs_of(delta)
             if delta.text or logprobs:
-                yield chunk(DeltaMessage(content=delta.text), logprobs)
+                yield chunk(item.index, DeltaMessage(content=delta.text), logprobs)
             if delta.finish_reason is not None:
                 # OpenAI ends a choice with an empty delta that carries the reason.
-                yield chunk(DeltaMessage(), finish_reason=delta.finish_reason)
+                yield chunk(item.index, DeltaMessage(), finish_reason=delta.finish_reason)
     if include_usage:
         yield event(head.model_copy(update={"usage": Usage.of(num_prompt_tokens, num_tokens)}))
     yield DONE

@@ -1,4 +1,9 @@
-"""POST /v1/completions: one prompt or a batch, text or token ids, streamed or not."""
+"""POST /v1/completions: one prompt or a batch, text or token ids, n choices each, streamed or not.
+
+Choice i of prompt p has index p * n + i, as in vLLM. echo prepends the prompt to each
+choice's text, and with logprobs the prompt's tokens lead the logprobs (their first
+without one), as OpenAI's legacy API does.
+"""
 from __future__ import annotations
 
 import uuid
@@ -9,15 +14,15 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from gateway.choices import ChoiceDelta
 from gateway.context import GatewayContext, get_context
 from gateway.disconnect import cancel_on_disconnect
 from gateway.errors import bad_request
 from gateway.generation import merge, prime_all
-from gateway.logprobs import CompletionLogprobsBuilder
-from gateway.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
-from gateway.sampling import to_sampling_params
+from gateway.logprobs import CompletionLogprobsBuilder, prompt_logprobs
+from gateway.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from gateway.sampling import fit_prompt, to_sampling_params
 from gateway.sse import DONE, event, sse_response
-from services.output_processor import TextDelta
 from tokenizer_svc.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -31,16 +36,36 @@ class _Prompt:
 
 @dataclass
 class _Choice:
-    """One prompt's output as it accumulates."""
+    """One choice's output as it accumulates."""
 
     prompt: _Prompt
     logprobs: CompletionLogprobsBuilder | None
-    echo: bool
+    echo: bool  # the prompt still has to go out
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    def take(self, item: ChoiceDelta) -> tuple[str, CompletionLogprobs | None]:
+        """Adds a delta; returns what of it goes out: text and logprobs, the prompt's first."""
+        delta = item.text
+        self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        self.token_logprobs.extend(delta.logprobs or [])
+        self.prompt_logprobs = self.prompt_logprobs or item.prompt_logprobs
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        text, logprobs = delta.text, None
+        if self.logprobs is not None:
+            logprobs = (
+                self.logprobs.build_echo(self.prompt.token_ids, item.prompt_logprobs or [], delta.token_ids,
+                                         delta.logprobs or [])
+                if self.echo else self.logprobs.build(delta.token_ids, delta.logprobs or [])
+            )
+        if self.echo:
+            text, self.echo = self.prompt.text + text, False
+        return text, logprobs
 
 
 @router.post("/v1/completions")
@@ -55,79 +80,94 @@ async def _complete(body: CompletionRequest, ctx: GatewayContext) -> Response:
     ctx.check_ready()
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options", "stream_options is only allowed when stream is true")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo", "echo with logprobs needs prompt logprobs, which are not supported yet")
-    prompts = _prompts(body.prompt, ctx.tokenizer)
-    params = to_sampling_params(body, ctx.tokenizer, body.max_tokens, body.logprobs)
+    # echo with logprobs shows the prompt's logprobs too: the engine computes them.
+    prompt_top = body.prompt_logprobs if body.prompt_logprobs is not None else (
+        body.logprobs if body.echo else None)
+    params = to_sampling_params(body, ctx.tokenizer, body.max_tokens, body.logprobs, prompt_top)
+    prompts = []
+    for prompt in _prompts(body.prompt, ctx.tokenizer):
+        token_ids = fit_prompt(prompt.token_ids, params, ctx.max_model_len, "prompt", "max_tokens")
+        if len(token_ids) < len(prompt.token_ids):  # truncated: echo what the model saw
+            prompt = _Prompt(ctx.tokenizer.decode(token_ids), token_ids)
+        prompts.append(prompt)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await prime_all(
-        [ctx.generate(f"{request_id}-{i}", prompt.token_ids, params) for i, prompt in enumerate(prompts)]
+        [ctx.generate(f"{request_id}-{i}", prompt.token_ids, params, body) for i, prompt in enumerate(prompts)]
     )
     choices = [
-        _Choice(
-            prompt,
-            CompletionLogprobsBuilder(ctx.tokenizer, body.logprobs, len(prompt.text) if body.echo else 0)
-            if body.logprobs is not None else None,
-            body.echo,
-        )
-        for prompt in prompts
+        _Choice(prompt, CompletionLogprobsBuilder(ctx.tokenizer, body.logprobs) if body.logprobs is not None else None,
+                body.echo)
+        for prompt in prompts for _ in range(params.n)
     ]
     head = CompletionResponse(id=request_id, model=ctx.served_model_name, choices=[])
+    deltas = _flat(merge(streams), params.n)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse_response(_events(head, choices, merge(streams), include_usage))
-    async for index, delta in merge(streams):
-        choice = choices[index]
-        choice.text.append(delta.text)
-        choice.token_ids.extend(delta.token_ids)
-        if delta.logprobs is not None:
-            choice.token_logprobs.extend(delta.logprobs)
-        choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+        return sse_response(_events(head, prompts, choices, deltas, include_usage))
+    pieces: list[list[CompletionLogprobs]] = [[] for _ in choices]
+    async for index, item in deltas:
+        _, logprobs = choices[index].take(item)
+        pieces[index].extend([logprobs] if logprobs is not None else [])
     head.choices = [
         CompletionChoice(
             index=index,
-            text=(choice.prompt.text if choice.echo else "") + "".join(choice.text),
-            logprobs=choice.logprobs.build(choice.token_ids, choice.token_logprobs) if choice.logprobs else None,
+            text=(choice.prompt.text if body.echo else "") + "".join(choice.text),
+            logprobs=_joined(pieces[index]) if choice.logprobs is not None else None,
             finish_reason=choice.finish_reason,
             stop_reason=choice.stop_reason,
+            prompt_logprobs=prompt_logprobs(ctx.tokenizer, choice.prompt_logprobs or [], body.prompt_logprobs)
+            if body.prompt_logprobs is not None else None,
         )
         for index, choice in enumerate(choices)
     ]
-    head.usage = _usage(choices)
+    head.usage = _usage(prompts, choices)
     return JSONResponse(head.model_dump())
+
+
+async def _flat(
+    deltas: AsyncGenerator[tuple[int, ChoiceDelta], None], n: int
+) -> AsyncGenerator[tuple[int, ChoiceDelta], None]:
+    """(prompt, its choice) to the response's choice index."""
+    async with aclosing(deltas):
+        async for prompt_index, item in deltas:
+            yield prompt_index * n + item.index, item
+
+
+def _joined(pieces: list[CompletionLogprobs]) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for piece in pieces:
+        out.tokens += piece.tokens
+        out.token_logprobs += piece.token_logprobs
+        out.top_logprobs += piece.top_logprobs
+        out.text_offset += piece.text_offset
+    return out
 
 
 async def _events(
     head: CompletionResponse,
+    prompts: list[_Prompt],
     choices: list[_Choice],
-    deltas: AsyncGenerator[tuple[int, TextDelta], None],
+    deltas: AsyncGenerator[tuple[int, ChoiceDelta], None],
     include_usage: bool,
 ) -> AsyncGenerator[str, None]:
     async with aclosing(deltas):
-        async for index, delta in deltas:
-            choice = choices[index]
-            text = delta.text
-            if choice.echo:  # the prompt goes out with the first chunk
-                text, choice.echo = choice.prompt.text + text, False
-            choice.token_ids.extend(delta.token_ids)
-            logprobs = (
-                choice.logprobs.build(delta.token_ids, delta.logprobs) if choice.logprobs and delta.logprobs else None
-            )
-            if text or logprobs or delta.finish_reason:
+        async for index, item in deltas:
+            text, logprobs = choices[index].take(item)
+            finish_reason = item.text.finish_reason
+            if text or logprobs or finish_reason:
                 chunk = CompletionChoice(
                     index=index, text=text, logprobs=logprobs,
-                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                    finish_reason=finish_reason, stop_reason=item.text.stop_reason,
                 )
                 yield event(head.model_copy(update={"choices": [chunk]}))
     if include_usage:
-        yield event(head.model_copy(update={"usage": _usage(choices)}))
+        yield event(head.model_copy(update={"usage": _usage(prompts, choices)}))
     yield DONE
 
 
-def _usage(choices: list[_Choice]) -> Usage:
-    return Usage.of(
-        sum(len(choice.prompt.token_ids) for choice in choices), sum(len(choice.token_ids) for choice in choices)
-    )
+def _usage(prompts: list[_Prompt], choices: list[_Choice]) -> Usage:
+    """Each prompt counts once, however many choices it has; every choice's tokens count."""
+    return Usage.of(sum(len(prompt.token_ids) for prompt in prompts), sum(len(choice.token_ids) for choice in choices))
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]], tokenizer: Tokenizer) -> list[_Prompt]:

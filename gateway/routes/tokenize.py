@@ -29,6 +29,4 @@ async def tokenize(body: TokenizeRequest, ctx: GatewayContext = Depends(get_cont
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, ctx: GatewayContext = Depends(get_context)) -> DetokenizeResponse:
     ctx.check_model(body.model)
-    if any(token < 0 for token in body.tokens):
-        raise bad_request("tokens", "token ids must be >= 0")
     return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))

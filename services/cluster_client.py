@@ -1,0 +1,268 @@
+"""ClusterEngineClient: the gateway's EngineClient in cluster mode.
+
+generate() opens the request's queue on this gateway's NATS subscription, submits the
+request to a scheduler replica over gRPC, then yields the deltas NATS brings back.
+Replicas come from the Redis registry, read by a poller thread that also fetches each
+replica's Stats: routing picks the least loaded ready replica, and /metrics gets the
+sum. When a scheduler's lease lapses (it died, hung or lost NATS), the requests it
+held end here with RequestFailed within that lease: none waits forever.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import redis
+
+from services.bus_subscriber import OutputSubscriber
+from services.engine_client import EngineUnavailable, RequestFailed
+from services.messages import EngineStats, TokenDelta
+from services.parallel_sampling import child_request_id, num_children
+from services.pb.kvfleet.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.registry import ClusterView, Member, Registry, new_member_id
+from services.sampling_params import InvalidParameter, SamplingParams
+from services.transport.channel import MESSAGE_OPTIONS
+from services.transport.convert import sampling_params_to_proto, stats_from_proto
+
+logger = logging.getLogger(__name__)
+
+_NO_STATS = EngineStats(0, 0, 0.0, 0, 0, 0, 0)
+# gRPC backs off up to 2 minutes between reconnects by default; a replica that comes
+# back (or a server still starting) should be seen within a poll or two instead.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+@dataclass(eq=False)
+class _Replica:
+    member: Member
+    channel: grpc.Channel
+    stub: scheduler_pb2_grpc.SchedulerStub
+    routable: bool = False  # its worker holds a lease and it answered the last Stats
+    load: int = 0  # running + waiting at the last poll, plus what we sent it since
+
+    @classmethod
+    def open(cls, member: Member) -> _Replica:
+        channel = grpc.insecure_channel(member.address, options=MESSAGE_OPTIONS + RECONNECT_OPTIONS)
+        return cls(member, channel, scheduler_pb2_grpc.SchedulerStub(channel))
+
+
+class ClusterEngineClient:
+    def __init__(
+        self,
+        redis_url: str,
+        nats_url: str,
+        gateway_id: str | None = None,
+        poll_interval_s: float = 0.5,
+        submit_timeout_s: float = 60.0,
+    ) -> None:
+        self.gateway_id = gateway_id or new_member_id()
+        self._redis_url = redis_url
+        self._nats_url = nats_url
+        self._poll_interval_s = poll_interval_s
+        self._submit_timeout_s = submit_timeout_s
+        self._lock = threading.Lock()  # guards _replicas, their load, and _placed
+        self._replicas: dict[str, _Replica] = {}
+        # Where each request of ours runs, by its id and by its children's ids.
+        self._placed: dict[str, _Replica] = {}
+        self._aborts: set[grpc.Future] = set()  # in flight; held so they are not collected
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # Replaced (never mutated) by the poller, so any thread may read them.
+        self._ready = False
+        self._stats = _NO_STATS
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the client was already started")
+        self._registry = Registry(self._redis_url)
+        self._subscriber = OutputSubscriber(self._nats_url, self.gateway_id)
+        self._refresh()  # so is_ready() is right from the start
+        self._thread = threading.Thread(target=self._poll_forever, name="kvfleet-cluster-poller", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        if self._thread is None or self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join()
+        self._subscriber.fail(None, lambda request_id: EngineUnavailable("the gateway is shutting down"))
+        self._subscriber.close()
+        with self._lock:
+            replicas, self._replicas = list(self._replicas.values()), {}
+        for replica in replicas:
+            replica.channel.close()
+        self._registry.close()
+
+    def is_ready(self) -> bool:
+        running = self._thread is not None and not self._stop.is_set()
+        return running and self._ready and self._subscriber.connected
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # -- requests ----------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> AsyncIterator[TokenDelta]:
+        if self._thread is None or self._stop.is_set():
+            raise EngineUnavailable("the cluster client is not running")
+        # With n or best_of > 1 the scheduler runs child requests; each ends with one final delta.
+        running = num_children(params)
+        children = [child_request_id(request_id, i) for i in range(running)] if running > 1 else []
+        deltas = self._subscriber.open(request_id, children)  # before Submit: no delta can slip past
+        submit: grpc.Future | None = None
+        try:
+            replica = self._claim([request_id, *children])
+            request = scheduler_pb2.SubmitRequest(
+                request_id=request_id, prompt_token_ids=prompt_token_ids, gateway_id=self.gateway_id,
+                sampling_params=sampling_params_to_proto(params), cache_salt=cache_salt,
+            )
+            submit = replica.stub.Submit.future(request, timeout=self._submit_timeout_s)
+            await _done(submit)
+            try:
+                submit.result()
+            except grpc.RpcError as exc:
+                raise _submit_error(exc, replica.member) from exc
+            while running:
+                item = await deltas.get()
+                if isinstance(item, BaseException):
+                    raise item
+                running -= item.finish_reason is not None
+                yield item
+        finally:
+            self._subscriber.discard(request_id)
+            self._release([request_id, *children])
+            # Whatever did not finish may still run there (the consumer left, the stream
+            # broke, Submit was cancelled midway); aborting an unknown id is a no-op.
+            if running and submit is not None:
+                submit.add_done_callback(lambda _: self._send_abort(replica, request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """A request id aborts the request and its children; a child id, that child only."""
+        with self._lock:
+            replica = self._placed.get(request_id)
+        if replica is not None:
+            self._send_abort(replica, request_id)
+
+    def _claim(self, ids: list[str]) -> _Replica:
+        with self._lock:
+            routable = [replica for replica in self._replicas.values() if replica.routable]
+            if not routable:
+                raise EngineUnavailable("no scheduler is ready")
+            replica = min(routable, key=lambda r: r.load)
+            replica.load += 1  # until the next poll counts it
+            self._placed.update(dict.fromkeys(ids, replica))
+            return replica
+
+    def _release(self, ids: list[str]) -> None:
+        with self._lock:
+            for request_id in ids:
+                self._placed.pop(request_id, None)
+
+    def _send_abort(self, replica: _Replica, request_id: str) -> None:
+        """Fire and forget, from any thread."""
+        try:
+            call = replica.stub.Abort.future(scheduler_pb2.AbortRequest(request_id=request_id), timeout=5.0)
+        except ValueError:  # its channel is closed: the replica is gone, and the request with it
+            return
+        with self._lock:
+            self._aborts.add(call)
+        call.add_done_callback(self._aborted)
+
+    def _aborted(self, call: grpc.Future) -> None:
+        with self._lock:
+            self._aborts.discard(call)
+        if call.exception() is not None:
+            logger.warning("abort failed: %s", call.exception())
+
+    # -- the poller thread -------------------------------------------------------------
+
+    def _poll_forever(self) -> None:
+        while not self._stop.wait(self._poll_interval_s):
+            try:
+                self._refresh()
+            except Exception:
+                logger.exception("the cluster poller failed; trying again")
+
+    def _refresh(self) -> None:
+        try:
+            view = ClusterView.read(self._registry)
+        except redis.RedisError as exc:  # keep the last view: a Redis blip must not stop serving
+            logger.warning("cannot read the registry at %s: %s", self._redis_url, exc)
+            return
+        leased = {member.id: member for member in view.schedulers}
+        with self._lock:
+            gone = [self._replicas.pop(i) for i in list(self._replicas) if i not in leased]
+            orphans = [(replica, [i for i, r in self._placed.items() if r is replica]) for replica in gone]
+            for member_id, member in leased.items():
+                if member_id not in self._replicas:
+                    self._replicas[member_id] = _Replica.open(member)
+            replicas = list(self._replicas.values())
+        for replica, request_ids in orphans:
+            message = f"scheduler {replica.member.id} at {replica.member.address} is gone (it left, or its lease lapsed)"
+            logger.warning("%s; failing its %d requests", message, len(request_ids))
+            self._subscriber.fail(request_ids, lambda request_id: RequestFailed(request_id, message))
+            replica.channel.close()
+        # All at once, so one slow replica delays the poll by its timeout only.
+        calls = [(replica, replica.stub.Stats.future(scheduler_pb2.StatsRequest(), timeout=2.0)) for replica in replicas]
+        stats = [self._poll(replica, call, view.scheduler_ready(replica.member)) for replica, call in calls]
+        self._stats = _total([s for s in stats if s is not None])
+        self._ready = view.gateway_ready
+
+    def _poll(self, replica: _Replica, call: grpc.Future, worker_live: bool) -> EngineStats | None:
+        try:
+            stats = stats_from_proto(call.result())
+        except grpc.RpcError as exc:
+            logger.warning("scheduler %s does not answer: %s", replica.member.address, exc.code().name)
+            with self._lock:
+                replica.routable = False
+            return None
+        with self._lock:
+            replica.load = stats.num_requests_running + stats.num_requests_waiting
+            replica.routable = worker_live
+        return stats
+
+
+async def _done(call: grpc.Future) -> None:
+    """Waits on the caller's loop for a gRPC future run by gRPC's threads."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(_: grpc.Future) -> None:
+        try:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+        except RuntimeError:  # the loop is closed; nobody waits any more
+            pass
+
+    call.add_done_callback(settle)
+    await done
+
+
+def _submit_error(exc: grpc.RpcError, scheduler: Member) -> Exception:
+    code, details = exc.code(), exc.details() or ""
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        # The scheduler's message starts with the parameter's name ("temperature: ...").
+        param, sep, message = details.partition(": ")
+        return InvalidParameter(param, message) if sep and param.isidentifier() else ValueError(details)
+    return EngineUnavailable(f"scheduler at {scheduler.address}: {code.name}: {details}")
+
+
+def _total(stats: list[EngineStats]) -> EngineStats:
+    """Every replica's stats as one: gauges and counters add up, usage is block-weighted."""
+    blocks = sum(s.num_kv_blocks for s in stats)
+    return EngineStats(
+        num_requests_running=sum(s.num_requests_running for s in stats),
+        num_requests_waiting=sum(s.num_requests_waiting for s in stats),
+        kv_cache_usage=sum(s.kv_cache_usage * s.num_kv_blocks for s in stats) / blocks if blocks else 0.0,
+        num_preemptions=sum(s.num_preemptions for s in stats),
+        num_kv_blocks=blocks,
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+    )

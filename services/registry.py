@@ -1,0 +1,155 @@
+"""The role registry in Redis: which role processes are alive, where, and with what.
+
+Every live role process holds a lease: key `kvfleet:role:<role>:<id>` holding JSON
+{address, metadata}, with a TTL that a heartbeat thread renews every third of it.
+A process that dies, hangs or stops being healthy stops renewing, and its key
+expires: nobody has to clean up after it, and readers only ever see live members.
+
+Readiness is derived from it: a scheduler is ready iff the worker group it drives
+(its metadata's "worker" address) holds a lease; a gateway iff at least one ready
+scheduler and one tokenizer do.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = "kvfleet:role"
+DEFAULT_TTL_S = 10.0
+
+
+def new_member_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+@dataclass(frozen=True)
+class Member:
+    role: str  # "gateway", "tokenizer", "scheduler", "worker"
+    id: str
+    address: str  # host:port that other roles dial
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{KEY_PREFIX}:{self.role}:{self.id}"
+
+
+class Registry:
+    """Typed access to the leases; every call is one or two Redis round trips."""
+
+    def __init__(self, url: str, timeout_s: float = 2.0) -> None:
+        self.url = url
+        self._redis = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
+        )
+
+    def put(self, member: Member, ttl_s: float) -> None:
+        value = json.dumps({"address": member.address, "metadata": dict(member.metadata)})
+        self._redis.set(member.key, value, px=max(1, round(ttl_s * 1000)))
+
+    def remove(self, member: Member) -> None:
+        self._redis.delete(member.key)
+
+    def members(self, role: str) -> list[Member]:
+        """The live members of a role, by id. SCAN walks the keyspace; this registry's
+        keyspace is a handful of keys per process, so that stays cheap."""
+        keys = sorted(self._redis.scan_iter(match=f"{KEY_PREFIX}:{role}:*", count=1000))
+        members = []
+        for key, value in zip(keys, self._redis.mget(keys) if keys else []):
+            if value is None:  # expired between the scan and the read
+                continue
+            record = json.loads(value)
+            members.append(Member(role, key.rsplit(":", 1)[1], record["address"], record["metadata"]))
+        return members
+
+    def ping(self) -> bool:
+        return bool(self._redis.ping())
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+class Lease:
+    """Keeps `member` registered while `healthy()` holds, until stop().
+
+    The key goes in at the first healthy beat, so a role is listed only once it can
+    serve; an unhealthy beat skips the renewal, so the key lapses within the TTL.
+    Usable as a context manager.
+    """
+
+    def __init__(
+        self, registry: Registry, member: Member, ttl_s: float = DEFAULT_TTL_S, healthy: Callable[[], bool] = lambda: True
+    ) -> None:
+        self.registry = registry
+        self.member = member
+        self.ttl_s = ttl_s
+        self._healthy = healthy
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kvfleet-lease-{member.role}", daemon=True)
+
+    def start(self) -> Lease:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops renewing and removes the key: a clean exit leaves no stale entry."""
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.registry.remove(self.member)
+        except redis.RedisError as exc:
+            logger.warning("could not remove %s (it expires within %.1f s): %s", self.member.key, self.ttl_s, exc)
+
+    def __enter__(self) -> Lease:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        interval = self.ttl_s / 3
+        while True:
+            self._beat()
+            if self._stop.wait(interval):
+                return
+
+    def _beat(self) -> None:
+        try:
+            if self._healthy():
+                self.registry.put(self.member, self.ttl_s)
+        except redis.RedisError as exc:  # Redis may come back before the lease runs out
+            logger.warning("could not renew %s: %s", self.member.key, exc)
+        except Exception:
+            logger.exception("the health check of %s failed", self.member.key)
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """One read of the registry."""
+
+    schedulers: list[Member]  # every live scheduler lease, ready or not
+    workers: list[Member]
+    tokenizers: list[Member]
+
+    @classmethod
+    def read(cls, registry: Registry) -> ClusterView:
+        return cls(registry.members("scheduler"), registry.members("worker"), registry.members("tokenizer"))
+
+    def scheduler_ready(self, scheduler: Member) -> bool:
+        return scheduler.metadata.get("worker") in {worker.address for worker in self.workers}
+
+    @property
+    def ready_schedulers(self) -> list[Member]:
+        return [scheduler for scheduler in self.schedulers if self.scheduler_ready(scheduler)]
+
+    @property
+    def gateway_ready(self) -> bool:
+        return bool(self.ready_schedulers) and bool(self.tokenizers)

@@ -280,6 +280,18 @@ class Scheduler:
         """A plan failed, so the worker may not have dropped these: the next plan says it again."""
         self._dropped_ids.extend(request_ids)
 
+    def forget_worker(self) -> list[str]:
+        """The worker is lost (it died, restarted, or cannot be reached): every
+        request's KV and every cached prefix may be gone. Aborts every request and
+        returns their ids. Their drops still go out with the next plan: a worker that
+        was only unreachable frees their state, a restarted one ignores them."""
+        request_ids = list(self.requests)
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        self._pending_copies.clear()
+        self.block_pool.reset_prefix_cache()
+        return request_ids
+
     def _forget_on_worker(self, request: Request) -> None:
         if request.known_to_worker:
             request.known_to_worker = False

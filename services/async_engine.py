@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from services.engine import EngineCore, StepFailed
 from services.engine_client import EngineUnavailable, RequestFailed
 from services.messages import EngineStats, TokenDelta
-from services.parallel_sampling import child_request_id, num_children
+from services.parallel_sampling import num_children
+from services.request_routes import RequestRoutes, Route
 from services.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,9 +39,6 @@ class _Stream:
     request_id: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
-    # The engine request ids (the request's own, or its children's) still running;
-    # owned by the engine thread.
-    live: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -78,10 +76,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopped = False
         self._thread: threading.Thread | None = None
-        # Owned by the engine thread: streams by request id, and by engine request id
-        # (a child's id routes to its parent's stream).
-        self._streams: dict[str, _Stream] = {}
-        self._routes: dict[str, _Stream] = {}
+        # Owned by the engine thread: each live request's stream.
+        self._routes: RequestRoutes[_Stream] = RequestRoutes()
         self._outbox: defaultdict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = defaultdict(list)
         # Replaced (never mutated) by the engine thread, so any thread may read it.
         self._stats: EngineStats = core.stats()
@@ -186,28 +182,19 @@ class AsyncEngine:
 
     def _add(self, command: _Add) -> None:
         stream = command.stream
-        count = num_children(command.params)
         try:
             self.core.add_request(stream.request_id, command.prompt_token_ids, command.params, command.cache_salt)
         except Exception as exc:  # rejected input: the caller gets the error, the loop goes on
             self._post(stream, exc)
             return
-        ids = [stream.request_id] if count == 1 else [child_request_id(stream.request_id, i) for i in range(count)]
-        stream.live = set(ids)
-        self._streams[stream.request_id] = stream
-        for engine_id in stream.live:
-            self._routes[engine_id] = stream
+        self._routes.add(stream.request_id, num_children(command.params), stream)
 
     def _abort(self, request_id: str) -> None:
-        stream = self._streams.get(request_id)
-        for engine_id in sorted(stream.live) if stream is not None else [request_id]:
-            self._abort_one(engine_id)
-
-    def _abort_one(self, engine_id: str) -> None:
-        delta = self.core.abort_request(engine_id)
-        if engine_id in self._routes:
-            # The stream counts ended children, so it gets an end even if the core had none to give.
-            self._end(delta or TokenDelta(engine_id, [], "abort"))
+        for engine_id in self._routes.engine_ids(request_id):
+            delta = self.core.abort_request(engine_id)
+            if self._routes.of(engine_id) is not None:
+                # The stream counts ended children, so it gets an end even if the core had none to give.
+                self._end(delta or TokenDelta(engine_id, [], "abort"))
 
     def _step(self) -> None:
         try:
@@ -215,48 +202,41 @@ class AsyncEngine:
         except StepFailed as exc:  # the core has ended the step's requests; the others run on
             logger.error("an engine step failed, ending its %d requests: %s", len(exc.request_ids), exc.__cause__)
             for engine_id in exc.request_ids:
-                stream = self._routes.get(engine_id)
-                if stream is not None:  # a parallel request fails whole, once
-                    self._fail(stream, RequestFailed(stream.request_id, f"engine step failed: {exc.__cause__!r}"))
+                route = self._routes.of(engine_id)
+                if route is not None:  # a parallel request fails whole, once
+                    self._fail(route, RequestFailed(route.request_id, f"engine step failed: {exc.__cause__!r}"))
             return
         except Exception as exc:
             # The scheduler itself failed: its state is unknown, so every live request
             # ends, explicitly, and the loop goes on serving new ones.
-            logger.exception("the engine failed; ending all %d requests", len(self._streams))
+            logger.exception("the engine failed; ending all %d requests", len(self._routes))
             reason = f"engine step failed: {exc!r}"
             self._fail_all(lambda request_id: RequestFailed(request_id, reason))
             return
         for delta in deltas:
             if delta.finish_reason is not None:
                 self._end(delta)
-            elif delta.request_id in self._routes:
-                self._post(self._routes[delta.request_id], delta)
+            elif (route := self._routes.of(delta.request_id)) is not None:
+                self._post(route.target, delta)
 
     def _end(self, delta: TokenDelta) -> None:
         """Posts an engine request's last delta; the stream ends with its last child."""
-        stream = self._routes.pop(delta.request_id, None)
-        if stream is None:
-            return
-        stream.live.discard(delta.request_id)
-        if not stream.live:
-            del self._streams[stream.request_id]
-        self._post(stream, delta)
+        route = self._routes.end(delta.request_id)
+        if route is not None:
+            self._post(route.target, delta)
 
     def _fail_all(self, error: Callable[[str], Exception]) -> None:
-        for stream in list(self._streams.values()):
-            self._fail(stream, error(stream.request_id))
+        for route in self._routes:
+            self._fail(route, error(route.request_id))
 
-    def _fail(self, stream: _Stream, error: Exception) -> None:
+    def _fail(self, route: Route[_Stream], error: Exception) -> None:
         """Ends a stream with `error`, aborting whatever of it the core still runs."""
-        for engine_id in stream.live:
-            del self._routes[engine_id]
+        for engine_id in self._routes.remove(route):
             try:
                 self.core.abort_request(engine_id)
             except Exception:
                 logger.exception("could not abort %s", engine_id)
-        stream.live = set()
-        del self._streams[stream.request_id]
-        self._post(stream, error)
+        self._post(route.target, error)
 
     def _close_all(self) -> None:
         """After the loop ends: nothing may wait forever on a stream."""
@@ -283,6 +263,6 @@ class AsyncEngine:
             try:
                 loop.call_soon_threadsafe(_deliver, [(stream.queue, item) for stream, item in items])
             except RuntimeError:  # the loop is closed: nobody reads these streams any more
-                for stream, _ in items:
-                    if self._streams.get(stream.request_id) is stream:
-                        self._fail(stream, EngineUnavailable("the event loop closed"))
+                for route in self._routes:
+                    if route.target.loop is loop:
+                        self._fail(route, EngineUnavailable("the event loop closed"))

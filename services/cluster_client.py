@@ -25,15 +25,12 @@ from services.parallel_sampling import child_request_id, num_children
 from services.pb.kvfleet.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.registry import ClusterView, Member, Registry, new_member_id
 from services.sampling_params import InvalidParameter, SamplingParams
-from services.transport.channel import MESSAGE_OPTIONS
+from services.transport.channel import open_channel
 from services.transport.convert import sampling_params_to_proto, stats_from_proto
 
 logger = logging.getLogger(__name__)
 
 _NO_STATS = EngineStats(0, 0, 0.0, 0, 0, 0, 0)
-# gRPC backs off up to 2 minutes between reconnects by default; a replica that comes
-# back (or a server still starting) should be seen within a poll or two instead.
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 @dataclass(eq=False)
@@ -46,7 +43,7 @@ class _Replica:
 
     @classmethod
     def open(cls, member: Member) -> _Replica:
-        channel = grpc.insecure_channel(member.address, options=MESSAGE_OPTIONS + RECONNECT_OPTIONS)
+        channel = open_channel(member.address)
         return cls(member, channel, scheduler_pb2_grpc.SchedulerStub(channel))
 
 

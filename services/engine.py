@@ -5,11 +5,13 @@ The cluster puts the same StepPlan / StepResult on gRPC; nothing else changes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Protocol
 
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from services.config import EngineConfig
+from services.engine_client import EngineUnavailable
 from services.parallel_sampling import child_params, child_request_id, num_children
 from services.messages import EngineStats, StepPlan, StepResult, TokenDelta, WorkerDescription
 from services.sampling_params import SamplingParams
@@ -24,12 +26,17 @@ class StepFailed(RuntimeError):
         self.request_ids = request_ids
 
 
+class WorkerLost(RuntimeError):
+    """The worker group's state is gone: it died, or it restarted with an empty KV cache."""
+
+
 class WorkerHandle(Protocol):
     """What the scheduler needs of a worker group: the in-process Worker, or a gRPC client of one."""
 
     def describe(self) -> WorkerDescription: ...
 
-    def execute(self, plan: StepPlan) -> StepResult: ...
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Raises WorkerLost when the worker holds none of the state the plan builds on."""
 
 
 class EngineCore:
@@ -38,7 +45,8 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.worker = worker if worker is not None else Worker(config)
-        described = self.worker.describe()
+        self.description = described = self.worker.describe()
+        self._worker_lost = False
         self.max_model_len = described.max_model_len
         self.eos_token_ids = described.eos_token_ids or (
             (fallback_eos_token_id,) if fallback_eos_token_id is not None else ()
@@ -67,6 +75,8 @@ class EngineCore:
     ) -> None:
         """Queue a request; with n > 1 (or best_of) as child requests named by
         `child_request_id`, which share the prompt's KV."""
+        if self._worker_lost:
+            self._reconnect()
         count = num_children(params)
         if count == 1:
             self.scheduler.add_request(self._request(request_id, prompt_token_ids, params, cache_salt))
@@ -87,12 +97,17 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        # A lost worker is tried again by the next add_request, not by spinning on steps.
+        return self.scheduler.has_work and not self._worker_lost
 
     def step(self) -> list[TokenDelta]:
         plan = self.scheduler.schedule()
+        plan.worker_instance_id = self.description.instance_id
         try:
             result = self.worker.execute(plan)
+        except WorkerLost as exc:
+            self._worker_lost = True
+            raise StepFailed(self.scheduler.forget_worker(), exc) from exc
         except Exception as exc:
             # Only the requests in this step are in doubt: end them (freeing their
             # blocks) and let the caller report them; the rest keep running.
@@ -102,6 +117,21 @@ class EngineCore:
             self.scheduler.resend_drops(plan.finished_request_ids)
             raise StepFailed(failed, exc) from exc
         return self.scheduler.update(plan, result)
+
+    def _reconnect(self) -> None:
+        """Takes up a worker that came back after a loss, if it has the shape the
+        scheduler's block pool was sized for; until then requests are refused."""
+        try:
+            described = self.worker.describe()
+        except Exception as exc:
+            raise EngineUnavailable(f"the worker is unavailable: {exc}") from exc
+        if replace(described, instance_id="") != replace(self.description, instance_id=""):
+            raise EngineUnavailable(
+                f"the worker came back with another shape ({described}, was {self.description}); "
+                "restart the scheduler to take it up"
+            )
+        self.description = described
+        self._worker_lost = False
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler

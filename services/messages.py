@@ -46,6 +46,9 @@ class StepPlan:
     # pairs to copy out, then (host block, device block) pairs to copy back in.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # The worker instance this plan was made for: a restarted worker holds none of the
+    # state the deltas build on, so it must refuse the plan rather than run it.
+    worker_instance_id: str = ""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -75,6 +78,8 @@ class WorkerDescription:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    # New for every worker process: tells a restarted worker (empty KV cache) from the old one.
+    instance_id: str
 
 
 @dataclass

@@ -179,13 +179,24 @@ def test_greedy_tokens_equal_the_offline_llm_one_message_per_step(client, cluste
     assert client.stats().num_kv_blocks == 16
 
 
+def test_parallel_samples_come_back_under_their_child_ids(client, prompts, reference) -> None:
+    async def main() -> dict[str, list[int]]:
+        tokens: dict[str, list[int]] = {}
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=2)
+        async for delta in client.generate("par", prompts[0], params):
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        return tokens
+
+    assert asyncio.run(main()) == {"par#0": reference[0], "par#1": reference[0]}
+
+
 @pytest.mark.parametrize(
     "prompt, params, param",
     [
         ([], GREEDY, "prompt"),
         (list(range(1, 200)), GREEDY, "prompt"),  # longer than max_model_len
         ([1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=[10**6]), "stop_token_ids"),
-        ([1, 2, 3], SamplingParams(max_tokens=4, n=2), "n"),
+        ([1, 2, 3], SamplingParams(max_tokens=4, logit_bias={10**6: 1.0}), "logit_bias"),
     ],
 )
 def test_bad_input_names_the_parameter_and_disturbs_nothing(client, prompts, reference, prompt, params, param) -> None:

@@ -107,6 +107,7 @@ def test_step_plan_round_trip_keeps_batch_order() -> None:
         blocks_to_copy=[(1, 2)],
         blocks_to_swap_out=[(10, 0), (11, 1)],
         blocks_to_swap_in=[(5, 12)],
+        worker_instance_id="4f1c",
     )
     back = convert.plan_from_proto(_through_wire(convert.plan_to_proto(plan)))
     assert back == plan and list(back.num_scheduled_tokens) == ["z", "b", "a"]
@@ -145,7 +146,7 @@ def test_token_delta_carries_the_error_that_ended_it() -> None:
 
 
 def test_description_and_stats_round_trip() -> None:
-    description = WorkerDescription(100, 20, 16, 2048, 49152, (2, 0))
+    description = WorkerDescription(100, 20, 16, 2048, 49152, (2, 0), "4f1c")
     assert convert.description_from_proto(_through_wire(convert.description_to_proto(description))) == description
     stats = EngineStats(3, 4, 0.375, 5, 100, 1 << 40, 1 << 39)
     assert convert.stats_from_proto(_through_wire(convert.stats_to_proto(stats))) == stats

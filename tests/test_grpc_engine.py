@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from corpus import TEXT
 from services.config import EngineConfig
-from services.engine import EngineCore
+from services.engine import EngineCore, WorkerLost
 from services.model_source import resolve_model
 from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.sampling_params import SamplingParams
@@ -227,7 +227,8 @@ def test_health_reports_serving(cluster, worker_srv) -> None:
          "temperature"),
         ({"sampling_params": common_pb2.SamplingParams(max_tokens=0)}, grpc.StatusCode.INVALID_ARGUMENT,
          "max_tokens"),
-        ({"sampling_params": common_pb2.SamplingParams(n=2)}, grpc.StatusCode.INVALID_ARGUMENT, "n"),
+        ({"sampling_params": common_pb2.SamplingParams(n=3, best_of=2)}, grpc.StatusCode.INVALID_ARGUMENT,
+         "best_of"),
         ({"request_id": ""}, grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
         ({"gateway_id": "nobody-listens"}, grpc.StatusCode.FAILED_PRECONDITION, "gateway_id"),
     ],
@@ -254,6 +255,21 @@ def test_a_live_request_id_cannot_be_reused(cluster, prompts, idle_after) -> Non
     assert caught.value.details().startswith("request_id: ")
     cluster.stub.Abort(scheduler_pb2.AbortRequest(request_id="twice"))
     assert read_until_finished(outputs, {"twice"})["twice"][-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    outputs.cancel()
+
+
+def test_parallel_samples_stream_under_child_ids_and_abort_together(cluster, prompts, reference, idle_after) -> None:
+    outputs = cluster.open_stream("g")
+    cluster.submit("par", prompts[2], max_tokens=NEW_TOKENS, n=3)
+    children = {f"par#{index}" for index in range(3)}
+    deltas = read_until_finished(outputs, children)
+    assert [tokens_of(deltas[child]) for child in sorted(children)] == [reference[2]] * 3  # greedy: alike
+    cluster.submit("par-long", prompts[3], max_tokens=100, n=2, best_of=3)
+    while not any(delta.new_token_ids for delta in next(outputs).deltas):
+        pass
+    cluster.stub.Abort(scheduler_pb2.AbortRequest(request_id="par-long"))  # the parent's id: every child
+    ended = read_until_finished(outputs, {f"par-long#{index}" for index in range(3)})
+    assert {d[-1].finish_reason for d in ended.values()} == {common_pb2.FINISH_REASON_ABORT}
     outputs.cancel()
 
 
@@ -294,21 +310,68 @@ def test_a_lost_worker_ends_requests_with_an_error_and_the_loop_goes_on(worker, 
         for deltas in read_until_finished(outputs, {"long-0", "long-1"}).values():
             assert deltas[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
             assert "unreachable" in deltas[-1].error, deltas[-1].error
+        # With no worker to run them, new requests are refused at once, explicitly.
+        with pytest.raises(grpc.RpcError) as caught:
+            cluster.submit("refused", prompts[0])
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and "unavailable" in caught.value.details()
         restarted = start_worker_server(worker, f"127.0.0.1:{lost.port}")
-        # Until the channel has reconnected (with backoff), new requests fail at once, explicitly.
-        deadline = time.monotonic() + 15
-        while True:
-            cluster.submit("after", prompts[0], max_tokens=NEW_TOKENS)
-            deltas = read_until_finished(outputs, {"after"})["after"]
-            if deltas[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH:
-                break
-            assert "unreachable" in deltas[-1].error and time.monotonic() < deadline
-            time.sleep(0.1)
-        assert tokens_of(deltas) == reference[0]
+        submit_until_accepted(cluster, "after", prompts[0])
+        assert tokens_of(read_until_finished(outputs, {"after"})["after"]) == reference[0]
         outputs.cancel()
-        # The failed steps' drops reached the restarted worker too: it holds no request.
         wait_idle(cluster.loop.core, worker)
     finally:
         cluster.close()
         if restarted is not None:
             restarted.stop(0)
+
+
+def submit_until_accepted(cluster: Cluster, request_id: str, prompt: list[int], timeout_s: float = 15.0) -> None:
+    """Until the scheduler sees the worker again, Submit is UNAVAILABLE."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return cluster.submit(request_id, prompt, max_tokens=NEW_TOKENS)
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, exc.details()
+            time.sleep(0.1)
+
+
+def reachable(remote: RemoteWorker) -> bool:
+    try:
+        remote.describe()
+    except WorkerLost:
+        return False
+    return True
+
+
+def test_a_restarted_worker_is_taken_up_with_an_empty_cache(worker, prompts, reference) -> None:
+    """A worker that restarts between steps holds no KV: the scheduler must notice
+    before reusing its cached prefixes, fail what ran there, and start over clean."""
+    first = start_worker_server(worker, "127.0.0.1:0")
+    cluster = Cluster(first.address)
+    restarted = fresh = None
+    try:
+        outputs = cluster.open_stream("g")
+        cluster.submit("before", prompts[5], max_tokens=NEW_TOKENS)  # 40 tokens: two full blocks enter the prefix cache
+        assert tokens_of(read_until_finished(outputs, {"before"})["before"]) == reference[5]
+        wait_idle(cluster.loop.core, worker)
+        first.stop(0)
+        fresh = Worker(EngineConfig(**ENGINE))
+        restarted = start_worker_server(fresh, f"127.0.0.1:{first.port}")
+        # Once the channel is back the scheduler's next plan reaches the new worker, which refuses it.
+        deadline = time.monotonic() + 15
+        while not reachable(cluster.remote):
+            assert time.monotonic() < deadline, "the restarted worker is not reachable"
+            time.sleep(0.1)
+        cluster.submit("stale", prompts[5], max_tokens=NEW_TOKENS)
+        [last] = read_until_finished(outputs, {"stale"})["stale"][-1:]
+        assert last.finish_reason == common_pb2.FINISH_REASON_ABORT and "restarted" in last.error, last.error
+        cluster.submit("after", prompts[5], max_tokens=NEW_TOKENS)
+        assert tokens_of(read_until_finished(outputs, {"after"})["after"]) == reference[5]
+        outputs.cancel()
+        wait_idle(cluster.loop.core, fresh)
+    finally:
+        cluster.close()
+        for server in (first, restarted):
+            if server is not None:
+                server.stop(0)

@@ -1,6 +1,8 @@
 """A worker: weights, the KV cache and per-request state on one device; runs step plans."""
 from __future__ import annotations
 
+import uuid
+
 import torch
 
 from services.config import EngineConfig
@@ -22,9 +24,14 @@ from worker_svc.sampler import SamplingBatch, gather_logprobs, sample
 from worker_svc.weights import load_weights
 
 
+class WrongWorkerInstance(RuntimeError):
+    """A step plan made for another worker instance: this one holds none of its state."""
+
+
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.instance_id = uuid.uuid4().hex
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.model_config, weights = load_weights(resolve_model(config.model), self.dtype)
@@ -90,6 +97,11 @@ class Worker:
         finally:
             self.requests.clear()
 
+    @property
+    def num_requests(self) -> int:
+        """Requests whose state this worker holds: its scheduler has not yet told it they ended."""
+        return len(self.requests)
+
     def describe(self) -> WorkerDescription:
         return WorkerDescription(
             num_kv_blocks=self.num_blocks,
@@ -98,9 +110,15 @@ class Worker:
             num_host_blocks=self.num_host_blocks,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=self.model_config.eos_token_ids,
+            instance_id=self.instance_id,
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
+        if plan.worker_instance_id and plan.worker_instance_id != self.instance_id:
+            raise WrongWorkerInstance(
+                f"step {plan.step_id} was planned for worker instance {plan.worker_instance_id}, this is "
+                f"{self.instance_id} (restarted?): it holds none of that plan's state"
+            )
         self._apply_deltas(plan)
         result = StepResult(plan.step_id)
         if not plan.num_scheduled_tokens:

@@ -1,7 +1,9 @@
 """How kvfleet's roles open gRPC channels, with limits their servers share.
 
 A step plan carrying several long prompts in full (new requests) can exceed gRPC's
-default 4 MiB message limit, so both ends raise it.
+default 4 MiB message limit, so both ends raise it. gRPC backs off up to 2 minutes
+between reconnects by default; a role that comes back (or a server still starting)
+should be seen within a second or two instead.
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 def open_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=MESSAGE_OPTIONS)
+    return grpc.insecure_channel(address, options=MESSAGE_OPTIONS + RECONNECT_OPTIONS)

@@ -145,6 +145,7 @@ def description_from_proto(message: worker_pb2.WorkerDescription) -> WorkerDescr
         max_model_len=message.max_model_len,
         vocab_size=message.vocab_size,
         eos_token_ids=tuple(message.eos_token_ids),
+        instance_id=message.instance_id,
     )
 
 
@@ -186,6 +187,7 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
         blocks_to_copy=_copies_to_proto(plan.blocks_to_copy),
         blocks_to_swap_out=_copies_to_proto(plan.blocks_to_swap_out),
         blocks_to_swap_in=_copies_to_proto(plan.blocks_to_swap_in),
+        worker_instance_id=plan.worker_instance_id,
     )
 
 
@@ -216,6 +218,7 @@ def plan_from_proto(message: worker_pb2.StepPlan) -> StepPlan:
         blocks_to_copy=_copies_from_proto(message.blocks_to_copy),
         blocks_to_swap_out=_copies_from_proto(message.blocks_to_swap_out),
         blocks_to_swap_in=_copies_from_proto(message.blocks_to_swap_in),
+        worker_instance_id=message.worker_instance_id,
     )
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from services.engine import WorkerLost
 from services.messages import StepPlan, StepResult, WorkerDescription
 from services.pb.kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from services.transport.channel import open_channel
@@ -14,7 +15,13 @@ from services.transport.convert import description_from_proto, plan_to_proto, re
 
 
 class WorkerError(RuntimeError):
-    """The worker could not be reached, or failed the call; the message says which."""
+    """The worker failed the call; the message says how."""
+
+
+# We never cancel a call ourselves: CANCELLED is the worker's server going away.
+_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+# Describe checks on a worker that was lost are quick: requests wait on them.
+_RECHECK_TIMEOUT_S = 2.0
 
 
 class RemoteWorker:
@@ -23,18 +30,24 @@ class RemoteWorker:
         opens its port once its weights are loaded)."""
         self.address = address
         self._ready_timeout_s = ready_timeout_s
+        self._described = False
         self._channel = open_channel(address)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
     def describe(self) -> WorkerDescription:
+        """The first call waits for the worker to come up; later ones (checking on a
+        worker that was lost) answer within seconds."""
         request = worker_pb2.DescribeWorkerRequest()
-        return description_from_proto(
-            self._call(self._stub.Describe, request, wait_for_ready=True, timeout=self._ready_timeout_s)
-        )
+        if self._described:
+            reply = self._call(self._stub.Describe, request, timeout=_RECHECK_TIMEOUT_S)
+        else:
+            reply = self._call(self._stub.Describe, request, wait_for_ready=True, timeout=self._ready_timeout_s)
+            self._described = True
+        return description_from_proto(reply)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        # No waiting for a lost worker: its requests' KV is gone with it, so the step
-        # fails at once and the scheduler ends them with this error.
+        # No waiting for a lost worker: every request's KV is gone with it, so the
+        # step fails at once and the scheduler ends them all with this error.
         return result_from_proto(self._call(self._stub.ExecuteStep, plan_to_proto(plan)))
 
     def close(self) -> None:
@@ -45,7 +58,8 @@ class RemoteWorker:
             return method(request, **kwargs)
         except grpc.RpcError as exc:
             code = exc.code()
-            # We never cancel a call ourselves: CANCELLED is the worker's server going away.
-            lost = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-            what = "is unreachable" if lost else "failed"
-            raise WorkerError(f"worker at {self.address} {what}: {code.name}: {exc.details()}") from exc
+            if code in _LOST:
+                raise WorkerLost(f"worker at {self.address} is unreachable: {code.name}: {exc.details()}") from exc
+            if code is grpc.StatusCode.FAILED_PRECONDITION:  # a restarted worker refusing an old plan
+                raise WorkerLost(f"worker at {self.address} restarted: {exc.details()}") from exc
+            raise WorkerError(f"worker at {self.address} failed: {code.name}: {exc.details()}") from exc

@@ -1,7 +1,8 @@
 """The gateway's FastAPI app: OpenAI routes over any EngineClient.
 
 The app does not start or stop the engine client: whoever builds the client owns its
-lifecycle (`kvfleet serve`, a test), so one client can serve several apps.
+lifecycle (`kvfleet serve`, a test), so one client can serve several apps. Nor does it
+drain by itself: gateway.drain.serve runs it so.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fastapi import FastAPI
 
 from gateway.auth import ApiKeyMiddleware
 from gateway.context import GatewayContext
+from gateway.drain import DrainMiddleware
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.routes import chat, completions, models, system, tokenize
@@ -42,4 +44,6 @@ def build_app(
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    # Added last, so outermost: it counts every request in flight, whatever answers it.
+    app.add_middleware(DrainMiddleware, drain=app.state.gateway.drain)
     return app

@@ -1,13 +1,15 @@
-"""What every endpoint of one app shares: the engine client, tokenizer, model name, metrics."""
+"""What every endpoint of one app shares: the engine client, tokenizer, model name, metrics,
+and the shutdown state."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from gateway.beam import beam_choices
 from gateway.choices import ChoiceDelta, generate_choices
+from gateway.drain import Drain
 from gateway.errors import OpenAIError
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import SamplingFields
@@ -24,6 +26,7 @@ class GatewayContext:
     max_model_len: int
     eos_token_ids: tuple[int, ...]  # what ends a beam in beam search
     metrics: GatewayMetrics
+    drain: Drain = field(default_factory=Drain)  # set on SIGTERM by gateway.drain.serve
 
     def check_model(self, model: str | None) -> None:
         # Like vLLM, a request that names no model gets the served one.

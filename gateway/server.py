@@ -3,20 +3,27 @@ from __future__ import annotations
 
 from typing import Any
 
-import uvicorn
-
 from gateway.app import build_app
+from gateway.drain import serve
 from services.async_engine import AsyncEngine
 from services.config import EngineConfig
 from services.engine import EngineCore
 from services.model_source import resolve_model
+from services.telemetry import configure_logging
 from services.threads import configure_torch_threads
 from tokenizer_svc.tokenizer import Tokenizer
 
 
 def serve_embedded(
-    engine_args: dict[str, Any], host: str, port: int, api_key: str | None, served_model_name: str | None
+    engine_args: dict[str, Any],
+    host: str,
+    port: int,
+    api_key: str | None,
+    served_model_name: str | None,
+    shutdown_timeout_s: float = 30.0,
 ) -> None:
+    """Serves until SIGTERM or SIGINT, then drains (gateway/drain.py) and returns."""
+    configure_logging()  # uvicorn configures only its own loggers
     configure_torch_threads()
     config = EngineConfig(**engine_args)
     tokenizer = Tokenizer.load(resolve_model(config.model))
@@ -28,6 +35,6 @@ def serve_embedded(
     )
     engine.start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info")
+        serve(app, host, port, shutdown_timeout_s)
     finally:
         engine.shutdown()

@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
         help="require `Authorization: Bearer KEY` on /v1 routes (default: $KVFLEET_API_KEY)",
     )
     serve.add_argument("--served-model-name", help="the model name clients use (default: the --model value)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds open requests get to finish after SIGTERM (default: %(default)s)")
 
     for name, help_text, add_args in (
         ("worker", "a worker: the model and its KV cache, serving step plans over gRPC", roles.add_worker_args),
@@ -63,7 +65,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.model_tag:
         args.model = args.model_tag
-    serve_embedded(engine_args(args), args.host, args.port, args.api_key, args.served_model_name)
+    serve_embedded(engine_args(args), args.host, args.port, args.api_key, args.served_model_name,
+                   args.shutdown_timeout)
     return 0
 
 

@@ -2,9 +2,10 @@
 
 Starts nats-server and a Redis-compatible server on free ports, then the tokenizer,
 worker, scheduler and gateway roles, and waits until the gateway's /health says the
-cluster serves. SIGTERM or Ctrl-C stops the roles first (the gateway, then the
-scheduler, which ends its requests explicitly, then the worker and tokenizer), then
-NATS and Redis, and exits 0. If any part dies on its own, the rest goes too (exit 1).
+cluster serves. SIGTERM or Ctrl-C stops the roles first, one at a time, each drained
+within --shutdown-timeout: the gateway (its requests in flight finish), then the
+scheduler, the worker and the tokenizer; then NATS and Redis, and exits 0. If any
+part dies on its own, the rest goes too (exit 1).
 
 Children run in their own process group, so a terminal's Ctrl-C reaches only this
 launcher, which stops them in order; on Linux each also dies with the launcher.
@@ -34,6 +35,8 @@ from services.telemetry import configure_logging
 logger = logging.getLogger("kvfleet.cluster")
 
 STOP_GRACE_S = 20.0
+# What a role gets past its --shutdown-timeout to exit before it is killed.
+STOP_MARGIN_S = 10.0
 
 
 def nats_server_binary() -> str:
@@ -121,6 +124,9 @@ def add_cluster_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", help="the model name clients use (default: the --model value)")
     parser.add_argument("--lease-ttl", type=float, default=10.0,
                         help="seconds a dead role stays in the registry (default: %(default)s)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds each role gets to drain its requests in flight on shutdown "
+                        "(default: %(default)s)")
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
@@ -149,7 +155,8 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         infra.append(start_redis(local, ports["redis"]))
         wait_for_port(local, ports["nats"], infra[0])
         wait_for_port(local, ports["redis"], infra[1])
-        cluster = ["--redis-url", f"redis://{local}:{ports['redis']}/0", "--lease-ttl", str(args.lease_ttl)]
+        cluster = ["--redis-url", f"redis://{local}:{ports['redis']}/0", "--lease-ttl", str(args.lease_ttl),
+                   "--shutdown-timeout", str(args.shutdown_timeout)]
         nats = ["--nats-url", f"nats://{local}:{ports['nats']}"]
         engine = engine_argv(args)
         worker = f"{local}:{ports['worker']}"
@@ -169,8 +176,8 @@ def run_cluster_up(args: argparse.Namespace) -> int:
             roles.append(spawn([sys.executable, "-m", "kvfleet.cli", *command], env=env))
         code = _supervise(args, roles + infra, stopping)
     finally:
-        for process in reversed(roles):
-            stop(process)
+        for process in reversed(roles):  # the gateway first: it drains while the rest still serves
+            stop(process, args.shutdown_timeout + STOP_MARGIN_S)
         for process in infra:
             stop(process)
     logger.info("cluster stopped")

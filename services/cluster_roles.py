@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.cluster_client import RECONNECT_OPTIONS
+from services.transport.channel import RECONNECT_OPTIONS
 from services.telemetry import configure_logging
 from services.registry import DEFAULT_TTL_S, Lease, Member, Registry, new_member_id
 
@@ -52,9 +52,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from gateway.app import build_app
+    from gateway.drain import serve
     from services.cluster_client import ClusterEngineClient
     from services.model_source import resolve_model
     from tokenizer_svc.tokenizer import Tokenizer
@@ -70,9 +69,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     client.start()
     try:
         with Lease(registry, member, args.lease_ttl):
-            # Returns on SIGTERM/SIGINT, once open requests end or the timeout passes.
-            uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                        timeout_graceful_shutdown=args.shutdown_timeout)
+            # Returns after SIGTERM/SIGINT, once open requests end or the timeout passes.
+            serve(app, args.host, args.port, args.shutdown_timeout)
     finally:
         client.shutdown()
         registry.close()
@@ -81,7 +79,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
 def scheduler_lease(args: argparse.Namespace, port: int, loop: StepLoop, hub: NatsOutputHub) -> Lease:
     """The scheduler's lease, with what gateways must know of its engine before they
-    can validate requests. Healthy while it serves and can publish."""
+    can validate requests. Healthy while it serves (or drains) and can publish."""
     serving = grpc_serving(f"127.0.0.1:{port}")
     metadata = {"worker": args.worker_address, "model": args.model, "max_model_len": str(loop.core.max_model_len),
                 "eos_token_ids": ",".join(map(str, loop.core.eos_token_ids))}
@@ -89,7 +87,10 @@ def scheduler_lease(args: argparse.Namespace, port: int, loop: StepLoop, hub: Na
 
     def healthy() -> bool:
         # After lost deltas, stay away for two TTLs: every gateway sees the lease lapse and fails our requests.
-        return hub.publisher.connected and not hub.publisher.lost_within(2 * args.lease_ttl) and serving()
+        publishing = hub.publisher.connected and not hub.publisher.lost_within(2 * args.lease_ttl)
+        # Draining, health says NOT_SERVING but the lease stays: gateways fail the
+        # requests of a scheduler whose lease lapses, and these are still running.
+        return publishing and (serving() or loop.draining)
 
     return Lease(Registry(args.redis_url), member, args.lease_ttl, healthy=healthy)
 

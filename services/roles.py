@@ -1,8 +1,11 @@
 """Entry points of the cluster roles (`kvfleet worker|scheduler|tokenizer`): each
 loads its part, serves it over gRPC with health checks, and on SIGTERM or SIGINT
-stops gracefully (health NOT_SERVING, in-flight calls finish, streams get their
-final deltas). Each run_* imports its role's modules itself, so building the CLI
-parser loads none of them (transformers, the model code)."""
+drains, then exits 0. Health says NOT_SERVING at once; within --shutdown-timeout,
+the scheduler refuses new requests (UNAVAILABLE) and steps the running ones to their
+end, then ends any left with an explicit error; the worker runs steps until its
+scheduler has ended every request it holds; the tokenizer finishes its calls in flight.
+Each run_* imports its role's modules itself, so building the CLI parser loads none
+of them (transformers, the model code)."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +23,7 @@ from services.config import EngineConfig
 from services.model_source import resolve_model
 from services.threads import configure_torch_threads
 from services.telemetry import EngineStatsCollector, configure_logging, serve_role_metrics
-from services.transport.grpc_server import RoleServer
+from services.transport.grpc_server import FLUSH_S, RoleServer
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +43,7 @@ def _add_listen_args(parser: argparse.ArgumentParser, port: int) -> None:
     )
     parser.add_argument(
         "--shutdown-timeout", type=float, default=30.0,
-        help="seconds in-flight calls get to finish after SIGTERM (default: %(default)s)",
+        help="seconds in-flight work gets to finish after SIGTERM (default: %(default)s)",
     )
 
 
@@ -133,6 +136,9 @@ def _registered(args: argparse.Namespace, lease: Callable[[], AbstractContextMan
 
 
 def _serve_until_signalled(server: RoleServer, grace_s: float) -> None:
+    """Serves until SIGTERM or SIGINT, then drains and stops within `grace_s` (plus a
+    moment for streams to send their last messages, even with `grace_s` 0). A second
+    signal meanwhile gets the default handling: it ends the process at once."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -141,4 +147,4 @@ def _serve_until_signalled(server: RoleServer, grace_s: float) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        server.stop(grace_s)
+        server.stop(grace_s, flush_s=FLUSH_S)

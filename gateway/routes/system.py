@@ -14,7 +14,8 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(ctx: GatewayContext = Depends(get_context)) -> Response:
-    return Response(status_code=200 if ctx.engine.is_ready() else 503)
+    # Draining, readiness fails at once, so load balancers stop sending requests here.
+    return Response(status_code=200 if ctx.engine.is_ready() and not ctx.drain.draining else 503)
 
 
 @router.get("/version")

@@ -1,12 +1,13 @@
 """A role's gRPC server: its service plus the standard grpc.health.v1 service.
 
 Health reports SERVING for "" (the whole server) and for the role's service name
-from start(), and NOT_SERVING from the moment stop() begins, so load balancers and
-readiness probes drain the server before it goes.
+from start(), and NOT_SERVING from the moment stop() begins, so load balancers,
+readiness probes and registry leases let go of the server while it drains.
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent import futures
 
@@ -17,6 +18,10 @@ from services.transport.channel import MESSAGE_OPTIONS
 
 logger = logging.getLogger(__name__)
 
+# What a role process gives the calls still open once it has drained (a stream sending
+# its last messages), even with no grace left, before they are cancelled.
+FLUSH_S = 2.0
+
 
 class RoleServer:
     def __init__(
@@ -25,12 +30,14 @@ class RoleServer:
         service_name: str,
         register: Callable[[grpc.Server], None],
         max_workers: int,
-        before_stop: Callable[[], None] | None = None,
+        drain: Callable[[float], object] | None = None,
     ) -> None:
-        """`register` adds the role's servicer; `before_stop` runs once health says
-        NOT_SERVING and before the server stops (e.g. to end streams cleanly)."""
+        """`register` adds the role's servicer. `drain(timeout_s)` runs once health says
+        NOT_SERVING, while the server still takes calls: it lets the role's work in
+        flight finish (the role refuses new work meanwhile), within `timeout_s`, and ends
+        what is left explicitly (e.g. streams get their final messages)."""
         self.service_name = service_name
-        self._before_stop = before_stop
+        self._drain = drain
         self._health = health.HealthServicer()
         self._executor = futures.ThreadPoolExecutor(max_workers, thread_name_prefix=service_name)
         self._server = grpc.server(self._executor, options=MESSAGE_OPTIONS)
@@ -46,13 +53,17 @@ class RoleServer:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info("%s serving on %s", self.service_name, self.address)
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """Stops taking calls; calls in flight get `grace_s` seconds to finish, then are
-        cancelled. Returns once no handler runs any more (a cancelled call's handler
-        may still be inside, e.g., a worker step)."""
+    def stop(self, grace_s: float = 5.0, flush_s: float = 0.0) -> None:
+        """Drains, then stops: health says NOT_SERVING at once, the role's drain hook gets
+        up to `grace_s`, then the server stops taking calls and those in flight get the
+        rest of `grace_s`, and `flush_s` at least, to finish before they are cancelled.
+        Returns once no handler runs any more (a cancelled call's handler may still be
+        inside, e.g., a worker step)."""
+        deadline = time.monotonic() + grace_s
         self._health.enter_graceful_shutdown()
-        if self._before_stop is not None:
-            self._before_stop()
-        self._server.stop(grace_s).wait()
+        if self._drain is not None:
+            logger.info("%s draining (up to %g s)", self.service_name, grace_s)
+            self._drain(grace_s)
+        self._server.stop(max(deadline - time.monotonic(), flush_s)).wait()
         self._executor.shutdown(wait=True)
         logger.info("%s on %s stopped", self.service_name, self.address)

@@ -78,13 +78,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
 def start_scheduler_server(loop: StepLoop, hub: OutputHub, address: str) -> RoleServer:
     """Starts `loop` and serves it on `address` ("host:port"; port 0 picks a free one).
-    Stopping the server first stops the loop, so every stream gets its final deltas."""
+    Stopping the server drains the loop first (Submit answers UNAVAILABLE, running
+    requests step on until they end or the grace runs out), then stops it, so every
+    stream gets its final deltas."""
     server = RoleServer(
         address,
         SERVICE_NAME,
         lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop, hub), s),
         max_workers=MAX_WORKERS,
-        before_stop=loop.stop,
+        drain=loop.drain,
     )
     loop.start()
     server.start()

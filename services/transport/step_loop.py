@@ -6,9 +6,10 @@ Submits and aborts arrive through a thread-safe inbox drained before each step; 
 no work the thread blocks on the inbox (no busy-wait). After each iteration every
 gateway with new deltas gets one batch: never one message per token.
 
-Failure isolation: a step whose worker call fails (a lost worker among the causes)
-ends the requests that step held, each with a final ABORT delta carrying the error,
-and the loop goes on.
+Failure isolation: a step whose worker call fails ends the requests that step held,
+each with a final ABORT delta carrying the error, and the loop goes on. A lost worker
+(dead, or restarted with an empty cache) ends every request; once a worker answers
+at that address again, new requests run on it.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from services.engine_client import EngineUnavailable
 from services.messages import EngineStats, TokenDelta
 from services.parallel_sampling import num_children
 from services.pb.kvfleet.v1 import common_pb2
-from services.sampling_params import InvalidParameter, SamplingParams
+from services.request_routes import RequestRoutes
+from services.sampling_params import SamplingParams
 from services.transport.convert import delta_to_proto
 from services.transport.output_hub import OutputHub
 
@@ -52,7 +54,12 @@ class _Stop:
     pass
 
 
-_Command = _Submit | _Abort | _Stop
+@dataclass
+class _Drain:
+    idle: threading.Event  # set once the engine has nothing left to do
+
+
+_Command = _Submit | _Abort | _Stop | _Drain
 
 
 class StepLoop:
@@ -66,9 +73,12 @@ class StepLoop:
         # the loop thread has drained it for the last time.
         self._lock = threading.Lock()
         self._stopped = False
+        self._draining = False  # guarded by _lock too: once set, Submits are refused
         self._thread: threading.Thread | None = None
+        # Owned by the loop thread: set from drain(), the event to set once idle.
+        self._idle_event: threading.Event | None = None
         # Owned by the loop thread: each live request's gateway, and the deltas not yet published.
-        self._gateways: dict[str, str] = {}
+        self._routes: RequestRoutes[str] = RequestRoutes()
         self._outputs: defaultdict[str, list[common_pb2.TokenDelta]] = defaultdict(list)
         # Replaced (never mutated) by the loop thread, so any thread may read it.
         self._stats: EngineStats = self.core.stats()
@@ -87,6 +97,25 @@ class StepLoop:
                 self._inbox.put(_Stop())
         if self._thread is not None:
             self._thread.join()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def drain(self, timeout_s: float) -> bool:
+        """Refuses new requests (EngineUnavailable) while the live ones run on, up to
+        `timeout_s`, then stops the loop: those still running end with an ABORT delta
+        saying so. Returns whether every request finished in time."""
+        idle = threading.Event()
+        with self._lock:
+            running = not self._stopped and self._thread is not None
+            if running:
+                self._draining = True
+                # Through the inbox, so the loop sees every Submit accepted before it.
+                self._inbox.put(_Drain(idle))
+        drained = idle.wait(timeout_s) if running else True
+        self.stop()
+        return drained
 
     def submit(
         self,
@@ -114,6 +143,8 @@ class StepLoop:
         with self._lock:
             if self._stopped:
                 raise EngineUnavailable("the scheduler is shutting down")
+            if self._draining and isinstance(command, _Submit):
+                raise EngineUnavailable("the scheduler is draining: it takes no new requests")
             self._inbox.put(command)
 
     # -- the loop thread -----------------------------------------------------------------
@@ -136,12 +167,15 @@ class StepLoop:
                     return
                 if isinstance(command, _Submit):
                     self._submit(command)
+                elif isinstance(command, _Drain):
+                    self._idle_event = command.idle
                 else:
                     self._abort(command.request_id)
             if self.core.has_work:
                 self._step()
             self._publish()
             self._stats = self.core.stats()
+            self._check_drained()
 
     def _take_commands(self, block: bool) -> list[_Command]:
         commands = [self._inbox.get()] if block else []
@@ -153,21 +187,20 @@ class StepLoop:
 
     def _submit(self, command: _Submit) -> None:
         try:
-            if num_children(command.params) != 1:
-                # The engine would run the samples as child requests under ids of their
-                # own (services/parallel_sampling.py), which this loop does not route yet.
-                raise InvalidParameter("n", "parallel sampling (n or best_of > 1) is not supported over gRPC yet")
             self.core.add_request(command.request_id, command.prompt_token_ids, command.params, command.cache_salt)
         except Exception as exc:  # rejected input: the caller gets the error, the loop goes on
             command.accepted.set_exception(exc)
             return
-        self._gateways[command.request_id] = command.gateway_id
+        # With n or best_of > 1 the deltas carry each child's id; the gateway gathers them.
+        self._routes.add(command.request_id, num_children(command.params), command.gateway_id)
         command.accepted.set_result(None)
 
     def _abort(self, request_id: str) -> None:
-        gateway_id = self._gateways.pop(request_id, None)
-        if gateway_id is not None:  # else it has ended already
-            self._outputs[gateway_id].append(delta_to_proto(self.core.abort_request(request_id)))
+        for engine_id in self._routes.engine_ids(request_id):
+            route = self._routes.end(engine_id)
+            if route is not None:  # else it has ended already
+                delta = self.core.abort_request(engine_id) or TokenDelta(engine_id, [], "abort")
+                self._outputs[route.target].append(delta_to_proto(delta))
 
     def _step(self) -> None:
         try:
@@ -178,24 +211,25 @@ class StepLoop:
                 self._end(request_id, f"engine step failed: {exc.__cause__}")
             return
         except Exception as exc:  # the scheduler itself failed: its state is unknown
-            logger.exception("the scheduler failed; ending all %d requests", len(self._gateways))
-            for request_id in list(self._gateways):
-                self._end(request_id, f"the scheduler failed: {exc!r}")
+            logger.exception("the scheduler failed; ending all %d requests", len(self._routes))
+            for route in self._routes:
+                for engine_id in sorted(route.live):
+                    self._end(engine_id, f"the scheduler failed: {exc!r}")
             return
         for delta in deltas:
-            gateway_id = self._gateways[delta.request_id]
-            if delta.finish_reason is not None:
-                del self._gateways[delta.request_id]
-            self._outputs[gateway_id].append(delta_to_proto(delta))
+            route = self._routes.end(delta.request_id) if delta.finish_reason else self._routes.of(delta.request_id)
+            if route is not None:
+                self._outputs[route.target].append(delta_to_proto(delta))
 
-    def _end(self, request_id: str, error: str) -> None:
-        """Ends a live request with an explicit error, whatever state the engine is in."""
+    def _end(self, engine_id: str, error: str) -> None:
+        """Ends a live engine request with an explicit error, whatever state the engine is in."""
         try:
-            self.core.abort_request(request_id)
+            self.core.abort_request(engine_id)
         except Exception:
-            logger.exception("could not abort %s", request_id)
-        gateway_id = self._gateways.pop(request_id)
-        self._outputs[gateway_id].append(delta_to_proto(TokenDelta(request_id, [], "abort"), error))
+            logger.exception("could not abort %s", engine_id)
+        route = self._routes.end(engine_id)
+        if route is not None:
+            self._outputs[route.target].append(delta_to_proto(TokenDelta(engine_id, [], "abort"), error))
 
     def _publish(self) -> None:
         if not self._outputs:
@@ -203,18 +237,38 @@ class StepLoop:
         outputs, self._outputs = self._outputs, defaultdict(list)
         for gateway_id in self._hub.publish(outputs):
             # Its stream closed (the gateway left): nobody will read these requests' tokens.
-            orphans = [r for r, g in self._gateways.items() if g == gateway_id]
+            orphans = [route for route in self._routes if route.target == gateway_id]
             logger.warning("gateway %s has no output stream; aborting its %d requests", gateway_id, len(orphans))
-            for request_id in orphans:
-                del self._gateways[request_id]
-                self.core.abort_request(request_id)
+            for route in orphans:
+                for engine_id in self._routes.remove(route):
+                    self.core.abort_request(engine_id)
+
+    def _check_drained(self) -> None:
+        # has_work covers the drops the worker has yet to hear of, so a drained
+        # worker holds no request state either.
+        if self._idle_event is not None and not self.core.has_work:
+            self._idle_event.set()
+
+    def _release_worker(self) -> None:
+        """One last (empty) step tells the worker every request that ended, so it holds
+        no state for a scheduler that has gone: a draining worker waits for exactly that."""
+        if not self.core.has_work:
+            return
+        try:
+            self.core.step()
+        except Exception as exc:  # the worker may be what failed
+            logger.warning("could not tell the worker which requests ended: %r", exc)
 
     def _close(self) -> None:
         """After the loop ends: every caller and every live request hears so."""
         for command in self._take_commands(block=False):
             if isinstance(command, _Submit):
                 command.accepted.set_exception(EngineUnavailable("the scheduler is shutting down"))
-        for request_id in list(self._gateways):
-            self._end(request_id, "the scheduler shut down")
+        for route in self._routes:
+            for engine_id in sorted(route.live):
+                self._end(engine_id, "the scheduler shut down")
+        self._release_worker()
         self._publish()
         self._hub.close()
+        if self._idle_event is not None:  # a drain() still waiting: there is nothing left to wait for
+            self._idle_event.set()

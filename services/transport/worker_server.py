@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import grpc
 
@@ -10,6 +11,7 @@ from services.engine import WorkerHandle
 from services.pb.kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from services.transport.convert import description_to_proto, plan_from_proto, result_to_proto
 from services.transport.grpc_server import RoleServer
+from worker_svc.worker import WrongWorkerInstance
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         with self._lock:
             try:
                 result = self._worker.execute(plan)
+            except WrongWorkerInstance as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except Exception as exc:
                 logger.exception("step %d failed", plan.step_id)
                 context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {exc!r}")
@@ -42,11 +46,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 def start_worker_server(worker: WorkerHandle, address: str) -> RoleServer:
-    """Serves `worker` on `address` ("host:port"; port 0 picks a free one)."""
+    """Serves `worker` on `address` ("host:port"; port 0 picks a free one). Stopping the
+    server drains it: steps keep running until its scheduler has ended every request
+    the worker holds (or the grace runs out)."""
     # Steps run one at a time; the other threads answer Describe and health checks.
     server = RoleServer(
         address, SERVICE_NAME, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), s),
-        max_workers=4,
+        max_workers=4, drain=lambda timeout_s: _wait_until_released(worker, timeout_s),
     )
     server.start()
     return server
+
+
+def _wait_until_released(worker: WorkerHandle, timeout_s: float) -> bool:
+    """Waits until the scheduler has ended every request the worker holds (the drops
+    ride on its plans). Health says NOT_SERVING meanwhile, so the worker's lease lapses
+    and gateways send its scheduler no new requests. Returns whether that happened in time."""
+    deadline = time.monotonic() + timeout_s
+    logged = False
+    # Another WorkerHandle (a test double) keeps no request state to wait for.
+    while held := getattr(worker, "num_requests", 0):
+        if time.monotonic() >= deadline:
+            logger.warning("shutdown timeout: the worker still holds %d requests", held)
+            return False
+        if not logged:
+            logger.info("waiting for the scheduler to end the %d requests this worker holds", held)
+            logged = True
+        time.sleep(0.05)
+    return True

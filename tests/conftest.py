@@ -79,3 +79,16 @@ def make_llm() -> Iterator[Callable[..., LLM]]:
     yield build
     for llm in built:
         assert_no_leaks(llm)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[pytest.TestReport]:
+    """A failed test that used a server process (a fixture value with a `log_tail()`)
+    shows that server's log tail in its report."""
+    report = yield
+    if report.failed:
+        for name, value in getattr(item, "funcargs", {}).items():
+            tail = getattr(type(value), "log_tail", None)
+            if callable(tail):
+                report.sections.append((f"log of fixture {name!r}", tail(value)))
+    return report

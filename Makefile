@@ -28,6 +28,7 @@ serve: setup
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py
+	$(PY) benchmarks/serving.py
 
 # Regenerates services/pb from protos/; commit the result (tests/test_protos.py fails on stale stubs).
 protos: setup

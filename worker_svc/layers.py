@@ -4,7 +4,45 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+# The batch size oneDNN lays packed weights out for; decode batches sit around it, and
+# prompt chunks (hundreds of rows) ran as fast with this layout as with their own.
+_PACK_BATCH_HINT = 128
+
+
+class Linear(nn.Linear):
+    """nn.Linear, except that on CPU in float32 the weight can be packed once into
+    oneDNN's blocked layout. Its GEMM ran 1.2-2x faster here than torch's default
+    (MKL, which takes slow paths on non-Intel CPUs) from two rows up, and as fast for
+    one row (single-request decode reads the whole weight either way)."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        """Packs the weight, if this build and dtype allow, and drops the dense one,
+        which forward() no longer reads."""
+        if _onednn_packs(self.weight):
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
+            del self.weight
+            self.register_parameter("weight", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is None:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features)
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def _onednn_packs(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32  # in bfloat16 oneDNN was slower here (no AVX512-BF16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 class RMSNorm(nn.Module):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.attention.backend import AttentionBackend
-from worker_svc.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from worker_svc.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from worker_svc.model_config import ModelConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # the step's cos and sin tables
@@ -24,8 +24,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.backend = backend
         self.scale = self.head_dim**-0.5
 
@@ -42,8 +42,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -75,7 +75,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, device)
         self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @torch.inference_mode()
     def forward(
@@ -111,3 +111,6 @@ class LlamaForCausalLM(nn.Module):
         missing, unexpected = self.load_state_dict(fused, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()

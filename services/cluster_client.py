@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.bus_subscriber import OutputSubscriber
 from services.engine_client import EngineUnavailable, RequestFailed
@@ -38,13 +39,16 @@ class _Replica:
     member: Member
     channel: grpc.Channel
     stub: scheduler_pb2_grpc.SchedulerStub
-    routable: bool = False  # its worker holds a lease and it answered the last Stats
+    health: health_pb2_grpc.HealthStub
+    # Its worker holds a lease, it answered the last Stats, and its health said SERVING
+    # (a draining scheduler says NOT_SERVING while it finishes what it holds).
+    routable: bool = False
     load: int = 0  # running + waiting at the last poll, plus what we sent it since
 
     @classmethod
     def open(cls, member: Member) -> _Replica:
         channel = open_channel(member.address)
-        return cls(member, channel, scheduler_pb2_grpc.SchedulerStub(channel))
+        return cls(member, channel, scheduler_pb2_grpc.SchedulerStub(channel), health_pb2_grpc.HealthStub(channel))
 
 
 class ClusterEngineClient:
@@ -121,12 +125,19 @@ class ClusterEngineClient:
                 request_id=request_id, prompt_token_ids=prompt_token_ids, gateway_id=self.gateway_id,
                 sampling_params=sampling_params_to_proto(params), cache_salt=cache_salt,
             )
-            submit = replica.stub.Submit.future(request, timeout=self._submit_timeout_s)
-            await _done(submit)
-            try:
-                submit.result()
-            except grpc.RpcError as exc:
-                raise _submit_error(exc, replica.member) from exc
+            while True:
+                submit = replica.stub.Submit.future(request, timeout=self._submit_timeout_s)
+                await _done(submit)
+                try:
+                    submit.result()
+                    break
+                except grpc.RpcError as exc:
+                    # A replica that began draining (or lost its worker) since the last poll
+                    # refuses as UNAVAILABLE: another one may take the request.
+                    other = self._reroute(replica, [request_id, *children]) if _unavailable(exc) else None
+                    if other is None:
+                        raise _submit_error(exc, replica.member) from exc
+                    replica = other
             while running:
                 item = await deltas.get()
                 if isinstance(item, BaseException):
@@ -157,6 +168,16 @@ class ClusterEngineClient:
             replica.load += 1  # until the next poll counts it
             self._placed.update(dict.fromkeys(ids, replica))
             return replica
+
+    def _reroute(self, refused: _Replica, ids: list[str]) -> _Replica | None:
+        """Sets a refusing replica aside until the next poll; claims another, if any is routable."""
+        with self._lock:
+            refused.routable = False
+            refused.load -= 1
+        try:
+            return self._claim(ids)
+        except EngineUnavailable:
+            return None
 
     def _release(self, ids: list[str]) -> None:
         with self._lock:
@@ -208,14 +229,23 @@ class ClusterEngineClient:
             self._subscriber.fail(request_ids, lambda request_id: RequestFailed(request_id, message))
             replica.channel.close()
         # All at once, so one slow replica delays the poll by its timeout only.
-        calls = [(replica, replica.stub.Stats.future(scheduler_pb2.StatsRequest(), timeout=2.0)) for replica in replicas]
-        stats = [self._poll(replica, call, view.scheduler_ready(replica.member)) for replica, call in calls]
+        calls = [
+            (
+                replica,
+                replica.stub.Stats.future(scheduler_pb2.StatsRequest(), timeout=2.0),
+                replica.health.Check.future(health_pb2.HealthCheckRequest(service=""), timeout=2.0),
+            )
+            for replica in replicas
+        ]
+        stats = [self._poll(replica, call, health, view.scheduler_ready(replica.member)) for replica, call, health in calls]
         self._stats = _total([s for s in stats if s is not None])
-        self._ready = view.gateway_ready
+        with self._lock:
+            self._ready = view.gateway_ready and any(replica.routable for replica in replicas)
 
-    def _poll(self, replica: _Replica, call: grpc.Future, worker_live: bool) -> EngineStats | None:
+    def _poll(self, replica: _Replica, call: grpc.Future, health: grpc.Future, worker_live: bool) -> EngineStats | None:
         try:
             stats = stats_from_proto(call.result())
+            serving = health.result().status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError as exc:
             logger.warning("scheduler %s does not answer: %s", replica.member.address, exc.code().name)
             with self._lock:
@@ -223,7 +253,7 @@ class ClusterEngineClient:
             return None
         with self._lock:
             replica.load = stats.num_requests_running + stats.num_requests_waiting
-            replica.routable = worker_live
+            replica.routable = worker_live and serving
         return stats
 
 
@@ -240,6 +270,10 @@ async def _done(call: grpc.Future) -> None:
 
     call.add_done_callback(settle)
     await done
+
+
+def _unavailable(exc: grpc.RpcError) -> bool:
+    return exc.code() is grpc.StatusCode.UNAVAILABLE
 
 
 def _submit_error(exc: grpc.RpcError, scheduler: Member) -> Exception:

@@ -228,6 +228,31 @@ def test_a_consumer_that_leaves_aborts_its_request(client, cluster, nats, prompt
     assert cluster.loop.stats().num_requests_running == 0
 
 
+def test_a_replica_that_refuses_is_passed_over_for_another(cluster, client, nats, prompts, reference) -> None:
+    """A scheduler that stopped taking requests since the last poll (draining, say)
+    answers Submit with UNAVAILABLE; the request goes to another replica instead."""
+    hub = NatsOutputHub(nats.url)
+    refusing = StepLoop(EngineConfig(**ENGINE), cluster.remote, hub)
+    server = start_scheduler_server(refusing, hub, "127.0.0.1:0")
+    refusing.stop()  # its server still answers Stats and health: only Submit tells
+    lease = Lease(cluster.registry, Member("scheduler", "refusing", server.address, {"worker": cluster.worker.address}),
+                  TTL_S).start()
+    try:
+        deadline = time.monotonic() + 5
+        while len([r for r in client._replicas.values() if r.routable]) < 2:
+            assert time.monotonic() < deadline, "the client never saw the second replica"
+            time.sleep(0.05)
+
+        async def main() -> list[list[int]]:
+            # Two at once: the least-loaded choice sends one of them to each replica.
+            return await asyncio.gather(*(collect(client.generate(f"rerouted-{i}", prompts[i], GREEDY)) for i in (0, 1)))
+
+        assert asyncio.run(main()) == reference[:2]
+    finally:
+        lease.stop()
+        server.stop(0)
+
+
 def test_a_killed_scheduler_ends_its_requests_within_its_lease(cluster, nats, redis_url, prompts) -> None:
     # A registry of its own (Redis database 1): the killed scheduler is the only one there.
     own_registry = redis_url.rsplit("/", 1)[0] + "/1"

@@ -1,4 +1,5 @@
-"""Deterministic natural-language prompts for parity tests (token windows of a fixed text)."""
+"""Deterministic natural-language prompts: a fixed text whose token windows the parity
+tests use, and the short prompts and chat the server tests send."""
 from __future__ import annotations
 
 TEXT = """\
@@ -41,3 +42,16 @@ PROMPT_SHAPES = [(0, 5), (40, 9), (90, 16), (7, 30), (150, 48), (60, 75), (220, 
 def parity_prompts(token_ids: list[int]) -> list[list[int]]:
     assert len(token_ids) >= max(start + length for start, length in PROMPT_SHAPES), len(token_ids)
     return [token_ids[start : start + length] for start, length in PROMPT_SHAPES]
+
+# Short prompts and a chat for the OpenAI-compatible server's tests.
+PROMPTS = [
+    "The capital of France is",
+    "Hello, my name is",
+    "The future of AI is",
+    "def fibonacci(n):",
+    "Once upon a time,",
+    "The largest planet in the solar system is",
+    "Water boils at",
+    "My favourite colour is",
+]
+CHAT = [{"role": "user", "content": "Say hello in one short sentence."}]

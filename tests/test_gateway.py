@@ -24,6 +24,7 @@ from fastapi import FastAPI
 
 from conftest import assert_no_leaks
 from gateway.app import build_app
+from corpus import CHAT, PROMPTS
 from kvfleet import LLM
 from services.async_engine import AsyncEngine
 from services.config import EngineConfig
@@ -35,17 +36,6 @@ from tokenizer_svc.tokenizer import Tokenizer
 MODEL = "smollm2"
 # Enough KV for one max_model_len request and the sampling tests' batches, a fraction of the default.
 KV_CACHE_MEMORY = 512 * 2**20
-PROMPTS = [
-    "The capital of France is",
-    "Hello, my name is",
-    "The future of AI is",
-    "def fibonacci(n):",
-    "Once upon a time,",
-    "The largest planet in the solar system is",
-    "Water boils at",
-    "My favourite colour is",
-]
-CHAT = [{"role": "user", "content": "Say hello in one short sentence."}]
 
 
 @dataclass

@@ -12,10 +12,11 @@ import httpx
 import openai
 import pytest
 
+from corpus import CHAT, PROMPTS
 from kvfleet import LLM, BeamSearchParams, SamplingParams
 from services.outputs import RequestOutput
 from test_gateway import (  # noqa: F401  (fixtures)
-    CHAT, MODEL, PROMPTS, ServerThread, Stack, _engine_idle_after_each_test, client, llm, server, stack,
+    MODEL, ServerThread, Stack, _engine_idle_after_each_test, client, llm, server, stack,
     wait_until_idle,
 )
 

@@ -32,6 +32,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from corpus import CHAT, PROMPTS
 from kvfleet import LLM, SamplingParams
 from services.cluster import free_port
 from services.outputs import CompletionOutput
@@ -53,17 +54,6 @@ PROC = sys.platform.startswith("linux")  # the process tree is read from /proc
 # "after" an event only once a poll that began after the event has landed.
 STATS_LAG_S = {"serve": 0.0, "cluster": 0.8}
 IDLE_WITHIN_S = 2.0
-PROMPTS = [
-    "The capital of France is",
-    "Hello, my name is",
-    "The future of AI is",
-    "def fibonacci(n):",
-    "Once upon a time,",
-    "The largest planet in the solar system is",
-    "Water boils at",
-    "My favourite colour is",
-]
-CHAT = [{"role": "user", "content": "Say hello in one short sentence."}]
 
 # Greedy outputs by mode (and the SDK's), for the cross-mode test at the end.
 GREEDY: dict[str, dict[str, Any]] = {"sdk": {}, **{mode: {} for mode in MODES}}

@@ -9,6 +9,7 @@ from services.config import EngineConfig
 from services.messages import StepPlan, StepResult, WorkerDescription
 from services.sampling_params import SamplingParams
 from services.model_source import resolve_model
+from worker_svc.attention.paged_decode import PagedDecodeKernel, decode_kernel_enabled, load_kernel
 from worker_svc.attention.torch_backend import TorchAttentionBackend
 from worker_svc.batch import RequestState, prepare_inputs
 from worker_svc.kv_cache import (
@@ -36,7 +37,7 @@ class Worker:
         self.dtype = config.torch_dtype
         self.model_config, weights = load_weights(resolve_model(config.model), self.dtype)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.attention_backend = TorchAttentionBackend()
+        self.attention_backend = self._attention_backend()
         with torch.device("meta"):
             self.model = LlamaForCausalLM(self.model_config, self.attention_backend, self.max_model_len, self.device)
         self.model.load_weights({name: t.to(self.device) for name, t in weights.items()})
@@ -52,6 +53,11 @@ class Worker:
             if self.num_host_blocks
             else []
         )
+
+    def _attention_backend(self) -> TorchAttentionBackend:
+        shape = (self.model_config.num_attention_heads, self.model_config.num_key_value_heads, self.model_config.head_dim)
+        use_kernel = PagedDecodeKernel.supports(self.dtype, self.device, *shape) and decode_kernel_enabled()
+        return TorchAttentionBackend(load_kernel() if use_kernel else None, self.model_config.num_key_value_heads)
 
     def _size_kv_cache(self) -> int:
         """Blocks that fit the memory budget once a full step's activations are accounted for."""

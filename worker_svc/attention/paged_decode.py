@@ -1,0 +1,145 @@
+"""The in-place paged decode attention kernel (paged_decode.c), built and loaded on demand.
+
+Built once per machine with the system C compiler into ~/.cache/kvfleet/kernels
+(keyed by the source and this CPU, since it is compiled for it) and called through
+ctypes, which releases the GIL: each of torch's threads runs a share of the decodes,
+split so that each share reads about the same number of keys. Without a compiler
+(or with KVFLEET_DECODE_KERNEL=0) the torch backend keeps its gather-then-SDPA path,
+so this is an accelerator, never a requirement.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvfleet" / "kernels"
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in the C source
+
+_i64, _f32p, _i64p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int64)
+
+
+@dataclass
+class DecodeBatch:
+    """A step's decode rows, as the kernel reads them (built once, used by every layer)."""
+
+    rows: torch.Tensor  # [n] int64: row in the flattened batch
+    seqs: torch.Tensor  # [n] int64: row in block_tables
+    seq_lens: torch.Tensor  # [n] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int64, contiguous
+    # Per thread, the [first, last) range of (decode, kv head) items it computes.
+    shares: list[tuple[int, int]]
+
+
+class PagedDecodeKernel:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._function = library.paged_decode_attention
+        self._function.restype = None
+        self._function.argtypes = [_f32p, _f32p, _f32p, _f32p, _i64p, _i64, _i64p, _i64p, _i64p,
+                                   _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _i64]
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+
+    @staticmethod
+    def supports(dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return (
+            dtype == torch.float32 and device.type == "cpu" and num_heads // num_kv_heads <= MAX_GROUP
+            and head_dim <= MAX_HEAD_DIM
+        )
+
+    def batch(self, rows: list[int], seqs: list[int], seq_lens: list[int], block_tables: torch.Tensor,
+              num_kv_heads: int) -> DecodeBatch:
+        threads = torch.get_num_threads()
+        # Contiguous ranges of decodes with about equal keys each (a range ends at a decode boundary).
+        total, shares, first, done = sum(seq_lens), [], 0, 0
+        for index, length in enumerate(seq_lens):
+            done += length
+            if done * threads >= total * (len(shares) + 1) or index == len(seq_lens) - 1:
+                shares.append((first * num_kv_heads, (index + 1) * num_kv_heads))
+                first = index + 1
+        return DecodeBatch(
+            torch.tensor(rows, dtype=torch.int64), torch.tensor(seqs, dtype=torch.int64),
+            torch.tensor(seq_lens, dtype=torch.int64), block_tables.to(torch.int64).contiguous(), shares,
+        )
+
+    def __call__(self, query: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch,
+                 scale: float) -> None:
+        """Writes attention of every decode row of `query` [T, H, D] into the same rows of `out`."""
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+        pointers = (
+            _pointer(query, _f32p), _pointer(out, _f32p), _pointer(kv_cache[0], _f32p), _pointer(kv_cache[1], _f32p),
+            _pointer(batch.block_tables, _i64p), batch.block_tables.shape[1], _pointer(batch.rows, _i64p),
+            _pointer(batch.seqs, _i64p), _pointer(batch.seq_lens, _i64p), num_heads, num_kv_heads, head_dim,
+            block_size, scale,
+        )
+        if len(batch.shares) == 1:
+            self._function(*pointers, *batch.shares[0])
+            return
+        if self._pool_size < len(batch.shares):
+            self._pool = ThreadPoolExecutor(len(batch.shares), thread_name_prefix="kvfleet-decode-attn")
+            self._pool_size = len(batch.shares)
+        for future in [self._pool.submit(self._function, *pointers, *share) for share in batch.shares]:
+            future.result()
+
+
+def _pointer(tensor: torch.Tensor, kind: type) -> ctypes._Pointer:
+    assert tensor.is_contiguous()
+    return ctypes.cast(tensor.data_ptr(), kind)
+
+
+def decode_kernel_enabled() -> bool:
+    """KVFLEET_DECODE_KERNEL=0 keeps decodes on the torch path (to compare, or to rule the kernel out)."""
+    return os.environ.get("KVFLEET_DECODE_KERNEL", "1") != "0"
+
+
+@functools.cache
+def load_kernel() -> PagedDecodeKernel | None:
+    """The kernel, built if this machine has not built it yet; None without a compiler."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.info("no C compiler: decode attention gathers KV with torch instead")
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_signature()).hexdigest()[:16]
+    library = CACHE_DIR / f"paged_decode-{key}.so"
+    try:
+        if not library.exists():
+            _build(compiler, library)
+        return PagedDecodeKernel(ctypes.CDLL(str(library)))
+    except (OSError, subprocess.CalledProcessError) as exc:  # a read-only home, a broken toolchain
+        detail = exc.stderr[-2000:] if isinstance(exc, subprocess.CalledProcessError) else exc
+        logger.warning("could not build the paged decode kernel; decode attention uses torch: %s", detail)
+        return None
+
+
+def _build(compiler: str, library: Path) -> None:
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as scratch:
+        built = Path(scratch) / library.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
+                       text=True)
+        built.replace(library)  # atomic: a concurrent build never loads a half-written file
+
+
+def _cpu_signature() -> bytes:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine.encode()
+    wanted = ("model name", "flags")
+    return "\n".join(sorted({line for line in lines if line.startswith(wanted)})).encode()

@@ -1,8 +1,6 @@
-"""The embedded engine client: one EngineCore stepping on its own thread, streamed to asyncio.
+"""The embedded engine client: one EngineCore stepping on its own thread
+(services/engine_thread.py), streamed to asyncio.
 
-EngineCore is not thread-safe, so every call to it happens on the engine thread.
-Callers on asyncio loops send adds and aborts through a thread-safe inbox that the
-engine thread drains before each step; when there is no work it blocks on the inbox.
 Results go back with one `call_soon_threadsafe` per event loop per iteration (never
 one per token) into per-request asyncio queues. Each stream remembers its own loop,
 so several event loops (e.g. two servers in one process) can share one engine.
@@ -15,15 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from services.engine import EngineCore, StepFailed
 from services.engine_client import EngineUnavailable, RequestFailed
-from services.messages import EngineStats, TokenDelta
+from services.engine_thread import EngineThread
+from services.messages import TokenDelta
 from services.parallel_sampling import num_children
 from services.request_routes import RequestRoutes, Route
 from services.sampling_params import SamplingParams
@@ -49,62 +46,27 @@ class _Add:
     cache_salt: str | None
 
 
-@dataclass
-class _Abort:
-    request_id: str
-
-
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _Stop
-
-
 def _deliver(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
     """Runs on the consumer's event loop."""
     for target, item in items:
         target.put_nowait(item)
 
 
-class AsyncEngine:
+class AsyncEngine(EngineThread[_Add]):
     def __init__(self, core: EngineCore) -> None:
-        self.core = core
-        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        # Guards `_stopped` together with puts, so nothing lands in the inbox after
-        # the engine thread has drained it for the last time.
-        self._lock = threading.Lock()
-        self._stopped = False
-        self._thread: threading.Thread | None = None
-        # Owned by the engine thread: each live request's stream.
+        super().__init__(core, "kvfleet-engine")
+        # Owned by the engine thread: each live request's stream, and what to deliver.
         self._routes: RequestRoutes[_Stream] = RequestRoutes()
         self._outbox: defaultdict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = defaultdict(list)
-        # Replaced (never mutated) by the engine thread, so any thread may read it.
-        self._stats: EngineStats = core.stats()
 
     # -- lifecycle (any thread) ------------------------------------------------------
 
-    def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("the engine was already started")
-        self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
-        self._thread.start()
-
     def shutdown(self) -> None:
         """Stops the loop; requests still running end with EngineUnavailable."""
-        if self._thread is None:
-            return
-        with self._lock:
-            if not self._stopped:
-                self._stopped = True
-                self._inbox.put(_Stop())
-        self._thread.join()
+        self._stop_thread()
 
     def is_ready(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopped
-
-    def stats(self) -> EngineStats:
-        return self._stats
 
     # -- requests (asyncio side) -----------------------------------------------------
 
@@ -112,7 +74,7 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> AsyncIterator[TokenDelta]:
         stream = _Stream(request_id, asyncio.get_running_loop())
-        self._send(_Add(stream, list(prompt_token_ids), params, cache_salt))
+        self._send(_Add(stream, list(prompt_token_ids), params, cache_salt), "the engine is not running")
         # Each engine request (one, or one per child) ends with exactly one delta that
         # has a finish_reason; the engine thread guarantees it.
         running = num_children(params)
@@ -132,55 +94,9 @@ class AsyncEngine:
         """Aborts a request (every child of it), or one child by its child id."""
         self._send_abort(request_id)
 
-    def _send(self, command: _Command) -> None:
-        with self._lock:
-            if self._stopped or self._thread is None:
-                raise EngineUnavailable("the engine is not running")
-            self._inbox.put(command)
-
-    def _send_abort(self, request_id: str) -> None:
-        with self._lock:
-            # After a stop the engine thread aborts every request itself.
-            if not self._stopped:
-                self._inbox.put(_Abort(request_id))
-
     # -- the engine thread -----------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            self._serve()
-        except BaseException:
-            logger.exception("the engine loop died")
-            raise
-        finally:
-            with self._lock:
-                self._stopped = True
-            self._close_all()
-
-    def _serve(self) -> None:
-        while True:
-            for command in self._take_commands(block=not self.core.has_work):
-                if isinstance(command, _Stop):
-                    return
-                if isinstance(command, _Add):
-                    self._add(command)
-                else:
-                    self._abort(command.request_id)
-            if self.core.has_work:
-                self._step()
-            # Stats first: whoever receives a delta then sees stats at least as new as it.
-            self._stats = self.core.stats()
-            self._flush()
-
-    def _take_commands(self, block: bool) -> list[_Command]:
-        commands = [self._inbox.get()] if block else []
-        while True:
-            try:
-                commands.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return commands
-
-    def _add(self, command: _Add) -> None:
+    def _handle(self, command: _Add) -> None:
         stream = command.stream
         try:
             self.core.add_request(stream.request_id, command.prompt_token_ids, command.params, command.cache_salt)
@@ -238,13 +154,12 @@ class AsyncEngine:
                 logger.exception("could not abort %s", engine_id)
         self._post(route.target, error)
 
-    def _close_all(self) -> None:
+    def _close(self) -> None:
         """After the loop ends: nothing may wait forever on a stream."""
-        for command in self._take_commands(block=False):
-            if isinstance(command, _Add):
-                self._post(command.stream, EngineUnavailable("the engine shut down"))
+        for command in self._pending_commands():
+            self._post(command.stream, EngineUnavailable("the engine shut down"))
         self._fail_all(lambda request_id: EngineUnavailable("the engine shut down"))
-        self._flush()
+        self._end_iteration()
         try:
             # Nothing is left to run: these steps only tell the worker to drop the state
             # of ended requests.
@@ -257,7 +172,8 @@ class AsyncEngine:
     def _post(self, stream: _Stream, item: _Item) -> None:
         self._outbox[stream.loop].append((stream, item))
 
-    def _flush(self) -> None:
+    def _end_iteration(self) -> None:
+        """One call_soon_threadsafe per event loop with everything its streams got."""
         outbox, self._outbox = self._outbox, defaultdict(list)
         for loop, items in outbox.items():
             try:

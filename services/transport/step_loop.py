@@ -1,10 +1,6 @@
-"""The scheduler role's engine thread: one EngineCore, stepped on its own thread,
-fed by gRPC handler threads, publishing each step's deltas per gateway.
-
-EngineCore is not thread-safe, so every call to it happens on the loop thread.
-Submits and aborts arrive through a thread-safe inbox drained before each step; with
-no work the thread blocks on the inbox (no busy-wait). After each iteration every
-gateway with new deltas gets one batch: never one message per token.
+"""The scheduler role's engine thread (services/engine_thread.py): one EngineCore fed
+by gRPC handler threads, publishing each step's deltas per gateway. After each
+iteration every gateway with new deltas gets one batch: never one message per token.
 
 Failure isolation: a step whose worker call fails ends the requests that step held,
 each with a final ABORT delta carrying the error, and the loop goes on. A lost worker
@@ -14,7 +10,6 @@ at that address again, new requests run on it.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections import defaultdict
 from collections.abc import Sequence
@@ -24,7 +19,8 @@ from dataclasses import dataclass
 from services.config import EngineConfig
 from services.engine import EngineCore, StepFailed, WorkerHandle
 from services.engine_client import EngineUnavailable
-from services.messages import EngineStats, TokenDelta
+from services.engine_thread import EngineThread
+from services.messages import TokenDelta
 from services.parallel_sampling import num_children
 from services.pb.kvfleet.v1 import common_pb2
 from services.request_routes import RequestRoutes
@@ -46,57 +42,28 @@ class _Submit:
 
 
 @dataclass
-class _Abort:
-    request_id: str
-
-
-class _Stop:
-    pass
-
-
-@dataclass
 class _Drain:
     idle: threading.Event  # set once the engine has nothing left to do
 
 
-_Command = _Submit | _Abort | _Stop | _Drain
-
-
-class StepLoop:
+class StepLoop(EngineThread[_Submit | _Drain]):
     def __init__(
         self, config: EngineConfig, worker: WorkerHandle, hub: OutputHub, fallback_eos_token_id: int | None = None
     ) -> None:
-        self.core = EngineCore(config, fallback_eos_token_id, worker=worker)
+        super().__init__(EngineCore(config, fallback_eos_token_id, worker=worker), "kvfleet-step-loop")
         self._hub = hub
-        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        # Guards `_stopped` together with puts, so nothing lands in the inbox after
-        # the loop thread has drained it for the last time.
-        self._lock = threading.Lock()
-        self._stopped = False
-        self._draining = False  # guarded by _lock too: once set, Submits are refused
-        self._thread: threading.Thread | None = None
+        self._draining = False  # guarded by _lock: once set, Submits are refused
         # Owned by the loop thread: set from drain(), the event to set once idle.
         self._idle_event: threading.Event | None = None
         # Owned by the loop thread: each live request's gateway, and the deltas not yet published.
         self._routes: RequestRoutes[str] = RequestRoutes()
         self._outputs: defaultdict[str, list[common_pb2.TokenDelta]] = defaultdict(list)
-        # Replaced (never mutated) by the loop thread, so any thread may read it.
-        self._stats: EngineStats = self.core.stats()
 
     # -- any thread ----------------------------------------------------------------------
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kvfleet-step-loop", daemon=True)
-        self._thread.start()
-
     def stop(self) -> None:
         """Ends the loop; live requests end with an ABORT delta saying so."""
-        with self._lock:
-            if not self._stopped:
-                self._stopped = True
-                self._inbox.put(_Stop())
-        if self._thread is not None:
-            self._thread.join()
+        self._stop_thread()
 
     @property
     def draining(self) -> bool:
@@ -128,62 +95,27 @@ class StepLoop:
         """Returns once the engine has queued the request. Raises InvalidParameter or
         ValueError for rejected input, EngineUnavailable once the loop is stopping."""
         accepted: Future[None] = Future()
-        self._send(_Submit(request_id, list(prompt_token_ids), params, cache_salt, gateway_id, accepted))
+        with self._lock:  # reentrant: _send takes it too, so no drain slips in between
+            if self._draining:
+                raise EngineUnavailable("the scheduler is draining: it takes no new requests")
+            self._send(_Submit(request_id, list(prompt_token_ids), params, cache_salt, gateway_id, accepted),
+                       "the scheduler is shutting down")
         accepted.result()
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            if not self._stopped:  # after a stop the loop ends every request itself
-                self._inbox.put(_Abort(request_id))
-
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    def _send(self, command: _Command) -> None:
-        with self._lock:
-            if self._stopped:
-                raise EngineUnavailable("the scheduler is shutting down")
-            if self._draining and isinstance(command, _Submit):
-                raise EngineUnavailable("the scheduler is draining: it takes no new requests")
-            self._inbox.put(command)
+        self._send_abort(request_id)
 
     # -- the loop thread -----------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            self._serve()
-        except BaseException:
-            logger.exception("the step loop died")
-            raise
-        finally:
-            with self._lock:
-                self._stopped = True
-            self._close()
+    def _handle(self, command: _Submit | _Drain) -> None:
+        if isinstance(command, _Drain):
+            self._idle_event = command.idle
+        else:
+            self._submit(command)
 
-    def _serve(self) -> None:
-        while True:
-            for command in self._take_commands(block=not self.core.has_work):
-                if isinstance(command, _Stop):
-                    return
-                if isinstance(command, _Submit):
-                    self._submit(command)
-                elif isinstance(command, _Drain):
-                    self._idle_event = command.idle
-                else:
-                    self._abort(command.request_id)
-            if self.core.has_work:
-                self._step()
-            self._publish()
-            self._stats = self.core.stats()
-            self._check_drained()
-
-    def _take_commands(self, block: bool) -> list[_Command]:
-        commands = [self._inbox.get()] if block else []
-        while True:
-            try:
-                commands.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return commands
+    def _end_iteration(self) -> None:
+        self._publish()
+        self._check_drained()
 
     def _submit(self, command: _Submit) -> None:
         try:
@@ -261,7 +193,7 @@ class StepLoop:
 
     def _close(self) -> None:
         """After the loop ends: every caller and every live request hears so."""
-        for command in self._take_commands(block=False):
+        for command in self._pending_commands():
             if isinstance(command, _Submit):
                 command.accepted.set_exception(EngineUnavailable("the scheduler is shutting down"))
         for route in self._routes:

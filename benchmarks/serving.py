@@ -1,8 +1,9 @@
 """Online serving: the cluster (`kvfleet cluster up`) against embedded (`kvfleet serve`).
 
 Each mode is a fresh server subprocess (smollm2, float32, 2 torch threads), warmed up,
-then driven open-loop: requests arrive as a Poisson process at three rates, whatever
-the server is doing, through the official `openai` async client, streaming, so every
+first sent requests one at a time (TTFT overhead, free of queueing), then driven
+open-loop: requests arrive as a Poisson process at three rates, whatever the server
+is doing, through the official `openai` async client, streaming, so every
 token chunk is time-stamped. The same fixed-seed workload goes to both modes, one mode
 after the other, and the cluster is reported as ratios against embedded, since this
 shared 2-core machine is noisy. Metrics follow vLLM's benchmark_serving.py:
@@ -37,12 +38,19 @@ REPO = Path(__file__).resolve().parents[1]  # servers run this checkout's code, 
 TOKEN_RANGE = (1000, 40000)  # plain vocabulary ids: no special or control tokens
 TARGETS = {"saturation_throughput_ratio_min": 0.9, "ttft_p50_overhead_ms_max": 15.0}
 # (requests/s, number of requests) per load level. Measured first: on this 2-core CPU the
-# embedded server does ~13 tokens/s on one stream and 60-70 tokens/s with 32 streams (~1.5
-# requests/s of this workload; ~40 tokens/s when other jobs load the machine). So the lowest
-# rate keeps about one request in flight and the highest queues most of them. With 16-40
-# requests a level, p99 is close to the maximum; the full run takes ~7 minutes.
-FULL = {"rates": [(0.2, 16), (0.6, 32), (2.5, 40)], "prompt": (32, 256), "output": (24, 40)}
-QUICK = {"rates": [(0.5, 5), (1.5, 8), (5.0, 10)], "prompt": (32, 128), "output": (8, 16)}
+# embedded server does ~13 tokens/s on one stream and 70-75 tokens/s once loaded (~2.3
+# requests/s of this workload). So the lowest rate keeps about one request in flight, and
+# the highest arrives at well over capacity: its 64 requests queue up, and throughput
+# measures what the server sustains rather than the arrival rate (at 2.5 requests/s, just
+# above capacity, the ratio was decided by the last requests' tail). With 16-64 requests a
+# level, p99 is close to the maximum; the full run takes ~6 minutes.
+FULL = {"rates": [(0.2, 16), (0.6, 32), (6.0, 64)], "prompt": (32, 256), "output": (24, 40), "idle": 32}
+QUICK = {"rates": [(0.5, 5), (1.5, 8), (5.0, 10)], "prompt": (32, 128), "output": (8, 16), "idle": 8}
+# TTFT overhead is judged on requests sent one at a time ("idle"): at the Poisson rates a
+# request's TTFT also depends on whether it happened to overlap another one, and the p50
+# difference between modes swung from -66 to +17 ms across identical runs here; one at a
+# time, each mode's p50 is the transport and prefill alone.
+IDLE = "idle"
 
 
 @dataclass
@@ -106,9 +114,12 @@ async def send(client: AsyncOpenAI, request: Request) -> Result:
     return result
 
 
-async def drive(client: AsyncOpenAI, requests: list[Request]) -> tuple[list[Result], float]:
-    """Open loop: each request goes out at its arrival time, however many are still running."""
+async def drive(client: AsyncOpenAI, requests: list[Request], one_at_a_time: bool = False) -> tuple[list[Result], float]:
+    """Open loop: each request goes out at its arrival time, however many are still running
+    (or, `one_at_a_time`, each once the one before has finished)."""
     start, tasks = time.perf_counter(), []
+    if one_at_a_time:
+        return [await send(client, request) for request in requests], time.perf_counter() - start
     for request in requests:
         await asyncio.sleep(max(0.0, request.at - (time.perf_counter() - start)))
         tasks.append(asyncio.create_task(send(client, request)))
@@ -178,10 +189,11 @@ def stop_server(process: subprocess.Popen) -> None:
         process.wait()
 
 
-async def measure(client: AsyncOpenAI, server_pid: int, label: str, workload: list[Request]) -> dict[str, Any]:
+async def measure(client: AsyncOpenAI, server_pid: int, label: str, workload: list[Request],
+                  one_at_a_time: bool = False) -> dict[str, Any]:
     """One load level: vLLM's metrics, and the load average and the server's CPU time around it."""
     before, cpu = loadavg(), cpu_by_role(server_pid)
-    results, duration = await drive(client, workload)
+    results, duration = await drive(client, workload, one_at_a_time)
     cpu = {role: round(t - cpu.get(role, 0.0), 2) for role, t in cpu_by_role(server_pid).items()}
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
@@ -204,7 +216,8 @@ async def measure(client: AsyncOpenAI, server_pid: int, label: str, workload: li
     return out
 
 
-async def run_mode(mode: str, plan: dict[str, Any], workloads: list[list[Request]], phases: dict[str, Any]) -> dict:
+async def run_mode(mode: str, plan: dict[str, Any], workloads: list[list[Request]], idle: list[Request],
+                   phases: dict[str, Any]) -> dict:
     port = free_port()
     with tempfile.NamedTemporaryFile("w+", prefix=f"kvfleet-{mode}-", suffix=".log", delete=False) as log_file:
         log(f"{mode}: starting (log: {log_file.name})")
@@ -222,8 +235,9 @@ async def run_mode(mode: str, plan: dict[str, Any], workloads: list[list[Request
             await drive(client, warm[:1])
             await drive(client, warm[1:])
             phases[f"{mode}_warmup_s"] = round(time.perf_counter() - began, 2)
-            out = {str(rate): await measure(client, process.pid, f"{mode} @ {rate} req/s", workload)
-                   for (rate, _), workload in zip(plan["rates"], workloads)}
+            out = {IDLE: await measure(client, process.pid, f"{mode}, one at a time", idle, one_at_a_time=True)}
+            out |= {str(rate): await measure(client, process.pid, f"{mode} @ {rate} req/s", workload)
+                    for (rate, _), workload in zip(plan["rates"], workloads)}
             await client.close()
         except Exception:
             log_file.flush()
@@ -263,18 +277,19 @@ def main() -> None:
     plan = QUICK if args.quick else FULL
     workloads = [make_workload(seed, rate, n, plan["prompt"], plan["output"])
                  for seed, (rate, n) in enumerate(plan["rates"])]
+    idle = make_workload(len(plan["rates"]), 1.0, plan["idle"], plan["prompt"], (8, 8))  # arrival times unused
     start_load, began, phases = loadavg(), time.perf_counter(), {}
     log(f"load average at start: {start_load}")
     modes = {}
     for mode in ("embedded", "cluster"):  # one after the other, never both at once
-        modes[mode] = asyncio.run(run_mode(mode, plan, workloads, phases))
+        modes[mode] = asyncio.run(run_mode(mode, plan, workloads, idle, phases))
     ratios = compare(modes["embedded"], modes["cluster"])
-    lowest, highest = str(plan["rates"][0][0]), str(plan["rates"][-1][0])
+    highest = str(plan["rates"][-1][0])
     overhead = {rate: r["ttft_p50_overhead_ms"] for rate, r in ratios.items()}
     ttft_ok = {rate: ms is not None and ms <= TARGETS["ttft_p50_overhead_ms_max"] for rate, ms in overhead.items()}
     checks = {"saturation_throughput_ok": (ratios[highest]["output_throughput_ratio"] or 0.0)
               >= TARGETS["saturation_throughput_ratio_min"],
-              "ttft_p50_overhead_ok": ttft_ok[lowest], "ttft_p50_overhead_ok_per_rate": ttft_ok}
+              "ttft_p50_overhead_ok": ttft_ok[IDLE], "ttft_p50_overhead_ok_per_level": ttft_ok}
     result = {
         "workload": {"quick": args.quick, "model": MODEL, "dtype": "float32", "api": "/v1/completions, streaming",
                      "rates_req_per_s": [r for r, _ in plan["rates"]], "num_requests": [n for _, n in plan["rates"]],
@@ -286,7 +301,7 @@ def main() -> None:
         "phase_seconds": phases | {"total": round(time.perf_counter() - began, 1)},
         "modes": modes, "cluster_vs_embedded": ratios,
         "targets": TARGETS, "checks": checks,
-        "meets_targets": checks["saturation_throughput_ok"] and ttft_ok[lowest],
+        "meets_targets": checks["saturation_throughput_ok"] and ttft_ok[IDLE],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

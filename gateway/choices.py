@@ -16,7 +16,7 @@ from gateway.metrics import GatewayMetrics, RequestMeter
 from services.engine_client import EngineClient
 from services.messages import TokenDelta
 from services.output_processor import OutputProcessor, TextDelta, TextStream
-from services.parallel_sampling import child_params, child_request_id, num_children
+from services.parallel_sampling import child_params, engine_request_ids, num_children
 from services.sampling_params import SamplingParams
 from tokenizer_svc.tokenizer import Tokenizer
 
@@ -63,7 +63,7 @@ async def generate_choices(
     cache_salt: str | None,
 ) -> AsyncGenerator[ChoiceDelta, None]:
     count = num_children(params)
-    engine_ids = [request_id] if count == 1 else [child_request_id(request_id, i) for i in range(count)]
+    engine_ids = engine_request_ids(request_id, count)
     meters = _Meters(metrics, engine_ids, len(prompt_token_ids))
     ranked = params.best_of is not None and params.best_of > params.n
     rejected = False

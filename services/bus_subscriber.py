@@ -21,7 +21,9 @@ from nats.errors import SlowConsumerError
 from services.bus import NatsThread, subject
 from services.engine_client import EngineUnavailable, RequestFailed
 from services.messages import TokenDelta
+from services.parallel_sampling import engine_request_ids
 from services.pb.kvfleet.v1 import scheduler_pb2
+from services.request_routes import RequestRoutes, Route
 from services.transport.convert import delta_from_proto
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,6 @@ Item = TokenDelta | BaseException
 class _Stream:
     request_id: str
     loop: asyncio.AbstractEventLoop
-    live: set[str]  # engine request ids (its own, or its children's) not ended yet
     queue: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
 
 
@@ -43,8 +44,7 @@ class OutputSubscriber:
         self.gateway_id = gateway_id
         # Guards the tables below, which the NATS thread and the consumers' loops share.
         self._lock = threading.Lock()
-        self._streams: dict[str, _Stream] = {}  # by request id
-        self._routes: dict[str, _Stream] = {}  # by engine request id
+        self._routes: RequestRoutes[_Stream] = RequestRoutes()
         self._closing = False
         self._nats = NatsThread(url, "kvfleet-nats-subscriber", connect_timeout_s,
                                 disconnected_cb=self._on_disconnect, error_cb=self._on_error)
@@ -54,42 +54,41 @@ class OutputSubscriber:
     def connected(self) -> bool:
         return self._nats.connected
 
-    def open(self, request_id: str, engine_ids: Sequence[str] | None = None) -> asyncio.Queue[Item]:
+    def open(self, request_id: str, num_children: int = 1) -> asyncio.Queue[Item]:
         """Call on the consumer's loop, before the request is submitted, so no delta is
-        missed. `engine_ids`: the child request ids it runs as, if not its own id."""
-        ids = list(engine_ids or [request_id])
-        stream = _Stream(request_id, asyncio.get_running_loop(), set(ids))
+        missed. `num_children`: with n or best_of > 1, its deltas carry child ids."""
+        stream = _Stream(request_id, asyncio.get_running_loop())
         with self._lock:
             # Under the lock: a disconnect after this check fails the stream (_on_disconnect).
             if not self.connected:
                 raise EngineUnavailable("the token stream (NATS) is disconnected")
-            if request_id in self._streams or any(i in self._routes for i in ids):
+            ids = engine_request_ids(request_id, num_children)
+            if self._routes.get(request_id) is not None or any(self._routes.of(i) is not None for i in ids):
                 raise ValueError(f"request {request_id!r} is already streaming")
-            self._streams[request_id] = stream
-            self._routes.update(dict.fromkeys(ids, stream))
+            self._routes.add(request_id, num_children, stream)
         return stream.queue
 
     def discard(self, request_id: str) -> None:
         """Stops routing the request's deltas (it ended, or its consumer left)."""
         with self._lock:
-            self._drop(request_id)
+            route = self._routes.get(request_id)
+            if route is not None:
+                self._drop(route)
 
     def fail(self, request_ids: Sequence[str] | None, error: Callable[[str], BaseException]) -> None:
         """Ends these open streams (None: all of them) with error(request_id); any thread."""
         with self._lock:
-            ids = list(self._streams) if request_ids is None else [r for r in request_ids if r in self._streams]
-            streams = [self._drop(request_id) for request_id in ids]
+            routes = list(self._routes) if request_ids is None else [self._routes.get(r) for r in request_ids]
+            streams = [self._drop(route) for route in routes if route is not None]
         _post({stream: [error(stream.request_id)] for stream in streams})
 
     def close(self) -> None:
         self._closing = True
         self._nats.close()
 
-    def _drop(self, request_id: str) -> _Stream | None:
-        stream = self._streams.pop(request_id, None)
-        for engine_id in stream.live if stream is not None else ():
-            del self._routes[engine_id]
-        return stream
+    def _drop(self, route: Route[_Stream]) -> _Stream:
+        self._routes.remove(route)
+        return route.target
 
     async def _subscribe(self) -> None:
         await self._nats.nc.subscribe(subject(self.gateway_id), cb=self._on_message)
@@ -100,22 +99,19 @@ class OutputSubscriber:
         items: defaultdict[_Stream, list[Item]] = defaultdict(list)
         with self._lock:
             for message in outputs.deltas:
-                stream = self._routes.get(message.request_id)
-                if stream is None:  # ended here already (e.g. its client left): drop
+                route = self._routes.of(message.request_id)
+                if route is None:  # ended here already (e.g. its client left): drop
                     continue
-                delta = delta_from_proto(message)
+                stream, delta = route.target, delta_from_proto(message)
                 if message.error:  # one engine request failed: the whole request does
                     if delta.new_token_ids:
                         items[stream].append(TokenDelta(delta.request_id, delta.new_token_ids, logprobs=delta.logprobs))
                     items[stream].append(RequestFailed(stream.request_id, message.error))
-                    self._drop(stream.request_id)
+                    self._drop(route)
                     continue
                 items[stream].append(delta)
                 if delta.finish_reason is not None:
-                    stream.live.discard(message.request_id)
-                    del self._routes[message.request_id]
-                    if not stream.live:
-                        del self._streams[stream.request_id]
+                    self._routes.end(message.request_id)
         _post(items)
 
     async def _on_disconnect(self) -> None:

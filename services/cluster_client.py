@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.bus_subscriber import OutputSubscriber
 from services.engine_client import EngineUnavailable, RequestFailed
 from services.messages import EngineStats, TokenDelta
-from services.parallel_sampling import child_request_id, num_children
+from services.parallel_sampling import engine_request_ids, num_children
 from services.pb.kvfleet.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.registry import ClusterView, Member, Registry, new_member_id
 from services.sampling_params import InvalidParameter, SamplingParams
@@ -116,11 +116,12 @@ class ClusterEngineClient:
             raise EngineUnavailable("the cluster client is not running")
         # With n or best_of > 1 the scheduler runs child requests; each ends with one final delta.
         running = num_children(params)
-        children = [child_request_id(request_id, i) for i in range(running)] if running > 1 else []
-        deltas = self._subscriber.open(request_id, children)  # before Submit: no delta can slip past
+        # Placed by its own id and its children's: an abort may name either.
+        placed = list(dict.fromkeys([request_id, *engine_request_ids(request_id, running)]))
+        deltas = self._subscriber.open(request_id, running)  # before Submit: no delta can slip past
         submit: grpc.Future | None = None
         try:
-            replica = self._claim([request_id, *children])
+            replica = self._claim(placed)
             request = scheduler_pb2.SubmitRequest(
                 request_id=request_id, prompt_token_ids=prompt_token_ids, gateway_id=self.gateway_id,
                 sampling_params=sampling_params_to_proto(params), cache_salt=cache_salt,
@@ -134,7 +135,7 @@ class ClusterEngineClient:
                 except grpc.RpcError as exc:
                     # A replica that began draining (or lost its worker) since the last poll
                     # refuses as UNAVAILABLE: another one may take the request.
-                    other = self._reroute(replica, [request_id, *children]) if _unavailable(exc) else None
+                    other = self._reroute(replica, placed) if _unavailable(exc) else None
                     if other is None:
                         raise _submit_error(exc, replica.member) from exc
                     replica = other
@@ -146,7 +147,7 @@ class ClusterEngineClient:
                 yield item
         finally:
             self._subscriber.discard(request_id)
-            self._release([request_id, *children])
+            self._release(placed)
             # Whatever did not finish may still run there (the consumer left, the stream
             # broke, Submit was cancelled midway); aborting an unknown id is a no-op.
             if running and submit is not None:

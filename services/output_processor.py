@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from services.messages import TokenDelta
 from services.outputs import CompletionOutput, RequestOutput
-from services.parallel_sampling import child_params, child_request_id, num_children
+from services.parallel_sampling import child_params, engine_request_ids, num_children
 from services.sampling_params import SamplingParams
 from tokenizer_svc.detokenizer import IncrementalDetokenizer
 from tokenizer_svc.tokenizer import Tokenizer
@@ -94,13 +94,12 @@ class OutputProcessor:
     ) -> None:
         count = num_children(params)
         output = RequestOutput(request_id, prompt, prompt_token_ids)
-        for index in range(count):
+        for index, child_id in enumerate(engine_request_ids(request_id, count)):
             child = child_params(params, index)
             completion = CompletionOutput(index, "", [])
             if child.logprobs is not None:
                 completion.logprobs, completion.cumulative_logprob = [], 0.0
             output.outputs.append(completion)
-            child_id = request_id if count == 1 else child_request_id(request_id, index)
             self._children[child_id] = _Child(output, completion, TextStream(self.tokenizer, prompt_token_ids, child))
         self._params[request_id] = params
         self._unfinished[request_id] = count

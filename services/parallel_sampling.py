@@ -19,6 +19,11 @@ def child_request_id(request_id: str, index: int) -> str:
     return f"{request_id}#{index}"
 
 
+def engine_request_ids(request_id: str, count: int) -> list[str]:
+    """The ids a request runs under in the engine: its own, or one per child."""
+    return [request_id] if count == 1 else [child_request_id(request_id, i) for i in range(count)]
+
+
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Each child samples once; seeds differ per child so children differ but stay reproducible.
     best_of ranks children by cumulative logprob, so they must report it."""

@@ -4,7 +4,8 @@ A request with n or best_of > 1 runs in the engine as child requests
 (`child_request_id`), so an engine loop must route every child's deltas to the
 parent's consumer, end the parent once its last child ends, and abort a parent by
 aborting each live child. Both engine loops (the embedded AsyncEngine and the
-scheduler's StepLoop) keep their requests here; only their loop thread touches it.
+scheduler's StepLoop) and the gateway's NATS subscriber keep their requests here;
+it does no locking of its own.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from services.parallel_sampling import child_request_id
+from services.parallel_sampling import engine_request_ids
 
 Target = TypeVar("Target")
 
@@ -30,7 +31,7 @@ class RequestRoutes(Generic[Target]):
         self._by_engine_id: dict[str, Route[Target]] = {}
 
     def add(self, request_id: str, num_children: int, target: Target) -> Route[Target]:
-        ids = [request_id] if num_children == 1 else [child_request_id(request_id, i) for i in range(num_children)]
+        ids = engine_request_ids(request_id, num_children)
         route = Route(request_id, target, set(ids))
         self._requests[request_id] = route
         self._by_engine_id.update(dict.fromkeys(ids, route))
@@ -38,6 +39,9 @@ class RequestRoutes(Generic[Target]):
 
     def of(self, engine_id: str) -> Route[Target] | None:
         return self._by_engine_id.get(engine_id)
+
+    def get(self, request_id: str) -> Route[Target] | None:
+        return self._requests.get(request_id)
 
     def engine_ids(self, request_id: str) -> list[str]:
         """What aborting `request_id` aborts: every live child of a request, or the one

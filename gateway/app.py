@@ -15,28 +15,18 @@ from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.routes import chat, completions, models, system, tokenize
 from services.engine_client import EngineClient
-from tokenizer_svc.tokenizer import Tokenizer
+from services.tokenizer_api import PromptEncoder
 
 
 def build_app(
-    engine_client: EngineClient,
-    tokenizer: Tokenizer,
-    served_model_name: str,
-    api_key: str | None = None,
-    *,
-    max_model_len: int,
-    eos_token_ids: tuple[int, ...] | None = None,
+    engine_client: EngineClient, encoder: PromptEncoder, served_model_name: str, api_key: str | None = None
 ) -> FastAPI:
-    """`eos_token_ids`: the engine's (a model may have several); by default the tokenizer's."""
-    if eos_token_ids is None:
-        eos_token_ids = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    """`encoder` does the text work: in-process, or the cluster's tokenizer role."""
     app = FastAPI(title="kvfleet")
     app.state.gateway = GatewayContext(
         engine=engine_client,
-        tokenizer=tokenizer,
+        encoder=encoder,
         served_model_name=served_model_name,
-        max_model_len=max_model_len,
-        eos_token_ids=eos_token_ids,
         metrics=GatewayMetrics(engine_client, served_model_name),
     )
     for module in (models, completions, chat, tokenize, system):

@@ -22,8 +22,8 @@ from gateway.metrics import GatewayMetrics
 from services.beam_search import BeamSearchParams, beam_search
 from services.engine_client import EngineClient
 from services.messages import TokenDelta
-from services.output_processor import TextStream
 from services.sampling_params import SamplingParams
+from tokenizer_svc.text_output import TextStream
 from tokenizer_svc.tokenizer import Tokenizer
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from gateway.metrics import GatewayMetrics, RequestMeter
 from services.engine_client import EngineClient
 from services.messages import TokenDelta
-from services.output_processor import OutputProcessor, TextDelta, TextStream
 from services.parallel_sampling import child_params, engine_request_ids, num_children
 from services.sampling_params import SamplingParams
+from tokenizer_svc.text_output import OutputProcessor, TextDelta, TextStream
 from tokenizer_svc.tokenizer import Tokenizer
 
 

@@ -1,5 +1,7 @@
-"""What every endpoint of one app shares: the engine client, tokenizer, model name, metrics,
-and the shutdown state."""
+"""What every endpoint of one app shares: the engine client, the prompt encoder, model
+name, metrics, and the shutdown state. What the engine and the tokenizer tell about
+themselves (context length, EOS, the decoding tokenizer) may arrive after the app
+starts listening (a cluster still loading): until then the requests that need it get 503."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
@@ -14,28 +16,55 @@ from gateway.errors import OpenAIError
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import SamplingFields
 from services.engine_client import EngineClient
+from services.messages import EngineInfo
 from services.sampling_params import SamplingParams
+from services.tokenizer_api import PromptEncoder
 from tokenizer_svc.tokenizer import Tokenizer
 
 
 @dataclass
 class GatewayContext:
     engine: EngineClient
-    tokenizer: Tokenizer
+    encoder: PromptEncoder
     served_model_name: str
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]  # what ends a beam in beam search
     metrics: GatewayMetrics
     drain: Drain = field(default_factory=Drain)  # set on SIGTERM by gateway.drain.serve
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer the gateway detokenizes with."""
+        if not self.encoder.is_ready():
+            raise OpenAIError(503, "the tokenizer service is not ready")
+        return self.encoder.decoder
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine_info().max_model_len
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """What ends a beam in beam search."""
+        return self._engine_info().eos_token_ids
+
+    def _engine_info(self) -> EngineInfo:
+        info = self.engine.engine_info()
+        if info is None:
+            raise OpenAIError(503, "the engine is not ready")
+        return info
 
     def check_model(self, model: str | None) -> None:
         # Like vLLM, a request that names no model gets the served one.
         if model is not None and model != self.served_model_name:
             raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
+    def is_ready(self) -> bool:
+        return self.engine.is_ready() and self.encoder.is_ready() and self.engine.engine_info() is not None
+
     def check_ready(self) -> None:
         if not self.engine.is_ready():
             raise OpenAIError(503, "the engine is not ready")
+        if not self.encoder.is_ready():
+            raise OpenAIError(503, "the tokenizer service is not ready")
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, body: SamplingFields

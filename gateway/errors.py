@@ -15,7 +15,6 @@ from starlette.exceptions import HTTPException
 from gateway.protocol import ErrorInfo, ErrorResponse
 from services.engine_client import EngineUnavailable, RequestFailed
 from services.sampling_params import InvalidParameter
-from tokenizer_svc.tokenizer import NoChatTemplateError
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +48,6 @@ def error_for(exc: Exception) -> OpenAIError:
         return exc
     if isinstance(exc, InvalidParameter):
         return OpenAIError(400, str(exc), exc.param)
-    if isinstance(exc, NoChatTemplateError):
-        return OpenAIError(400, str(exc), "messages")
     if isinstance(exc, ValueError):  # the engine's other input checks
         return OpenAIError(400, str(exc))
     if isinstance(exc, EngineUnavailable):

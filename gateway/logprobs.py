@@ -2,7 +2,13 @@
 sampled token if it is not among them) in OpenAI's two formats, and vLLM's prompt_logprobs."""
 from __future__ import annotations
 
-from gateway.protocol import ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob
+from gateway.protocol import (
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
 from tokenizer_svc.tokenizer import Tokenizer
 
 

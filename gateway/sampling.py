@@ -1,20 +1,15 @@
-"""Request fields to SamplingParams, which checks the values (and names the field), and
-the checks that need the prompt: truncation and the context length.
-
-Context length, as vLLM's server does it: a request whose prompt plus max_tokens
-exceeds max_model_len is a 400 ("This model's maximum context length is X tokens.
-However, you requested Y tokens (P in the prompt, M in the completion)..."), never
-silently shortened. Without max_tokens (chat's default) the completion may fill
-the rest of the context, so only a prompt that leaves no room is refused.
-"""
+"""Request fields to SamplingParams, which checks the values (and names the field).
+The checks that need the prompt (truncation, context length) are services.prompt's,
+shared with the SDK."""
 from __future__ import annotations
 
 from typing import Any
 
 from gateway.errors import bad_request
 from gateway.protocol import SamplingFields
+from services.prompt import bad_word_spellings, bad_words_token_ids
 from services.sampling_params import SamplingParams
-from tokenizer_svc.tokenizer import Tokenizer
+from services.tokenizer_api import PromptEncoder
 
 # Fields passed only when the client set them, so SamplingParams' (vLLM's) defaults hold.
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
@@ -24,9 +19,9 @@ _ALWAYS = ("n", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_betwe
            "include_stop_str_in_output")
 
 
-def to_sampling_params(
+async def to_sampling_params(
     request: SamplingFields,
-    tokenizer: Tokenizer,
+    encoder: PromptEncoder,
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None,
@@ -34,8 +29,9 @@ def to_sampling_params(
     _check_extras(request, logprobs, prompt_logprobs)
     kwargs: dict[str, Any] = {name: getattr(request, name) for name in _ALWAYS}
     kwargs.update((name, value) for name in _OPTIONAL if (value := getattr(request, name)) is not None)
-    if request.bad_words:  # the engine bans token sequences; the gateway owns the tokenizer
-        kwargs["bad_words_token_ids"] = tokenizer.bad_words_token_ids(request.bad_words)
+    if request.bad_words:  # the engine bans token sequences
+        spellings = await encoder.encode(bad_word_spellings(request.bad_words), add_special_tokens=False)
+        kwargs["bad_words_token_ids"] = bad_words_token_ids(spellings)
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **kwargs)
 
 
@@ -50,34 +46,3 @@ def _check_extras(request: SamplingFields, logprobs: int | None, prompt_logprobs
             raise bad_request("logprobs", "logprobs are not available with use_beam_search")
         if prompt_logprobs is not None:
             raise bad_request("prompt_logprobs", "prompt_logprobs are not available with use_beam_search")
-
-
-def fit_prompt(
-    token_ids: list[int], params: SamplingParams, max_model_len: int, prompt_param: str, max_tokens_param: str
-) -> list[int]:
-    """The prompt after truncate_prompt_tokens, checked against the context length.
-    `prompt_param` and `max_tokens_param` name the fields an error blames."""
-    keep = params.truncate_prompt_tokens
-    if keep is not None:
-        if keep > max_model_len:
-            raise bad_request(
-                "truncate_prompt_tokens",
-                f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_model_len}). "
-                "Please, select a smaller truncation size.",
-            )
-        token_ids = token_ids[-(max_model_len if keep == -1 else keep) :]
-    num_prompt, num_completion = len(token_ids), params.max_tokens
-    head = f"This model's maximum context length is {max_model_len} tokens. However, you requested"
-    if num_completion is None:
-        if num_prompt >= max_model_len:
-            raise bad_request(
-                prompt_param,
-                f"{head} {num_prompt} tokens in the {prompt_param}. Please reduce the length of the {prompt_param}.",
-            )
-    elif num_prompt + num_completion > max_model_len:
-        raise bad_request(
-            prompt_param if num_prompt >= max_model_len else max_tokens_param,
-            f"{head} {num_prompt + num_completion} tokens ({num_prompt} in the {prompt_param}, {num_completion} in "
-            f"the completion). Please reduce the length of the {prompt_param} or completion.",
-        )
-    return token_ids

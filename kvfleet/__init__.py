@@ -1,12 +1,23 @@
-"""kvfleet's public facade: `from kvfleet import LLM, SamplingParams`."""
-import os
+"""kvfleet's public face and the only place that composes several roles: the offline
+SDK (`from kvfleet import LLM, SamplingParams`), embedded `kvfleet serve`,
+`kvfleet cluster up` and the `kvfleet` console script. It may import every role;
+nothing imports it but tests and benchmarks.
 
-# Before torch loads OpenMP: idle threads sleep instead of spinning (see services/threads.py).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+`LLM` loads on first use, so that `kvfleet <role>` processes (and `--help`) never
+import the worker's torch code through this package.
+"""
+from typing import Any
 
-from services.beam_search import BeamSearchParams  # noqa: E402
-from services.llm import LLM  # noqa: E402
-from services.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from services.sampling_params import SamplingParams  # noqa: E402
+from services.beam_search import BeamSearchParams
+from services.outputs import CompletionOutput, RequestOutput
+from services.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from kvfleet.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'kvfleet' has no attribute {name!r}")

@@ -1,13 +1,30 @@
-"""The `kvfleet` console script."""
+"""The `kvfleet` console script. Building the parser imports no role: each command
+imports its own process's code when it runs, so `--help` answers at once and a role
+process loads only its own room (the scheduler, gateway and tokenizer never torch)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import os
 import sys
 
-from services import cluster, cluster_roles, roles
-from services.cli_args import add_engine_args, engine_args
+from gateway.main import add_gateway_args
+from kvfleet.cluster_up import add_cluster_up_args
+from scheduler_svc.main import add_scheduler_args
+from services.cli_args import add_engine_args, add_http_args, engine_args
+from tokenizer_svc.main import add_tokenizer_args
+from worker_svc.main import add_worker_args
+
+# command: (help, add its flags, "module:function" that runs it)
+_ROLES = {
+    "worker": ("a worker: the model and its KV cache, serving step plans over gRPC", add_worker_args,
+               "worker_svc.main:run_worker"),
+    "scheduler": ("a scheduler: queues and block tables, driving a worker over gRPC", add_scheduler_args,
+                  "scheduler_svc.main:run_scheduler"),
+    "tokenizer": ("the tokenizer service over gRPC", add_tokenizer_args, "tokenizer_svc.main:run_tokenizer"),
+    "gateway": ("the OpenAI-compatible HTTP server of a cluster (NATS, Redis)", add_gateway_args,
+                "gateway.main:run_gateway"),
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,27 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     # vLLM's `vllm serve MODEL` form: a positional model overrides --model.
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model; same as --model")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    serve.add_argument(
-        "--api-key", default=os.environ.get("KVFLEET_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1 routes (default: $KVFLEET_API_KEY)",
-    )
-    serve.add_argument("--served-model-name", help="the model name clients use (default: the --model value)")
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="seconds open requests get to finish after SIGTERM (default: %(default)s)")
+    add_http_args(serve)
 
-    for name, help_text, add_args in (
-        ("worker", "a worker: the model and its KV cache, serving step plans over gRPC", roles.add_worker_args),
-        ("scheduler", "a scheduler: queues and block tables, driving a worker over gRPC", roles.add_scheduler_args),
-        ("tokenizer", "the tokenizer service over gRPC", roles.add_tokenizer_args),
-    ):
+    for name, (help_text, add_args, _) in _ROLES.items():
         add_args(commands.add_parser(name, help=help_text))
-    gateway = commands.add_parser("gateway", help="the OpenAI-compatible HTTP server of a cluster (NATS, Redis)")
-    cluster_roles.add_gateway_args(gateway)
     up = commands.add_parser("cluster", help="a whole cluster on this machine").add_subparsers(
         dest="cluster_command", required=True).add_parser("up", help="start every role, NATS and Redis; Ctrl-C stops")
-    cluster.add_cluster_up_args(up)
+    add_cluster_up_args(up)
     return parser
 
 
@@ -61,7 +64,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.server import serve_embedded
+    from kvfleet.serve import serve_embedded
 
     if args.model_tag:
         args.model = args.model_tag
@@ -70,18 +73,18 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster_up(args: argparse.Namespace) -> int:
+    from kvfleet.cluster_up import run_cluster_up
+
+    return run_cluster_up(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    run = {
-        "generate": _generate,
-        "serve": _serve,
-        "worker": roles.run_worker,
-        "scheduler": roles.run_scheduler,
-        "tokenizer": roles.run_tokenizer,
-        "gateway": cluster_roles.run_gateway,
-        "cluster": cluster.run_cluster_up,
-    }[args.command]
-    return run(args)
+    if args.command in _ROLES:
+        module, function = _ROLES[args.command][2].split(":")
+        return getattr(importlib.import_module(module), function)(args)
+    return {"generate": _generate, "serve": _serve, "cluster": _cluster_up}[args.command](args)
 
 
 if __name__ == "__main__":

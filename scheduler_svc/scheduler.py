@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from scheduler_svc.block_hash import extend_block_hashes, extra_keys_bytes
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.request import FinishReason, Request, RequestStatus
-from services.messages import CachedRequestData, NewRequestData, StepPlan, StepResult, TokenDelta
+from services.messages import (
+    CachedRequestData,
+    NewRequestData,
+    StepPlan,
+    StepResult,
+    TokenDelta,
+)
 from services.sampling_params import InvalidParameter
 
 

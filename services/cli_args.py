@@ -1,12 +1,19 @@
-"""vLLM-named engine flags, shared by every kvfleet command that builds an engine."""
+"""Every kvfleet command-line flag, defined once with vLLM's names, and the groups each
+command takes: `serve` and `cluster up` take the engine and HTTP groups, the roles
+take the engine, listen and cluster groups they need. Building a parser imports no
+role, so `kvfleet <command> --help` answers at once."""
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import fields
 
 from services.config import EngineConfig
 
-_HELP = {
+DEFAULT_LEASE_TTL_S = 10.0
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+_ENGINE_HELP = {
     "model": "alias (smollm2), a .gguf file, or a HuggingFace model directory",
     "dtype": "auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16",
     "device": "auto, cpu or cuda",
@@ -27,7 +34,7 @@ _HELP = {
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in fields(EngineConfig):
-        flag, help_text = f"--{f.name.replace('_', '-')}", f"{_HELP[f.name]} (default: %(default)s)"
+        flag, help_text = f"--{f.name.replace('_', '-')}", f"{_ENGINE_HELP[f.name]} (default: %(default)s)"
         kind = str(f.type).split(" ")[0]
         if kind == "bool":  # --enable-x / --no-enable-x, as in vLLM
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
@@ -38,3 +45,60 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_args(namespace: argparse.Namespace) -> dict:
     return {f.name: getattr(namespace, f.name) for f in fields(EngineConfig)}
+
+
+def engine_argv(namespace: argparse.Namespace) -> list[str]:
+    """The engine flags of `namespace` as a command line, for the roles `cluster up` starts."""
+    argv = []
+    for f in fields(EngineConfig):
+        flag, value = f"--{f.name.replace('_', '-')}", getattr(namespace, f.name)
+        if isinstance(value, bool):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
+    """--model alone, for the roles that need no other engine flag."""
+    parser.add_argument("--model", default="smollm2", help=f"{_ENGINE_HELP['model']} (default: %(default)s)")
+
+
+def add_shutdown_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help="seconds in-flight work gets to finish after SIGTERM (default: %(default)s)")
+
+
+def add_http_args(parser: argparse.ArgumentParser, port: int = 8000) -> None:
+    """The OpenAI server's flags: `serve`, `cluster up` and `gateway`."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=port, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--api-key", default=os.environ.get("KVFLEET_API_KEY"),
+                        help="require `Authorization: Bearer KEY` on /v1 routes (default: $KVFLEET_API_KEY)")
+    parser.add_argument("--served-model-name", help="the model name clients use (default: the --model value)")
+    add_shutdown_arg(parser)
+
+
+def add_listen_args(parser: argparse.ArgumentParser, port: int) -> None:
+    """A gRPC role's address, metrics port and drain time."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=port,
+                        help="port to listen on; 0 picks a free one (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus /metrics on this port; 0 turns it off (default: %(default)s)")
+    add_shutdown_arg(parser)
+
+
+def add_lease_ttl_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL_S,
+                        help="seconds a dead process stays listed in the registry (default: %(default)s)")
+
+
+def add_registry_args(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument("--redis-url", required=required, help="the registry, e.g. redis://127.0.0.1:6379/0")
+    add_lease_ttl_arg(parser)
+    parser.add_argument("--advertise-address", help="host:port other roles dial (default: --host:--port)")
+
+
+def add_nats_arg(parser: argparse.ArgumentParser, required: bool, help_text: str) -> None:
+    parser.add_argument("--nats-url", required=required, help=help_text)

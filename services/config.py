@@ -3,9 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
@@ -30,21 +28,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        if self.dtype not in ("auto", *_DTYPES):
+        if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-
-    @property
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from services.messages import EngineStats, TokenDelta
+from services.messages import EngineInfo, EngineStats, TokenDelta
 from services.sampling_params import SamplingParams
 
 
@@ -35,6 +35,9 @@ class EngineClient(Protocol):
     def is_ready(self) -> bool: ...
 
     def stats(self) -> EngineStats: ...
+
+    def engine_info(self) -> EngineInfo | None:
+        """None until the engine is known (a cluster's first scheduler has registered)."""
 
     # Implemented as an async generator (`async def` with `yield`), hence `def` here.
     # Yields deltas in order (each may carry several tokens); the last one has a

@@ -106,3 +106,11 @@ class EngineStats:
     num_kv_blocks: int
     prefix_cache_queries: int  # counter, in tokens
     prefix_cache_hits: int  # counter, in tokens
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a front end must know of the engine to validate requests."""
+
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]  # what ends a sequence (and a beam in beam search)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 MAX_PARALLEL_SAMPLES = 128
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cluster import free_port, start_nats, start_redis, stop, wait_for_port
+from kvfleet.processes import free_port, start_nats, start_redis, stop, wait_for_port
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parent.parent
@@ -63,16 +63,27 @@ def redis_url() -> Iterator[str]:
         yield server.url
 
 
+TORCH_REPORT = "kvfleet-test torch imported: "
+# `kvfleet.cli` as `python -m` runs it, plus a last line, as the process exits, saying
+# whether torch was ever imported in it.
+_REPORTING_TORCH = (
+    "import atexit, sys\n"
+    f"atexit.register(lambda: print({TORCH_REPORT!r} + str('torch' in sys.modules), flush=True))\n"
+    "from kvfleet.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
 class RoleProcess:
     """`kvfleet <role> <flags>` as a real process, its log kept (never a full pipe).
-    Torch runs on one thread, as everywhere in the suite."""
+    Torch runs on one thread, as everywhere in the suite. `env` adds to the environment."""
 
-    def __init__(self, role: str, *flags: str) -> None:
+    def __init__(self, role: str, *flags: str, env: dict[str, str] | None = None) -> None:
         self.role = role
-        env = {**os.environ, "KVFLEET_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+        environment = {**os.environ, "KVFLEET_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvfleet.cli", role, *flags],
-            cwd=REPO, env=env, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, text=True,
+            [sys.executable, "-c", _REPORTING_TORCH, role, *flags],
+            cwd=REPO, env=environment, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, text=True,
         )
         self.log: list[str] = []
         self._reader = threading.Thread(target=lambda: self.log.extend(self.process.stdout), daemon=True)
@@ -80,6 +91,19 @@ class RoleProcess:
 
     def log_tail(self, lines: int = 40) -> str:
         return f"--- {self.role} ---\n" + "".join(self.log[-lines:])
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM, then its exit code once it has drained."""
+        self.process.terminate()
+        code = self.process.wait(timeout_s)
+        self._reader.join(5)
+        return code
+
+    def imported_torch(self) -> bool:
+        """After the process exited: whether torch was ever imported in it."""
+        reports = [line for line in self.log if line.startswith(TORCH_REPORT)]
+        assert reports, self.log_tail()
+        return reports[-1].removeprefix(TORCH_REPORT).strip() == "True"
 
     def kill(self) -> None:
         if self.process.poll() is None:

@@ -1,8 +1,11 @@
-"""The tokenizer every role uses: encode, decode and chat templates for a ModelSource.
+"""The tokenizer: encode, decode and chat templates for a ModelSource.
 
-A GGUF file carries its tokenizer and chat template in its metadata; transformers
-converts that into a fast tokenizer. The conversion is slow (seconds), so the result
-is saved once under the kvfleet cache and later loads read the saved files.
+It runs on transformers' fast tokenizer, loaded from `tokenizer.json` files, which
+needs no torch: the tokenizer and gateway processes never load it. A model without
+such files (a GGUF file carries its tokenizer in its metadata; old checkpoints have
+a sentencepiece model) is converted once, in a child process
+(`python -m tokenizer_svc.convert`, since transformers' converters load torch), and
+the result is saved under the kvfleet cache, so later loads read the saved files.
 """
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -17,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from services.model_source import ModelFormat, ModelSource
+from services.prompt import bad_word_spellings, bad_words_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -32,34 +38,45 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVFLEET_CACHE_DIR", "~/.cache/kvfleet")).expanduser()
 
 
-def gguf_cache_dir(gguf: Path) -> Path:
-    stat = gguf.stat()
-    # The converted tokenizer depends on the file and on the converter, so a new
+def converted_cache_dir(source: Path) -> Path:
+    stat = source.stat()
+    # The converted tokenizer depends on the source and on the converter, so a new
     # transformers release converts again instead of trusting an old result.
-    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|transformers={transformers.__version__}"
+    key = f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|transformers={transformers.__version__}"
     return cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()
 
 
-def _load_gguf(gguf: Path) -> PreTrainedTokenizerBase:
-    cached = gguf_cache_dir(gguf)
+def _fast_tokenizer_dir(source: ModelSource) -> Path:
+    """A directory with the model's tokenizer.json: its own, or a cached conversion."""
+    if source.format is ModelFormat.HF_DIR and (source.path / "tokenizer.json").is_file():
+        return source.path
+    cached = converted_cache_dir(source.path)
     if cached.is_dir():
-        return AutoTokenizer.from_pretrained(cached, local_files_only=True)
-    started = time.perf_counter()
-    hf = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    logger.info("converted the tokenizer of %s in %.1f s", gguf.name, time.perf_counter() - started)
+        return cached
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        # Save next to the final place and rename: several roles may start at once,
+        # Converted next to the final place and renamed: several roles may start at once,
         # and none may read a half-written directory. The loser of the race drops its copy.
         staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".staging-"))
-        hf.save_pretrained(staging)
+    except OSError as exc:  # a read-only home must not stop serving, only slow the next start
+        logger.warning("could not cache the tokenizer in %s: %s", cached, exc)
+        staging = cached = Path(tempfile.mkdtemp(prefix="kvfleet-tokenizer-"))
+    _convert(source, staging)
+    if staging != cached:
         try:
             staging.rename(cached)
         except OSError:
             shutil.rmtree(staging, ignore_errors=True)
-    except OSError as exc:  # a read-only home must not stop serving, only slow the next start
-        logger.warning("could not cache the tokenizer in %s: %s", cached, exc)
-    return hf
+    return cached
+
+
+def _convert(source: ModelSource, destination: Path) -> None:
+    started = time.perf_counter()
+    argv = [sys.executable, "-m", "tokenizer_svc.convert", source.format.value, str(source.path), str(destination)]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ValueError(f"could not load the tokenizer of {source.path}: {done.stderr.strip().splitlines()[-1:]}")
+    logger.info("converted the tokenizer of %s in %.1f s", source.path.name, time.perf_counter() - started)
 
 
 class Tokenizer:
@@ -79,21 +96,15 @@ class Tokenizer:
 
     @classmethod
     def load(cls, source: ModelSource) -> Tokenizer:
-        if source.format is ModelFormat.GGUF:
-            hf = _load_gguf(source.path)
-        else:
-            hf = AutoTokenizer.from_pretrained(source.path, local_files_only=True)
-        return cls(hf, source.name)
+        return cls.from_files(_fast_tokenizer_dir(source), source.name)
+
+    @classmethod
+    def from_files(cls, directory: Path, name: str) -> Tokenizer:
+        """From a directory holding tokenizer.json (and its config and chat template)."""
+        return cls(PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True), name)
 
     def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
-        """Each word as token ids, alone and after a space (mid-sentence spelling), as vLLM bans them."""
-        sequences: list[list[int]] = []
-        for word in words:
-            for spelling in (word, " " + word.lstrip()):
-                ids = self.encode(spelling, add_special_tokens=False)
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        return sequences
+        return bad_words_token_ids([self.encode(s, add_special_tokens=False) for s in bad_word_spellings(words)])
 
     @property
     def has_chat_template(self) -> bool:

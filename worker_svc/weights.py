@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,21 @@ def _hf_config(raw: dict[str, Any], generation: dict[str, Any]) -> ModelConfig:
     )
 
 
+def _tokenizer_eos(directory: Path) -> tuple[int, ...]:
+    """The tokenizer's EOS, for a model whose configs name none: the worker reports
+    what ends a sequence, so no other role needs the model's files for it."""
+    eos = _read_json(directory / "tokenizer_config.json").get("eos_token")
+    content = eos.get("content") if isinstance(eos, dict) else eos
+    if content is None:
+        return ()
+    vocabulary = _read_json(directory / "tokenizer.json")
+    for token in vocabulary.get("added_tokens", []):
+        if token["content"] == content:
+            return (token["id"],)
+    token_id = vocabulary.get("model", {}).get("vocab", {}).get(content)
+    return () if token_id is None else (token_id,)
+
+
 def _safetensors_files(directory: Path) -> list[Path]:
     index = _read_json(directory / "model.safetensors.index.json")
     if index:
@@ -227,6 +243,8 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict
         raise ValueError(f"{directory} has no config.json, so it is not a HuggingFace model directory")
     raw = _read_json(directory / "config.json")
     config = _hf_config(raw, _read_json(directory / "generation_config.json"))
+    if not config.eos_token_ids:
+        config = replace(config, eos_token_ids=_tokenizer_eos(directory))
     tensors = {}
     for file in _safetensors_files(directory):
         with safe_open(file, framework="pt") as checkpoint:

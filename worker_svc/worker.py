@@ -7,11 +7,16 @@ import torch
 
 from services.config import EngineConfig
 from services.messages import StepPlan, StepResult, WorkerDescription
-from services.sampling_params import SamplingParams
 from services.model_source import resolve_model
-from worker_svc.attention.paged_decode import PagedDecodeKernel, decode_kernel_enabled, load_kernel
+from services.sampling_params import SamplingParams
+from worker_svc.attention.paged_decode import (
+    PagedDecodeKernel,
+    decode_kernel_enabled,
+    load_kernel,
+)
 from worker_svc.attention.torch_backend import TorchAttentionBackend
 from worker_svc.batch import RequestState, prepare_inputs
+from worker_svc.device import torch_device, torch_dtype
 from worker_svc.kv_cache import (
     allocate_kv_cache,
     bytes_per_block,
@@ -33,8 +38,8 @@ class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.instance_id = uuid.uuid4().hex
-        self.device = config.torch_device
-        self.dtype = config.torch_dtype
+        self.device = torch_device(config)
+        self.dtype = torch_dtype(config)
         self.model_config, weights = load_weights(resolve_model(config.model), self.dtype)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.attention_backend = self._attention_backend()
@@ -98,7 +103,8 @@ class Worker:
             plan.num_scheduled_tokens[request_id] = length
         try:
             inputs = prepare_inputs(plan, self.requests, self.block_size, self.device)
-            hidden = self.model(inputs.input_ids, inputs.positions, scratch, self.attention_backend.build_metadata(inputs.layout))
+            metadata = self.attention_backend.build_metadata(inputs.layout)
+            hidden = self.model(inputs.input_ids, inputs.positions, scratch, metadata)
             self.model.compute_logits(hidden[: self.config.max_num_seqs])
         finally:
             self.requests.clear()

@@ -27,9 +27,11 @@ from gateway.protocol import (
     DeltaMessage,
     Usage,
 )
-from gateway.sampling import fit_prompt, to_sampling_params
+from gateway.sampling import to_sampling_params
 from gateway.sse import DONE, event, sse_response
-from services.output_processor import TextDelta
+from services.prompt import fit_prompt
+from services.tokenizer_api import ChatPrompt
+from tokenizer_svc.text_output import TextDelta
 
 router = APIRouter()
 
@@ -53,11 +55,12 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
     uses_completion_tokens = body.max_completion_tokens is not None
     max_tokens = body.max_completion_tokens if uses_completion_tokens else body.max_tokens
     num_top = body.top_logprobs or 0
-    params = to_sampling_params(
-        body, ctx.tokenizer, max_tokens, num_top if body.logprobs else None, body.prompt_logprobs
+    params = await to_sampling_params(
+        body, ctx.encoder, max_tokens, num_top if body.logprobs else None, body.prompt_logprobs
     )
+    prompt = await ctx.encoder.encode_chat(ChatPrompt(message_dicts(body.messages)))
     prompt_token_ids = fit_prompt(
-        ctx.tokenizer.apply_chat_template(message_dicts(body.messages)), params, ctx.max_model_len, "messages",
+        prompt.token_ids, params, ctx.max_model_len, "messages",
         "max_completion_tokens" if uses_completion_tokens else "max_tokens",
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

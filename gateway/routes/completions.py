@@ -20,10 +20,16 @@ from gateway.disconnect import cancel_on_disconnect
 from gateway.errors import bad_request
 from gateway.generation import merge, prime_all
 from gateway.logprobs import CompletionLogprobsBuilder, prompt_logprobs
-from gateway.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
-from gateway.sampling import fit_prompt, to_sampling_params
+from gateway.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
+from gateway.sampling import to_sampling_params
 from gateway.sse import DONE, event, sse_response
-from tokenizer_svc.tokenizer import Tokenizer
+from services.prompt import fit_prompt
 
 router = APIRouter()
 
@@ -83,9 +89,9 @@ async def _complete(body: CompletionRequest, ctx: GatewayContext) -> Response:
     # echo with logprobs shows the prompt's logprobs too: the engine computes them.
     prompt_top = body.prompt_logprobs if body.prompt_logprobs is not None else (
         body.logprobs if body.echo else None)
-    params = to_sampling_params(body, ctx.tokenizer, body.max_tokens, body.logprobs, prompt_top)
+    params = await to_sampling_params(body, ctx.encoder, body.max_tokens, body.logprobs, prompt_top)
     prompts = []
-    for prompt in _prompts(body.prompt, ctx.tokenizer):
+    for prompt in await _prompts(body.prompt, ctx):
         token_ids = fit_prompt(prompt.token_ids, params, ctx.max_model_len, "prompt", "max_tokens")
         if len(token_ids) < len(prompt.token_ids):  # truncated: echo what the model saw
             prompt = _Prompt(ctx.tokenizer.decode(token_ids), token_ids)
@@ -170,13 +176,13 @@ def _usage(prompts: list[_Prompt], choices: list[_Choice]) -> Usage:
     return Usage.of(sum(len(prompt.token_ids) for prompt in prompts), sum(len(choice.token_ids) for choice in choices))
 
 
-def _prompts(prompt: str | list[str] | list[int] | list[list[int]], tokenizer: Tokenizer) -> list[_Prompt]:
+async def _prompts(prompt: str | list[str] | list[int] | list[list[int]], ctx: GatewayContext) -> list[_Prompt]:
     if isinstance(prompt, str):
-        return [_Prompt(prompt, tokenizer.encode(prompt))]
+        prompt = [prompt]
     if not prompt:
         raise bad_request("prompt", "the prompt must not be empty")
     if isinstance(prompt[0], int):
-        return [_Prompt(tokenizer.decode(prompt), list(prompt))]
+        return [_Prompt(ctx.tokenizer.decode(prompt), list(prompt))]
     if isinstance(prompt[0], str):
-        return [_Prompt(text, tokenizer.encode(text)) for text in prompt]
-    return [_Prompt(tokenizer.decode(ids), list(ids)) for ids in prompt]
+        return [_Prompt(text, ids) for text, ids in zip(prompt, await ctx.encoder.encode(prompt))]
+    return [_Prompt(ctx.tokenizer.decode(ids), list(ids)) for ids in prompt]

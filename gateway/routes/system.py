@@ -15,7 +15,7 @@ router = APIRouter()
 @router.get("/health")
 async def health(ctx: GatewayContext = Depends(get_context)) -> Response:
     # Draining, readiness fails at once, so load balancers stop sending requests here.
-    return Response(status_code=200 if ctx.engine.is_ready() and not ctx.drain.draining else 503)
+    return Response(status_code=200 if ctx.is_ready() and not ctx.drain.draining else 503)
 
 
 @router.get("/version")

@@ -6,7 +6,13 @@ from fastapi import APIRouter, Depends
 from gateway.chat_messages import message_dicts
 from gateway.context import GatewayContext, get_context
 from gateway.errors import bad_request
-from gateway.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from gateway.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from services.tokenizer_api import ChatPrompt
 
 router = APIRouter()
 
@@ -14,15 +20,16 @@ router = APIRouter()
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, ctx: GatewayContext = Depends(get_context)) -> TokenizeResponse:
     ctx.check_model(body.model)
+    ctx.check_ready()
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("prompt", "give either prompt or messages")
     if body.messages is not None:
-        text = ctx.tokenizer.render_chat(message_dicts(body.messages), body.add_generation_prompt)
         # The chat template writes its own special tokens.
-        tokens = ctx.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        chat = ChatPrompt(message_dicts(body.messages), body.add_generation_prompt, bool(body.add_special_tokens))
+        tokens = (await ctx.encoder.encode_chat(chat)).token_ids
     else:
         add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=add_special_tokens)
+        [tokens] = await ctx.encoder.encode([body.prompt], add_special_tokens)
     return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens)
 
 

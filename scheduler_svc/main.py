@@ -1,0 +1,98 @@
+"""`kvfleet scheduler`: queues, block tables and the step loop of one model replica,
+driving its worker group over gRPC and publishing token deltas on NATS."""
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import TYPE_CHECKING
+
+from services.cli_args import (
+    add_engine_args,
+    add_listen_args,
+    add_nats_arg,
+    add_registry_args,
+    engine_args,
+)
+from services.config import EngineConfig
+from services.registry import Lease, Member, Registry, new_member_id
+from services.role_process import (
+    advertised,
+    grpc_serving,
+    registered,
+    serve_until_signalled,
+)
+from services.telemetry import (
+    EngineStatsCollector,
+    configure_logging,
+    serve_role_metrics,
+)
+
+if TYPE_CHECKING:
+    from scheduler_svc.engine_core import EngineCore
+    from scheduler_svc.nats_publisher import NatsOutputHub
+    from scheduler_svc.step_loop import StepLoop
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50052
+WORKER_PORT = 50051
+
+
+def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    add_listen_args(parser, DEFAULT_PORT)
+    parser.add_argument("--worker-address", default=f"127.0.0.1:{WORKER_PORT}",
+                        help="host:port of the worker group this scheduler drives (default: %(default)s)")
+    add_nats_arg(parser, required=False, help_text="publish token deltas on NATS (kvfleet.out.<gateway_id>), as "
+                 "`kvfleet gateway` reads them; unset: over StreamOutputs only")
+    add_registry_args(parser, required=False)
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    from scheduler_svc.engine_core import EngineCore
+    from scheduler_svc.nats_publisher import NatsOutputHub
+    from scheduler_svc.output_hub import OutputHub
+    from scheduler_svc.server import start_scheduler_server
+    from scheduler_svc.step_loop import StepLoop
+    from scheduler_svc.worker_client import RemoteWorker
+
+    if args.redis_url and not args.nats_url:
+        raise SystemExit("--redis-url needs --nats-url: gateways that find this scheduler read its tokens from NATS")
+    configure_logging()
+    config = EngineConfig(**engine_args(args))
+    worker = RemoteWorker(args.worker_address)
+    logger.info("waiting for the worker at %s", args.worker_address)
+    hub = NatsOutputHub(args.nats_url) if args.nats_url else OutputHub()
+    loop = StepLoop(EngineCore(config, worker), hub)
+    try:
+        serve_role_metrics(args.metrics_port, args.host, EngineStatsCollector(loop, config.model))
+        server = start_scheduler_server(loop, hub, f"{args.host}:{args.port}")
+        with registered(args, lambda: _scheduler_lease(args, server.port, loop, hub)):
+            serve_until_signalled(server, args.shutdown_timeout)
+    finally:
+        worker.close()
+    return 0
+
+
+def lease_metadata(worker_address: str, model: str, core: EngineCore) -> dict[str, str]:
+    """What a scheduler's lease tells gateways: its worker group (whose lease says it is
+    up), and what they must know of its engine before they can validate requests."""
+    return {"worker": worker_address, "model": model, "max_model_len": str(core.max_model_len),
+            "eos_token_ids": ",".join(map(str, core.eos_token_ids))}
+
+
+def _scheduler_lease(args: argparse.Namespace, port: int, loop: StepLoop, hub: NatsOutputHub) -> Lease:
+    """The scheduler's lease, with what gateways must know of its engine before they
+    can validate requests. Healthy while it serves (or drains) and can publish."""
+    serving = grpc_serving(f"127.0.0.1:{port}")
+    metadata = lease_metadata(args.worker_address, args.model, loop.core)
+    member = Member("scheduler", new_member_id(), advertised(args, port), metadata)
+
+    def healthy() -> bool:
+        # After lost deltas, stay away for two TTLs: every gateway sees the lease lapse and fails our requests.
+        publishing = hub.publisher.connected and not hub.publisher.lost_within(2 * args.lease_ttl)
+        # Draining, health says NOT_SERVING but the lease stays: gateways fail the
+        # requests of a scheduler whose lease lapses, and these are still running.
+        return publishing and (serving() or loop.draining)
+
+    return Lease(Registry(args.redis_url), member, args.lease_ttl, healthy=healthy)

@@ -1,0 +1,132 @@
+"""The scheduler's end of the token stream: each step's deltas, per gateway, on NATS
+(`kvfleet.out.<gateway_id>`, see services/nats_link.py). Core NATS is at-most-once,
+so whatever may have lost tokens ends its requests with an explicit error instead:
+a delta too large for NATS becomes an ABORT carrying the reason, and a scheduler
+that could not publish withholds its lease until its gateways have failed its requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+
+from scheduler_svc.output_hub import OutputHub
+from services.nats_link import NatsThread, subject
+from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2
+
+logger = logging.getLogger(__name__)
+
+_Batches = Mapping[str, Sequence[common_pb2.TokenDelta]]
+# A repeated message field costs its tag and a length varint on top of the element.
+_FIELD_OVERHEAD = 6
+
+
+def _payloads(deltas: Sequence[common_pb2.TokenDelta], max_bytes: int) -> Iterator[bytes]:
+    """StepOutputs messages of at most max_bytes each: normally one."""
+    message, size = scheduler_pb2.StepOutputs(), 0
+    for delta in deltas:
+        cost = delta.ByteSize() + _FIELD_OVERHEAD
+        if cost > max_bytes:  # cannot travel at all: end the request, saying why
+            delta = common_pb2.TokenDelta(
+                request_id=delta.request_id, finish_reason=common_pb2.FINISH_REASON_ABORT,
+                error=f"a step's output of {cost} bytes exceeds the NATS max_payload of {max_bytes}",
+            )
+            cost = delta.ByteSize() + _FIELD_OVERHEAD
+        if size + cost > max_bytes:
+            yield message.SerializeToString()
+            message, size = scheduler_pb2.StepOutputs(), 0
+        message.deltas.append(delta)
+        size += cost
+    if message.deltas:
+        yield message.SerializeToString()
+
+
+class OutputPublisher:
+    """The scheduler's end. publish() is thread-safe and never blocks: it hands the
+    step's batches to the NATS thread, which sends one message per gateway."""
+
+    def __init__(self, url: str, connect_timeout_s: float = 10.0) -> None:
+        self._nats = NatsThread(url, "kvfleet-nats-publisher", connect_timeout_s)
+        self._last_loss = -math.inf  # monotonic time of the last batch that could not be sent
+        self._queue: asyncio.Queue[_Batches | None] = self._nats.run(self._make_queue(), connect_timeout_s)
+        self._sender = asyncio.run_coroutine_threadsafe(self._send_forever(), self._nats.loop)
+
+    @property
+    def connected(self) -> bool:
+        return self._nats.connected
+
+    def lost_within(self, seconds: float) -> bool:
+        """Whether some deltas could not be sent in the last `seconds`: their gateways
+        wait for tokens that will never come, so the scheduler withholds its lease
+        until they have seen it lapse and failed its requests."""
+        return time.monotonic() - self._last_loss < seconds
+
+    def publish(self, batches: _Batches) -> None:
+        """Takes ownership of `batches` (the caller must not change them afterwards)."""
+        self._nats.loop.call_soon_threadsafe(self._queue.put_nowait, batches)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Sends what was published, then disconnects."""
+        self._nats.loop.call_soon_threadsafe(self._queue.put_nowait, None)
+        try:
+            self._sender.result(timeout_s)
+        except Exception:
+            logger.exception("could not send the last token batches")
+        self._nats.close(timeout_s)
+
+    async def _make_queue(self) -> asyncio.Queue[_Batches | None]:
+        return asyncio.Queue()
+
+    async def _send_forever(self) -> None:
+        closing = False
+        while not closing:
+            # Steps that queued up while we were sending go out merged: a slow link gets
+            # fewer, larger messages, still in step order per gateway.
+            pending = [await self._queue.get()]
+            while not self._queue.empty():
+                pending.append(self._queue.get_nowait())
+            merged: defaultdict[str, list[common_pb2.TokenDelta]] = defaultdict(list)
+            for batches in pending:
+                if batches is None:
+                    closing = True
+                    break
+                for gateway_id, deltas in batches.items():
+                    merged[gateway_id].extend(deltas)
+            for gateway_id, deltas in merged.items():
+                await self._send(gateway_id, deltas)
+        await self._nats.nc.flush()
+
+    async def _send(self, gateway_id: str, deltas: list[common_pb2.TokenDelta]) -> None:
+        try:
+            for payload in _payloads(deltas, self._nats.nc.max_payload):
+                await self._nats.nc.publish(subject(gateway_id), payload)
+        except Exception:  # e.g. NATS has been away long enough to fill the reconnect buffer
+            self._last_loss = time.monotonic()
+            logger.exception("could not publish %d deltas to gateway %s", len(deltas), gateway_id)
+
+
+class NatsOutputHub(OutputHub):
+    """The scheduler's OutputHub in cluster mode: every batch goes out on NATS too.
+
+    NATS cannot tell the scheduler who listens, so every gateway counts as subscribed:
+    a gateway subscribes to its subject before it submits anything.
+    """
+
+    def __init__(self, url: str, connect_timeout_s: float = 10.0) -> None:
+        super().__init__()
+        self.publisher = OutputPublisher(url, connect_timeout_s)
+
+    def has_subscriber(self, gateway_id: str) -> bool:
+        return True
+
+    def publish(self, batches: dict[str, list[common_pb2.TokenDelta]]) -> list[str]:
+        super().publish(batches)  # gRPC StreamOutputs readers, if there are any
+        self.publisher.publish(batches)
+        return []
+
+    def close(self) -> None:
+        super().close()
+        self.publisher.close()

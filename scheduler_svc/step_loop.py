@@ -1,0 +1,162 @@
+"""The scheduler role's engine thread (scheduler_svc/engine_thread.py): one EngineCore fed
+by gRPC handler threads, publishing each step's deltas per gateway. After each
+iteration every gateway with new deltas gets one batch: never one message per token.
+
+A request that fails ends with a final ABORT delta carrying the error. A lost worker
+(dead, or restarted with an empty cache) ends every request; once a worker answers
+at that address again, new requests run on it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.engine_thread import EngineThread
+from scheduler_svc.output_hub import OutputHub
+from services.engine_client import EngineUnavailable
+from services.messages import TokenDelta
+from services.parallel_sampling import num_children
+from services.pb.kvfleet.v1 import common_pb2
+from services.request_routes import Route
+from services.sampling_params import SamplingParams
+from services.transport.convert import delta_to_proto
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Submit:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    gateway_id: str
+    accepted: Future[None]
+
+
+@dataclass
+class _Drain:
+    idle: threading.Event  # set once the engine has nothing left to do
+
+
+class StepLoop(EngineThread[_Submit | _Drain, str]):
+    def __init__(self, core: EngineCore, hub: OutputHub) -> None:
+        super().__init__(core, "kvfleet-step-loop")
+        self._hub = hub
+        self._draining = False  # guarded by _lock: once set, Submits are refused
+        # Owned by the loop thread: set from drain(), the event to set once idle.
+        self._idle_event: threading.Event | None = None
+        # Owned by the loop thread: the deltas not yet published, per gateway.
+        self._outputs: defaultdict[str, list[common_pb2.TokenDelta]] = defaultdict(list)
+
+    # -- any thread ----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ends the loop; live requests end with an ABORT delta saying so."""
+        self._stop_thread()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def drain(self, timeout_s: float) -> bool:
+        """Refuses new requests (EngineUnavailable) while the live ones run on, up to
+        `timeout_s`, then stops the loop: those still running end with an ABORT delta
+        saying so. Returns whether every request finished in time."""
+        idle = threading.Event()
+        with self._lock:
+            running = not self._stopped and self._thread is not None
+            if running:
+                self._draining = True
+                # Through the inbox, so the loop sees every Submit accepted before it.
+                self._inbox.put(_Drain(idle))
+        drained = idle.wait(timeout_s) if running else True
+        self.stop()
+        return drained
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        gateway_id: str,
+    ) -> None:
+        """Returns once the engine has queued the request. Raises InvalidParameter or
+        ValueError for rejected input, EngineUnavailable once the loop is stopping."""
+        accepted: Future[None] = Future()
+        with self._lock:  # reentrant: _send takes it too, so no drain slips in between
+            if self._draining:
+                raise EngineUnavailable("the scheduler is draining: it takes no new requests")
+            self._send(_Submit(request_id, list(prompt_token_ids), params, cache_salt, gateway_id, accepted),
+                       "the scheduler is shutting down")
+        accepted.result()
+
+    def abort(self, request_id: str) -> None:
+        self._send_abort(request_id)
+
+    # -- the loop thread -----------------------------------------------------------------
+
+    def _handle(self, command: _Submit | _Drain) -> None:
+        if isinstance(command, _Drain):
+            self._idle_event = command.idle
+        else:
+            self._submit(command)
+
+    def _end_iteration(self) -> None:
+        self._publish()
+        self._check_drained()
+
+    def _submit(self, command: _Submit) -> None:
+        try:
+            self.core.add_request(command.request_id, command.prompt_token_ids, command.params, command.cache_salt)
+        except Exception as exc:  # rejected input: the caller gets the error, the loop goes on
+            command.accepted.set_exception(exc)
+            return
+        # With n or best_of > 1 the deltas carry each child's id; the gateway gathers them.
+        self._routes.add(command.request_id, num_children(command.params), command.gateway_id)
+        command.accepted.set_result(None)
+
+    def _emit(self, route: Route[str], delta: TokenDelta, error: str = "") -> None:
+        self._outputs[route.target].append(delta_to_proto(delta, error))
+
+    def _fail(self, engine_ids: list[str], reason: str) -> None:
+        self._abort_in_core(engine_ids)
+        for engine_id in engine_ids:
+            route = self._routes.end(engine_id)
+            if route is not None:
+                self._emit(route, TokenDelta(engine_id, [], "abort"), reason)
+
+    def _publish(self) -> None:
+        if not self._outputs:
+            return
+        outputs, self._outputs = self._outputs, defaultdict(list)
+        for gateway_id in self._hub.publish(outputs):
+            # Its stream closed (the gateway left): nobody will read these requests' tokens.
+            orphans = [route for route in self._routes if route.target == gateway_id]
+            logger.warning("gateway %s has no output stream; aborting its %d requests", gateway_id, len(orphans))
+            for route in orphans:
+                self._abort_in_core(self._routes.remove(route))
+
+    def _check_drained(self) -> None:
+        # has_work covers the drops the worker has yet to hear of, so a drained
+        # worker holds no request state either.
+        if self._idle_event is not None and not self.core.has_work:
+            self._idle_event.set()
+
+    def _close(self) -> None:
+        """After the loop ends: every caller and every live request hears so."""
+        for command in self._pending_commands():
+            if isinstance(command, _Submit):
+                command.accepted.set_exception(EngineUnavailable("the scheduler is shutting down"))
+        self._fail(self._live_engine_ids(), "the scheduler shut down")
+        self._release_worker()
+        self._publish()
+        self._hub.close()
+        if self._idle_event is not None:  # a drain() still waiting: there is nothing left to wait for
+            self._idle_event.set()

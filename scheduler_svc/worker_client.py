@@ -1,0 +1,69 @@
+"""RemoteWorker: a WorkerHandle over gRPC, so EngineCore drives a worker in another
+process exactly as it drives an in-process one. Synchronous, like EngineCore's loop."""
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from scheduler_svc.engine_core import WorkerLost
+from services.messages import StepPlan, StepResult, WorkerDescription
+from services.pb.kvfleet.v1 import worker_pb2, worker_pb2_grpc
+from services.transport.channel import open_channel
+from services.transport.convert import (
+    description_from_proto,
+    plan_to_proto,
+    result_from_proto,
+)
+
+
+class WorkerError(RuntimeError):
+    """The worker failed the call; the message says how."""
+
+
+# We never cancel a call ourselves: CANCELLED is the worker's server going away.
+_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+# Describe checks on a worker that was lost are quick: requests wait on them.
+_RECHECK_TIMEOUT_S = 2.0
+
+
+class RemoteWorker:
+    def __init__(self, address: str, ready_timeout_s: float = 600.0) -> None:
+        """`ready_timeout_s`: how long describe() waits for the worker to listen (it
+        opens its port once its weights are loaded)."""
+        self.address = address
+        self._ready_timeout_s = ready_timeout_s
+        self._described = False
+        self._channel = open_channel(address)
+        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+
+    def describe(self) -> WorkerDescription:
+        """The first call waits for the worker to come up; later ones (checking on a
+        worker that was lost) answer within seconds."""
+        request = worker_pb2.DescribeWorkerRequest()
+        if self._described:
+            reply = self._call(self._stub.Describe, request, timeout=_RECHECK_TIMEOUT_S)
+        else:
+            reply = self._call(self._stub.Describe, request, wait_for_ready=True, timeout=self._ready_timeout_s)
+            self._described = True
+        return description_from_proto(reply)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        # No waiting for a lost worker: every request's KV is gone with it, so the
+        # step fails at once and the scheduler ends them all with this error.
+        return result_from_proto(self._call(self._stub.ExecuteStep, plan_to_proto(plan)))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: Message, **kwargs: Any) -> Any:
+        try:
+            return method(request, **kwargs)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in _LOST:
+                raise WorkerLost(f"worker at {self.address} is unreachable: {code.name}: {exc.details()}") from exc
+            if code is grpc.StatusCode.FAILED_PRECONDITION:  # a restarted worker refusing an old plan
+                raise WorkerLost(f"worker at {self.address} restarted: {exc.details()}") from exc
+            raise WorkerError(f"worker at {self.address} failed: {code.name}: {exc.details()}") from exc

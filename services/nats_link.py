@@ -1,0 +1,66 @@
+"""kvfleet's NATS connection, shared by the scheduler's publisher and the gateway's subscriber.
+
+Subject `kvfleet.out.<gateway_id>` carries scheduler.proto's StepOutputs: one message
+per engine step per gateway with every new delta of that gateway's requests, never
+one per token. Each end keeps its NATS client on an asyncio loop in a daemon thread:
+the publisher is called from the scheduler's step-loop thread, which must never wait
+on the network, and the subscriber serves consumers on any event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import nats
+from nats.aio.client import Client
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def subject(gateway_id: str) -> str:
+    return f"kvfleet.out.{gateway_id}"
+
+
+class NatsThread:
+    """One NATS connection, owned by an event loop running on its own daemon thread."""
+
+    def __init__(self, url: str, name: str, connect_timeout_s: float, **callbacks: Callable[[], Awaitable[None]]) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+        # Reconnect forever: a NATS restart must not end a long-lived role.
+        connect = nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, **callbacks)
+        try:
+            self.nc: Client = self.run(connect, connect_timeout_s)
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def run(self, coro: Awaitable[T], timeout_s: float) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    @property
+    def connected(self) -> bool:
+        return self.nc.is_connected
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        try:
+            self.run(self.nc.close(), timeout_s)
+        except Exception:
+            logger.exception("could not close the NATS connection cleanly")
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()

@@ -1,0 +1,40 @@
+"""What the gateway asks of the tokenizer role: its text work, wherever it runs.
+
+Embedded mode answers in-process (tokenizer_svc.in_process); in a cluster the gateway
+calls the tokenizer role over gRPC, batching the requests that arrive together
+(gateway.tokenizer_client). Either way the work never runs on the gateway's event
+loop, and the gateway detokenizes locally with `decoder`: the tokenizer role's own
+files, fetched at start-up in a cluster, so a gateway needs no model files.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    # The chat template writes the special tokens it wants: none are added by default.
+    add_special_tokens: bool = False
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    text: str  # what was encoded: the text itself, or the rendered chat
+    token_ids: list[int] = field(default_factory=list)
+
+
+class PromptEncoder(Protocol):
+    def is_ready(self) -> bool: ...
+
+    @property
+    def decoder(self) -> Any:
+        """The tokenizer_svc Tokenizer the gateway detokenizes with; only once ready."""
+
+    async def encode(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]: ...
+
+    async def encode_chat(self, chat: ChatPrompt) -> EncodedPrompt:
+        """Raises InvalidParameter("messages", ...) when the model has no chat template."""

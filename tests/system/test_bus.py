@@ -1,0 +1,263 @@
+"""Token streaming over a real nats-server: the publisher, called from a plain thread as
+the scheduler's step loop calls it, sends one StepOutputs per step per gateway (never
+one per token); each gateway's subscriber demultiplexes them into per-request queues;
+whatever could lose tokens (a NATS disconnect, an oversized delta) ends requests with
+an explicit error."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+
+import nats as nats_client
+import pytest
+
+from gateway.nats_subscriber import OutputSubscriber
+from scheduler_svc.nats_publisher import OutputPublisher
+from services.engine_client import EngineUnavailable, RequestFailed
+from services.messages import TokenDelta
+from services.nats_link import subject
+from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2
+from services.request_stream import RequestStream
+from services.transport.convert import delta_to_proto, logprobs_to_proto
+
+from servers import nats, nats_server  # noqa: F401  (fixture)
+
+STEPS = 5
+REQUESTS = {"g1": ["a", "b", "c"], "g2": ["d", "e"]}
+
+
+def step_batches(step: int) -> dict[str, list[common_pb2.TokenDelta]]:
+    """Every request gets two tokens per step (as with speculative decoding); the last step finishes all."""
+    last = step == STEPS - 1
+    return {
+        gateway: [
+            delta_to_proto(TokenDelta(
+                request_id, [100 * step + i, 100 * step + i + 50], "length" if last else None,
+                logprobs=[{100 * step + i: -0.5}, {100 * step + i + 50: -0.25}],
+            ))
+            for i, request_id in enumerate(requests)
+        ]
+        for gateway, requests in REQUESTS.items()
+    }
+
+
+class Spy:
+    """Counts the NATS messages on every gateway's subject."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.arrived = asyncio.Event()
+
+    async def start(self, url: str) -> Spy:
+        self._nc = await nats_client.connect(url)
+        await self._nc.subscribe("kvfleet.out.*", cb=self._count)
+        await self._nc.flush()
+        return self
+
+    async def _count(self, msg) -> None:
+        assert scheduler_pb2.StepOutputs.FromString(msg.data).deltas
+        self.counts[msg.subject] += 1
+        self.arrived.set()
+
+    async def wait_for(self, gateways: list[str], count: int) -> None:
+        while min(self.counts[subject(g)] for g in gateways) < count:
+            self.arrived.clear()
+            await asyncio.wait_for(self.arrived.wait(), 10)
+
+    async def close(self) -> None:
+        await self._nc.close()
+
+
+async def read_all(queue: RequestStream) -> list[TokenDelta]:
+    deltas = []
+    while not deltas or deltas[-1].finish_reason is None:
+        item = await asyncio.wait_for(queue.get(), 10)
+        if isinstance(item, BaseException):
+            raise item
+        deltas.append(item)
+    return deltas
+
+
+def test_one_message_per_step_per_gateway_demultiplexed(nats) -> None:
+    publisher = OutputPublisher(nats.url)
+    subscribers = {gateway: OutputSubscriber(nats.url, gateway) for gateway in REQUESTS}
+
+    async def main() -> None:
+        spy = await Spy().start(nats.url)
+        queues = {r: subscribers[g].open(r) for g, requests in REQUESTS.items() for r in requests}
+        readers = {r: asyncio.create_task(read_all(q)) for r, q in queues.items()}
+        loop = asyncio.get_running_loop()
+        for step in range(STEPS):
+            # Lockstep, so the publisher never has two steps queued to merge.
+            await loop.run_in_executor(None, publisher.publish, step_batches(step))
+            await spy.wait_for(list(REQUESTS), step + 1)
+        results = {r: await task for r, task in readers.items()}
+        await spy.close()
+
+        assert spy.counts == {subject(g): STEPS for g in REQUESTS}  # 5 messages per gateway, for 10 tokens a request
+        for _gateway, requests in REQUESTS.items():
+            for i, request_id in enumerate(requests):
+                deltas = results[request_id]
+                assert [t for d in deltas for t in d.new_token_ids] == [
+                    t for s in range(STEPS) for t in (100 * s + i, 100 * s + i + 50)
+                ]
+                assert [d.finish_reason for d in deltas] == [None] * (STEPS - 1) + ["length"]
+                assert deltas[0].logprobs == [{i: -0.5}, {i + 50: -0.25}]
+
+    try:
+        asyncio.run(main())
+    finally:
+        publisher.close()
+        for subscriber in subscribers.values():
+            subscriber.close()
+
+
+def test_publish_from_the_step_thread_does_not_wait_for_nats(nats) -> None:
+    """With the NATS thread busy, publish() still returns at once; the backlog goes out
+    merged, one message per gateway, in step order."""
+    publisher = OutputPublisher(nats.url)
+    subscriber = OutputSubscriber(nats.url, "g1")
+    hold = threading.Event()
+    publisher._nats.loop.call_soon_threadsafe(hold.wait)  # the NATS thread stalls until released
+    threading.Timer(2.0, hold.set).start()  # a publish() that waited would hold the test up this long
+
+    async def main() -> None:
+        spy = await Spy().start(nats.url)
+        queue = subscriber.open("a")
+        started = time.monotonic()
+        for step in range(STEPS):
+            publisher.publish({"g1": step_batches(step)["g1"][:1]})
+        assert time.monotonic() - started < 0.5 and not hold.is_set()
+        deltas = await read_all(queue)
+        await spy.close()
+        assert [t for d in deltas for t in d.new_token_ids] == [t for s in range(STEPS) for t in (100 * s, 100 * s + 50)]
+        assert spy.counts[subject("g1")] == 1  # the five held-up steps went out as one message
+
+    try:
+        asyncio.run(main())
+    finally:
+        hold.set()
+        publisher.close()
+        subscriber.close()
+
+
+def test_errors_unknown_requests_and_discards(nats) -> None:
+    publisher = OutputPublisher(nats.url)
+    subscriber = OutputSubscriber(nats.url, "g")
+
+    async def main() -> None:
+        failing, kept, dropped = subscriber.open("failing"), subscriber.open("kept"), subscriber.open("dropped")
+        subscriber.discard("dropped")
+        publisher.publish({"g": [
+            delta_to_proto(TokenDelta("failing", [], "abort"), "engine step failed: worker unreachable"),
+            delta_to_proto(TokenDelta("unknown", [1])),
+            delta_to_proto(TokenDelta("dropped", [2])),
+            delta_to_proto(TokenDelta("kept", [3], "stop", stop_reason=3)),
+        ]})
+        error = await asyncio.wait_for(failing.get(), 10)
+        assert isinstance(error, RequestFailed) and "worker unreachable" in str(error)
+        assert (await read_all(kept))[0].stop_reason == 3
+        assert dropped.empty()
+
+    try:
+        asyncio.run(main())
+    finally:
+        publisher.close()
+        subscriber.close()
+
+
+def test_child_requests_stream_into_their_parent_until_the_last_ends(nats) -> None:
+    """n > 1: deltas keep their child ids and share the parent's queue."""
+    publisher = OutputPublisher(nats.url)
+    subscriber = OutputSubscriber(nats.url, "g")
+
+    async def main() -> list[TokenDelta]:
+        queue = subscriber.open("p", 2)  # p#0 and p#1
+        with pytest.raises(ValueError):
+            subscriber.open("p")
+        publisher.publish({"g": [delta_to_proto(TokenDelta("p#0", [1])), delta_to_proto(TokenDelta("p#1", [2]))]})
+        publisher.publish({"g": [delta_to_proto(TokenDelta("p#1", [3], "length"))]})
+        publisher.publish({"g": [delta_to_proto(TokenDelta("p#0", [4], "stop")), delta_to_proto(TokenDelta("p#1", [5]))]})
+        deltas = [await asyncio.wait_for(queue.get(), 10) for _ in range(4)]
+        assert queue.empty()  # p#1's delta after its end came in the same message, and was dropped
+        subscriber.open("p")  # both children ended: the request's routes are gone
+        return deltas
+
+    try:
+        deltas = asyncio.run(main())
+    finally:
+        publisher.close()
+        subscriber.close()
+    assert [(d.request_id, d.new_token_ids, d.finish_reason) for d in deltas] == [
+        ("p#0", [1], None), ("p#1", [2], None), ("p#1", [3], "length"), ("p#0", [4], "stop"),
+    ]
+
+
+def test_oversized_batches_split_and_an_oversized_delta_fails_its_request(nats) -> None:
+    publisher = OutputPublisher(nats.url)
+    subscriber = OutputSubscriber(nats.url, "g")
+
+    def big(request_id: str, positions: int) -> common_pb2.TokenDelta:
+        delta = delta_to_proto(TokenDelta(request_id, [7], "length"))
+        # One position with as many candidates as it takes: ~9 bytes each.
+        delta.prompt_logprobs.CopyFrom(logprobs_to_proto([{t: -1.0 for t in range(10_000, 10_000 + positions)}]))
+        return delta
+
+    async def main() -> None:
+        # 1 MiB is nats-server's default max_payload: two 0.55 MiB deltas need two messages.
+        queues = {r: subscriber.open(r) for r in ("x", "y", "huge")}
+        publisher.publish({"g": [big("x", 80_000), big("y", 80_000), big("huge", 200_000)]})
+        for request_id in ("x", "y"):
+            (delta,) = await read_all(queues[request_id])
+            assert delta.new_token_ids == [7] and len(delta.prompt_logprobs[0]) == 80_000
+        error = await asyncio.wait_for(queues["huge"].get(), 10)
+        assert isinstance(error, RequestFailed) and "max_payload" in str(error)
+
+    try:
+        asyncio.run(main())
+    finally:
+        publisher.close()
+        subscriber.close()
+
+
+def test_nats_disconnect_fails_open_streams() -> None:
+    with nats_server() as server:
+        subscriber = OutputSubscriber(server.url, "g")
+
+        async def main() -> None:
+            queue = subscriber.open("a")
+            assert subscriber.connected
+            server.stop()
+            error = await asyncio.wait_for(queue.get(), 10)
+            assert isinstance(error, RequestFailed) and "disconnected" in str(error)
+            with pytest.raises(EngineUnavailable):  # nothing new may wait on a dead stream
+                subscriber.open("b")
+
+        try:
+            asyncio.run(main())
+        finally:
+            subscriber.close()
+
+
+def test_the_publisher_remembers_deltas_it_could_not_send() -> None:
+    """While NATS is away the client buffers up to 2 MiB; past that, deltas are lost, and
+    the publisher says so (the scheduler then withholds its lease: scheduler_svc/main.py)."""
+    with nats_server() as server:
+        publisher = OutputPublisher(server.url)
+        try:
+            server.stop()
+            deadline = time.monotonic() + 10
+            while publisher.connected:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert not publisher.lost_within(60)
+            chunk = delta_to_proto(TokenDelta("a", list(range(200_000))))  # ~0.6 MB
+            for _ in range(5):
+                publisher.publish({"g": [chunk]})
+            while not publisher.lost_within(60):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        finally:
+            publisher.close(timeout_s=1.0)

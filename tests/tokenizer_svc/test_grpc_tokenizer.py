@@ -1,0 +1,164 @@
+"""The tokenizer role over real gRPC, driven by the gateway's client (RemoteTokenizer):
+it gives what the in-process Tokenizer gives (ids, rendered chats, and the files the
+gateway detokenizes with), requests that arrive together travel as one batch, and
+bad input names the parameter without failing the rest of its batch."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transformers import PreTrainedTokenizerFast
+
+from gateway.tokenizer_client import RemoteTokenizer
+from kvfleet.processes import free_port
+from services.engine_client import EngineUnavailable
+from services.model_source import resolve_model
+from services.pb.kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.sampling_params import InvalidParameter
+from services.tokenizer_api import ChatPrompt
+from tokenizer_svc.server import SERVICE_NAME, TokenizerServicer, start_tokenizer_server
+from tokenizer_svc.tokenizer import Tokenizer
+
+TEXTS = ["Hello, my name is", "héllo wörld 👋🏽 你好 — `x = 1`\n", "<repo_name>x<|im_start|>user\nhé<|im_end|>"]
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Say hi.", "name": "ann"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.load(resolve_model("smollm2"))
+
+
+def wait_ready(client: RemoteTokenizer, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not client.is_ready():
+        assert time.monotonic() < deadline, "the client never fetched the tokenizer"
+        time.sleep(0.05)
+
+
+@contextmanager
+def serving(tokenizer: Tokenizer, *more_addresses: str) -> Iterator[tuple[RemoteTokenizer, str]]:
+    server = start_tokenizer_server(tokenizer, "127.0.0.1:0")
+    client = RemoteTokenizer(lambda: [*more_addresses, server.address], refresh_interval_s=0.1)
+    client.start()
+    try:
+        wait_ready(client)
+        yield client, server.address
+    finally:
+        client.close()
+        server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def remote(tokenizer: Tokenizer) -> Iterator[tuple[RemoteTokenizer, str]]:
+    with serving(tokenizer) as served:
+        yield served
+
+
+def test_encode_equals_in_process_and_the_fetched_files_decode_alike(tokenizer, remote) -> None:
+    client, _ = remote
+    for add_special_tokens in (True, False):
+        ids = asyncio.run(client.encode(TEXTS, add_special_tokens))
+        assert ids == [tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in TEXTS]
+    decoder = client.decoder  # built from GetTokenizer's archive, not from the model's files
+    assert (decoder.vocab_size, decoder.eos_token_id, decoder.bos_token_id) == (49152, 2, 1)
+    for text, token_ids in zip(TEXTS, ids):
+        for skip in (True, False):
+            for spaces in (True, False):
+                assert decoder.decode(token_ids, skip, spaces) == tokenizer.decode(token_ids, skip, spaces)
+        assert decoder.decode(token_ids, skip_special_tokens=False) == text
+
+
+def test_chat_equals_in_process(tokenizer, remote) -> None:
+    client, _ = remote
+    for add_generation_prompt in (True, False):
+        encoded = asyncio.run(client.encode_chat(ChatPrompt(MESSAGES, add_generation_prompt)))
+        assert encoded.text == tokenizer.render_chat(MESSAGES, add_generation_prompt)
+        assert encoded.token_ids == tokenizer.apply_chat_template(MESSAGES, add_generation_prompt)
+
+
+def test_requests_that_arrive_together_travel_as_one_batch(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes: list[int] = []
+    original = TokenizerServicer.TokenizeBatch
+
+    def counting(self, request, context):
+        sizes.append(len(request.requests))
+        return original(self, request, context)
+
+    monkeypatch.setattr(TokenizerServicer, "TokenizeBatch", counting)  # before the server registers it
+
+    async def together(client: RemoteTokenizer) -> list:
+        return await asyncio.gather(
+            *(client.encode([text]) for text in TEXTS), client.encode_chat(ChatPrompt(MESSAGES))
+        )
+
+    with serving(tokenizer) as (client, _):
+        *texts, chat = asyncio.run(together(client))
+    assert sizes == [len(TEXTS) + 1]
+    assert texts == [[tokenizer.encode(text)] for text in TEXTS]
+    assert chat.token_ids == tokenizer.apply_chat_template(MESSAGES)
+
+
+def test_bad_input_names_the_messages_and_spares_its_batch(tokenizer, remote) -> None:
+    client, _ = remote
+
+    async def mixed() -> list:
+        return await asyncio.gather(
+            client.encode_chat(ChatPrompt([])), client.encode(["still served"]), return_exceptions=True
+        )
+
+    error, served = asyncio.run(mixed())
+    assert isinstance(error, InvalidParameter) and error.param == "messages"
+    assert served == [tokenizer.encode("still served")]
+
+
+def test_chat_without_a_template_names_the_messages(tokenizer, tmp_path: Path) -> None:
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    bare = Tokenizer(PreTrainedTokenizerFast.from_pretrained(tmp_path, local_files_only=True), "bare")
+    with serving(bare) as (client, address):
+        with grpc.insecure_channel(address) as channel:
+            described = tokenizer_pb2_grpc.TokenizerStub(channel).Describe(tokenizer_pb2.DescribeTokenizerRequest())
+        assert not described.has_chat_template
+        with pytest.raises(InvalidParameter, match="'bare' has no chat template") as caught:
+            asyncio.run(client.encode_chat(ChatPrompt(MESSAGES)))
+        assert caught.value.param == "messages"
+
+
+def test_describe_detokenize_and_health_over_the_stubs(tokenizer, remote) -> None:
+    _, address = remote
+    ids = tokenizer.encode(TEXTS[1])
+    with grpc.insecure_channel(address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+        described = stub.Describe(tokenizer_pb2.DescribeTokenizerRequest())
+        assert (described.name, described.vocab_size, described.eos_token_id, described.bos_token_id) == (
+            tokenizer.name, 49152, 2, 1
+        )
+        assert stub.Detokenize(tokenizer_pb2.DetokenizeRequest(token_ids=ids)).text == tokenizer.decode(ids)
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", SERVICE_NAME):
+            status = health.Check(health_pb2.HealthCheckRequest(service=name)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_dead_replica_is_passed_over_and_none_left_is_unavailable(tokenizer) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    with serving(tokenizer, dead) as (client, _):
+        for _ in range(3):  # whichever replica a batch tries first, it is served
+            assert asyncio.run(client.encode(["hi"])) == [tokenizer.encode("hi")]
+    nobody = RemoteTokenizer(lambda: [dead])
+    nobody.start()
+    try:
+        assert not nobody.is_ready()
+        with pytest.raises(EngineUnavailable, match="tokenizer service is unavailable"):
+            asyncio.run(nobody.encode(["hi"]))
+    finally:
+        nobody.close()

@@ -1,0 +1,36 @@
+"""`kvfleet worker`: the model and its KV cache, serving step plans over gRPC to its scheduler."""
+from __future__ import annotations
+
+import argparse
+
+from services.cli_args import (
+    add_engine_args,
+    add_listen_args,
+    add_registry_args,
+    engine_args,
+)
+from services.config import EngineConfig
+from services.role_process import serve_role
+from services.telemetry import configure_logging, serve_role_metrics
+
+DEFAULT_PORT = 50051
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    add_listen_args(parser, DEFAULT_PORT)
+    add_registry_args(parser, required=False)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from worker_svc.server import start_worker_server
+    from worker_svc.threads import configure_torch_threads
+    from worker_svc.worker import Worker
+
+    configure_logging()
+    configure_torch_threads()
+    worker = Worker(EngineConfig(**engine_args(args)))
+    serve_role_metrics(args.metrics_port, args.host)
+    server = start_worker_server(worker, f"{args.host}:{args.port}")
+    serve_role(args, "worker", server)
+    return 0

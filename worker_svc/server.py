@@ -1,0 +1,78 @@
+"""The worker role's gRPC service: Describe and ExecuteStep over a Worker, one step at a time."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+
+from services.pb.kvfleet.v1 import worker_pb2, worker_pb2_grpc
+from services.transport.convert import (
+    description_to_proto,
+    plan_from_proto,
+    result_to_proto,
+)
+from services.transport.server import RoleServer
+from worker_svc.worker import Worker, WrongWorkerInstance
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+        # The worker's per-request state assumes one step at a time.
+        self._lock = threading.Lock()
+
+    def Describe(
+        self, request: worker_pb2.DescribeWorkerRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.WorkerDescription:
+        return description_to_proto(self._worker.describe())
+
+    def ExecuteStep(self, request: worker_pb2.StepPlan, context: grpc.ServicerContext) -> worker_pb2.StepResult:
+        try:
+            plan = plan_from_proto(request)
+        except ValueError as exc:  # sampling params the scheduler should have rejected
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        with self._lock:
+            try:
+                result = self._worker.execute(plan)
+            except WrongWorkerInstance as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            except Exception as exc:
+                logger.exception("step %d failed", plan.step_id)
+                context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {exc!r}")
+        return result_to_proto(result)
+
+
+def start_worker_server(worker: Worker, address: str) -> RoleServer:
+    """Serves `worker` on `address` ("host:port"; port 0 picks a free one). Stopping the
+    server drains it: steps keep running until its scheduler has ended every request
+    the worker holds (or the grace runs out)."""
+    # Steps run one at a time; the other threads answer Describe and health checks.
+    server = RoleServer(
+        address, SERVICE_NAME, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), s),
+        max_workers=4, drain=lambda timeout_s: _wait_until_released(worker, timeout_s),
+    )
+    server.start()
+    return server
+
+
+def _wait_until_released(worker: Worker, timeout_s: float) -> bool:
+    """Waits until the scheduler has ended every request the worker holds (the drops
+    ride on its plans). Health says NOT_SERVING meanwhile, so the worker's lease lapses
+    and gateways send its scheduler no new requests. Returns whether that happened in time."""
+    deadline = time.monotonic() + timeout_s
+    logged = False
+    while held := worker.num_requests:
+        if time.monotonic() >= deadline:
+            logger.warning("shutdown timeout: the worker still holds %d requests", held)
+            return False
+        if not logged:
+            logger.info("waiting for the scheduler to end the %d requests this worker holds", held)
+            logged = True
+        time.sleep(0.05)
+    return True

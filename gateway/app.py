@@ -12,6 +12,7 @@ from gateway.auth import ApiKeyMiddleware
 from gateway.context import GatewayContext
 from gateway.drain import DrainMiddleware
 from gateway.errors import install_error_handlers
+from gateway.limits import BodySizeMiddleware, RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.routes import chat, completions, models, system, tokenize
 from services.engine_client import EngineClient
@@ -19,7 +20,11 @@ from services.tokenizer_api import PromptEncoder
 
 
 def build_app(
-    engine_client: EngineClient, encoder: PromptEncoder, served_model_name: str, api_key: str | None = None
+    engine_client: EngineClient,
+    encoder: PromptEncoder,
+    served_model_name: str,
+    api_key: str | None = None,
+    limits: RequestLimits = RequestLimits(),
 ) -> FastAPI:
     """`encoder` does the text work: in-process, or the cluster's tokenizer role."""
     app = FastAPI(title="kvfleet")
@@ -28,12 +33,14 @@ def build_app(
         encoder=encoder,
         served_model_name=served_model_name,
         metrics=GatewayMetrics(engine_client, served_model_name),
+        limits=limits,
     )
     for module in (models, completions, chat, tokenize, system):
         app.include_router(module.router)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeMiddleware, max_bytes=limits.max_request_body_bytes)
     # Added last, so outermost: it counts every request in flight, whatever answers it.
     app.add_middleware(DrainMiddleware, drain=app.state.gateway.drain)
     return app

@@ -3,9 +3,12 @@
 A plain ASGI middleware rather than a route dependency, so that every /v1 path,
 unknown ones included, answers 401 without the key, and streaming responses pass
 through untouched. /health, /metrics and the rest stay open for probes and scrapers.
+The scheme is matched case-insensitively (RFC 7235, as vLLM does), and the key by the
+SHA-256 digests of both sides, so the comparison's time tells nothing, not even the length.
 """
 from __future__ import annotations
 
+import hashlib
 import secrets
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -16,12 +19,16 @@ from gateway.errors import error_response
 class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = hashlib.sha256(api_key.encode()).digest()
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, key = header.partition(b" ")
+        given = hashlib.sha256(key.strip()).digest()
+        return secrets.compare_digest(given, self._expected) and scheme.lower() == b"bearer"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self._expected):
+            if not self._authorized(dict(scope["headers"]).get(b"authorization", b"")):
                 response = error_response(401, "invalid or missing API key", code="invalid_api_key")
                 await response(scope, receive, send)
                 return

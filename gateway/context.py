@@ -13,6 +13,7 @@ from gateway.beam import beam_choices
 from gateway.choices import ChoiceDelta, generate_choices
 from gateway.drain import Drain
 from gateway.errors import OpenAIError
+from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import SamplingFields
 from services.engine_client import EngineClient
@@ -28,6 +29,7 @@ class GatewayContext:
     encoder: PromptEncoder
     served_model_name: str
     metrics: GatewayMetrics
+    limits: RequestLimits
     drain: Drain = field(default_factory=Drain)  # set on SIGTERM by gateway.drain.serve
 
     @property

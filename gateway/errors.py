@@ -80,7 +80,12 @@ async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
 
 async def _on_error(_: Request, exc: Exception) -> JSONResponse:
     error = error_for(exc)
-    return error_response(error.status, error.message, error.param, error.code)
+    response = error_response(error.status, error.message, error.param, error.code)
+    if not isinstance(exc, (OpenAIError, ValueError, EngineUnavailable, RequestFailed)):
+        # A bug: Starlette re-raises it after this response, and the server then drops the
+        # connection. Saying so keeps a keep-alive client from sending its next request into it.
+        response.headers["Connection"] = "close"
+    return response
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -5,26 +5,39 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
 
-async def prime(stream: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+class Primed(Generic[T]):
+    """A stream whose first item has arrived. Closing it closes the stream (ending its
+    engine requests) even if nobody ever iterated it: a client may leave between the
+    status line and the first chunk."""
+
+    def __init__(self, first: T, stream: AsyncGenerator[T, None]) -> None:
+        self._first: list[T] = [first]
+        self._stream = stream
+
+    def __aiter__(self) -> Primed[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        if self._first:
+            return self._first.pop()
+        return await anext(self._stream)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+async def prime(stream: AsyncGenerator[T, None]) -> Primed[T]:
     """Waits for the stream's first item, so that a rejected request raises here,
     before a streaming response has sent its 200 status."""
-    first = await anext(stream)
-    return _chain(first, stream)
+    return Primed(await anext(stream), stream)
 
 
-async def _chain(first: T, stream: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
-    async with aclosing(stream):
-        yield first
-        async for item in stream:
-            yield item
-
-
-async def prime_all(streams: list[AsyncGenerator[T, None]]) -> list[AsyncGenerator[T, None]]:
+async def prime_all(streams: list[AsyncGenerator[T, None]]) -> list[Primed[T]]:
     """prime() for a batch. The first rejection (or a cancellation) closes every other
     stream at once, so no request of a failed batch keeps running."""
     tasks = [asyncio.ensure_future(prime(stream)) for stream in streams]
@@ -44,7 +57,7 @@ async def prime_all(streams: list[AsyncGenerator[T, None]]) -> list[AsyncGenerat
         raise
 
 
-async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
+async def merge(streams: list[Primed[T]]) -> AsyncGenerator[tuple[int, T], None]:
     """Items of several streams as they come, tagged with the stream's index.
 
     Closing the merged stream cancels the readers, which closes (aborts) every stream."""

@@ -30,13 +30,14 @@ def run_gateway(args: argparse.Namespace) -> int:
     from gateway.app import build_app
     from gateway.cluster_client import ClusterEngineClient
     from gateway.drain import serve
+    from gateway.limits import RequestLimits
     from gateway.tokenizer_client import RemoteTokenizer
 
     configure_logging()
     registry = Registry(args.redis_url)
     client = ClusterEngineClient(args.redis_url, args.nats_url)
     encoder = RemoteTokenizer(lambda: [member.address for member in registry.members("tokenizer")])
-    app = build_app(client, encoder, args.served_model_name or args.model, args.api_key)
+    app = build_app(client, encoder, args.served_model_name or args.model, args.api_key, RequestLimits.from_args(args))
     member = Member("gateway", client.gateway_id, advertised(args), {"model": args.model})
     client.start()
     encoder.start()

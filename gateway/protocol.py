@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    field_validator,
     model_serializer,
 )
 
@@ -25,9 +26,27 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 NumLogprobs = Annotated[int, Field(le=20)]
 
 
+def _valid_unicode(value: Any) -> bool:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"), which no tokenizer can encode."""
+    if isinstance(value, str):
+        return value.isascii() or not any("\ud800" <= c <= "\udfff" for c in value)
+    if isinstance(value, (list, tuple)):
+        return all(_valid_unicode(v) for v in value)
+    if isinstance(value, dict):
+        return all(_valid_unicode(k) and _valid_unicode(v) for k, v in value.items())
+    return True
+
+
 class _Request(BaseModel):
     # NaN and infinities pass every range check by comparison rules of their own; refuse them.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_lone_surrogates(cls, value: Any) -> Any:
+        if not _valid_unicode(value):
+            raise ValueError("contains a lone UTF-16 surrogate, which is not valid Unicode text")
+        return value
 
 
 class StreamOptions(_Request):

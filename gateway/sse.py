@@ -1,8 +1,9 @@
 """Server-sent events as OpenAI streams them: `data: <json>` per chunk, then `data: [DONE]`."""
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
+from typing import Protocol
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -11,6 +12,10 @@ from starlette.types import Receive, Scope, Send
 from gateway.errors import error_body, error_for
 
 DONE = "data: [DONE]\n\n"
+
+
+class Closable(Protocol):
+    async def aclose(self) -> None: ...
 
 
 def event(chunk: BaseModel) -> str:
@@ -34,8 +39,9 @@ async def _with_errors(events: AsyncGenerator[str, None]) -> AsyncGenerator[str,
 
 
 class _EventStreamResponse(StreamingResponse):
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], owned: Sequence[Closable]) -> None:
         self._events = _with_errors(events)
+        self._owned = owned
         super().__init__(self._events, media_type="text/event-stream")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -44,9 +50,14 @@ class _EventStreamResponse(StreamingResponse):
         finally:
             # Under ASGI 2.4 Starlette learns of a disconnect from a failed send and
             # leaves the body suspended; closing it here aborts the engine requests now
-            # rather than whenever the garbage collector gets to it.
+            # rather than whenever the garbage collector gets to it. A body that never
+            # started closes nothing of its own: the streams it was given are closed too.
             await self._events.aclose()
+            for stream in self._owned:
+                await stream.aclose()
 
 
-def sse_response(events: AsyncGenerator[str, None]) -> StreamingResponse:
-    return _EventStreamResponse(events)
+def sse_response(events: AsyncGenerator[str, None], *owned: Closable) -> StreamingResponse:
+    """`events` as an SSE response that closes `owned` (the request's primed streams),
+    whatever ends it: the last event, an error, or a client that left."""
+    return _EventStreamResponse(events, owned)

@@ -5,6 +5,7 @@ from typing import Any
 
 from gateway.app import build_app
 from gateway.drain import serve
+from gateway.limits import RequestLimits
 from scheduler_svc.async_engine import AsyncEngine
 from scheduler_svc.engine_core import EngineCore
 from services.config import EngineConfig
@@ -22,7 +23,8 @@ def serve_embedded(
     port: int,
     api_key: str | None,
     served_model_name: str | None,
-    shutdown_timeout_s: float = 30.0,
+    shutdown_timeout_s: float,
+    limits: RequestLimits,
 ) -> None:
     """Serves until SIGTERM or SIGINT, then drains (gateway/drain.py) and returns."""
     configure_logging()  # uvicorn configures only its own loggers
@@ -30,7 +32,7 @@ def serve_embedded(
     config = EngineConfig(**engine_args)
     encoder = InProcessEncoder(Tokenizer.load(resolve_model(config.model)))
     engine = AsyncEngine(EngineCore(config, Worker(config)))
-    app = build_app(engine, encoder, served_model_name or config.model, api_key)
+    app = build_app(engine, encoder, served_model_name or config.model, api_key, limits)
     engine.start()
     try:
         serve(app, host, port, shutdown_timeout_s)

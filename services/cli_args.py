@@ -12,6 +12,8 @@ from services.config import EngineConfig
 
 DEFAULT_LEASE_TTL_S = 10.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 
 _ENGINE_HELP = {
     "model": "alias (smollm2), a .gguf file, or a HuggingFace model directory",
@@ -76,7 +78,18 @@ def add_http_args(parser: argparse.ArgumentParser, port: int = 8000) -> None:
     parser.add_argument("--api-key", default=os.environ.get("KVFLEET_API_KEY"),
                         help="require `Authorization: Bearer KEY` on /v1 routes (default: $KVFLEET_API_KEY)")
     parser.add_argument("--served-model-name", help="the model name clients use (default: the --model value)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="larger request bodies get 413 before they are read (default: %(default)s)")
+    parser.add_argument("--max-sequences-per-request", type=int, default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                        help="most sequences one request may fan out to: prompts x n (or best_of) "
+                        "(default: %(default)s)")
     add_shutdown_arg(parser)
+
+
+def http_limit_argv(namespace: argparse.Namespace) -> list[str]:
+    """The request limits of `namespace` as a command line, for the gateway `cluster up` starts."""
+    return [f"--max-request-body-bytes={namespace.max_request_body_bytes}",
+            f"--max-sequences-per-request={namespace.max_sequences_per_request}"]
 
 
 def add_listen_args(parser: argparse.ArgumentParser, port: int) -> None:

@@ -72,19 +72,21 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
     if body.stream:
         head = ChatCompletionChunk(id=request_id, model=ctx.served_model_name, choices=[])
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse_response(_events(head, params.n, stream, logprobs_of, len(prompt_token_ids), include_usage))
+        events = _events(head, params.n, stream, logprobs_of, len(prompt_token_ids), include_usage)
+        return sse_response(events, stream)
     text: list[list[str]] = [[] for _ in range(params.n)]
     content_logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(params.n)]
     last: list[TextDelta | None] = [None] * params.n  # each choice's last delta carries its finish reason
     num_tokens = 0
     entries = None
-    async for item in stream:
-        delta = item.text
-        text[item.index].append(delta.text)
-        content_logprobs[item.index].extend(logprobs_of(delta))
-        last[item.index] = delta
-        num_tokens += len(delta.token_ids)
-        entries = entries or item.prompt_logprobs
+    async with aclosing(stream):  # a cancelled request (its client left) ends its engine requests now
+        async for item in stream:
+            delta = item.text
+            text[item.index].append(delta.text)
+            content_logprobs[item.index].extend(logprobs_of(delta))
+            last[item.index] = delta
+            num_tokens += len(delta.token_ids)
+            entries = entries or item.prompt_logprobs
     choices = [
         ChatChoice(
             index=index,

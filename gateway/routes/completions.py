@@ -29,6 +29,7 @@ from gateway.protocol import (
 )
 from gateway.sampling import to_sampling_params
 from gateway.sse import DONE, event, sse_response
+from services.parallel_sampling import num_children
 from services.prompt import fit_prompt
 
 router = APIRouter()
@@ -90,6 +91,9 @@ async def _complete(body: CompletionRequest, ctx: GatewayContext) -> Response:
     prompt_top = body.prompt_logprobs if body.prompt_logprobs is not None else (
         body.logprobs if body.echo else None)
     params = await to_sampling_params(body, ctx.encoder, body.max_tokens, body.logprobs, prompt_top)
+    num_prompts = 1 if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) else len(
+        body.prompt)
+    ctx.limits.check_fan_out(num_prompts, num_children(params), "best_of" if params.best_of else "n")
     prompts = []
     for prompt in await _prompts(body.prompt, ctx):
         token_ids = fit_prompt(prompt.token_ids, params, ctx.max_model_len, "prompt", "max_tokens")
@@ -109,11 +113,15 @@ async def _complete(body: CompletionRequest, ctx: GatewayContext) -> Response:
     deltas = _flat(merge(streams), params.n)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse_response(_events(head, prompts, choices, deltas, include_usage))
+        return sse_response(_events(head, prompts, choices, deltas, include_usage), *streams)
     pieces: list[list[CompletionLogprobs]] = [[] for _ in choices]
-    async for index, item in deltas:
-        _, logprobs = choices[index].take(item)
-        pieces[index].extend([logprobs] if logprobs is not None else [])
+    try:
+        async for index, item in deltas:
+            _, logprobs = choices[index].take(item)
+            pieces[index].extend([logprobs] if logprobs is not None else [])
+    finally:  # a cancelled request (its client left) ends its engine requests now
+        for stream in streams:
+            await stream.aclose()
     head.choices = [
         CompletionChoice(
             index=index,

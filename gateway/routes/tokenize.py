@@ -1,7 +1,11 @@
 """vLLM's POST /tokenize and /detokenize, for clients that count or inspect tokens."""
 from __future__ import annotations
 
+import asyncio
+import json
+
 from fastapi import APIRouter, Depends
+from fastapi.responses import Response
 
 from gateway.chat_messages import message_dicts
 from gateway.context import GatewayContext, get_context
@@ -17,8 +21,8 @@ from services.tokenizer_api import ChatPrompt
 router = APIRouter()
 
 
-@router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, ctx: GatewayContext = Depends(get_context)) -> TokenizeResponse:
+@router.post("/tokenize", response_model=TokenizeResponse)
+async def tokenize(body: TokenizeRequest, ctx: GatewayContext = Depends(get_context)) -> Response:
     ctx.check_model(body.model)
     ctx.check_ready()
     if (body.prompt is None) == (body.messages is None):
@@ -30,7 +34,9 @@ async def tokenize(body: TokenizeRequest, ctx: GatewayContext = Depends(get_cont
     else:
         add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
         [tokens] = await ctx.encoder.encode([body.prompt], add_special_tokens)
-    return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens)
+    # A long prompt's ids make a large body: written on a worker thread, not the event loop.
+    reply = {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens}
+    return Response(await asyncio.to_thread(json.dumps, reply), media_type="application/json")
 
 
 @router.post("/detokenize")

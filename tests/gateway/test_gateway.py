@@ -9,6 +9,7 @@ both `kvfleet serve` and `kvfleet cluster up` as real processes.
 """
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from gateway.app import build_app
+from gateway.limits import RequestLimits
 from kvfleet import LLM
 from scheduler_svc.async_engine import AsyncEngine
 from scheduler_svc.engine_core import EngineCore
@@ -195,3 +197,79 @@ def test_an_engine_that_is_not_running_is_503(stack: Stack) -> None:
         assert httpx.get(f"{idle.url}/health").status_code == 503
         response = httpx.post(f"{idle.url}/v1/chat/completions", json={"model": MODEL, "messages": CHAT})
         assert response.status_code == 503 and response.json()["error"]["message"]
+
+
+def test_the_bearer_scheme_is_case_insensitive_and_the_key_exact(stack: Stack) -> None:
+    app = build_app(stack.engine, InProcessEncoder(stack.tokenizer), MODEL, api_key="s3cret")
+    with ServerThread(app) as guarded:
+        def status(authorization: str) -> int:
+            return httpx.get(f"{guarded.url}/v1/models", headers={"Authorization": authorization}).status_code
+
+        assert [status(f"{scheme} s3cret") for scheme in ("Bearer", "bearer", "BEARER")] == [200] * 3
+        assert [status(value) for value in ("Bearer s3cre", "Bearer s3cret2", "Basic s3cret", "s3cret", "")] == [401] * 5
+
+
+def _aborted(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics").text
+    [line] = [m for m in metrics.splitlines() if m.startswith('vllm:request_success_total{finished_reason="abort"')]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_every_client_that_leaves_mid_stream_is_counted_as_an_abort(server: ServerThread, stack: Stack) -> None:
+    before = _aborted(server.url)
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    leaves = 12
+    for index in range(leaves):
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            if index % 2:  # half leave after the first chunk, half before reading any
+                next(response.iter_lines())
+    wait_until_idle(stack.engine, timeout=10)
+    deadline = time.monotonic() + 5
+    while _aborted(server.url) - before < leaves and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _aborted(server.url) - before == leaves
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["fine", "x\udfffy"], "max_tokens": 2}, "prompt"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a\ud83d"}]}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "stop": ["\udc00"]}, "stop"),
+])
+def test_a_lone_surrogate_is_a_400_and_the_connection_serves_on(server: ServerThread, path, body, param) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as connection:
+        raw = json.dumps(body)  # json.dumps writes the surrogate as the escape a client would send
+        response = connection.post(path, content=raw, headers={"Content-Type": "application/json"})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param and "surrogate" in response.json()["error"]["message"]
+        again = connection.post("/tokenize", json={"model": MODEL, "prompt": "still served"})
+        assert again.status_code == 200 and again.json()["count"] > 0
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(stack: Stack) -> None:
+    limits = RequestLimits(max_request_body_bytes=1 << 20)
+    with ServerThread(build_app(stack.engine, InProcessEncoder(stack.tokenizer), MODEL, limits=limits)) as small:
+        huge = {"model": MODEL, "prompt": "x" * (2 << 20)}
+        declared = httpx.post(f"{small.url}/tokenize", json=huge, timeout=30)
+        assert declared.status_code == 413 and declared.json()["error"]["code"] == "request_too_large"
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+            yield b'{"prompt": "'
+            for _ in range(4):
+                yield b"x" * (1 << 19)
+            yield b'"}'
+
+        chunked = httpx.post(f"{small.url}/tokenize", content=chunks(), timeout=30)
+        assert chunked.status_code == 413
+        assert httpx.post(f"{small.url}/tokenize", json={"prompt": "fits"}).status_code == 200
+
+
+def test_fan_out_past_the_bound_is_a_400(server: ServerThread) -> None:
+    body = {"model": MODEL, "prompt": ["a"] * 64, "n": 8, "max_tokens": 1}  # 512 sequences
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+    assert "512 sequences" in response.json()["error"]["message"]
+    best_of = httpx.post(f"{server.url}/v1/completions", json={**body, "n": 1, "best_of": 5}, timeout=30)
+    assert best_of.status_code == 400 and best_of.json()["error"]["param"] == "best_of"
+

@@ -1,17 +1,26 @@
 """ClusterEngineClient: the gateway's EngineClient in cluster mode.
 
-generate() opens the request's queue on this gateway's NATS subscription, submits the
-request to a scheduler replica over gRPC, then yields the deltas NATS brings back.
-Replicas come from the Redis registry, read by a poller thread that also fetches each
-replica's Stats: routing picks the least loaded ready replica, and /metrics gets the
-sum. When a scheduler's lease lapses (it died, hung or lost NATS), the requests it
-held end here with RequestFailed within that lease: none waits forever.
+generate() opens the request's stream on this gateway's NATS subscription, submits the
+request to a scheduler replica over gRPC (batched with those that arrive together),
+then yields the deltas NATS brings back. Replicas come from the Redis registry, read
+by a poller thread that also fetches each replica's Stats and health: routing picks
+the least loaded ready replica, and /metrics gets the sum.
+
+A replica is declared dead only on evidence about it, and then its requests end here
+with RequestFailed, none waiting forever: its channel failing (a dead process, seen
+within milliseconds), or its lease staying away longer than a lease TTL while Redis
+answers (a hung scheduler, or one that lost NATS and withholds its lease). A slow
+answer is no evidence, nor is a lease missing right after Redis came back (an empty,
+restarted Redis is refilled within a TTL), so a busy scheduler or a Redis restart
+fails nothing.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -19,17 +28,21 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.nats_subscriber import OutputSubscriber
+from gateway.submit_batcher import SubmitBatcher, SubmitRefused
 from services.engine_client import EngineUnavailable, RequestFailed
 from services.messages import EngineInfo, EngineStats, TokenDelta
 from services.parallel_sampling import engine_request_ids, num_children
 from services.pb.kvfleet.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.registry import ClusterView, Member, Registry, new_member_id
+from services.registry import DEFAULT_TTL_S, ClusterView, Member, Registry, new_member_id
 from services.sampling_params import SamplingParams
 from services.transport.channel import open_channel
 from services.transport.convert import sampling_params_to_proto, stats_from_proto
-from services.transport.futures import finished, invalid_argument
+from services.transport.futures import invalid_argument
 
 logger = logging.getLogger(__name__)
+
+# Its health says SERVING while the scheduler takes requests and its worker link is up.
+SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 _NO_STATS = EngineStats(0, 0, 0.0, 0, 0, 0, 0)
 
@@ -46,9 +59,18 @@ class _Replica:
     load: int = 0  # running + waiting at the last poll, plus what we sent it since
 
     @classmethod
-    def open(cls, member: Member) -> _Replica:
+    def open(cls, member: Member, on_unreachable: Callable[[_Replica], None]) -> _Replica:
         channel = open_channel(member.address)
-        return cls(member, channel, scheduler_pb2_grpc.SchedulerStub(channel), health_pb2_grpc.HealthStub(channel))
+        replica = cls(member, channel, scheduler_pb2_grpc.SchedulerStub(channel), health_pb2_grpc.HealthStub(channel))
+
+        def changed(state: grpc.ChannelConnectivity) -> None:
+            # Its connection failed (a dead process refuses it): evidence about the
+            # scheduler itself, seen within milliseconds rather than a lease later.
+            if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                on_unreachable(replica)
+
+        channel.subscribe(changed, try_to_connect=True)
+        return replica
 
 
 class ClusterEngineClient:
@@ -59,8 +81,15 @@ class ClusterEngineClient:
         gateway_id: str | None = None,
         poll_interval_s: float = 0.5,
         submit_timeout_s: float = 60.0,
+        lease_ttl_s: float = DEFAULT_TTL_S,
     ) -> None:
         self.gateway_id = gateway_id or new_member_id()
+        self._lease_ttl_s = lease_ttl_s
+        # Since when every registry read has worked; None while Redis is away. A lease
+        # missing within a TTL of Redis coming back may just not be re-written yet (an
+        # empty restarted Redis), so it counts only once this grace has passed.
+        self._registry_since: float | None = None
+        self._view = ClusterView([], [], [])
         self._redis_url = redis_url
         self._nats_url = nats_url
         self._poll_interval_s = poll_interval_s
@@ -70,6 +99,7 @@ class ClusterEngineClient:
         # Where each request of ours runs, by its id and by its children's ids.
         self._placed: dict[str, _Replica] = {}
         self._aborts: set[grpc.Future] = set()  # in flight; held so they are not collected
+        self._batcher = SubmitBatcher(submit_timeout_s)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # Replaced (never mutated) by the poller, so any thread may read them.
@@ -123,7 +153,7 @@ class ClusterEngineClient:
         # Placed by its own id and its children's: an abort may name either.
         placed = list(dict.fromkeys([request_id, *engine_request_ids(request_id, count)]))
         stream = self._subscriber.open(request_id, count)  # before Submit: no delta can slip past
-        submit: grpc.Future | None = None
+        submit: asyncio.Future[None] | None = None
         try:
             replica = self._claim(placed)
             request = scheduler_pb2.SubmitRequest(
@@ -131,15 +161,14 @@ class ClusterEngineClient:
                 sampling_params=sampling_params_to_proto(params), cache_salt=cache_salt,
             )
             while True:
-                submit = replica.stub.Submit.future(request, timeout=self._submit_timeout_s)
-                await finished(submit)
+                submit = self._batcher.submit(replica, replica.stub, request)
                 try:
-                    submit.result()
+                    await asyncio.shield(submit)
                     break
-                except grpc.RpcError as exc:
+                except SubmitRefused as exc:
                     # A replica that began draining (or lost its worker) since the last poll
                     # refuses as UNAVAILABLE: another one may take the request.
-                    other = self._reroute(replica, placed) if _unavailable(exc) else None
+                    other = self._reroute(replica, placed) if exc.code is grpc.StatusCode.UNAVAILABLE else None
                     if other is None:
                         raise _submit_error(exc, replica.member) from exc
                     replica = other
@@ -151,7 +180,7 @@ class ClusterEngineClient:
             # Whatever did not finish may still run there (the consumer left, the stream
             # broke, Submit was cancelled midway); aborting an unknown id is a no-op.
             if stream.unfinished and submit is not None:
-                submit.add_done_callback(lambda _: self._send_abort(replica, request_id))
+                submit.add_done_callback(lambda done: done.exception() or self._send_abort(replica, request_id))
 
     async def abort(self, request_id: str) -> None:
         """A request id aborts the request and its children; a child id, that child only."""
@@ -215,7 +244,14 @@ class ClusterEngineClient:
             view = ClusterView.read(self._registry)
         except redis.RedisError as exc:  # keep the last view: a Redis blip must not stop serving
             logger.warning("cannot read the registry at %s: %s", self._redis_url, exc)
+            self._registry_since = None
             return
+        now = time.monotonic()
+        if self._registry_since is None:
+            self._registry_since = now
+        if now - self._registry_since < self._lease_ttl_s:  # grace: what was listed still is
+            view = view.merged(self._view)
+        self._view = view
         leased = {member.id: member for member in view.schedulers}
         if view.schedulers:
             self._info = _engine_info(view.schedulers)
@@ -224,19 +260,16 @@ class ClusterEngineClient:
             orphans = [(replica, [i for i, r in self._placed.items() if r is replica]) for replica in gone]
             for member_id, member in leased.items():
                 if member_id not in self._replicas:
-                    self._replicas[member_id] = _Replica.open(member)
+                    self._replicas[member_id] = _Replica.open(member, self._unreachable)
             replicas = list(self._replicas.values())
         for replica, request_ids in orphans:
-            message = f"scheduler {replica.member.id} at {replica.member.address} is gone (it left, or its lease lapsed)"
-            logger.warning("%s; failing its %d requests", message, len(request_ids))
-            self._subscriber.fail(request_ids, lambda request_id, message=message: RequestFailed(request_id, message))
-            replica.channel.close()
+            self._retire(replica, request_ids)
         # All at once, so one slow replica delays the poll by its timeout only.
         calls = [
             (
                 replica,
                 replica.stub.Stats.future(scheduler_pb2.StatsRequest(), timeout=2.0),
-                replica.health.Check.future(health_pb2.HealthCheckRequest(service=""), timeout=2.0),
+                replica.health.Check.future(health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=2.0),
             )
             for replica in replicas
         ]
@@ -244,6 +277,40 @@ class ClusterEngineClient:
         self._stats = _total([s for s in stats if s is not None])
         with self._lock:
             self._ready = view.gateway_ready and any(replica.routable for replica in replicas)
+
+    def _retire(self, replica: _Replica, request_ids: list[str]) -> None:
+        """A replica whose lease lapsed past the grace: its requests end here, and it is
+        told to abort them (it may still be running, e.g. cut off from NATS) before its
+        channel closes."""
+        message = f"scheduler {replica.member.id} at {replica.member.address} is gone (its lease lapsed)"
+        logger.warning("%s; failing its %d requests", message, len(request_ids))
+        self._subscriber.fail(request_ids, lambda request_id: RequestFailed(request_id, message))
+        aborts = [replica.stub.Abort.future(scheduler_pb2.AbortRequest(request_id=i), timeout=5.0) for i in request_ids]
+        pending = len(aborts)
+        lock = threading.Lock()
+
+        def aborted(_: grpc.Future) -> None:
+            nonlocal pending
+            with lock:
+                pending -= 1
+                last = pending == 0
+            if last:
+                replica.channel.close()
+
+        for call in aborts:
+            call.add_done_callback(aborted)
+        if not aborts:
+            replica.channel.close()
+
+    def _unreachable(self, replica: _Replica) -> None:
+        """From gRPC's thread: the scheduler's connection failed; its requests end now."""
+        with self._lock:
+            replica.routable = False
+            request_ids = [i for i, r in self._placed.items() if r is replica]
+        if request_ids:
+            message = f"scheduler {replica.member.id} at {replica.member.address} is unreachable"
+            logger.warning("%s; failing its %d requests", message, len(request_ids))
+            self._subscriber.fail(request_ids, lambda request_id: RequestFailed(request_id, message))
 
     def _poll(self, replica: _Replica, call: grpc.Future, health: grpc.Future, worker_live: bool) -> EngineStats | None:
         try:
@@ -260,15 +327,10 @@ class ClusterEngineClient:
         return stats
 
 
-def _unavailable(exc: grpc.RpcError) -> bool:
-    return exc.code() is grpc.StatusCode.UNAVAILABLE
-
-
-def _submit_error(exc: grpc.RpcError, scheduler: Member) -> Exception:
-    code, details = exc.code(), exc.details() or ""
-    if code is grpc.StatusCode.INVALID_ARGUMENT:
-        return invalid_argument(details)
-    return EngineUnavailable(f"scheduler at {scheduler.address}: {code.name}: {details}")
+def _submit_error(exc: SubmitRefused, scheduler: Member) -> Exception:
+    if exc.code is grpc.StatusCode.INVALID_ARGUMENT:
+        return invalid_argument(exc.details)
+    return EngineUnavailable(f"scheduler at {scheduler.address}: {exc.code.name}: {exc.details}")
 
 
 def _engine_info(schedulers: list[Member]) -> EngineInfo:

@@ -4,8 +4,9 @@ Starts nats-server and a Redis-compatible server on free ports, then the tokeniz
 worker, scheduler and gateway roles, and waits until the gateway's /health says the
 cluster serves. SIGTERM or Ctrl-C stops the roles first, one at a time, each drained
 within --shutdown-timeout: the gateway (its requests in flight finish), then the
-scheduler, the worker and the tokenizer; then NATS and Redis, and exits 0. If any
-part dies on its own, the rest goes too (exit 1).
+scheduler, the worker and the tokenizer; then NATS and Redis, and exits 0. A part
+that dies on its own is restarted with a backoff (kvfleet/supervisor.py), so a killed
+worker comes back and is taken up again without restarting the cluster.
 
 Children run in their own process group, so a terminal's Ctrl-C reaches only this
 launcher, which stops them in order; on Linux each also dies with the launcher.
@@ -16,7 +17,6 @@ import argparse
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import urllib.request
@@ -29,11 +29,13 @@ from kvfleet.processes import (
     stop,
     wait_for_port,
 )
+from kvfleet.supervisor import Supervised
 from services.cli_args import (
     add_engine_args,
     add_http_args,
     add_lease_ttl_arg,
     engine_argv,
+    http_limit_argv,
 )
 from services.telemetry import configure_logging
 
@@ -56,13 +58,14 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda signum, frame: stopping.set())
     local = "127.0.0.1"
     ports = {name: free_port(local) for name in ("nats", "redis", "tokenizer", "worker", "scheduler")}
-    infra: list[subprocess.Popen] = []
-    roles: list[subprocess.Popen] = []  # in start order; stopped in reverse
+    infra = [Supervised("nats", lambda: start_nats(local, ports["nats"])),
+             Supervised("redis", lambda: start_redis(local, ports["redis"]))]
+    roles: list[Supervised] = []  # in start order; stopped in reverse
     try:
-        infra.append(start_nats(local, ports["nats"]))
-        infra.append(start_redis(local, ports["redis"]))
-        wait_for_port(local, ports["nats"], infra[0])
-        wait_for_port(local, ports["redis"], infra[1])
+        for part in infra:
+            part.launch()
+        wait_for_port(local, ports["nats"], infra[0].process)
+        wait_for_port(local, ports["redis"], infra[1].process)
         cluster = ["--redis-url", f"redis://{local}:{ports['redis']}/0", "--lease-ttl", str(args.lease_ttl),
                    "--shutdown-timeout", str(args.shutdown_timeout)]
         nats = ["--nats-url", f"nats://{local}:{ports['nats']}"]
@@ -73,38 +76,40 @@ def run_cluster_up(args: argparse.Namespace) -> int:
             ["worker", *engine, "--host", local, "--port", str(ports["worker"]), *cluster],
             ["scheduler", *engine, "--host", local, "--port", str(ports["scheduler"]), "--worker-address", worker,
              *nats, *cluster],
-            ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port), *nats, *cluster]
-            + (["--served-model-name", args.served_model_name] if args.served_model_name else []),
+            ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port), *nats, *cluster,
+             *http_limit_argv(args)] + (["--served-model-name", args.served_model_name] if args.served_model_name else []),
         ]
         # The API key travels in the environment, never on a command line others can read.
         env = {key: value for key, value in os.environ.items() if key != "KVFLEET_API_KEY"}
         if args.api_key:
             env["KVFLEET_API_KEY"] = args.api_key
         for command in commands:
-            roles.append(spawn([sys.executable, "-m", "kvfleet.cli", *command], env=env))
-        code = _supervise(args, roles + infra, stopping)
+            role = Supervised(command[0], lambda argv=command: spawn([sys.executable, "-m", "kvfleet.cli", *argv],
+                                                                     env=env))
+            role.launch()
+            roles.append(role)
+        _supervise(args, infra + roles, stopping)
     finally:
-        for process in reversed(roles):  # the gateway first: it drains while the rest still serves
-            stop(process, args.shutdown_timeout + STOP_MARGIN_S)
-        for process in infra:
-            stop(process)
+        for part in reversed(roles):  # the gateway first: it drains while the rest still serves
+            if part.process is not None:
+                stop(part.process, args.shutdown_timeout + STOP_MARGIN_S)
+        for part in infra:
+            if part.process is not None:
+                stop(part.process)
     logger.info("cluster stopped")
-    return code
+    return 0
 
 
-def _supervise(args: argparse.Namespace, processes: list[subprocess.Popen], stopping: threading.Event) -> int:
-    """Waits for a signal (0) or for a part to die (1), announcing when the cluster serves."""
+def _supervise(args: argparse.Namespace, parts: list[Supervised], stopping: threading.Event) -> None:
+    """Until a signal: restarts whatever exits, and announces when the cluster serves."""
     health = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{args.port}/health"
     serving = False
     while not stopping.wait(0.5):
-        for process in processes:
-            if process.poll() is not None:
-                logger.error("%s exited with %s; stopping the cluster", process.args[:5], process.returncode)
-                return 1
+        for part in parts:
+            part.check()
         if not serving and _healthy(health):
             serving = True
             logger.info("cluster serving on http://%s:%d", args.host, args.port)
-    return 0
 
 
 def _healthy(url: str) -> bool:

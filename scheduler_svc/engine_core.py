@@ -6,6 +6,7 @@ StepResult travel either way; nothing else changes.
 """
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Protocol
@@ -50,6 +51,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, worker: WorkerHandle) -> None:
         self.config = config
         self.worker = worker
+        self.instance_id = uuid.uuid4().hex  # its worker drops what a previous instance left there
         self.description = described = worker.describe()
         self._worker_lost = False
         self.max_model_len = described.max_model_len
@@ -106,6 +108,7 @@ class EngineCore:
     def step(self) -> list[TokenDelta]:
         plan = self.scheduler.schedule()
         plan.worker_instance_id = self.description.instance_id
+        plan.scheduler_instance_id = self.instance_id
         try:
             result = self.worker.execute(plan)
         except WorkerLost as exc:
@@ -120,6 +123,24 @@ class EngineCore:
             self.scheduler.resend_drops(plan.finished_request_ids)
             raise StepFailed(failed, exc) from exc
         return self.scheduler.update(plan, result)
+
+    def check_worker(self) -> list[str]:
+        """After the worker link came back: a worker that restarted meanwhile holds none of
+        the KV the cached prefixes and live requests built on, so those are forgotten
+        (the ids of the requests that end are returned) before any plan reaches it."""
+        try:
+            described = self.worker.describe()
+        except Exception:
+            return []  # still away: the next step or add_request finds out
+        if described.instance_id == self.description.instance_id:
+            return []
+        ended = self.scheduler.forget_worker()
+        self._worker_lost = True
+        try:
+            self._reconnect()
+        except EngineUnavailable:  # another shape: requests stay refused, saying why
+            pass
+        return ended
 
     def _reconnect(self) -> None:
         """Takes up a worker that came back after a loss, if it has the shape the

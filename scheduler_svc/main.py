@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
+import time
 from typing import TYPE_CHECKING
 
 from services.cli_args import (
@@ -14,6 +16,7 @@ from services.cli_args import (
     engine_args,
 )
 from services.config import EngineConfig
+from services.engine_client import EngineUnavailable
 from services.registry import Lease, Member, Registry, new_member_id
 from services.role_process import (
     advertised,
@@ -31,11 +34,13 @@ if TYPE_CHECKING:
     from scheduler_svc.engine_core import EngineCore
     from scheduler_svc.nats_publisher import NatsOutputHub
     from scheduler_svc.step_loop import StepLoop
+    from services.transport.server import RoleServer
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50052
 WORKER_PORT = 50051
+WORKER_CHECK_S = 0.25
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
@@ -67,11 +72,35 @@ def run_scheduler(args: argparse.Namespace) -> int:
     try:
         serve_role_metrics(args.metrics_port, args.host, EngineStatsCollector(loop, config.model))
         server = start_scheduler_server(loop, hub, f"{args.host}:{args.port}")
+        _follow_worker(args.worker_address, server, loop)
         with registered(args, lambda: _scheduler_lease(args, server.port, loop, hub)):
             serve_until_signalled(server, args.shutdown_timeout)
     finally:
         worker.close()
     return 0
+
+
+def _follow_worker(address: str, server: RoleServer, loop: StepLoop) -> None:
+    """Not ready while the worker does not answer its health check: a dead worker is seen
+    within WORKER_CHECK_S (its connection is refused), and gateways stop routing here at
+    their next poll, instead of a worker lease later. When it answers again, the loop
+    first checks whether it is the same worker (a restarted one lost every KV block)."""
+    serving = grpc_serving(address)
+
+    def follow() -> None:
+        was_up = True
+        while True:
+            up = serving()
+            if up and not was_up:
+                try:
+                    loop.check_worker()
+                except EngineUnavailable:  # shutting down
+                    return
+            server.set_serving(up)
+            was_up = up
+            time.sleep(WORKER_CHECK_S)
+
+    threading.Thread(target=follow, name="kvfleet-worker-check", daemon=True).start()
 
 
 def lease_metadata(worker_address: str, model: str, core: EngineCore) -> dict[str, str]:

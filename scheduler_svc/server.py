@@ -2,12 +2,12 @@
 StreamOutputs, over a StepLoop (which owns the EngineCore) and its OutputHub."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 
 from scheduler_svc.output_hub import OutputHub
-from scheduler_svc.step_loop import StepLoop
+from scheduler_svc.step_loop import StepLoop, Submission
 from services.engine_client import EngineUnavailable
 from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.transport.convert import sampling_params_from_proto, stats_to_proto
@@ -19,6 +19,13 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 MAX_WORKERS = 64
 
 
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, loop: StepLoop, hub: OutputHub) -> None:
         self._loop = loop
@@ -27,27 +34,54 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def Submit(
         self, request: scheduler_pb2.SubmitRequest, context: grpc.ServicerContext
     ) -> scheduler_pb2.SubmitResponse:
+        [(code, message)] = self._submit([request])
+        if code is not grpc.StatusCode.OK:
+            context.abort(code, message)
+        return scheduler_pb2.SubmitResponse()
+
+    def SubmitBatch(
+        self, request: scheduler_pb2.SubmitBatchRequest, context: grpc.ServicerContext
+    ) -> scheduler_pb2.SubmitBatchResponse:
+        results = [scheduler_pb2.SubmitResult(code=code.value[0], message=message)
+                   for code, message in self._submit(request.requests)]
+        return scheduler_pb2.SubmitBatchResponse(results=results)
+
+    def _submit(self, requests: Sequence[scheduler_pb2.SubmitRequest]) -> list[tuple[grpc.StatusCode, str]]:
+        """Each request's status, as Submit answers it; the valid ones go to the loop together."""
+        results: list[tuple[grpc.StatusCode, str]] = [(grpc.StatusCode.OK, "")] * len(requests)
+        valid: list[tuple[int, Submission]] = []
+        for index, request in enumerate(requests):
+            try:
+                valid.append((index, self._submission(request)))
+            except _Refused as refused:
+                results[index] = (refused.code, refused.message)
+        try:
+            accepted = self._loop.submit([submission for _, submission in valid])
+        except EngineUnavailable as exc:
+            return [(grpc.StatusCode.UNAVAILABLE, str(exc)) if code is grpc.StatusCode.OK else (code, message)
+                    for code, message in results]
+        for (index, _), future in zip(valid, accepted):
+            try:
+                future.result()
+            except ValueError as exc:  # InvalidParameter's message starts with the parameter
+                results[index] = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except EngineUnavailable as exc:
+                results[index] = (grpc.StatusCode.UNAVAILABLE, str(exc))
+        return results
+
+    def _submission(self, request: scheduler_pb2.SubmitRequest) -> Submission:
         for name in ("request_id", "gateway_id"):
             if not getattr(request, name):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: must not be empty")
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: must not be empty")
         if not self._hub.has_subscriber(request.gateway_id):
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"gateway_id: no StreamOutputs is open for gateway {request.gateway_id!r}; open one first",
-            )
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"gateway_id: no StreamOutputs is open for gateway {request.gateway_id!r}; open one first")
         try:
-            self._loop.submit(
-                request.request_id,
-                request.prompt_token_ids,
-                sampling_params_from_proto(request.sampling_params),
-                request.cache_salt if request.HasField("cache_salt") else None,
-                request.gateway_id,
-            )
-        except ValueError as exc:  # InvalidParameter's message starts with the parameter
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EngineUnavailable as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return scheduler_pb2.SubmitResponse()
+            params = sampling_params_from_proto(request.sampling_params)
+        except ValueError as exc:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+        return Submission(request.request_id, list(request.prompt_token_ids), params, cache_salt, request.gateway_id)
 
     def Abort(self, request: scheduler_pb2.AbortRequest, context: grpc.ServicerContext) -> scheduler_pb2.AbortResponse:
         self._loop.abort(request.request_id)

@@ -30,12 +30,17 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Submit:
+class Submission:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
     gateway_id: str
+
+
+@dataclass
+class _Submit:
+    submission: Submission
     accepted: Future[None]
 
 
@@ -44,7 +49,11 @@ class _Drain:
     idle: threading.Event  # set once the engine has nothing left to do
 
 
-class StepLoop(EngineThread[_Submit | _Drain, str]):
+class _CheckWorker:
+    """The worker link came back: see whether it is the worker we knew."""
+
+
+class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
     def __init__(self, core: EngineCore, hub: OutputHub) -> None:
         super().__init__(core, "kvfleet-step-loop")
         self._hub = hub
@@ -79,32 +88,32 @@ class StepLoop(EngineThread[_Submit | _Drain, str]):
         self.stop()
         return drained
 
-    def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        cache_salt: str | None,
-        gateway_id: str,
-    ) -> None:
-        """Returns once the engine has queued the request. Raises InvalidParameter or
-        ValueError for rejected input, EngineUnavailable once the loop is stopping."""
-        accepted: Future[None] = Future()
+    def submit(self, submissions: Sequence[Submission]) -> list[Future[None]]:
+        """Posts the requests together, so the loop takes them in one pass. Each future
+        resolves once the engine has queued its request, or raises InvalidParameter or
+        ValueError for rejected input. Raises EngineUnavailable once the loop is stopping."""
+        commands = [_Submit(submission, Future()) for submission in submissions]
         with self._lock:  # reentrant: _send takes it too, so no drain slips in between
             if self._draining:
                 raise EngineUnavailable("the scheduler is draining: it takes no new requests")
-            self._send(_Submit(request_id, list(prompt_token_ids), params, cache_salt, gateway_id, accepted),
-                       "the scheduler is shutting down")
-        accepted.result()
+            for command in commands:
+                self._send(command, "the scheduler is shutting down")
+        return [command.accepted for command in commands]
 
     def abort(self, request_id: str) -> None:
         self._send_abort(request_id)
 
+    def check_worker(self) -> None:
+        """Ahead of anything posted after it, the loop checks the worker's identity."""
+        self._send(_CheckWorker(), "the scheduler is shutting down")
+
     # -- the loop thread -----------------------------------------------------------------
 
-    def _handle(self, command: _Submit | _Drain) -> None:
+    def _handle(self, command: _Submit | _Drain | _CheckWorker) -> None:
         if isinstance(command, _Drain):
             self._idle_event = command.idle
+        elif isinstance(command, _CheckWorker):
+            self._fail(self.core.check_worker(), "the worker restarted: its KV cache is gone")
         else:
             self._submit(command)
 
@@ -113,13 +122,14 @@ class StepLoop(EngineThread[_Submit | _Drain, str]):
         self._check_drained()
 
     def _submit(self, command: _Submit) -> None:
+        new = command.submission
         try:
-            self.core.add_request(command.request_id, command.prompt_token_ids, command.params, command.cache_salt)
+            self.core.add_request(new.request_id, new.prompt_token_ids, new.params, new.cache_salt)
         except Exception as exc:  # rejected input: the caller gets the error, the loop goes on
             command.accepted.set_exception(exc)
             return
         # With n or best_of > 1 the deltas carry each child's id; the gateway gathers them.
-        self._routes.add(command.request_id, num_children(command.params), command.gateway_id)
+        self._routes.add(new.request_id, num_children(new.params), new.gateway_id)
         command.accepted.set_result(None)
 
     def _emit(self, route: Route[str], delta: TokenDelta, error: str = "") -> None:

@@ -49,6 +49,8 @@ class StepPlan:
     # The worker instance this plan was made for: a restarted worker holds none of the
     # state the deltas build on, so it must refuse the plan rather than run it.
     worker_instance_id: str = ""
+    # The scheduler instance that made it: a worker drops the state of a previous one.
+    scheduler_instance_id: str = ""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

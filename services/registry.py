@@ -143,6 +143,15 @@ class ClusterView:
     def read(cls, registry: Registry) -> ClusterView:
         return cls(registry.members("scheduler"), registry.members("worker"), registry.members("tokenizer"))
 
+    def merged(self, earlier: ClusterView) -> ClusterView:
+        """This view plus the members of `earlier` it lacks."""
+        def union(now: list[Member], before: list[Member]) -> list[Member]:
+            ids = {member.id for member in now}
+            return now + [member for member in before if member.id not in ids]
+
+        return ClusterView(union(self.schedulers, earlier.schedulers), union(self.workers, earlier.workers),
+                           union(self.tokenizers, earlier.tokenizers))
+
     def scheduler_ready(self, scheduler: Member) -> bool:
         return scheduler.metadata.get("worker") in {worker.address for worker in self.workers}
 

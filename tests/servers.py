@@ -1,5 +1,5 @@
 """Real nats-server and Redis-compatible server processes for tests, on free ports,
-started the way `kvfleet cluster up` starts them (services/cluster.py), and kvfleet
+started the way `kvfleet cluster up` starts them (kvfleet/processes.py), and kvfleet
 roles as processes of their own."""
 from __future__ import annotations
 

@@ -19,13 +19,14 @@ from worker_svc.worker import Worker, WrongWorkerInstance
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+SCHEDULER_GONE_S = 1.0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, worker: Worker) -> None:
         self._worker = worker
         # The worker's per-request state assumes one step at a time.
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
     def Describe(
         self, request: worker_pb2.DescribeWorkerRequest, context: grpc.ServicerContext
@@ -37,7 +38,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             plan = plan_from_proto(request)
         except ValueError as exc:  # sampling params the scheduler should have rejected
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        with self._lock:
+        with self.lock:
             try:
                 result = self._worker.execute(plan)
             except WrongWorkerInstance as exc:
@@ -53,21 +54,28 @@ def start_worker_server(worker: Worker, address: str) -> RoleServer:
     server drains it: steps keep running until its scheduler has ended every request
     the worker holds (or the grace runs out)."""
     # Steps run one at a time; the other threads answer Describe and health checks.
+    servicer = WorkerServicer(worker)
     server = RoleServer(
-        address, SERVICE_NAME, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), s),
-        max_workers=4, drain=lambda timeout_s: _wait_until_released(worker, timeout_s),
+        address, SERVICE_NAME, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
+        max_workers=4, drain=lambda timeout_s: _wait_until_released(worker, servicer.lock, timeout_s),
     )
     server.start()
     return server
 
 
-def _wait_until_released(worker: Worker, timeout_s: float) -> bool:
+def _wait_until_released(worker: Worker, steps: threading.Lock, timeout_s: float) -> bool:
     """Waits until the scheduler has ended every request the worker holds (the drops
     ride on its plans). Health says NOT_SERVING meanwhile, so the worker's lease lapses
-    and gateways send its scheduler no new requests. Returns whether that happened in time."""
+    and gateways send its scheduler no new requests. A scheduler with requests here
+    steps without pause, so one silent for SCHEDULER_GONE_S is gone: its requests are
+    dropped rather than waited for. Returns whether that happened in time."""
     deadline = time.monotonic() + timeout_s
     logged = False
     while held := worker.num_requests:
+        with steps:  # no step runs meanwhile
+            if time.monotonic() - worker.last_step_at > SCHEDULER_GONE_S:
+                worker.drop_scheduler_state(f"its scheduler sent no step for {SCHEDULER_GONE_S} s")
+                break
         if time.monotonic() >= deadline:
             logger.warning("shutdown timeout: the worker still holds %d requests", held)
             return False

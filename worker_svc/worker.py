@@ -1,6 +1,8 @@
 """A worker: weights, the KV cache and per-request state on one device; runs step plans."""
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 
 import torch
@@ -29,6 +31,8 @@ from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.sampler import SamplingBatch, gather_logprobs, sample
 from worker_svc.weights import load_weights
 
+logger = logging.getLogger(__name__)
+
 
 class WrongWorkerInstance(RuntimeError):
     """A step plan made for another worker instance: this one holds none of its state."""
@@ -49,6 +53,8 @@ class Worker:
         self.model.eval()
         self.block_size = config.block_size
         self.requests: dict[str, RequestState] = {}
+        self.scheduler_instance_id = ""  # whose requests those are
+        self.last_step_at = time.monotonic()  # when a step last began or ended
         self.num_blocks = self._size_kv_cache()
         self.kv_caches = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
         block_bytes = bytes_per_block(self.model_config, self.block_size, self.dtype)
@@ -131,6 +137,22 @@ class Worker:
                 f"step {plan.step_id} was planned for worker instance {plan.worker_instance_id}, this is "
                 f"{self.instance_id} (restarted?): it holds none of that plan's state"
             )
+        self.last_step_at = time.monotonic()
+        if plan.scheduler_instance_id != self.scheduler_instance_id:
+            self.drop_scheduler_state(f"scheduler instance {plan.scheduler_instance_id} took over")
+            self.scheduler_instance_id = plan.scheduler_instance_id
+        try:
+            return self._execute(plan)
+        finally:
+            self.last_step_at = time.monotonic()
+
+    def drop_scheduler_state(self, reason: str) -> None:
+        """Forgets the requests of a scheduler that is gone: nobody will ever end them."""
+        if self.requests:
+            logger.warning("dropping the state of %d requests: %s", len(self.requests), reason)
+            self.requests.clear()
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         self._apply_deltas(plan)
         result = StepResult(plan.step_id)
         if not plan.num_scheduled_tokens:

@@ -188,6 +188,7 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
         blocks_to_swap_out=_copies_to_proto(plan.blocks_to_swap_out),
         blocks_to_swap_in=_copies_to_proto(plan.blocks_to_swap_in),
         worker_instance_id=plan.worker_instance_id,
+        scheduler_instance_id=plan.scheduler_instance_id,
     )
 
 
@@ -219,6 +220,7 @@ def plan_from_proto(message: worker_pb2.StepPlan) -> StepPlan:
         blocks_to_swap_out=_copies_from_proto(message.blocks_to_swap_out),
         blocks_to_swap_in=_copies_from_proto(message.blocks_to_swap_in),
         worker_instance_id=message.worker_instance_id,
+        scheduler_instance_id=message.scheduler_instance_id,
     )
 
 

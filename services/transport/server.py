@@ -53,6 +53,13 @@ class RoleServer:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info("%s serving on %s", self.service_name, self.address)
 
+    def set_serving(self, serving: bool) -> None:
+        """The role's own readiness (e.g. a scheduler whose worker link is down is not
+        ready), reported for its service name; the whole server ("") stays SERVING while
+        it runs, so its registry lease holds. Ignored once stop() has begun."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self._health.set(self.service_name, status)
+
     def stop(self, grace_s: float = 5.0, flush_s: float = 0.0) -> None:
         """Drains, then stops: health says NOT_SERVING at once, the role's drain hook gets
         up to `grace_s`, then the server stops taking calls and those in flight get the

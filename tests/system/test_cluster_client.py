@@ -258,7 +258,7 @@ def test_a_replica_that_refuses_is_passed_over_for_another(cluster, client, nats
         server.stop(0)
 
 
-def test_a_killed_scheduler_ends_its_requests_within_its_lease(cluster, nats, redis_url, prompts) -> None:
+def test_a_killed_scheduler_ends_its_requests_within_a_second(cluster, nats, redis_url, prompts) -> None:
     # A registry of its own (Redis database 1): the killed scheduler is the only one there.
     own_registry = redis_url.rsplit("/", 1)[0] + "/1"
     registry = Registry(own_registry)
@@ -293,11 +293,12 @@ def test_a_killed_scheduler_ends_its_requests_within_its_lease(cluster, nats, re
                     async for _ in deltas:
                         pass
 
-                with pytest.raises(RequestFailed, match="gone"):  # not a TimeoutError: it must not hang
+                # Its channel fails at once: no waiting for its lease to lapse, and never a hang.
+                with pytest.raises(RequestFailed, match="unreachable"):
                     await asyncio.wait_for(drain(), TTL_S + 5)
                 return time.monotonic() - killed
 
-        assert asyncio.run(main()) < TTL_S + 1.0
+        assert asyncio.run(main()) < 1.0
     finally:
         scheduler.kill()
         scheduler.wait()

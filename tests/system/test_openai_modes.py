@@ -561,6 +561,39 @@ def test_metrics_use_vllm_names(server: Server, client: openai.OpenAI, llm: LLM)
     assert not any(name.endswith("_created") for name in after)
 
 
+# -- supervision (last of a mode's tests: it kills a role) -------------------------------------
+
+
+def role_pid(server: Server, role: str) -> int:
+    for pid in descendants(server.process.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+        except OSError:
+            continue
+        if "kvfleet.cli" in argv and argv[argv.index("kvfleet.cli") + 1] == role and alive(pid):
+            return pid
+    raise AssertionError(f"no live {role} under the launcher\n{server.log_tail()}")
+
+
+def test_cluster_up_restarts_a_killed_worker_and_serves_again(server: Server, client: openai.OpenAI) -> None:
+    if server.mode != "cluster" or not PROC:
+        pytest.skip("cluster up's supervision, seen through /proc")
+    killed = role_pid(server, "worker")
+    os.kill(killed, signal.SIGKILL)
+    began = time.monotonic()
+    while _healthy(server.url):  # its lease lapses
+        assert time.monotonic() - began < 30, server.log_tail()
+        time.sleep(0.2)
+    while not _healthy(server.url):  # restarted after its backoff, loaded, and taken up: no cluster restart
+        assert time.monotonic() - began < START_TIMEOUT_S, server.log_tail()
+        time.sleep(0.25)
+    reply = client.completions.create(model=SERVED, prompt="Hello", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 4
+    assert server.process.poll() is None and role_pid(server, "worker") != killed
+    assert "worker exited with code -9; restarting it" in server.log_tail()
+
+
 # -- across the modes ---------------------------------------------------------------------------
 
 

@@ -41,6 +41,11 @@ class SchedulerStub:
                 request_serializer=kvfleet_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_scheduler__pb2.SubmitResponse.FromString,
                 _registered_method=True)
+        self.SubmitBatch = channel.unary_unary(
+                '/kvfleet.v1.Scheduler/SubmitBatch',
+                request_serializer=kvfleet_dot_v1_dot_scheduler__pb2.SubmitBatchRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_scheduler__pb2.SubmitBatchResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvfleet.v1.Scheduler/Abort',
                 request_serializer=kvfleet_dot_v1_dot_scheduler__pb2.AbortRequest.SerializeToString,
@@ -67,6 +72,16 @@ class SchedulerServicer:
         INVALID_ARGUMENT naming the parameter (e.g. "prompt: ...", "temperature: ...");
         FAILED_PRECONDITION "gateway_id: ..." when no StreamOutputs of that gateway is open;
         UNAVAILABLE while the scheduler is shutting down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitBatch(self, request, context):
+        """Several requests in one call: what a gateway's requests arriving together (a beam
+        search round, say) become. One handler and one pass of the step loop take them
+        all, so a flood of requests never holds the threads that health checks need. Each
+        gets its own result, the status Submit would have answered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,6 +121,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=kvfleet_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_scheduler__pb2.SubmitResponse.SerializeToString,
+            ),
+            'SubmitBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitBatch,
+                    request_deserializer=kvfleet_dot_v1_dot_scheduler__pb2.SubmitBatchRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_scheduler__pb2.SubmitBatchResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -151,6 +171,33 @@ class Scheduler:
             '/kvfleet.v1.Scheduler/Submit',
             kvfleet_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
             kvfleet_dot_v1_dot_scheduler__pb2.SubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.Scheduler/SubmitBatch',
+            kvfleet_dot_v1_dot_scheduler__pb2.SubmitBatchRequest.SerializeToString,
+            kvfleet_dot_v1_dot_scheduler__pb2.SubmitBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,7 +72,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src_block_id: _Optional[int] = ..., dst_block_id: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "num_scheduled_tokens", "finished_request_ids", "blocks_to_copy", "blocks_to_swap_out", "blocks_to_swap_in", "worker_instance_id")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "num_scheduled_tokens", "finished_request_ids", "blocks_to_copy", "blocks_to_swap_out", "blocks_to_swap_in", "worker_instance_id", "scheduler_instance_id")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class StepPlan(_message.Message):
     BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     WORKER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequestData]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequestData]
@@ -91,7 +92,8 @@ class StepPlan(_message.Message):
     blocks_to_swap_out: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     blocks_to_swap_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     worker_instance_id: str
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequestData, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., worker_instance_id: _Optional[str] = ...) -> None: ...
+    scheduler_instance_id: str
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequestData, _Mapping]]] = ..., num_scheduled_tokens: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., worker_instance_id: _Optional[str] = ..., scheduler_instance_id: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled_token_ids", "logprobs", "prompt_logprobs")

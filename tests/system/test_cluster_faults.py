@@ -1,0 +1,174 @@
+"""The cluster never fails healthy work (real processes: nats-server, Redis, tokenizer,
+worker, scheduler, gateway), with witness streams in flight through each fault:
+
+- four valid but heavy requests at once (beam search of width 128 twice, n=128, best_of=128)
+  are served, and every witness stream completes: submits travel batched, and a slow
+  answer from a busy scheduler is no evidence that it died;
+- Redis killed and restarted empty mid-stream: every stream completes, nothing is orphaned;
+- a scheduler killed mid-stream: its clients hear of it within a second (its channel
+  fails), not a lease later, and its worker, which drops the dead scheduler's requests,
+  exits within 3 s of a SIGTERM.
+They run in this order on one cluster: the last fault ends it.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+
+from kvfleet.processes import free_port, start_redis, stop, wait_for_port
+
+from servers import HOST, RoleProcess, nats  # noqa: F401  (fixture)
+from test_worker_failover import health, wait_for
+
+LEASE_TTL_S = 3.0
+ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", str(512 * 2**20)]
+WITNESS_TOKENS = 48
+
+
+class Witness(threading.Thread):
+    """A streamed chat completion read on a thread: its tokens, its end, its error and when."""
+
+    def __init__(self, url: str, index: int) -> None:
+        super().__init__(daemon=True)
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        self.index = index
+        self.tokens = 0
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.failed_at: float | None = None
+        self.first_token = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            chunks = self.client.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": f"Count from {self.index} upwards."}],
+                max_tokens=WITNESS_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True})
+            for chunk in chunks:
+                if chunk.usage is not None:
+                    self.tokens = chunk.usage.completion_tokens
+                for choice in chunk.choices:
+                    if choice.delta.content:
+                        self.first_token.set()
+                    self.finish_reason = choice.finish_reason or self.finish_reason
+        except BaseException as exc:
+            self.error, self.failed_at = exc, time.monotonic()
+        finally:
+            self.first_token.set()
+
+    def completed(self) -> bool:
+        self.join(120)
+        return self.error is None and (self.finish_reason, self.tokens) == ("length", WITNESS_TOKENS)
+
+
+def witnesses(url: str, count: int = 8) -> list[Witness]:
+    """Streams that have each received a token: all of them in flight."""
+    started = [Witness(url, index) for index in range(count)]
+    for witness in started:
+        assert witness.first_token.wait(120)
+    return started
+
+
+@dataclass
+class Cluster:
+    url: str
+    redis_port: int
+    redis: subprocess.Popen
+    roles: dict[str, RoleProcess]
+
+    def logs(self) -> str:
+        return "\n".join(role.log_tail() for role in self.roles.values())
+
+    def scheduler_idle(self) -> bool:
+        metrics = httpx.get(f"{self.url}/metrics", timeout=5).text
+        running = [line for line in metrics.splitlines() if line.startswith("vllm:num_requests_running{")]
+        return bool(running) and all(float(line.rsplit(" ", 1)[1]) == 0 for line in running)
+
+
+@pytest.fixture(scope="module")
+def cluster(nats) -> Iterator[Cluster]:
+    redis_port = free_port()
+    redis = start_redis(HOST, redis_port, stdout=subprocess.DEVNULL)
+    wait_for_port(HOST, redis_port, redis)
+    registry = ["--redis-url", f"redis://{HOST}:{redis_port}/0", "--lease-ttl", str(LEASE_TTL_S)]
+    worker_address, gateway_port = f"{HOST}:{free_port()}", free_port()
+    roles = {
+        "tokenizer": RoleProcess("tokenizer", "--port", "0", *registry),
+        "worker": RoleProcess("worker", *ENGINE_FLAGS, "--port", worker_address.rsplit(":", 1)[1], *registry),
+        "scheduler": RoleProcess("scheduler", *ENGINE_FLAGS, "--port", "0", "--worker-address", worker_address,
+                                 "--nats-url", nats.url, *registry),
+        "gateway": RoleProcess("gateway", "--port", str(gateway_port), "--nats-url", nats.url, *registry),
+    }
+    running = Cluster(f"http://{HOST}:{gateway_port}", redis_port, redis, roles)
+    try:
+        wait_for(lambda: health(running.url) == 200, 180, "the cluster is not healthy", list(roles.values()))
+        yield running
+    finally:
+        for role in roles.values():
+            role.kill()
+        stop(running.redis, grace_s=5.0)
+
+
+def test_heavy_valid_requests_are_served_and_disturb_no_witness(cluster: Cluster) -> None:
+    streams = witnesses(cluster.url)
+    chat = {"model": "smollm2", "messages": [{"role": "user", "content": "Name a color."}]}
+    heavy = [
+        ("/v1/chat/completions", {**chat, "use_beam_search": True, "best_of": 128, "max_tokens": 6}),
+        ("/v1/chat/completions", {**chat, "use_beam_search": True, "best_of": 128, "max_tokens": 6}),
+        ("/v1/chat/completions", {**chat, "n": 128, "max_tokens": 8}),
+        ("/v1/completions", {"model": "smollm2", "prompt": "Colors:", "best_of": 128, "max_tokens": 8}),
+    ]
+    statuses: list[int] = []
+
+    def send(path: str, body: dict) -> None:
+        statuses.append(httpx.post(f"{cluster.url}{path}", json=body, timeout=600).status_code)
+
+    senders = [threading.Thread(target=send, args=request) for request in heavy]
+    for sender in senders:
+        sender.start()
+    unhealthy = 0
+    while any(sender.is_alive() for sender in senders):  # the gateway's health holds meanwhile
+        unhealthy += health(cluster.url) != 200
+        time.sleep(0.5)
+    assert sorted(statuses) == [200] * 4, statuses
+    assert all(stream.completed() for stream in streams), [(s.error, s.tokens) for s in streams]
+    assert unhealthy == 0, cluster.logs()
+
+
+def test_a_redis_restart_fails_no_stream_and_orphans_nothing(cluster: Cluster) -> None:
+    streams = witnesses(cluster.url)
+    cluster.redis.send_signal(signal.SIGKILL)
+    cluster.redis.wait()
+    time.sleep(3)
+    cluster.redis = start_redis(HOST, cluster.redis_port, stdout=subprocess.DEVNULL)  # empty
+    wait_for_port(HOST, cluster.redis_port, cluster.redis)
+    assert all(stream.completed() for stream in streams), [(s.error, s.tokens) for s in streams]
+    wait_for(cluster.scheduler_idle, 10, "requests still run on the scheduler", list(cluster.roles.values()))
+    wait_for(lambda: health(cluster.url) == 200, 10, "/health is not 200", list(cluster.roles.values()))
+    reply = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0).completions.create(
+        model="smollm2", prompt="Hello", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 4
+
+
+def test_a_dead_scheduler_reaches_its_clients_within_a_second(cluster: Cluster) -> None:
+    streams = witnesses(cluster.url)
+    cluster.roles["scheduler"].process.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    for stream in streams:
+        stream.join(30)
+        assert isinstance(stream.error, openai.APIError), (stream.error, stream.tokens)
+        assert stream.failed_at - killed < 1.0, stream.failed_at - killed
+    worker = cluster.roles["worker"]
+    worker.process.send_signal(signal.SIGTERM)
+    began = time.monotonic()
+    assert worker.process.wait(10) == 0, worker.log_tail()
+    assert time.monotonic() - began < 3.0, worker.log_tail()

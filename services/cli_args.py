@@ -9,8 +9,8 @@ import os
 from dataclasses import fields
 
 from services.config import EngineConfig
+from services.registry import DEFAULT_TTL_S
 
-DEFAULT_LEASE_TTL_S = 10.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
@@ -103,7 +103,7 @@ def add_listen_args(parser: argparse.ArgumentParser, port: int) -> None:
 
 
 def add_lease_ttl_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL_S,
+    parser.add_argument("--lease-ttl", type=float, default=DEFAULT_TTL_S,
                         help="seconds a dead process stays listed in the registry (default: %(default)s)")
 
 

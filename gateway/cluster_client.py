@@ -28,7 +28,8 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.nats_subscriber import OutputSubscriber
-from gateway.submit_batcher import SubmitBatcher, SubmitRefused
+from gateway.pass_batcher import PassBatcher
+from gateway.submit_batcher import SubmitRefused, submit_batch
 from services.engine_client import EngineUnavailable, RequestFailed
 from services.messages import EngineInfo, EngineStats, TokenDelta
 from services.parallel_sampling import engine_request_ids, num_children
@@ -99,7 +100,8 @@ class ClusterEngineClient:
         # Where each request of ours runs, by its id and by its children's ids.
         self._placed: dict[str, _Replica] = {}
         self._aborts: set[grpc.Future] = set()  # in flight; held so they are not collected
-        self._batcher = SubmitBatcher(submit_timeout_s)
+        self._batcher: PassBatcher[scheduler_pb2_grpc.SchedulerStub, scheduler_pb2.SubmitRequest, None] = (
+            PassBatcher(submit_batch(submit_timeout_s)))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # Replaced (never mutated) by the poller, so any thread may read them.
@@ -161,7 +163,7 @@ class ClusterEngineClient:
                 sampling_params=sampling_params_to_proto(params), cache_salt=cache_salt,
             )
             while True:
-                submit = self._batcher.submit(replica, replica.stub, request)
+                submit = self._batcher.submit(replica.stub, request)
                 try:
                     await asyncio.shield(submit)
                     break

@@ -14,12 +14,12 @@ import itertools
 import logging
 import tempfile
 import threading
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
 
+from gateway.pass_batcher import PassBatcher
 from services.engine_client import EngineUnavailable
 from services.pb.kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer_api import ChatPrompt, EncodedPrompt
@@ -31,7 +31,6 @@ from tokenizer_svc.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _CALL_TIMEOUT_S = 30.0
-_Pending = list[tuple[tokenizer_pb2.TokenizeRequest, asyncio.Future[tokenizer_pb2.TokenizeResponse]]]
 
 
 class RemoteTokenizer:
@@ -46,8 +45,8 @@ class RemoteTokenizer:
         self._turn = itertools.count()
         self._decoder: Tokenizer | None = None
         self._files: tempfile.TemporaryDirectory | None = None
-        self._pending: defaultdict[asyncio.AbstractEventLoop, _Pending] = defaultdict(list)
-        self._sending: set[asyncio.Task] = set()  # held until done, so none is collected midway
+        self._batcher: PassBatcher[None, tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeResponse] = (
+            PassBatcher(self._send))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="kvfleet-tokenizer-client", daemon=True)
 
@@ -89,36 +88,14 @@ class RemoteTokenizer:
     # -- batching, on the caller's event loop ------------------------------------------
 
     async def _tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
-        loop = asyncio.get_running_loop()
-        answer: asyncio.Future[tokenizer_pb2.TokenizeResponse] = loop.create_future()
-        pending = self._pending[loop]
-        pending.append((request, answer))
-        if len(pending) == 1:  # the first of this pass: the batch leaves once the loop has taken the others
-            loop.call_soon(self._start_sending, loop)
-        return await answer
+        return await self._batcher.submit(None, request)
 
-    def _start_sending(self, loop: asyncio.AbstractEventLoop) -> None:
-        task = loop.create_task(self._send(loop))
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
-
-    async def _send(self, loop: asyncio.AbstractEventLoop) -> None:
-        batch = self._pending.pop(loop, [])
-        request = tokenizer_pb2.TokenizeBatchRequest(requests=[r for r, _ in batch])
-        try:
-            reply = await self._call_any(request)
-        except Exception as exc:
-            for _, answer in batch:
-                if not answer.done():
-                    answer.set_exception(exc)
-            return
-        for (_, answer), result in zip(batch, reply.results):
-            if answer.done():  # its request was cancelled meanwhile
-                continue
-            if result.WhichOneof("result") == "invalid_argument":
-                answer.set_exception(invalid_argument(result.invalid_argument))
-            else:
-                answer.set_result(result.response)
+    async def _send(
+        self, _: None, requests: list[tokenizer_pb2.TokenizeRequest]
+    ) -> list[tokenizer_pb2.TokenizeResponse | BaseException]:
+        reply = await self._call_any(tokenizer_pb2.TokenizeBatchRequest(requests=requests))
+        return [invalid_argument(result.invalid_argument) if result.WhichOneof("result") == "invalid_argument"
+                else result.response for result in reply.results]
 
     async def _call_any(self, request: tokenizer_pb2.TokenizeBatchRequest) -> tokenizer_pb2.TokenizeBatchResponse:
         addresses = self._addresses

@@ -21,10 +21,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The layering contracts (pyproject.toml) and lint first: a wrong import fails the suite.
+# Then the tests two at a time (a file stays on one core, so its module fixtures load
+# once), and last, alone, those that time latencies.
 test: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 serve: setup
 	$(PY) -m kvfleet.cli serve --model smollm2 --host 127.0.0.1 --port 8000

@@ -1,7 +1,8 @@
 """The gateway's PromptEncoder in a cluster: the tokenizer role over gRPC.
 
 Requests that arrive together (in one pass of the event loop) go out as one
-TokenizeBatch call. At start-up a thread fetches the tokenizer's files from the role
+TokenizeBatch call, on an asyncio channel of the caller's loop: tokenization is on
+every request's path to its first token. At start-up a thread fetches the tokenizer's files from the role
 (GetTokenizer) for local detokenization, so the gateway needs no model files; until
 then, and while no tokenizer replica is listed, the encoder is not ready (503).
 A replica that fails a call is passed over for the next listed one; with none
@@ -24,8 +25,8 @@ from services.engine_client import EngineUnavailable
 from services.pb.kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer_api import ChatPrompt, EncodedPrompt
 from services.tokenizer_archive import unpack
-from services.transport.channel import open_channel
-from services.transport.futures import finished, invalid_argument
+from services.transport.channel import open_async_channel, open_channel
+from services.transport.futures import invalid_argument
 from tokenizer_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,11 @@ class RemoteTokenizer:
         self._discover = discover
         self._refresh_interval_s = refresh_interval_s
         self._addresses: list[str] = []  # replaced, never mutated: any thread may read it
-        self._stubs: dict[str, tokenizer_pb2_grpc.TokenizerStub] = {}
+        self._stubs: dict[str, tokenizer_pb2_grpc.TokenizerStub] = {}  # the watcher thread's
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()  # guards _stubs and _channels
+        # The callers' stubs, by event loop (an asyncio channel serves only its own loop).
+        self._async_stubs: dict[tuple[asyncio.AbstractEventLoop, str], tokenizer_pb2_grpc.TokenizerStub] = {}
         self._turn = itertools.count()
         self._decoder: Tokenizer | None = None
         self._files: tempfile.TemporaryDirectory | None = None
@@ -104,15 +107,20 @@ class RemoteTokenizer:
         first = next(self._turn)
         failures = []
         for address in (addresses[(first + i) % len(addresses)] for i in range(len(addresses))):
-            call = self._stub(address).TokenizeBatch.future(request, timeout=_CALL_TIMEOUT_S)
-            await finished(call)
             try:
-                return call.result()
+                return await self._async_stub(address).TokenizeBatch(request, timeout=_CALL_TIMEOUT_S)
             except grpc.RpcError as exc:
                 if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
                     raise invalid_argument(exc.details() or "") from exc
                 failures.append(f"{address}: {exc.code().name}: {exc.details()}")
         raise EngineUnavailable(f"the tokenizer service is unavailable ({'; '.join(failures)})")
+
+    def _async_stub(self, address: str) -> tokenizer_pb2_grpc.TokenizerStub:
+        key = (asyncio.get_running_loop(), address)
+        stub = self._async_stubs.get(key)
+        if stub is None:
+            stub = self._async_stubs[key] = tokenizer_pb2_grpc.TokenizerStub(open_async_channel(address))
+        return stub
 
     def _stub(self, address: str) -> tokenizer_pb2_grpc.TokenizerStub:
         with self._lock:

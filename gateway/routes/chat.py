@@ -14,6 +14,7 @@ from gateway.context import GatewayContext, get_context
 from gateway.disconnect import cancel_on_disconnect
 from gateway.errors import bad_request
 from gateway.generation import prime
+from gateway.json_body import OffLoopJsonRoute
 from gateway.logprobs import chat_logprobs, prompt_logprobs
 from gateway.protocol import (
     ChatChoice,
@@ -33,7 +34,7 @@ from services.prompt import fit_prompt
 from services.tokenizer_api import ChatPrompt
 from tokenizer_svc.text_output import TextDelta
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJsonRoute)
 
 
 @router.post("/v1/chat/completions")

@@ -19,6 +19,7 @@ from gateway.context import GatewayContext, get_context
 from gateway.disconnect import cancel_on_disconnect
 from gateway.errors import bad_request
 from gateway.generation import merge, prime_all
+from gateway.json_body import OffLoopJsonRoute
 from gateway.logprobs import CompletionLogprobsBuilder, prompt_logprobs
 from gateway.protocol import (
     CompletionChoice,
@@ -32,7 +33,7 @@ from gateway.sse import DONE, event, sse_response
 from services.parallel_sampling import num_children
 from services.prompt import fit_prompt
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJsonRoute)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from gateway.chat_messages import message_dicts
 from gateway.context import GatewayContext, get_context
 from gateway.errors import bad_request
+from gateway.json_body import OffLoopJsonRoute
 from gateway.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -18,7 +19,7 @@ from gateway.protocol import (
 )
 from services.tokenizer_api import ChatPrompt
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJsonRoute)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse)

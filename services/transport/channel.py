@@ -19,3 +19,9 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reco
 
 def open_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=MESSAGE_OPTIONS + RECONNECT_OPTIONS)
+
+
+def open_async_channel(address: str) -> grpc.aio.Channel:
+    """A channel of the running event loop: its calls complete on the loop itself, with
+    no hop through gRPC's threads (a hop costs a thread wake-up, ~0.3 ms here)."""
+    return grpc.aio.insecure_channel(address, options=MESSAGE_OPTIONS + RECONNECT_OPTIONS)

@@ -3,6 +3,10 @@
 Health reports SERVING for "" (the whole server) and for the role's service name
 from start(), and NOT_SERVING from the moment stop() begins, so load balancers,
 readiness probes and registry leases let go of the server while it drains.
+
+Health checks run on threads of their own: a pool busy with the role's work (long
+streams, a flood of calls) must never make a live role look dead to its lease,
+its probes or its clients.
 """
 from __future__ import annotations
 
@@ -18,9 +22,22 @@ from services.transport.channel import MESSAGE_OPTIONS
 
 logger = logging.getLogger(__name__)
 
+# Checks answer from memory in microseconds: two threads serve any number of pollers.
+HEALTH_THREADS = 2
+
 # What a role process gives the calls still open once it has drained (a stream sending
 # its last messages), even with no grace left, before they are cancelled.
 FLUSH_S = 2.0
+
+
+def _run_on(pool: futures.ThreadPoolExecutor, method: Callable) -> Callable:
+    """`method` as a handler that gRPC runs on `pool` (it reads `experimental_thread_pool`)."""
+
+    def handler(request: object, context: grpc.ServicerContext) -> object:
+        return method(request, context)
+
+    handler.experimental_thread_pool = pool
+    return handler
 
 
 class RoleServer:
@@ -39,6 +56,8 @@ class RoleServer:
         self.service_name = service_name
         self._drain = drain
         self._health = health.HealthServicer()
+        self._health_executor = futures.ThreadPoolExecutor(HEALTH_THREADS, thread_name_prefix="health")
+        self._health.Check = _run_on(self._health_executor, self._health.Check)
         self._executor = futures.ThreadPoolExecutor(max_workers, thread_name_prefix=service_name)
         self._server = grpc.server(self._executor, options=MESSAGE_OPTIONS)
         register(self._server)
@@ -73,4 +92,5 @@ class RoleServer:
             self._drain(grace_s)
         self._server.stop(max(deadline - time.monotonic(), flush_s)).wait()
         self._executor.shutdown(wait=True)
+        self._health_executor.shutdown(wait=True)
         logger.info("%s on %s stopped", self.service_name, self.address)

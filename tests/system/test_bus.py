@@ -114,6 +114,7 @@ def test_one_message_per_step_per_gateway_demultiplexed(nats) -> None:
             subscriber.close()
 
 
+@pytest.mark.serial
 def test_publish_from_the_step_thread_does_not_wait_for_nats(nats) -> None:
     """With the NATS thread busy, publish() still returns at once; the backlog goes out
     merged, one message per gateway, in step order."""

@@ -258,6 +258,7 @@ def test_a_replica_that_refuses_is_passed_over_for_another(cluster, client, nats
         server.stop(0)
 
 
+@pytest.mark.serial
 def test_a_killed_scheduler_ends_its_requests_within_a_second(cluster, nats, redis_url, prompts) -> None:
     # A registry of its own (Redis database 1): the killed scheduler is the only one there.
     own_registry = redis_url.rsplit("/", 1)[0] + "/1"

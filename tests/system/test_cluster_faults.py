@@ -28,6 +28,9 @@ from kvfleet.processes import free_port, start_redis, stop, wait_for_port
 from servers import HOST, RoleProcess, nats  # noqa: F401  (fixture)
 from test_worker_failover import health, wait_for
 
+# Latency bounds under a second: run alone (see pyproject's markers).
+pytestmark = pytest.mark.serial
+
 LEASE_TTL_S = 3.0
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", str(512 * 2**20)]
 WITNESS_TOKENS = 48

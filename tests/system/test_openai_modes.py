@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,6 +39,9 @@ from kvfleet.processes import free_port
 from services.outputs import CompletionOutput
 
 from corpus import CHAT, PROMPTS
+
+# Latency bounds under a second: run alone (see pyproject's markers).
+pytestmark = pytest.mark.serial
 
 REPO = Path(__file__).resolve().parents[2]
 MODES = ("serve", "cluster")
@@ -478,6 +483,32 @@ def test_the_api_key_guards_v1_but_not_health_or_metrics(server: Server) -> None
     assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+def test_a_five_megabyte_prompt_never_stalls_health(server: Server) -> None:
+    """Parsing, checking and tokenizing a 5 MB prompt (seconds of work) happen off the
+    gateway's event loop: /health keeps answering within 100 ms all along."""
+    rng = random.Random(5)
+    words = [f"{rng.choice('bcdfghjklmnprstvw')}{rng.choice('aeiou')}{rng.choice('nrst')}{i}" for i in range(2000)]
+    prompt = " ".join(rng.choice(words) for _ in range(5_000_000 // 7))[:5_000_000]
+    answer: dict[str, httpx.Response] = {}
+
+    def tokenize() -> None:
+        answer["r"] = httpx.post(f"{server.url}/tokenize", json={"model": SERVED, "prompt": prompt},
+                                 headers=bearer(), timeout=120)
+
+    worker = threading.Thread(target=tokenize)
+    latencies = []
+    with httpx.Client(timeout=10) as health:
+        worker.start()
+        while worker.is_alive():
+            began = time.perf_counter()
+            assert health.get(f"{server.url}/health").status_code == 200
+            latencies.append(time.perf_counter() - began)
+            time.sleep(0.02)
+    worker.join()
+    assert answer["r"].status_code == 200 and answer["r"].json()["count"] > 500_000, answer["r"].text[:300]
+    assert len(latencies) > 10 and max(latencies) < 0.1, f"{server.mode}: slowest /health {max(latencies):.3f} s"
 
 
 # -- concurrency, disconnects, metrics ----------------------------------------------------------

@@ -16,6 +16,9 @@ from kvfleet.processes import free_port
 
 from servers import RoleProcess, nats, redis_url  # noqa: F401  (fixtures)
 
+# Latency bounds under a second: run alone (see pyproject's markers).
+pytestmark = pytest.mark.serial
+
 LEASE_TTL_S = 2.0
 ENGINE_FLAGS = ["--dtype", "float32", "--num-gpu-blocks-override", "16", "--max-model-len", "256"]
 PROMPT = "The history of the printing press begins in"

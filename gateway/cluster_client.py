@@ -7,8 +7,9 @@ by a poller thread that also fetches each replica's Stats and health: routing pi
 the least loaded ready replica, and /metrics gets the sum.
 
 A replica is declared dead only on evidence about it, and then its requests end here
-with RequestFailed, none waiting forever: its channel failing (a dead process, seen
-within milliseconds), or its lease staying away longer than a lease TTL while Redis
+with RequestLost (a 503), none waiting forever: its channel failing (a dead process, seen
+within milliseconds), another process answering at its address (calls name the
+lease's instance, and a successor refuses them), or its lease staying away longer than a lease TTL while Redis
 answers (a hung scheduler, or one that lost NATS and withholds its lease). A slow
 answer is no evidence, nor is a lease missing right after Redis came back (an empty,
 restarted Redis is refilled within a TTL), so a busy scheduler or a Redis restart
@@ -29,8 +30,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.nats_subscriber import OutputSubscriber
 from gateway.pass_batcher import PassBatcher
-from gateway.submit_batcher import SubmitRefused, submit_batch
-from services.engine_client import EngineUnavailable, RequestFailed
+from gateway.submit_batcher import Scheduler, SubmitRefused, submit_batch
+from services.engine_client import EngineUnavailable, RequestLost
 from services.messages import EngineInfo, EngineStats, TokenDelta
 from services.parallel_sampling import engine_request_ids, num_children
 from services.pb.kvfleet.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -46,6 +47,8 @@ logger = logging.getLogger(__name__)
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 _NO_STATS = EngineStats(0, 0, 0.0, 0, 0, 0, 0)
+# Submit refusals after which another replica may take the request.
+_TRY_ANOTHER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 @dataclass(eq=False)
@@ -58,9 +61,17 @@ class _Replica:
     # (a draining scheduler says NOT_SERVING while it finishes what it holds).
     routable: bool = False
     load: int = 0  # running + waiting at the last poll, plus what we sent it since
+    # Another process answers at its address: this one died, and never serves again
+    # (its successor has a lease, so an entry, of its own).
+    superseded: bool = False
+
+    @property
+    def instance_id(self) -> str:
+        """Named in Stats and SubmitBatch, so only this process answers them."""
+        return self.member.metadata.get("instance_id", "")
 
     @classmethod
-    def open(cls, member: Member, on_unreachable: Callable[[_Replica], None]) -> _Replica:
+    def open(cls, member: Member, on_lost: Callable[[_Replica, str], None]) -> _Replica:
         channel = open_channel(member.address)
         replica = cls(member, channel, scheduler_pb2_grpc.SchedulerStub(channel), health_pb2_grpc.HealthStub(channel))
 
@@ -68,7 +79,7 @@ class _Replica:
             # Its connection failed (a dead process refuses it): evidence about the
             # scheduler itself, seen within milliseconds rather than a lease later.
             if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-                on_unreachable(replica)
+                on_lost(replica, "is unreachable")
 
         channel.subscribe(changed, try_to_connect=True)
         return replica
@@ -100,7 +111,7 @@ class ClusterEngineClient:
         # Where each request of ours runs, by its id and by its children's ids.
         self._placed: dict[str, _Replica] = {}
         self._aborts: set[grpc.Future] = set()  # in flight; held so they are not collected
-        self._batcher: PassBatcher[scheduler_pb2_grpc.SchedulerStub, scheduler_pb2.SubmitRequest, None] = (
+        self._batcher: PassBatcher[Scheduler, scheduler_pb2.SubmitRequest, None] = (
             PassBatcher(submit_batch(submit_timeout_s)))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -163,14 +174,15 @@ class ClusterEngineClient:
                 sampling_params=sampling_params_to_proto(params), cache_salt=cache_salt,
             )
             while True:
-                submit = self._batcher.submit(replica.stub, request)
+                submit = self._batcher.submit((replica.stub, replica.instance_id), request)
                 try:
                     await asyncio.shield(submit)
                     break
                 except SubmitRefused as exc:
                     # A replica that began draining (or lost its worker) since the last poll
-                    # refuses as UNAVAILABLE: another one may take the request.
-                    other = self._reroute(replica, placed) if exc.code is grpc.StatusCode.UNAVAILABLE else None
+                    # refuses as UNAVAILABLE, and a successor on a dead one's address as
+                    # FAILED_PRECONDITION: another one may take the request.
+                    other = self._reroute(replica, placed, exc.code) if exc.code in _TRY_ANOTHER else None
                     if other is None:
                         raise _submit_error(exc, replica.member) from exc
                     replica = other
@@ -201,10 +213,12 @@ class ClusterEngineClient:
             self._placed.update(dict.fromkeys(ids, replica))
             return replica
 
-    def _reroute(self, refused: _Replica, ids: list[str]) -> _Replica | None:
-        """Sets a refusing replica aside until the next poll; claims another, if any is routable."""
+    def _reroute(self, refused: _Replica, ids: list[str], code: grpc.StatusCode) -> _Replica | None:
+        """Sets a refusing replica aside until the next poll (for good if a successor
+        refused in its place); claims another, if any is routable."""
         with self._lock:
             refused.routable = False
+            refused.superseded |= code is grpc.StatusCode.FAILED_PRECONDITION
             refused.load -= 1
         try:
             return self._claim(ids)
@@ -262,7 +276,7 @@ class ClusterEngineClient:
             orphans = [(replica, [i for i, r in self._placed.items() if r is replica]) for replica in gone]
             for member_id, member in leased.items():
                 if member_id not in self._replicas:
-                    self._replicas[member_id] = _Replica.open(member, self._unreachable)
+                    self._replicas[member_id] = _Replica.open(member, self._lost)
             replicas = list(self._replicas.values())
         for replica, request_ids in orphans:
             self._retire(replica, request_ids)
@@ -270,7 +284,8 @@ class ClusterEngineClient:
         calls = [
             (
                 replica,
-                replica.stub.Stats.future(scheduler_pb2.StatsRequest(), timeout=2.0),
+                replica.stub.Stats.future(scheduler_pb2.StatsRequest(scheduler_instance_id=replica.instance_id),
+                                          timeout=2.0),
                 replica.health.Check.future(health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=2.0),
             )
             for replica in replicas
@@ -286,7 +301,7 @@ class ClusterEngineClient:
         channel closes."""
         message = f"scheduler {replica.member.id} at {replica.member.address} is gone (its lease lapsed)"
         logger.warning("%s; failing its %d requests", message, len(request_ids))
-        self._subscriber.fail(request_ids, lambda request_id: RequestFailed(request_id, message))
+        self._subscriber.fail(request_ids, lambda request_id: RequestLost(request_id, message))
         aborts = [replica.stub.Abort.future(scheduler_pb2.AbortRequest(request_id=i), timeout=5.0) for i in request_ids]
         pending = len(aborts)
         lock = threading.Lock()
@@ -304,28 +319,33 @@ class ClusterEngineClient:
         if not aborts:
             replica.channel.close()
 
-    def _unreachable(self, replica: _Replica) -> None:
-        """From gRPC's thread: the scheduler's connection failed; its requests end now."""
+    def _lost(self, replica: _Replica, why: str, superseded: bool = False) -> None:
+        """Any thread: the scheduler's process is gone (its connection failed, or another
+        process answers at its address); its requests end now."""
         with self._lock:
             replica.routable = False
+            replica.superseded |= superseded
             request_ids = [i for i, r in self._placed.items() if r is replica]
         if request_ids:
-            message = f"scheduler {replica.member.id} at {replica.member.address} is unreachable"
+            message = f"scheduler {replica.member.id} at {replica.member.address} {why}"
             logger.warning("%s; failing its %d requests", message, len(request_ids))
-            self._subscriber.fail(request_ids, lambda request_id: RequestFailed(request_id, message))
+            self._subscriber.fail(request_ids, lambda request_id: RequestLost(request_id, message))
 
     def _poll(self, replica: _Replica, call: grpc.Future, health: grpc.Future, worker_live: bool) -> EngineStats | None:
         try:
             stats = stats_from_proto(call.result())
             serving = health.result().status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                self._lost(replica, f"was replaced by another process ({exc.details()})", superseded=True)
+                return None
             logger.warning("scheduler %s does not answer: %s", replica.member.address, exc.code().name)
             with self._lock:
                 replica.routable = False
             return None
         with self._lock:
             replica.load = stats.num_requests_running + stats.num_requests_waiting
-            replica.routable = worker_live and serving
+            replica.routable = worker_live and serving and not replica.superseded
         return stats
 
 

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from gateway.protocol import ErrorInfo, ErrorResponse
-from services.engine_client import EngineUnavailable, RequestFailed
+from services.engine_client import EngineUnavailable, RequestFailed, RequestLost
 from services.sampling_params import InvalidParameter
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def error_for(exc: Exception) -> OpenAIError:
         return OpenAIError(400, str(exc), exc.param)
     if isinstance(exc, ValueError):  # the engine's other input checks
         return OpenAIError(400, str(exc))
-    if isinstance(exc, EngineUnavailable):
+    if isinstance(exc, (EngineUnavailable, RequestLost)):
         return OpenAIError(503, str(exc))
     if isinstance(exc, RequestFailed):
         return OpenAIError(500, str(exc))

@@ -36,7 +36,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     configure_logging()
     registry = Registry(args.redis_url)
     client = ClusterEngineClient(args.redis_url, args.nats_url, lease_ttl_s=args.lease_ttl)
-    encoder = RemoteTokenizer(lambda: [member.address for member in registry.members("tokenizer")])
+    encoder = RemoteTokenizer(lambda: [member.address for member in registry.members("tokenizer")],
+                              lease_ttl_s=args.lease_ttl)
     app = build_app(client, encoder, args.served_model_name or args.model, args.api_key, RequestLimits.from_args(args))
     member = Member("gateway", client.gateway_id, advertised(args), {"model": args.model})
     client.start()

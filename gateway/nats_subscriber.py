@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from nats.aio.msg import Msg
 from nats.errors import SlowConsumerError
 
-from services.engine_client import EngineUnavailable, RequestFailed
+from services.engine_client import EngineUnavailable, RequestFailed, RequestLost
 from services.messages import TokenDelta
 from services.nats_link import NatsThread, subject
 from services.parallel_sampling import engine_request_ids
@@ -112,4 +112,4 @@ class OutputSubscriber:
 
     def _fail_all(self, reason: str) -> None:
         logger.warning("gateway %s: %s; failing its open requests", self.gateway_id, reason)
-        self.fail(None, lambda request_id: RequestFailed(request_id, reason))
+        self.fail(None, lambda request_id: RequestLost(request_id, reason))

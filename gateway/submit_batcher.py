@@ -24,16 +24,20 @@ class SubmitRefused(Exception):
         self.details = details
 
 
+# A scheduler: its stub, and the instance (process) the caller means there.
+Scheduler = tuple[scheduler_pb2_grpc.SchedulerStub, str]
+
+
 def submit_batch(
     timeout_s: float,
-) -> Callable[[scheduler_pb2_grpc.SchedulerStub, list[scheduler_pb2.SubmitRequest]], Awaitable[list[None | BaseException]]]:
-    """PassBatcher's send for SubmitBatch, keyed by the scheduler's stub."""
+) -> Callable[[Scheduler, list[scheduler_pb2.SubmitRequest]], Awaitable[list[None | BaseException]]]:
+    """PassBatcher's send for SubmitBatch, keyed by the scheduler."""
 
-    async def send(
-        stub: scheduler_pb2_grpc.SchedulerStub, requests: list[scheduler_pb2.SubmitRequest]
-    ) -> list[None | BaseException]:
+    async def send(scheduler: Scheduler, requests: list[scheduler_pb2.SubmitRequest]) -> list[None | BaseException]:
+        stub, instance_id = scheduler
+        batch = scheduler_pb2.SubmitBatchRequest(requests=requests, scheduler_instance_id=instance_id)
         try:
-            call = stub.SubmitBatch.future(scheduler_pb2.SubmitBatchRequest(requests=requests), timeout=timeout_s)
+            call = stub.SubmitBatch.future(batch, timeout=timeout_s)
         except ValueError as exc:  # its channel is closed: the scheduler was retired
             raise SubmitRefused(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
         await finished(call)

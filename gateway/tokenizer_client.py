@@ -4,9 +4,14 @@ Requests that arrive together (in one pass of the event loop) go out as one
 TokenizeBatch call, on an asyncio channel of the caller's loop: tokenization is on
 every request's path to its first token. At start-up a thread fetches the tokenizer's files from the role
 (GetTokenizer) for local detokenization, so the gateway needs no model files; until
-then, and while no tokenizer replica is listed, the encoder is not ready (503).
-A replica that fails a call is passed over for the next listed one; with none
-left the request gets EngineUnavailable, which clients see as a 503.
+then, and while no tokenizer replica can be reached, the encoder is not ready (503).
+A replica that fails a call is passed over for the next one; with none left the
+request gets EngineUnavailable, which clients see as a 503.
+
+As with schedulers, a replica is dropped on evidence only: its connection failing (a
+dead process, within milliseconds: /health follows at once), or its lease missing for
+longer than a lease TTL. A registry that comes back empty after a restart, before the
+replicas have re-registered, takes nothing away.
 """
 from __future__ import annotations
 
@@ -15,14 +20,17 @@ import itertools
 import logging
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.pass_batcher import PassBatcher
 from services.engine_client import EngineUnavailable
 from services.pb.kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.registry import DEFAULT_TTL_S
 from services.tokenizer_api import ChatPrompt, EncodedPrompt
 from services.tokenizer_archive import unpack
 from services.transport.channel import open_async_channel, open_channel
@@ -32,19 +40,29 @@ from tokenizer_svc.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _CALL_TIMEOUT_S = 30.0
+# About 15 ms of converting each.
+_IDS_PER_SLICE = 65536
+# Health answers from memory, on threads of its own (services/transport/server.py).
+_PROBE_TIMEOUT_S = 1.0
 
 
 class RemoteTokenizer:
-    def __init__(self, discover: Callable[[], list[str]], refresh_interval_s: float = 1.0) -> None:
+    def __init__(
+        self, discover: Callable[[], list[str]], refresh_interval_s: float = 1.0, lease_ttl_s: float = DEFAULT_TTL_S
+    ) -> None:
         """`discover` lists the tokenizer replicas' addresses (the registry's leases)."""
         self._discover = discover
         self._refresh_interval_s = refresh_interval_s
+        self._lease_ttl_s = lease_ttl_s
+        self._last_listed: dict[str, float] = {}  # the watcher thread's
+        self._unreachable: set[str] = set()  # connections failing now; updated by gRPC's threads
         self._addresses: list[str] = []  # replaced, never mutated: any thread may read it
-        self._stubs: dict[str, tokenizer_pb2_grpc.TokenizerStub] = {}  # the watcher thread's
-        self._channels: list[grpc.Channel] = []
-        self._lock = threading.Lock()  # guards _stubs and _channels
-        # The callers' stubs, by event loop (an asyncio channel serves only its own loop).
-        self._async_stubs: dict[tuple[asyncio.AbstractEventLoop, str], tokenizer_pb2_grpc.TokenizerStub] = {}
+        self._lock = threading.Lock()  # guards the channels
+        # The watcher thread's channels (they also watch each replica's connection), and
+        # the callers', by event loop (an asyncio channel serves only its own loop).
+        self._channels: dict[str, tuple[grpc.Channel, tokenizer_pb2_grpc.TokenizerStub, health_pb2_grpc.HealthStub]] = {}
+        self._async_channels: dict[
+            tuple[asyncio.AbstractEventLoop, str], tuple[grpc.aio.Channel, tokenizer_pb2_grpc.TokenizerStub]] = {}
         self._turn = itertools.count()
         self._decoder: Tokenizer | None = None
         self._files: tempfile.TemporaryDirectory | None = None
@@ -60,13 +78,14 @@ class RemoteTokenizer:
         self._stop.set()
         self._thread.join()
         with self._lock:
-            for channel in self._channels:
-                channel.close()
+            addresses = list(self._channels)
+        for address in addresses:
+            self._forget(address)
         if self._files is not None:
             self._files.cleanup()
 
     def is_ready(self) -> bool:
-        return self._decoder is not None and bool(self._addresses)
+        return self._decoder is not None and any(a not in self._unreachable for a in self._addresses)
 
     @property
     def decoder(self) -> Tokenizer:
@@ -77,7 +96,7 @@ class RemoteTokenizer:
     async def encode(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         requests = [tokenizer_pb2.TokenizeRequest(text=t, add_special_tokens=add_special_tokens) for t in texts]
         responses = await asyncio.gather(*(self._tokenize(r) for r in requests))
-        return [list(response.token_ids) for response in responses]
+        return [await _ids(response.token_ids) for response in responses]
 
     async def encode_chat(self, chat: ChatPrompt) -> EncodedPrompt:
         messages = [tokenizer_pb2.ChatMessage(**m) for m in chat.messages]
@@ -86,7 +105,7 @@ class RemoteTokenizer:
             add_special_tokens=chat.add_special_tokens,
         )
         response = await self._tokenize(request)
-        return EncodedPrompt(response.prompt, list(response.token_ids))
+        return EncodedPrompt(response.prompt, await _ids(response.token_ids))
 
     # -- batching, on the caller's event loop ------------------------------------------
 
@@ -105,8 +124,10 @@ class RemoteTokenizer:
         if not addresses:
             raise EngineUnavailable("no tokenizer service is listed in the registry")
         first = next(self._turn)
+        turn = [addresses[(first + i) % len(addresses)] for i in range(len(addresses))]
         failures = []
-        for address in (addresses[(first + i) % len(addresses)] for i in range(len(addresses))):
+        # Those whose connection fails now are tried last: one may be back meanwhile.
+        for address in sorted(turn, key=lambda a: a in self._unreachable):
             try:
                 return await self._async_stub(address).TokenizeBatch(request, timeout=_CALL_TIMEOUT_S)
             except grpc.RpcError as exc:
@@ -117,19 +138,61 @@ class RemoteTokenizer:
 
     def _async_stub(self, address: str) -> tokenizer_pb2_grpc.TokenizerStub:
         key = (asyncio.get_running_loop(), address)
-        stub = self._async_stubs.get(key)
-        if stub is None:
-            stub = self._async_stubs[key] = tokenizer_pb2_grpc.TokenizerStub(open_async_channel(address))
-        return stub
+        with self._lock:
+            if key not in self._async_channels:
+                for closed in [k for k in self._async_channels if k[0].is_closed()]:  # their channels died with them
+                    del self._async_channels[closed]
+                channel = open_async_channel(address)
+                self._async_channels[key] = (channel, tokenizer_pb2_grpc.TokenizerStub(channel))
+            return self._async_channels[key][1]
 
     def _stub(self, address: str) -> tokenizer_pb2_grpc.TokenizerStub:
+        return self._watched(address)[1]
+
+    def _stub_health(self, address: str) -> health_pb2_grpc.HealthStub:
+        return self._watched(address)[2]
+
+    def _watched(
+        self, address: str
+    ) -> tuple[grpc.Channel, tokenizer_pb2_grpc.TokenizerStub, health_pb2_grpc.HealthStub]:
         with self._lock:
-            stub = self._stubs.get(address)
-            if stub is None:
+            if address not in self._channels:
                 channel = open_channel(address)
-                self._channels.append(channel)
-                stub = self._stubs[address] = tokenizer_pb2_grpc.TokenizerStub(channel)
-            return stub
+                channel.subscribe(lambda state: self._connectivity(address, state))
+                self._channels[address] = (
+                    channel, tokenizer_pb2_grpc.TokenizerStub(channel), health_pb2_grpc.HealthStub(channel))
+            return self._channels[address]
+
+    def _forget(self, address: str) -> None:
+        """Closes the channels to a replica gone for good (they would retry forever)."""
+        with self._lock:
+            watched = self._channels.pop(address, None)
+            keys = [key for key in self._async_channels if key[1] == address]
+            callers = [(key[0], self._async_channels.pop(key)[0]) for key in keys]
+        if watched is not None:
+            watched[0].close()
+        for loop, channel in callers:
+            if not loop.is_closed():  # else the channel went with its loop
+                asyncio.run_coroutine_threadsafe(channel.close(), loop)
+        self._unreachable.discard(address)
+
+    def _connectivity(self, address: str, state: grpc.ChannelConnectivity) -> None:
+        if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            self._unreachable.add(address)
+
+    def _probe(self, address: str) -> None:
+        """A health check: it also makes an idle channel reconnect, so a dead replica's
+        failing connection is seen within a refresh interval even with no traffic."""
+        try:
+            reply = self._stub_health(address).Check(health_pb2.HealthCheckRequest(), timeout=_PROBE_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                self._unreachable.add(address)
+            return  # a slow answer is no evidence either way
+        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            self._unreachable.discard(address)
+        else:  # draining
+            self._unreachable.add(address)
 
     # -- the watcher thread --------------------------------------------------------------
 
@@ -137,13 +200,26 @@ class RemoteTokenizer:
         """Keeps the replica list fresh; fetches the tokenizer's files once one answers."""
         while True:
             try:
-                self._addresses = sorted(self._discover())
+                self._addresses = self._listed(self._discover())
                 if self._decoder is None and self._addresses:
                     self._fetch_decoder()
             except Exception as exc:  # the registry or a replica may be away for a while
                 logger.warning("tokenizer service: %s", exc)
             if self._stop.wait(self._refresh_interval_s):
                 return
+
+    def _listed(self, leased: list[str]) -> list[str]:
+        """The leased replicas, and those leased within a TTL whose connection still
+        works (a registry restarted empty lists nobody until the leases are renewed)."""
+        now = time.monotonic()
+        self._last_listed.update(dict.fromkeys(leased, now))
+        for address in [a for a, seen in self._last_listed.items() if now - seen > self._lease_ttl_s]:
+            del self._last_listed[address]
+            self._forget(address)
+        listed = sorted(a for a in self._last_listed if a in leased or a not in self._unreachable)
+        for address in listed:
+            self._probe(address)
+        return listed
 
     def _fetch_decoder(self) -> None:
         for address in self._addresses:
@@ -160,3 +236,15 @@ class RemoteTokenizer:
             self._decoder = Tokenizer.from_files(Path(files.name), description.name)
             logger.info("fetched the tokenizer of %s from %s", description.name, address)
             return
+
+
+async def _ids(token_ids: Sequence[int]) -> list[int]:
+    """A reply's ids as a list; a multi-megabyte prompt's in slices, with the event
+    loop free between them (millions of ids take a few hundred milliseconds)."""
+    if len(token_ids) <= _IDS_PER_SLICE:
+        return list(token_ids)
+    ids: list[int] = []
+    for start in range(0, len(token_ids), _IDS_PER_SLICE):
+        ids.extend(token_ids[start:start + _IDS_PER_SLICE])
+        await asyncio.sleep(0)
+    return ids

@@ -105,9 +105,11 @@ def _follow_worker(address: str, server: RoleServer, loop: StepLoop) -> None:
 
 def lease_metadata(worker_address: str, model: str, core: EngineCore) -> dict[str, str]:
     """What a scheduler's lease tells gateways: its worker group (whose lease says it is
-    up), and what they must know of its engine before they can validate requests."""
+    up), what they must know of its engine before they can validate requests, and the
+    process's instance, which they name in their calls (a successor on the same address
+    refuses what was meant for this one)."""
     return {"worker": worker_address, "model": model, "max_model_len": str(core.max_model_len),
-            "eos_token_ids": ",".join(map(str, core.eos_token_ids))}
+            "eos_token_ids": ",".join(map(str, core.eos_token_ids)), "instance_id": core.instance_id}
 
 
 def _scheduler_lease(args: argparse.Namespace, port: int, loop: StepLoop, hub: NatsOutputHub) -> Lease:

@@ -42,6 +42,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def SubmitBatch(
         self, request: scheduler_pb2.SubmitBatchRequest, context: grpc.ServicerContext
     ) -> scheduler_pb2.SubmitBatchResponse:
+        self._check_instance(request.scheduler_instance_id, context)
         results = [scheduler_pb2.SubmitResult(code=code.value[0], message=message)
                    for code, message in self._submit(request.requests)]
         return scheduler_pb2.SubmitBatchResponse(results=results)
@@ -88,7 +89,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.AbortResponse()
 
     def Stats(self, request: scheduler_pb2.StatsRequest, context: grpc.ServicerContext) -> common_pb2.EngineStats:
+        self._check_instance(request.scheduler_instance_id, context)
         return stats_to_proto(self._loop.stats())
+
+    def _check_instance(self, meant: str, context: grpc.ServicerContext) -> None:
+        """A caller that means another process (a dead one whose address this one took
+        over) learns so: what it placed there died with that process."""
+        if meant and meant != self._loop.core.instance_id:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"this is scheduler instance {self._loop.core.instance_id}, not {meant}")
 
     def StreamOutputs(
         self, request: scheduler_pb2.StreamOutputsRequest, context: grpc.ServicerContext

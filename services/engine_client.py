@@ -27,6 +27,12 @@ class RequestFailed(RuntimeError):
         self.request_id = request_id
 
 
+class RequestLost(RequestFailed):
+    """A part of the cluster that carried the request went away (its scheduler died,
+    the token stream broke): nothing was wrong with the request, and sent again it
+    may well be served (a 503, where an internal error is a 500)."""
+
+
 class EngineClient(Protocol):
     def start(self) -> None: ...
 

@@ -80,6 +80,8 @@ class RoleProcess:
 
     def __init__(self, role: str, *flags: str, env: dict[str, str] | None = None) -> None:
         self.role = role
+        self.flags = flags
+        self.env = env
         environment = {**os.environ, "KVFLEET_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
         self.process = subprocess.Popen(
             [sys.executable, "-c", _REPORTING_TORCH, role, *flags],
@@ -104,6 +106,11 @@ class RoleProcess:
         reports = [line for line in self.log if line.startswith(TORCH_REPORT)]
         assert reports, self.log_tail()
         return reports[-1].removeprefix(TORCH_REPORT).strip() == "True"
+
+    def restarted(self) -> RoleProcess:
+        """The same command as a new process (on the same ports, where the flags name them)."""
+        self.kill()
+        return RoleProcess(self.role, *self.flags, env=self.env)
 
     def kill(self) -> None:
         if self.process.poll() is None:

@@ -5,6 +5,8 @@ worker, scheduler, gateway), with witness streams in flight through each fault:
   are served, and every witness stream completes: submits travel batched, and a slow
   answer from a busy scheduler is no evidence that it died;
 - Redis killed and restarted empty mid-stream: every stream completes, nothing is orphaned;
+- a scheduler killed and restarted at once on its address, its old lease still standing:
+  the successor takes the new requests, and the old lease lapsing fails none of them;
 - a scheduler killed mid-stream: its clients hear of it within a second (its channel
   fails), not a lease later, and its worker, which drops the dead scheduler's requests,
   exits within 3 s of a SIGTERM.
@@ -107,7 +109,7 @@ def cluster(nats) -> Iterator[Cluster]:
     roles = {
         "tokenizer": RoleProcess("tokenizer", "--port", "0", *registry),
         "worker": RoleProcess("worker", *ENGINE_FLAGS, "--port", worker_address.rsplit(":", 1)[1], *registry),
-        "scheduler": RoleProcess("scheduler", *ENGINE_FLAGS, "--port", "0", "--worker-address", worker_address,
+        "scheduler": RoleProcess("scheduler", *ENGINE_FLAGS, "--port", str(free_port()), "--worker-address", worker_address,
                                  "--nats-url", nats.url, *registry),
         "gateway": RoleProcess("gateway", "--port", str(gateway_port), "--nats-url", nats.url, *registry),
     }
@@ -160,6 +162,24 @@ def test_a_redis_restart_fails_no_stream_and_orphans_nothing(cluster: Cluster) -
     reply = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0).completions.create(
         model="smollm2", prompt="Hello", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 4
+
+
+def test_a_scheduler_restarted_on_its_address_serves_as_a_new_replica(cluster: Cluster) -> None:
+    """Its successor serves on the same address while the dead one's lease still stands
+    (for a TTL): requests go to the successor, and none is failed, or left hanging, when
+    the old lease lapses."""
+    doomed = witnesses(cluster.url, count=2)
+    cluster.roles["scheduler"] = cluster.roles["scheduler"].restarted()  # kill -9, then the same command
+    for stream in doomed:
+        stream.join(30)
+        assert isinstance(stream.error, openai.APIError), (stream.error, stream.tokens)
+    roles = list(cluster.roles.values())
+    wait_for(lambda: health(cluster.url) == 200, 60, "the restarted scheduler is not taken up", roles)
+    streams = [Witness(cluster.url, index) for index in range(8)]  # at once, while the old lease stands
+    assert all(stream.completed() for stream in streams), [(s.error, s.tokens) for s in streams]
+    time.sleep(2 * LEASE_TTL_S)  # the old lease has lapsed by now, whatever its timing
+    fresh = [Witness(cluster.url, index) for index in range(2)]
+    assert all(stream.completed() for stream in fresh), [(s.error, s.tokens) for s in fresh]
 
 
 def test_a_dead_scheduler_reaches_its_clients_within_a_second(cluster: Cluster) -> None:

@@ -158,7 +158,29 @@ def test_a_dead_replica_is_passed_over_and_none_left_is_unavailable(tokenizer) -
     nobody.start()
     try:
         assert not nobody.is_ready()
-        with pytest.raises(EngineUnavailable, match="tokenizer service is unavailable"):
+        with pytest.raises(EngineUnavailable, match="no tokenizer service is listed|the tokenizer service is unavailable"):
             asyncio.run(nobody.encode(["hi"]))
     finally:
         nobody.close()
+
+
+def test_a_replica_is_dropped_on_evidence_not_for_a_missing_lease(tokenizer) -> None:
+    server = start_tokenizer_server(tokenizer, "127.0.0.1:0")
+    leased = [server.address]
+    client = RemoteTokenizer(lambda: list(leased), refresh_interval_s=0.1, lease_ttl_s=3.0)
+    client.start()
+    try:
+        wait_ready(client)
+        leased.clear()  # a registry restarted empty: the replica still answers, so it is still used
+        time.sleep(1.0)
+        assert client.is_ready() and asyncio.run(client.encode(["hi"])) == [tokenizer.encode("hi")]
+        server.stop(0)  # its connection fails: not ready within a second, lease or not
+        stopped = time.monotonic()
+        while client.is_ready():
+            assert time.monotonic() - stopped < 1.0, "a dead tokenizer still counts as ready"
+            time.sleep(0.02)
+        with pytest.raises(EngineUnavailable, match="tokenizer service"):
+            asyncio.run(client.encode(["hi"]))
+    finally:
+        client.close()
+        server.stop(0)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.pb.kvfleet.v1 import common_pb2 as kvfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvfleet/v1/scheduler.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\xae\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x12\n\ngateway_id\x18\x05 \x01(\tB\r\n\x0b_cache_salt\"\x10\n\x0eSubmitResponse\"A\n\x12SubmitBatchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.kvfleet.v1.SubmitRequest\"-\n\x0cSubmitResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"@\n\x13SubmitBatchResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.kvfleet.v1.SubmitResult\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x0e\n\x0cStatsRequest\"*\n\x14StreamOutputsRequest\x12\x12\n\ngateway_id\x18\x01 \x01(\t\"5\n\x0bStepOutputs\x12&\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x16.kvfleet.v1.TokenDelta2\xe4\x02\n\tScheduler\x12?\n\x06Submit\x12\x19.kvfleet.v1.SubmitRequest\x1a\x1a.kvfleet.v1.SubmitResponse\x12N\n\x0bSubmitBatch\x12\x1e.kvfleet.v1.SubmitBatchRequest\x1a\x1f.kvfleet.v1.SubmitBatchResponse\x12<\n\x05\x41\x62ort\x12\x18.kvfleet.v1.AbortRequest\x1a\x19.kvfleet.v1.AbortResponse\x12:\n\x05Stats\x12\x18.kvfleet.v1.StatsRequest\x1a\x17.kvfleet.v1.EngineStats\x12L\n\rStreamOutputs\x12 .kvfleet.v1.StreamOutputsRequest\x1a\x17.kvfleet.v1.StepOutputs0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvfleet/v1/scheduler.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\xae\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x12\n\ngateway_id\x18\x05 \x01(\tB\r\n\x0b_cache_salt\"\x10\n\x0eSubmitResponse\"`\n\x12SubmitBatchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.kvfleet.v1.SubmitRequest\x12\x1d\n\x15scheduler_instance_id\x18\x02 \x01(\t\"-\n\x0cSubmitResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"@\n\x13SubmitBatchResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.kvfleet.v1.SubmitResult\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"-\n\x0cStatsRequest\x12\x1d\n\x15scheduler_instance_id\x18\x01 \x01(\t\"*\n\x14StreamOutputsRequest\x12\x12\n\ngateway_id\x18\x01 \x01(\t\"5\n\x0bStepOutputs\x12&\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x16.kvfleet.v1.TokenDelta2\xe4\x02\n\tScheduler\x12?\n\x06Submit\x12\x19.kvfleet.v1.SubmitRequest\x1a\x1a.kvfleet.v1.SubmitResponse\x12N\n\x0bSubmitBatch\x12\x1e.kvfleet.v1.SubmitBatchRequest\x1a\x1f.kvfleet.v1.SubmitBatchResponse\x12<\n\x05\x41\x62ort\x12\x18.kvfleet.v1.AbortRequest\x1a\x19.kvfleet.v1.AbortResponse\x12:\n\x05Stats\x12\x18.kvfleet.v1.StatsRequest\x1a\x17.kvfleet.v1.EngineStats\x12L\n\rStreamOutputs\x12 .kvfleet.v1.StreamOutputsRequest\x1a\x17.kvfleet.v1.StepOutputs0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,21 +37,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMITRESPONSE']._serialized_start=244
   _globals['_SUBMITRESPONSE']._serialized_end=260
   _globals['_SUBMITBATCHREQUEST']._serialized_start=262
-  _globals['_SUBMITBATCHREQUEST']._serialized_end=327
-  _globals['_SUBMITRESULT']._serialized_start=329
-  _globals['_SUBMITRESULT']._serialized_end=374
-  _globals['_SUBMITBATCHRESPONSE']._serialized_start=376
-  _globals['_SUBMITBATCHRESPONSE']._serialized_end=440
-  _globals['_ABORTREQUEST']._serialized_start=442
-  _globals['_ABORTREQUEST']._serialized_end=476
-  _globals['_ABORTRESPONSE']._serialized_start=478
-  _globals['_ABORTRESPONSE']._serialized_end=493
-  _globals['_STATSREQUEST']._serialized_start=495
-  _globals['_STATSREQUEST']._serialized_end=509
-  _globals['_STREAMOUTPUTSREQUEST']._serialized_start=511
-  _globals['_STREAMOUTPUTSREQUEST']._serialized_end=553
-  _globals['_STEPOUTPUTS']._serialized_start=555
-  _globals['_STEPOUTPUTS']._serialized_end=608
-  _globals['_SCHEDULER']._serialized_start=611
-  _globals['_SCHEDULER']._serialized_end=967
+  _globals['_SUBMITBATCHREQUEST']._serialized_end=358
+  _globals['_SUBMITRESULT']._serialized_start=360
+  _globals['_SUBMITRESULT']._serialized_end=405
+  _globals['_SUBMITBATCHRESPONSE']._serialized_start=407
+  _globals['_SUBMITBATCHRESPONSE']._serialized_end=471
+  _globals['_ABORTREQUEST']._serialized_start=473
+  _globals['_ABORTREQUEST']._serialized_end=507
+  _globals['_ABORTRESPONSE']._serialized_start=509
+  _globals['_ABORTRESPONSE']._serialized_end=524
+  _globals['_STATSREQUEST']._serialized_start=526
+  _globals['_STATSREQUEST']._serialized_end=571
+  _globals['_STREAMOUTPUTSREQUEST']._serialized_start=573
+  _globals['_STREAMOUTPUTSREQUEST']._serialized_end=615
+  _globals['_STEPOUTPUTS']._serialized_start=617
+  _globals['_STEPOUTPUTS']._serialized_end=670
+  _globals['_SCHEDULER']._serialized_start=673
+  _globals['_SCHEDULER']._serialized_end=1029
 # @@protoc_insertion_point(module_scope)

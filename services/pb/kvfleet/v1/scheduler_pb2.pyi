@@ -26,10 +26,12 @@ class SubmitResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SubmitBatchRequest(_message.Message):
-    __slots__ = ("requests",)
+    __slots__ = ("requests", "scheduler_instance_id")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[SubmitRequest]
-    def __init__(self, requests: _Optional[_Iterable[_Union[SubmitRequest, _Mapping]]] = ...) -> None: ...
+    scheduler_instance_id: str
+    def __init__(self, requests: _Optional[_Iterable[_Union[SubmitRequest, _Mapping]]] = ..., scheduler_instance_id: _Optional[str] = ...) -> None: ...
 
 class SubmitResult(_message.Message):
     __slots__ = ("code", "message")
@@ -56,8 +58,10 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("scheduler_instance_id",)
+    SCHEDULER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    scheduler_instance_id: str
+    def __init__(self, scheduler_instance_id: _Optional[str] = ...) -> None: ...
 
 class StreamOutputsRequest(_message.Message):
     __slots__ = ("gateway_id",)

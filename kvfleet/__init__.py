@@ -11,8 +11,10 @@ from typing import Any
 from services.beam_search import BeamSearchParams
 from services.outputs import CompletionOutput, RequestOutput
 from services.sampling_params import SamplingParams
+from services.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
+           "StructuredOutputsParams", "GuidedDecodingParams"]
 
 
 def __getattr__(name: str) -> Any:

@@ -59,6 +59,7 @@ class LLM:
                 token_ids = fit_prompt(token_ids, params, self.engine.max_model_len)
                 request_id = str(next(self._request_ids))
                 cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                self.engine.compile_grammar(params)
                 self.engine.add_request(request_id, token_ids, params, cache_salt=cache_salt)
                 processor.add_request(request_id, text, token_ids, params)
                 order.append(request_id)

@@ -7,6 +7,7 @@ loop, so several event loops (e.g. two servers in one process) can share one eng
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -57,6 +58,8 @@ class AsyncEngine(EngineThread[_Add, RequestStream]):
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> AsyncIterator[TokenDelta]:
         stream = RequestStream(request_id, num_children(params))
+        if params.structured_outputs is not None:  # off the loop: a new grammar takes milliseconds to compile
+            await asyncio.to_thread(self.core.compile_grammar, params)
         self._send(_Add(stream, list(prompt_token_ids), params, cache_salt), "the engine is not running")
         try:
             async for delta in stream.deltas():

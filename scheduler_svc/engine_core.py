@@ -24,6 +24,7 @@ from services.messages import (
 )
 from services.parallel_sampling import child_params, child_request_id, num_children
 from services.sampling_params import SamplingParams
+from services.structured_outputs import StructuredOutputsParams
 
 
 class StepFailed(RuntimeError):
@@ -45,6 +46,9 @@ class WorkerHandle(Protocol):
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Raises WorkerLost when the worker holds none of the state the plan builds on."""
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compiles a constraint into the worker's grammar cache; InvalidParameter when invalid."""
 
 
 class EngineCore:
@@ -91,6 +95,14 @@ class EngineCore:
             for i in range(count)
         )
         self.scheduler.add_request(leader, followers)
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Has the worker compile the request's output constraint, if it has one. Called
+        by whoever accepts the request, on its own thread, before add_request: never on
+        the step loop, which a compilation would stall. Raises InvalidParameter, naming
+        the field that carried the constraint, when the compiler refuses it."""
+        if params.structured_outputs is not None:
+            self.worker.compile_grammar(params.structured_outputs)
 
     def _request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str | None

@@ -81,6 +81,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             params = sampling_params_from_proto(request.sampling_params)
         except ValueError as exc:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        try:
+            self._loop.core.compile_grammar(params)  # on this gRPC thread: never on the step loop
+        except ValueError as exc:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        except Exception as exc:  # the worker is away: the request may well succeed later
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, f"the worker could not compile the constraint: {exc}") from exc
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
         return Submission(request.request_id, list(request.prompt_token_ids), params, cache_salt, request.gateway_id)
 

@@ -10,12 +10,15 @@ from google.protobuf.message import Message
 from scheduler_svc.engine_core import WorkerLost
 from services.messages import StepPlan, StepResult, WorkerDescription
 from services.pb.kvfleet.v1 import worker_pb2, worker_pb2_grpc
+from services.structured_outputs import StructuredOutputsParams
 from services.transport.channel import open_channel
 from services.transport.convert import (
     description_from_proto,
     plan_to_proto,
     result_from_proto,
+    structured_outputs_to_proto,
 )
+from services.transport.futures import invalid_argument
 
 
 class WorkerError(RuntimeError):
@@ -53,6 +56,15 @@ class RemoteWorker:
         # No waiting for a lost worker: every request's KV is gone with it, so the
         # step fails at once and the scheduler ends them all with this error.
         return result_from_proto(self._call(self._stub.ExecuteStep, plan_to_proto(plan)))
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        try:
+            self._call(self._stub.CompileGrammar, structured_outputs_to_proto(params))
+        except WorkerError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, grpc.RpcError) and cause.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                raise invalid_argument(cause.details()) from None
+            raise
 
     def close(self) -> None:
         self._channel.close()

@@ -5,7 +5,11 @@ so every front end (SDK, REST, gRPC) can report which parameter was wrong.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.structured_outputs import StructuredOutputsParams
 
 MAX_PARALLEL_SAMPLES = 128
 
@@ -46,8 +50,14 @@ class SamplingParams:
     # Filled by the front end that owns the tokenizer: each bad word as token ids,
     # with and without a leading space, as vLLM does.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: InitVar[StructuredOutputsParams | None] = None  # vLLM's older name for structured_outputs
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding: StructuredOutputsParams | None) -> None:
+        if guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise InvalidParameter("guided_decoding", "set structured_outputs or guided_decoding, not both")
+            self.structured_outputs = guided_decoding
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import xgrammar as xgr
 
 from services.messages import StepPlan
 from services.sampling_params import SamplingParams
@@ -18,6 +19,7 @@ class RequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
+    matcher: xgr.GrammarMatcher | None = None  # for a request with structured outputs
 
     @property
     def output_token_ids(self) -> list[int]:

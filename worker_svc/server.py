@@ -1,4 +1,5 @@
-"""The worker role's gRPC service: Describe and ExecuteStep over a Worker, one step at a time."""
+"""The worker role's gRPC service over a Worker: Describe, ExecuteStep (one step at a
+time) and CompileGrammar (beside the steps)."""
 from __future__ import annotations
 
 import logging
@@ -7,11 +8,12 @@ import time
 
 import grpc
 
-from services.pb.kvfleet.v1 import worker_pb2, worker_pb2_grpc
+from services.pb.kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.transport.convert import (
     description_to_proto,
     plan_from_proto,
     result_to_proto,
+    structured_outputs_from_proto,
 )
 from services.transport.server import RoleServer
 from worker_svc.worker import Worker, WrongWorkerInstance
@@ -48,12 +50,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {exc!r}")
         return result_to_proto(result)
 
+    def CompileGrammar(
+        self, request: common_pb2.StructuredOutputs, context: grpc.ServicerContext
+    ) -> worker_pb2.CompileGrammarResponse:
+        try:
+            self._worker.compile_grammar(structured_outputs_from_proto(request))
+        except ValueError as exc:  # InvalidParameter: "field: the compiler's message"
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return worker_pb2.CompileGrammarResponse()
+
 
 def start_worker_server(worker: Worker, address: str) -> RoleServer:
     """Serves `worker` on `address` ("host:port"; port 0 picks a free one). Stopping the
     server drains it: steps keep running until its scheduler has ended every request
     the worker holds (or the grace runs out)."""
-    # Steps run one at a time; the other threads answer Describe and health checks.
+    # Steps run one at a time; the other threads answer Describe, CompileGrammar and health checks.
     servicer = WorkerServicer(worker)
     server = RoleServer(
         address, SERVICE_NAME, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),

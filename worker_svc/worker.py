@@ -11,6 +11,7 @@ from services.config import EngineConfig
 from services.messages import StepPlan, StepResult, WorkerDescription
 from services.model_source import resolve_model
 from services.sampling_params import SamplingParams
+from services.structured_outputs import StructuredOutputsParams
 from worker_svc.attention.paged_decode import (
     PagedDecodeKernel,
     decode_kernel_enabled,
@@ -19,6 +20,7 @@ from worker_svc.attention.paged_decode import (
 from worker_svc.attention.torch_backend import TorchAttentionBackend
 from worker_svc.batch import RequestState, prepare_inputs
 from worker_svc.device import torch_device, torch_dtype
+from worker_svc.grammar import Grammars
 from worker_svc.kv_cache import (
     allocate_kv_cache,
     bytes_per_block,
@@ -44,7 +46,9 @@ class Worker:
         self.instance_id = uuid.uuid4().hex
         self.device = torch_device(config)
         self.dtype = torch_dtype(config)
-        self.model_config, weights = load_weights(resolve_model(config.model), self.dtype)
+        source = resolve_model(config.model)
+        self.model_config, weights = load_weights(source, self.dtype)
+        self.grammars = Grammars(source, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.attention_backend = self._attention_backend()
         with torch.device("meta"):
@@ -131,6 +135,10 @@ class Worker:
             instance_id=self.instance_id,
         )
 
+    def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compiles a constraint into the grammar cache; raises InvalidParameter when it is invalid."""
+        self.grammars.compile(params)
+
     def execute(self, plan: StepPlan) -> StepResult:
         if plan.worker_instance_id and plan.worker_instance_id != self.instance_id:
             raise WrongWorkerInstance(
@@ -169,8 +177,16 @@ class Worker:
             adjustments = LogitsAdjustments.build(
                 states, self.model_config.vocab_size, self.model_config.eos_token_ids, self.device
             )
-            sampled = sample(adjustments.apply(logits) if adjustments else logits, batch)
+            processed = adjustments.apply(logits) if adjustments else logits
+            matchers = [s.matcher for s in states]
+            if any(matchers):
+                # Masked in place on a copy: logprobs report the model's raw distribution.
+                processed = processed.clone() if processed is logits else processed
+                self.grammars.mask(processed, matchers)
+            sampled = sample(processed, batch)
             tokens = sampled.tolist()
+            if any(matchers):
+                self.grammars.accept(matchers, tokens)
             for request_id, state, token in zip(inputs.sample_request_ids, states, tokens):
                 state.token_ids.append(token)
                 result.sampled_token_ids[request_id] = [token]
@@ -208,6 +224,7 @@ class Worker:
             generator = None
             if new.sampling_params.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(new.sampling_params.seed)
+            constraint = new.sampling_params.structured_outputs
             self.requests[new.request_id] = RequestState(
                 list(new.token_ids),
                 new.num_prompt_tokens,
@@ -215,6 +232,7 @@ class Worker:
                 new.num_computed_tokens,
                 new.sampling_params,
                 generator,
+                self.grammars.matcher(constraint, new.token_ids[new.num_prompt_tokens:]) if constraint else None,
             )
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]

@@ -16,7 +16,8 @@ from services.messages import (
     WorkerDescription,
 )
 from services.pb.kvfleet.v1 import common_pb2, worker_pb2
-from services.sampling_params import SamplingParams
+from services.sampling_params import InvalidParameter, SamplingParams
+from services.structured_outputs import StructuredOutputsParams
 
 # SamplingParams' scalar fields; each is `optional` in the proto.
 _SCALARS = (
@@ -54,6 +55,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
     if params.allowed_token_ids is not None:
         message.allowed_token_ids.token_ids.extend(params.allowed_token_ids)
         message.allowed_token_ids.SetInParent()  # an empty list is still "set" (and then rejected)
+    if params.structured_outputs is not None:
+        message.structured_outputs.CopyFrom(structured_outputs_to_proto(params.structured_outputs))
     return message
 
 
@@ -68,8 +71,26 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
         stop=list(message.stop),
         stop_token_ids=list(message.stop_token_ids),
         bad_words_token_ids=[list(ids.token_ids) for ids in message.bad_words_token_ids],
+        structured_outputs=structured_outputs_from_proto(message.structured_outputs)
+        if message.HasField("structured_outputs") else None,
         **kwargs,
     )
+
+
+def structured_outputs_to_proto(params: StructuredOutputsParams) -> common_pb2.StructuredOutputs:
+    return common_pb2.StructuredOutputs(kind=params.kind, spec=params.spec, field_name=params.field_name,
+                                        disable_any_whitespace=params.disable_any_whitespace)
+
+
+def structured_outputs_from_proto(message: common_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    """Raises InvalidParameter on an unknown kind or a malformed choice list."""
+    field_name = message.field_name or "structured_outputs"
+    try:
+        return StructuredOutputsParams.from_spec(message.kind, message.spec, message.disable_any_whitespace, field_name)
+    except ValueError as exc:
+        if isinstance(exc, InvalidParameter):
+            raise
+        raise InvalidParameter(field_name, f"malformed {message.kind} constraint: {exc}") from exc
 
 
 # -- logprobs ---------------------------------------------------------------------------

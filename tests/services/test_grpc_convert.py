@@ -17,6 +17,7 @@ from services.messages import (
 )
 from services.pb.kvfleet.v1 import common_pb2, worker_pb2
 from services.sampling_params import InvalidParameter, SamplingParams
+from services.structured_outputs import StructuredOutputsParams
 from services.transport import convert
 
 # Every field differs from its default, so a field the conversion forgets shows up.
@@ -27,6 +28,8 @@ FULL_PARAMS = SamplingParams(
     max_tokens=32, min_tokens=2, logprobs=3, prompt_logprobs=1, truncate_prompt_tokens=-1, skip_special_tokens=False,
     spaces_between_special_tokens=False,
     bad_words_token_ids=[[11, 12], [13]],
+    structured_outputs=StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True,
+                                               field_name="response_format"),
 )
 # Logprobs are float32 on the wire; these values are exact in float32. Dict order is
 # the order that matters (best first, then the sampled token).

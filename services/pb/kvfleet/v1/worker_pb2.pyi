@@ -11,6 +11,10 @@ class DescribeWorkerRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class CompileGrammarResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class WorkerDescription(_message.Message):
     __slots__ = ("num_kv_blocks", "num_host_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "instance_id")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]

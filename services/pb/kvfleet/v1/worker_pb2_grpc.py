@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from services.pb.kvfleet.v1 import common_pb2 as kvfleet_dot_v1_dot_common__pb2
 from services.pb.kvfleet.v1 import worker_pb2 as kvfleet_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -45,6 +46,11 @@ class WorkerStub:
                 request_serializer=kvfleet_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_worker__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.CompileGrammar = channel.unary_unary(
+                '/kvfleet.v1.Worker/CompileGrammar',
+                request_serializer=kvfleet_dot_v1_dot_common__pb2.StructuredOutputs.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_worker__pb2.CompileGrammarResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -67,6 +73,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CompileGrammar(self, request, context):
+        """Compiles a structured-output constraint into the worker's grammar cache, off the
+        step path, so a later step that meets the request finds it ready. An invalid
+        schema, regex or grammar is INVALID_ARGUMENT "<field_name>: <compiler's message>".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +94,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ExecuteStep,
                     request_deserializer=kvfleet_dot_v1_dot_worker__pb2.StepPlan.FromString,
                     response_serializer=kvfleet_dot_v1_dot_worker__pb2.StepResult.SerializeToString,
+            ),
+            'CompileGrammar': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompileGrammar,
+                    request_deserializer=kvfleet_dot_v1_dot_common__pb2.StructuredOutputs.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_worker__pb2.CompileGrammarResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +156,33 @@ class Worker:
             '/kvfleet.v1.Worker/ExecuteStep',
             kvfleet_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
             kvfleet_dot_v1_dot_worker__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompileGrammar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.Worker/CompileGrammar',
+            kvfleet_dot_v1_dot_common__pb2.StructuredOutputs.SerializeToString,
+            kvfleet_dot_v1_dot_worker__pb2.CompileGrammarResponse.FromString,
             options,
             channel_credentials,
             insecure,

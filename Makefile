@@ -35,6 +35,7 @@ serve: setup
 bench: setup
 	$(PY) benchmarks/offline_throughput.py
 	$(PY) benchmarks/serving.py
+	$(PY) benchmarks/structured_outputs.py
 
 # Regenerates services/pb from protos/; commit the result (tests/services/test_protos.py fails on stale stubs).
 protos: setup

@@ -15,6 +15,7 @@ from gateway.errors import install_error_handlers
 from gateway.limits import BodySizeMiddleware, RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.routes import chat, completions, models, system, tokenize
+from gateway.tool_calls import ChatOptions
 from services.engine_client import EngineClient
 from services.tokenizer_api import PromptEncoder
 
@@ -25,6 +26,7 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     limits: RequestLimits = RequestLimits(),
+    chat_options: ChatOptions = ChatOptions(),
 ) -> FastAPI:
     """`encoder` does the text work: in-process, or the cluster's tokenizer role."""
     app = FastAPI(title="kvfleet")
@@ -34,6 +36,7 @@ def build_app(
         served_model_name=served_model_name,
         metrics=GatewayMetrics(engine_client, served_model_name),
         limits=limits,
+        chat_options=chat_options,
     )
     for module in (models, completions, chat, tokenize, system):
         app.include_router(module.router)

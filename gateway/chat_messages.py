@@ -1,11 +1,14 @@
 """OpenAI chat messages as chat templates expect them."""
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from gateway.errors import bad_request
 from gateway.protocol import ChatMessageParam
 
 
-def message_dicts(messages: list[ChatMessageParam]) -> list[dict[str, str]]:
+def message_dicts(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
     if not messages:
         raise bad_request("messages", "messages must not be empty")
     out = []
@@ -16,5 +19,22 @@ def message_dicts(messages: list[ChatMessageParam]) -> list[dict[str, str]]:
         entry = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A call as templates read it: OpenAI sends arguments as JSON text, templates
+    write them with `tojson`, so they get the object (as vLLM hands them)."""
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            raise bad_request("messages", f"a tool call's arguments are not JSON: {arguments[:80]!r}") from None
+    return {**call, "function": function}

@@ -16,6 +16,7 @@ from gateway.errors import OpenAIError
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import SamplingFields
+from gateway.tool_calls import ChatOptions
 from services.engine_client import EngineClient
 from services.messages import EngineInfo
 from services.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ class GatewayContext:
     served_model_name: str
     metrics: GatewayMetrics
     limits: RequestLimits
+    chat_options: ChatOptions = field(default_factory=ChatOptions)
     drain: Drain = field(default_factory=Drain)  # set on SIGTERM by gateway.drain.serve
 
     @property

@@ -32,13 +32,15 @@ def run_gateway(args: argparse.Namespace) -> int:
     from gateway.drain import serve
     from gateway.limits import RequestLimits
     from gateway.tokenizer_client import RemoteTokenizer
+    from gateway.tool_calls import ChatOptions
 
     configure_logging()
     registry = Registry(args.redis_url)
     client = ClusterEngineClient(args.redis_url, args.nats_url, lease_ttl_s=args.lease_ttl)
     encoder = RemoteTokenizer(lambda: [member.address for member in registry.members("tokenizer")],
                               lease_ttl_s=args.lease_ttl)
-    app = build_app(client, encoder, args.served_model_name or args.model, args.api_key, RequestLimits.from_args(args))
+    app = build_app(client, encoder, args.served_model_name or args.model, args.api_key, RequestLimits.from_args(args),
+                    ChatOptions.from_args(args))
     member = Member("gateway", client.gateway_id, advertised(args), {"model": args.model})
     client.start()
     encoder.start()

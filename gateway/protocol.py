@@ -58,6 +58,19 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` extra body field: exactly one constraint."""
+
+    # "json" would shadow a pydantic attribute; the wire name is kept by the alias.
+    json_schema: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingFields(_Request):
     """What completions and chat share, named as in OpenAI and vLLM."""
 
@@ -93,6 +106,12 @@ class SamplingFields(_Request):
     use_beam_search: bool = False
     # |length_penalty| <= 10 keeps length ** length_penalty a finite, non-zero float.
     length_penalty: float = Field(1.0, ge=-10, le=10)
+    # Structured outputs: vLLM's field, and its older guided_* spellings.
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -112,10 +131,43 @@ class ChatMessageParam(_Request):
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, OpenAI's shape
+    tool_call_id: str | None = None  # a tool turn answers this call
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+
+
+class ToolParam(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    # "schema" would shadow a pydantic attribute; the wire name is kept by the alias.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 class ResponseFormat(_Request):
-    type: str
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    # vLLM's structural tag format: its fields as they come, handed to the compiler as JSON.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -126,6 +178,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     response_format: ResponseFormat | None = None
+    tools: list[ToolParam] | None = None
+    # None: "auto" when tools are given, else "none" (as OpenAI and vLLM).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Request):
@@ -214,9 +270,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    reasoning_content: str | None = None  # vLLM's extra, with --reasoning-parser
 
 
 class ChatChoice(BaseModel):
@@ -237,9 +306,23 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None  # with the name, on a call's first delta
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

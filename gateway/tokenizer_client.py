@@ -34,6 +34,7 @@ from services.registry import DEFAULT_TTL_S
 from services.tokenizer_api import ChatPrompt, EncodedPrompt
 from services.tokenizer_archive import unpack
 from services.transport.channel import open_async_channel, open_channel
+from services.transport.convert import chat_to_proto
 from services.transport.futures import invalid_argument
 from tokenizer_svc.tokenizer import Tokenizer
 
@@ -99,11 +100,7 @@ class RemoteTokenizer:
         return [await _ids(response.token_ids) for response in responses]
 
     async def encode_chat(self, chat: ChatPrompt) -> EncodedPrompt:
-        messages = [tokenizer_pb2.ChatMessage(**m) for m in chat.messages]
-        request = tokenizer_pb2.TokenizeRequest(
-            chat=tokenizer_pb2.Chat(messages=messages, add_generation_prompt=chat.add_generation_prompt),
-            add_special_tokens=chat.add_special_tokens,
-        )
+        request = tokenizer_pb2.TokenizeRequest(chat=chat_to_proto(chat), add_special_tokens=chat.add_special_tokens)
         response = await self._tokenize(request)
         return EncodedPrompt(response.prompt, await _ids(response.token_ids))
 

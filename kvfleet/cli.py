@@ -65,12 +65,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.limits import RequestLimits
+    from gateway.tool_calls import ChatOptions
     from kvfleet.serve import serve_embedded
 
     if args.model_tag:
         args.model = args.model_tag
     serve_embedded(engine_args(args), args.host, args.port, args.api_key, args.served_model_name,
-                   args.shutdown_timeout, RequestLimits.from_args(args))
+                   args.shutdown_timeout, RequestLimits.from_args(args), ChatOptions.from_args(args))
     return 0
 
 

@@ -35,7 +35,7 @@ from services.cli_args import (
     add_http_args,
     add_lease_ttl_arg,
     engine_argv,
-    http_limit_argv,
+    gateway_argv,
 )
 from services.telemetry import configure_logging
 
@@ -77,7 +77,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
             ["scheduler", *engine, "--host", local, "--port", str(ports["scheduler"]), "--worker-address", worker,
              *nats, *cluster],
             ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port), *nats, *cluster,
-             *http_limit_argv(args)] + (["--served-model-name", args.served_model_name] if args.served_model_name else []),
+             *gateway_argv(args)] + (["--served-model-name", args.served_model_name] if args.served_model_name else []),
         ]
         # The API key travels in the environment, never on a command line others can read.
         env = {key: value for key, value in os.environ.items() if key != "KVFLEET_API_KEY"}

@@ -6,6 +6,7 @@ from typing import Any
 from gateway.app import build_app
 from gateway.drain import serve
 from gateway.limits import RequestLimits
+from gateway.tool_calls import ChatOptions
 from scheduler_svc.async_engine import AsyncEngine
 from scheduler_svc.engine_core import EngineCore
 from services.config import EngineConfig
@@ -25,6 +26,7 @@ def serve_embedded(
     served_model_name: str | None,
     shutdown_timeout_s: float,
     limits: RequestLimits,
+    chat_options: ChatOptions,
 ) -> None:
     """Serves until SIGTERM or SIGINT, then drains (gateway/drain.py) and returns."""
     configure_logging()  # uvicorn configures only its own loggers
@@ -32,7 +34,7 @@ def serve_embedded(
     config = EngineConfig(**engine_args)
     encoder = InProcessEncoder(Tokenizer.load(resolve_model(config.model)))
     engine = AsyncEngine(EngineCore(config, Worker(config)))
-    app = build_app(engine, encoder, served_model_name or config.model, api_key, limits)
+    app = build_app(engine, encoder, served_model_name or config.model, api_key, limits, chat_options)
     engine.start()
     try:
         serve(app, host, port, shutdown_timeout_s)

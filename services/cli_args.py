@@ -33,6 +33,9 @@ _ENGINE_HELP = {
     "seed": "engine seed",
 }
 
+# The gateway's parsers by name (gateway/tool_parsers; tests/gateway checks the lists agree).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in fields(EngineConfig):
@@ -83,13 +86,25 @@ def add_http_args(parser: argparse.ArgumentParser, port: int = 8000) -> None:
     parser.add_argument("--max-sequences-per-request", type=int, default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
                         help="most sequences one request may fan out to: prompts x n (or best_of) "
                         "(default: %(default)s)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                        help="how the model writes tool calls, to turn its text into tool_calls")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                        help="split <think>...</think> reasoning into reasoning_content")
     add_shutdown_arg(parser)
 
 
-def http_limit_argv(namespace: argparse.Namespace) -> list[str]:
-    """The request limits of `namespace` as a command line, for the gateway `cluster up` starts."""
-    return [f"--max-request-body-bytes={namespace.max_request_body_bytes}",
+def gateway_argv(namespace: argparse.Namespace) -> list[str]:
+    """The request limits and chat flags of `namespace` as a command line, for the gateway `cluster up` starts."""
+    argv = [f"--max-request-body-bytes={namespace.max_request_body_bytes}",
             f"--max-sequences-per-request={namespace.max_sequences_per_request}"]
+    if namespace.enable_auto_tool_choice:
+        argv.append("--enable-auto-tool-choice")
+    for flag in ("tool_call_parser", "reasoning_parser"):
+        if getattr(namespace, flag):
+            argv.append(f"--{flag.replace('_', '-')}={getattr(namespace, flag)}")
+    return argv
 
 
 def add_listen_args(parser: argparse.ArgumentParser, port: int) -> None:

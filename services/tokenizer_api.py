@@ -19,6 +19,7 @@ class ChatPrompt:
     add_generation_prompt: bool = True
     # The chat template writes the special tokens it wants: none are added by default.
     add_special_tokens: bool = False
+    tools: list[dict[str, Any]] | None = None  # OpenAI's tool definitions, rendered by the template
 
 
 @dataclass(frozen=True)

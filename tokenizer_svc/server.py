@@ -11,30 +11,14 @@ import grpc
 
 from services.pb.kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.sampling_params import InvalidParameter
-from services.tokenizer_api import ChatPrompt, EncodedPrompt
+from services.tokenizer_api import EncodedPrompt
 from services.tokenizer_archive import chunks, pack
+from services.transport.convert import chat_from_proto
 from services.transport.server import RoleServer
 from tokenizer_svc.in_process import encode_chat
 from tokenizer_svc.tokenizer import Tokenizer
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
-
-
-def _chat_prompt(request: tokenizer_pb2.TokenizeRequest) -> ChatPrompt:
-    chat = request.chat
-    if not chat.messages:
-        raise InvalidParameter("messages", "must not be empty")
-    messages = []
-    for message in chat.messages:
-        entry = {"role": message.role, "content": message.content}
-        if message.HasField("name"):
-            entry["name"] = message.name
-        messages.append(entry)
-    return ChatPrompt(
-        messages,
-        add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
-        add_special_tokens=request.add_special_tokens if request.HasField("add_special_tokens") else False,
-    )
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
@@ -75,7 +59,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         if kind is None:
             raise InvalidParameter("input", "set text or chat")
         if kind == "chat":
-            chat = _chat_prompt(request)
+            chat = chat_from_proto(
+                request.chat, request.add_special_tokens if request.HasField("add_special_tokens") else False)
             with self._lock:
                 return encode_chat(self._tokenizer, chat)
         # Text gets the special tokens unless told otherwise; a chat template writes its own.

@@ -21,13 +21,13 @@ import logging
 import re
 import threading
 
-import gguf
 import torch
 import xgrammar as xgr
 
 from services.model_source import ModelFormat, ModelSource
 from services.sampling_params import InvalidParameter
 from services.structured_outputs import StructuredOutputsParams
+from worker_svc.weights import read_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ _MAX_JSON_WHITESPACE = 21
 
 def _tokenizer_info(source: ModelSource, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
     if source.format is ModelFormat.GGUF:
-        reader = gguf.GGUFReader(source.path)
+        reader = read_gguf(source.path)
         tokens = reader.fields["tokenizer.ggml.tokens"]
         vocab = [bytes(tokens.parts[index]).decode() for index in tokens.data]
         model = bytes(reader.fields["tokenizer.ggml.model"].parts[-1]).decode()
@@ -61,6 +61,17 @@ def _tokenizer_info(source: ModelSource, vocab_size: int, stop_token_ids: list[i
 def _choice_grammar(choices: list[str]) -> str:
     # JSON string literals are EBNF string literals: quotes and control characters escaped.
     return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
+
+
+def _compile_structural_tag(compiler: xgr.GrammarCompiler, spec: str) -> xgr.CompiledGrammar:
+    """vLLM's response_format {"structures": [{begin, schema, end}], "triggers": [...]},
+    or xgrammar's own structural tag {"type": "structural_tag", "format": ...}."""
+    tag = json.loads(spec)
+    if isinstance(tag, dict) and "structures" in tag:
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+                 for s in tag["structures"]]
+        return compiler.compile_structural_tag(items, tag.get("triggers", []))
+    return compiler.compile_structural_tag(spec)
 
 
 class Grammars:
@@ -93,8 +104,8 @@ class Grammars:
                 case "grammar":
                     return compiler.compile_grammar(params.spec)
                 case "structural_tag":
-                    return compiler.compile_structural_tag(params.spec)
-        except (RuntimeError, ValueError, TypeError) as exc:
+                    return _compile_structural_tag(compiler, params.spec)
+        except (RuntimeError, ValueError, TypeError, KeyError) as exc:
             message = _CPP_PREFIX.sub("", str(exc).strip()).splitlines()[0]
             raise InvalidParameter(params.field_name, f"invalid {params.kind} constraint: {message}") from exc
         raise InvalidParameter(params.field_name, f"unknown constraint kind {params.kind!r}")

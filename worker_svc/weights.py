@@ -6,6 +6,7 @@ any checkpoint can be checked against transformers itself.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import replace
@@ -83,6 +84,19 @@ def _check_names(config: ModelConfig, tensors: dict[str, torch.Tensor], path: Pa
 # --- GGUF -------------------------------------------------------------------------------
 
 
+def read_gguf(path: Path) -> gguf.GGUFReader:
+    """The file's reader, parsed once per process: parsing a GGUF's metadata takes seconds
+    (an object per vocabulary token), and the weights and the grammar compiler's
+    vocabulary both read it. A file rewritten in place is parsed anew."""
+    stat = path.stat()
+    return _read_gguf(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _read_gguf(path: Path, mtime_ns: int, size: int) -> gguf.GGUFReader:
+    return gguf.GGUFReader(path)
+
+
 def _gguf_field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
     field = reader.get_field(key)
     if field is None:
@@ -144,7 +158,7 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str, tensor_names: set[str]) -> 
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    reader = gguf.GGUFReader(path)
+    reader = read_gguf(path)
     arch = _gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(

@@ -25,11 +25,17 @@ from gateway.protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatTokenLogprob,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCallOut,
     Usage,
 )
-from gateway.sampling import to_sampling_params
+from gateway.sampling import response_format_constraint, to_sampling_params
 from gateway.sse import DONE, event, sse_response
+from gateway.tool_calls import OutputReader, StreamingOutputReader
+from gateway.tool_parsers import StreamDelta, new_tool_call_id
 from services.prompt import fit_prompt
 from services.tokenizer_api import ChatPrompt
 from tokenizer_svc.text_output import TextDelta
@@ -49,17 +55,23 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
     ctx.check_ready()
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options", "stream_options is only allowed when stream is true")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request("response_format", f"response_format type {body.response_format.type!r} is not supported yet")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs", "top_logprobs needs logprobs set to true")
     uses_completion_tokens = body.max_completion_tokens is not None
     max_tokens = body.max_completion_tokens if uses_completion_tokens else body.max_tokens
     num_top = body.top_logprobs or 0
+    reader = OutputReader.of(body, ctx.chat_options)
+    tools = reader.tools
+    constraint = response_format_constraint(body.response_format)
+    if tools is not None and tools.constraint is not None:
+        if constraint is not None:
+            raise bad_request("response_format", f"response_format cannot be combined with tool_choice {tools.choice!r}")
+        constraint = tools.constraint
     params = await to_sampling_params(
-        body, ctx.encoder, max_tokens, num_top if body.logprobs else None, body.prompt_logprobs
+        body, ctx.encoder, max_tokens, num_top if body.logprobs else None, body.prompt_logprobs, constraint,
     )
-    prompt = await ctx.encoder.encode_chat(ChatPrompt(message_dicts(body.messages)))
+    tool_definitions = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    prompt = await ctx.encoder.encode_chat(ChatPrompt(message_dicts(body.messages), tools=tool_definitions))
     prompt_token_ids = fit_prompt(
         prompt.token_ids, params, ctx.max_model_len, "messages",
         "max_completion_tokens" if uses_completion_tokens else "max_tokens",
@@ -73,7 +85,7 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
     if body.stream:
         head = ChatCompletionChunk(id=request_id, model=ctx.served_model_name, choices=[])
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _events(head, params.n, stream, logprobs_of, len(prompt_token_ids), include_usage)
+        events = _events(head, params.n, stream, logprobs_of, len(prompt_token_ids), include_usage, reader)
         return sse_response(events, stream)
     text: list[list[str]] = [[] for _ in range(params.n)]
     content_logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(params.n)]
@@ -88,16 +100,18 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
             last[item.index] = delta
             num_tokens += len(delta.token_ids)
             entries = entries or item.prompt_logprobs
-    choices = [
-        ChatChoice(
+    choices = []
+    for index, delta in enumerate(last):
+        reasoning, parsed = reader.read("".join(text[index]))
+        calls = [ToolCallOut(id=new_tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                 for c in parsed.tool_calls]
+        choices.append(ChatChoice(
             index=index,
-            message=ChatMessage(content="".join(text[index])),
+            message=ChatMessage(content=parsed.content, tool_calls=calls, reasoning_content=reasoning),
             logprobs=ChatLogprobs(content=content_logprobs[index]) if body.logprobs else None,
-            finish_reason=delta.finish_reason,
+            finish_reason=tools.finish_reason(parsed, delta.finish_reason) if tools else delta.finish_reason,
             stop_reason=delta.stop_reason,
-        )
-        for index, delta in enumerate(last)
-    ]
+        ))
     response = ChatCompletionResponse(
         id=request_id, model=ctx.served_model_name, choices=choices, usage=Usage.of(len(prompt_token_ids), num_tokens),
         prompt_logprobs=prompt_logprobs(ctx.tokenizer, entries or [], body.prompt_logprobs)
@@ -113,6 +127,7 @@ async def _events(
     logprobs_of: Callable[[TextDelta], list[ChatTokenLogprob]],
     num_prompt_tokens: int,
     include_usage: bool,
+    reader: OutputReader,
 ) -> AsyncGenerator[str, None]:
     def chunk(
         index: int, delta: DeltaMessage, logprobs: list[ChatTokenLogprob] | None = None,
@@ -126,17 +141,51 @@ async def _events(
 
     for index in range(n):  # as vLLM: every choice opens with its role
         yield chunk(index, DeltaMessage(role="assistant", content=""))
+    plain = reader.reasoning is None and reader.tools is None
+    readers = [StreamingOutputReader(reader) for _ in range(n)]
+    called = [False] * n
     num_tokens = 0
     async with aclosing(stream):
         async for item in stream:
             delta = item.text
             num_tokens += len(delta.token_ids)
             logprobs = logprobs_of(delta)
-            if delta.text or logprobs:
-                yield chunk(item.index, DeltaMessage(content=delta.text), logprobs)
+            if plain:
+                if delta.text or logprobs:
+                    yield chunk(item.index, DeltaMessage(content=delta.text), logprobs)
+            else:
+                messages = _read(readers[item.index], delta.text, delta.finish_reason is not None)
+                called[item.index] |= any(m.tool_calls for m in messages)
+                for number, message in enumerate(messages or [DeltaMessage()] * bool(logprobs)):
+                    yield chunk(item.index, message, logprobs if number == 0 else None)
             if delta.finish_reason is not None:
+                reason = delta.finish_reason
+                if called[item.index] and reason == "stop" and reader.tools and reader.tools.choice != "named":
+                    reason = "tool_calls"
                 # OpenAI ends a choice with an empty delta that carries the reason.
-                yield chunk(item.index, DeltaMessage(), finish_reason=delta.finish_reason)
+                yield chunk(item.index, DeltaMessage(), finish_reason=reason)
     if include_usage:
         yield event(head.model_copy(update={"usage": Usage.of(num_prompt_tokens, num_tokens)}))
     yield DONE
+
+
+def _read(reader: StreamingOutputReader, text: str, last: bool) -> list[DeltaMessage]:
+    """One output delta as chat deltas: reasoning, content, and each tool call's name
+    (with its id) before its argument fragments, as OpenAI streams them."""
+    reasoning, read = reader.feed(text)
+    if last:
+        more_reasoning, rest = reader.finish()
+        reasoning += more_reasoning
+        read = StreamDelta(read.content + rest.content, read.tool_calls + rest.tool_calls)
+    messages = []
+    if reasoning or read.content:
+        messages.append(DeltaMessage(reasoning_content=reasoning or None, content=read.content or None))
+    for call in read.tool_calls:
+        if call.name is not None:
+            messages.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                index=call.index, id=new_tool_call_id(), type="function",
+                function=DeltaFunctionCall(name=call.name, arguments=""))]))
+        if call.arguments:
+            messages.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                index=call.index, function=DeltaFunctionCall(arguments=call.arguments))]))
+    return messages

@@ -4,6 +4,7 @@ cannot tell an empty list from None, the Python field treats both alike (see com
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 from services.messages import (
@@ -15,9 +16,10 @@ from services.messages import (
     TokenDelta,
     WorkerDescription,
 )
-from services.pb.kvfleet.v1 import common_pb2, worker_pb2
+from services.pb.kvfleet.v1 import common_pb2, tokenizer_pb2, worker_pb2
 from services.sampling_params import InvalidParameter, SamplingParams
 from services.structured_outputs import StructuredOutputsParams
+from services.tokenizer_api import ChatPrompt
 
 # SamplingParams' scalar fields; each is `optional` in the proto.
 _SCALARS = (
@@ -261,3 +263,53 @@ def result_from_proto(message: worker_pb2.StepResult) -> StepResult:
         logprobs={rid: logprobs_from_proto(positions) for rid, positions in message.logprobs.items()},
         prompt_logprobs={rid: logprobs_from_proto(positions) for rid, positions in message.prompt_logprobs.items()},
     )
+
+
+# -- chats --------------------------------------------------------------------------------
+
+
+def chat_to_proto(chat: ChatPrompt) -> tokenizer_pb2.Chat:
+    messages = []
+    for entry in chat.messages:
+        message = tokenizer_pb2.ChatMessage(role=entry["role"], content=entry.get("content") or "")
+        if entry.get("name") is not None:
+            message.name = entry["name"]
+        if entry.get("tool_calls"):
+            message.tool_calls_json = json.dumps(entry["tool_calls"])
+        if entry.get("tool_call_id") is not None:
+            message.tool_call_id = entry["tool_call_id"]
+        messages.append(message)
+    return tokenizer_pb2.Chat(messages=messages, add_generation_prompt=chat.add_generation_prompt,
+                              tools_json=json.dumps(chat.tools) if chat.tools else "")
+
+
+def chat_from_proto(chat: tokenizer_pb2.Chat, add_special_tokens: bool) -> ChatPrompt:
+    """Raises InvalidParameter("messages" or "tools", ...) on a malformed chat."""
+    if not chat.messages:
+        raise InvalidParameter("messages", "must not be empty")
+    messages = []
+    for message in chat.messages:
+        entry: dict = {"role": message.role, "content": message.content}
+        if message.HasField("name"):
+            entry["name"] = message.name
+        if message.tool_calls_json:
+            entry["tool_calls"] = _json_list(message.tool_calls_json, "messages")
+        if message.HasField("tool_call_id"):
+            entry["tool_call_id"] = message.tool_call_id
+        messages.append(entry)
+    return ChatPrompt(
+        messages,
+        add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
+        add_special_tokens=add_special_tokens,
+        tools=_json_list(chat.tools_json, "tools") if chat.tools_json else None,
+    )
+
+
+def _json_list(text: str, param: str) -> list:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InvalidParameter(param, f"not valid JSON: {exc}") from exc
+    if not isinstance(value, list):
+        raise InvalidParameter(param, "must be a JSON list")
+    return value

@@ -6,6 +6,7 @@ weights is the reference. The server and engine are test_gateway's fixtures.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -225,6 +226,15 @@ def test_cache_salt_user_and_response_format_are_accepted(client: openai.OpenAI)
     assert response.usage.completion_tokens == 3
 
 
+def test_completions_take_structured_outputs_and_guided_json(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    for extra in ({"structured_outputs": {"json": schema, "disable_any_whitespace": True}}, {"guided_json": schema}):
+        response = client.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=20, temperature=0,
+                                              extra_body=extra)
+        assert json.loads(response.choices[0].text).keys() == {"n"}
+
+
 # -- validation ------------------------------------------------------------------------
 
 
@@ -249,6 +259,10 @@ def test_cache_salt_user_and_response_format_are_accepted(client: openai.OpenAI)
         ({"use_beam_search": True, "logprobs": 1}, "logprobs"),
         ({"use_beam_search": True, "length_penalty": 50}, "length_penalty"),
         ({"max_tokens": 10**6}, "max_tokens"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "root ::= nowhere"}}, "structured_outputs"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "a", "use_beam_search": True}, "guided_regex"),
     ],
 )
 def test_bad_completion_parameters_are_400_naming_the_field(client: openai.OpenAI, extra: dict, param: str) -> None:

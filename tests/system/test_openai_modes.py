@@ -7,8 +7,13 @@ runs against both: models; completions single, batched, echoed, with logprobs,
 streamed; chat, whose streamed and whole answers are identical; stop strings; usage;
 bad input and auth errors; 32 concurrent streams; a client that leaves (mid-stream,
 or before a whole answer) frees its request and every KV block within 2 s, as the
-server's own /metrics says. Every greedy output is checked against the offline SDK on
-the same weights, and the last test checks that both modes gave identical outputs.
+server's own /metrics says; structured outputs (twenty JSON schemas by response_format,
+regex / choice / grammar on twenty samples at temperature 1.0, by vLLM's
+structured_outputs field and its older guided_* fields) and forced tool calls
+("required" and named, whole and streamed, then a turn with the result), with the
+servers started with vLLM's tool flags. Every greedy output is checked against the
+offline SDK on the same weights, and the last test checks that both modes gave
+identical outputs.
 
 The fixture also checks that `cluster up` runs every part as its own process, and
 that SIGTERM stops either mode with exit code 0 and no process left behind. A failed
@@ -17,25 +22,40 @@ test shows the tail of the server's log (tests/conftest.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
+import re
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from openai_servers import (
+    API_KEY,
+    MAX_MODEL_LEN,
+    MODEL,
+    MODES,
+    NUM_BLOCKS,
+    PROC,
+    SERVED,
+    START_TIMEOUT_S,
+    Server,
+    alive,
+    descendants,
+    healthy,
+    running_server,
+)
+from structured_schemas import SCHEMAS
 
 from kvfleet import LLM, SamplingParams
-from kvfleet.processes import free_port
 from services.outputs import CompletionOutput
 
 from corpus import CHAT, PROMPTS
@@ -43,147 +63,14 @@ from corpus import CHAT, PROMPTS
 # Latency bounds under a second: run alone (see pyproject's markers).
 pytestmark = pytest.mark.serial
 
-REPO = Path(__file__).resolve().parents[2]
-MODES = ("serve", "cluster")
-MODEL = "smollm2"
-SERVED = "smol"  # --served-model-name: what clients must send
-API_KEY = "sesame"
-MAX_MODEL_LEN = 512
-# 32 streams of a short prompt and 12 tokens hold 2 blocks each; a long request 32.
-NUM_BLOCKS = 128
-ENGINE_FLAGS = [
-    "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", str(NUM_BLOCKS),
-]
-START_TIMEOUT_S = 180.0
-PROC = sys.platform.startswith("linux")  # the process tree is read from /proc
-# The cluster gateway's gauges come from a poller (every 0.5 s): a reading counts as
-# "after" an event only once a poll that began after the event has landed.
-STATS_LAG_S = {"serve": 0.0, "cluster": 0.8}
-IDLE_WITHIN_S = 2.0
-
 # Greedy outputs by mode (and the SDK's), for the cross-mode test at the end.
 GREEDY: dict[str, dict[str, Any]] = {"sdk": {}, **{mode: {} for mode in MODES}}
 
 
-# -- the servers -------------------------------------------------------------------------
-
-
-@dataclass
-class Server:
-    mode: str
-    url: str
-    process: subprocess.Popen
-    log_path: Path
-
-    def log_tail(self, chars: int = 8000) -> str:
-        """What conftest's report hook shows under a failed test."""
-        text = self.log_path.read_text(errors="replace")
-        return f"[kvfleet {self.mode}, exit code {self.process.poll()}] ...\n{text[-chars:]}"
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics (open without the key), keyed `name{label=value,...}` without model_name."""
-        samples = {}
-        for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=10).text):
-            for sample in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
-                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return samples
-
-    def wait_idle(self, since: float | None = None, timeout: float = IDLE_WITHIN_S) -> dict[str, float]:
-        """/metrics once no request runs or waits and no KV block is held, within `timeout`
-        of `since` (a time.monotonic(); default now). With `since`, only a reading of the
-        engine's state after that moment counts."""
-        start = time.monotonic() if since is None else since
-        fresh = start + (STATS_LAG_S[self.mode] if since is not None else 0.0)
-        while True:
-            now = time.monotonic()
-            metrics = self.metrics()
-            busy = {name: metrics[name] for name in
-                    ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")}
-            if now >= fresh and not any(busy.values()):
-                return metrics
-            assert now < start + timeout, f"{self.mode}: still busy {now - start:.2f} s later: {busy}"
-            time.sleep(0.05)
-
-    def wait_for(self, condition: Callable[[dict[str, float]], bool], timeout: float = 5.0) -> dict[str, float]:
-        deadline = time.monotonic() + timeout
-        while not condition(metrics := self.metrics()):
-            assert time.monotonic() < deadline, f"{self.mode}: /metrics never got there: {metrics}"
-            time.sleep(0.05)
-        return metrics
-
-
-def _command(mode: str, port: int) -> list[str]:
-    common = [*ENGINE_FLAGS, "--port", str(port), "--api-key", API_KEY, "--served-model-name", SERVED]
-    if mode == "serve":  # vLLM's form: the model positional
-        return [sys.executable, "-m", "kvfleet.cli", "serve", MODEL, *common]
-    return [sys.executable, "-m", "kvfleet.cli", "cluster", "up", "--model", MODEL, *common, "--lease-ttl", "3"]
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below `pid`, from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
 @pytest.fixture(scope="module", params=MODES)
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    mode = request.param
-    port = free_port()
-    log_path = tmp_path_factory.mktemp(f"kvfleet-{mode}") / "server.log"
-    env = {key: value for key, value in os.environ.items() if key != "KVFLEET_API_KEY"}
-    env.update(KVFLEET_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
-    with open(log_path, "ab") as log:  # O_APPEND: the children write, the tests read
-        process = subprocess.Popen(_command(mode, port), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    running = Server(mode, f"http://127.0.0.1:{port}", process, log_path)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _healthy(running.url):
-            assert process.poll() is None, f"kvfleet {mode} exited while starting\n{running.log_tail()}"
-            assert time.monotonic() < deadline, (
-                f"kvfleet {mode} not healthy in {START_TIMEOUT_S} s\n{running.log_tail()}")
-            time.sleep(0.25)
-        children = descendants(process.pid) if PROC else set()
-        if mode == "cluster" and PROC:  # nats, redis, tokenizer, worker, scheduler, gateway
-            assert len(children) >= 6, f"{children}\n{running.log_tail()}"
+    with running_server(request.param, tmp_path_factory, *TOOL_FLAGS) as running:
         yield running
-        # SIGTERM stops both cleanly; the cluster launcher stops its roles, then NATS and Redis.
-        process.send_signal(signal.SIGTERM)
-        code = process.wait(timeout=90)
-        assert code == 0, f"kvfleet {mode} exited with {code} on SIGTERM\n{running.log_tail()}"
-        assert not [pid for pid in children if alive(pid)], f"left running\n{running.log_tail()}"
-        if mode == "cluster":
-            assert "cluster stopped" in running.log_tail()
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -246,6 +133,24 @@ def chat_prompt_len(llm: LLM) -> int:
 
 def bearer(headers: dict[str, str] | None = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}", **(headers or {})}
+
+
+TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"]}
+CLOCK = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "The local time in a city", "parameters": CLOCK}},
+]
+SCHEMA_OF = {"get_weather": WEATHER, "get_time": CLOCK}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+CONSTRAINTS = {  # field value, and a Python check of each output
+    "regex": ({"regex": r"[A-Z][a-z]{2,8} [0-9]{1,2}"}, lambda text: re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{1,2}", text)),
+    "choice": ({"choice": ["north", "south", "east", "west"]}, lambda text: text in ("north", "south", "east", "west")),
+    "grammar": ({"grammar": 'root ::= ("yes" | "no") ", " [a-z]{1,10} "."'},
+                lambda text: re.fullmatch(r"(yes|no), [a-z]{1,10}\.", text)),
+}
 
 
 # -- models, completions ----------------------------------------------------------------
@@ -418,7 +323,11 @@ def test_a_stop_string_that_starts_in_an_earlier_delta(server: Server, client: o
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"logit_bias": {"10000000": 5}}, "logit_bias"),
         ({"temperature": "hot"}, "temperature"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+         "response_format"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_choice": ["a"], "structured_outputs": {"regex": "b"}}, "guided_choice"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
@@ -614,10 +523,10 @@ def test_cluster_up_restarts_a_killed_worker_and_serves_again(server: Server, cl
     killed = role_pid(server, "worker")
     os.kill(killed, signal.SIGKILL)
     began = time.monotonic()
-    while _healthy(server.url):  # its lease lapses
+    while healthy(server.url):  # its lease lapses
         assert time.monotonic() - began < 30, server.log_tail()
         time.sleep(0.2)
-    while not _healthy(server.url):  # restarted after its backoff, loaded, and taken up: no cluster restart
+    while not healthy(server.url):  # restarted after its backoff, loaded, and taken up: no cluster restart
         assert time.monotonic() - began < START_TIMEOUT_S, server.log_tail()
         time.sleep(0.25)
     reply = client.completions.create(model=SERVED, prompt="Hello", max_tokens=4, temperature=0,
@@ -628,6 +537,92 @@ def test_cluster_up_restarts_a_killed_worker_and_serves_again(server: Server, cl
 
 
 # -- across the modes ---------------------------------------------------------------------------
+
+
+# -- structured outputs and tool calls -------------------------------------------------
+
+
+def test_twenty_json_schemas_by_response_format(client: openai.OpenAI) -> None:
+    def ask(what_and_schema: tuple[str, dict]) -> tuple[str, str | None, str]:
+        what, schema = what_and_schema
+        response = client.chat.completions.create(
+            model=SERVED, messages=[{"role": "user", "content": f"Give me {what} as JSON."}], temperature=1.0,
+            seed=1, max_tokens=300,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+        choice = response.choices[0]
+        return what, choice.message.content, choice.finish_reason
+
+    with ThreadPoolExecutor(len(SCHEMAS)) as pool:  # together, as one batch in the engine
+        answers = list(pool.map(ask, SCHEMAS))
+    for (what, content, finish_reason), (_, schema) in zip(answers, SCHEMAS):
+        assert finish_reason == "stop", (what, content)
+        jsonschema.validate(json.loads(content), schema)
+
+
+@pytest.mark.parametrize("kind", CONSTRAINTS)
+@pytest.mark.parametrize("spelling", ["structured_outputs", "guided"])
+def test_regex_choice_and_grammar_hold_on_twenty_samples(client: openai.OpenAI, kind: str, spelling: str) -> None:
+    value, holds = CONSTRAINTS[kind]
+    extra = {"structured_outputs": value} if spelling == "structured_outputs" else {f"guided_{kind}": value[kind]}
+    response = client.chat.completions.create(
+        model=SERVED, messages=[{"role": "user", "content": f"Answer with a {kind}."}], n=20, temperature=1.0,
+        max_tokens=40, extra_body=extra)
+    texts = [choice.message.content for choice in response.choices]
+    assert len(texts) == 20 and all(holds(text) for text in texts), texts
+
+
+def _check_calls(calls: list[tuple[str, str]], only: str | None = None) -> None:
+    assert calls
+    for name, arguments in calls:
+        assert name in SCHEMA_OF and (only is None or name == only), name
+        jsonschema.validate(json.loads(arguments), SCHEMA_OF[name])
+
+
+def _streamed_calls(client: openai.OpenAI, **args) -> tuple[list[tuple[str, str]], str]:
+    """The calls reassembled from the stream, as an OpenAI client does: by index, the name
+    on a call's first delta (with its id), the arguments as fragments after it."""
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    finish_reason = ""
+    for chunk in client.chat.completions.create(model=SERVED, messages=ASK, tools=TOOLS, stream=True, **args):
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                if call.function.name:
+                    assert call.id and call.index not in names
+                    names[call.index] = call.function.name
+                arguments[call.index] = arguments.get(call.index, "") + (call.function.arguments or "")
+            finish_reason = choice.finish_reason or finish_reason
+    return [(names[index], arguments[index]) for index in sorted(names)], finish_reason
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_forced_tool_calls_whole_and_streamed(client: openai.OpenAI, tool_choice: str) -> None:
+    only = "get_weather" if tool_choice == "named" else None
+    choice = {"type": "function", "function": {"name": only}} if only else "required"
+    args = dict(tool_choice=choice, temperature=0.0, max_tokens=120)
+    whole = client.chat.completions.create(model=SERVED, messages=ASK, tools=TOOLS, **args).choices[0]
+    calls = [(call.function.name, call.function.arguments) for call in whole.message.tool_calls]
+    _check_calls(calls, only)
+    assert whole.finish_reason == ("stop" if only else "tool_calls")
+    streamed, finish_reason = _streamed_calls(client, **args)
+    assert streamed == calls and finish_reason == whole.finish_reason
+
+    # The second turn: the call and its result go back through the chat template.
+    call = whole.message.tool_calls[0]
+    conversation = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
+    answer = client.chat.completions.create(model=SERVED, messages=conversation, tools=TOOLS, tool_choice="none",
+                                            temperature=0.0, max_tokens=30).choices[0]
+    assert answer.message.content and not answer.message.tool_calls
+
+
+def test_tool_choice_errors_name_the_field(client: openai.OpenAI) -> None:
+    for extra in ({"tool_choice": "required"},
+                  {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}},
+                  {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=SERVED, messages=ASK, max_tokens=4, extra_body=extra)
+        assert caught.value.param in ("tool_choice", "response_format")
 
 
 def test_greedy_outputs_are_identical_in_both_modes_and_equal_the_sdk() -> None:

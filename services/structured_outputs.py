@@ -31,6 +31,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     # Which request field carried the constraint, named in errors (e.g. "response_format").
     field_name: str = field(default="structured_outputs", compare=False)
+    # With a reasoning parser: the tokens that end the reasoning ("</think>"); the
+    # constraint applies from the token after them. Empty: from the first token.
+    reasoning_end_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -50,8 +53,8 @@ class StructuredOutputsParams:
     def __hash__(self) -> int:
         return hash(self._key())
 
-    def _key(self) -> tuple[str, str, bool]:
-        return self.kind, self.spec, self.disable_any_whitespace
+    def _key(self) -> tuple[str, str, bool, tuple[int, ...]]:
+        return self.kind, self.spec, self.disable_any_whitespace, tuple(self.reasoning_end_token_ids)
 
     @property
     def kind(self) -> str:
@@ -69,7 +72,8 @@ class StructuredOutputsParams:
 
     @classmethod
     def from_spec(
-        cls, kind: str, spec: str, disable_any_whitespace: bool = False, field_name: str = "structured_outputs"
+        cls, kind: str, spec: str, disable_any_whitespace: bool = False, field_name: str = "structured_outputs",
+        reasoning_end_token_ids: tuple[int, ...] = (),
     ) -> StructuredOutputsParams:
         """The inverse of (kind, spec): how a constraint is rebuilt after a process boundary."""
         if kind not in KINDS:
@@ -79,7 +83,8 @@ class StructuredOutputsParams:
             value = True
         elif kind == "choice":
             value = json.loads(spec)
-        return cls(**{kind: value}, disable_any_whitespace=disable_any_whitespace, field_name=field_name)
+        return cls(**{kind: value}, disable_any_whitespace=disable_any_whitespace, field_name=field_name,
+                   reasoning_end_token_ids=tuple(reasoning_end_token_ids))
 
 
 # vLLM's older name for the same parameters.

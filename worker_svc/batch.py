@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import xgrammar as xgr
 
 from services.messages import StepPlan
 from services.sampling_params import SamplingParams
 from worker_svc.attention.backend import BatchLayout
+from worker_svc.grammar import RequestGrammar
 
 
 @dataclass
@@ -19,7 +19,7 @@ class RequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    matcher: xgr.GrammarMatcher | None = None  # for a request with structured outputs
+    grammar: RequestGrammar | None = None  # for a request with structured outputs
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,6 +1,10 @@
 """Structured outputs in the worker: constraints compiled by xgrammar, one matcher per
 constrained request, and the batch's token bitmask applied to the logits in one op.
 
+With a reasoning parser the grammar starts after the reasoning: a request's
+constraint then names the token ids that end it (`reasoning_end_token_ids`, "</think>"),
+and its tokens go unconstrained until they have been sampled.
+
 The matchers live here, beside the sampler, not beside the scheduler as in vLLM:
 xgrammar loads torch, which the scheduler process must not; and the worker sees every
 sampled token first, so advancing a matcher costs no round trip and no [batch,
@@ -20,6 +24,7 @@ import json
 import logging
 import re
 import threading
+from dataclasses import dataclass
 
 import torch
 import xgrammar as xgr
@@ -74,6 +79,25 @@ def _compile_structural_tag(compiler: xgr.GrammarCompiler, spec: str) -> xgr.Com
     return compiler.compile_structural_tag(spec)
 
 
+@dataclass
+class RequestGrammar:
+    """One request's grammar state: its matcher, and the reasoning it waits out first."""
+
+    matcher: xgr.GrammarMatcher
+    waiting_for: tuple[int, ...]  # the reasoning's end marker; () once the grammar has started
+    recent: list[int]  # the last tokens, to spot the marker
+
+    @property
+    def constrains(self) -> bool:
+        return not self.waiting_for and not self.matcher.is_terminated()
+
+    def saw(self, token: int) -> None:
+        """A token sampled before the grammar started: the marker's last one starts it."""
+        self.recent = [*self.recent, token][-len(self.waiting_for):]
+        if tuple(self.recent) == self.waiting_for:
+            self.waiting_for = ()
+
+
 class Grammars:
     """The worker's compiler and the batch operations on matchers. Thread-safe: the
     scheduler's CompileGrammar calls run beside the steps."""
@@ -110,27 +134,39 @@ class Grammars:
             raise InvalidParameter(params.field_name, f"invalid {params.kind} constraint: {message}") from exc
         raise InvalidParameter(params.field_name, f"unknown constraint kind {params.kind!r}")
 
-    def matcher(self, params: StructuredOutputsParams, output_token_ids: list[int]) -> xgr.GrammarMatcher:
-        """A matcher that has accepted the request's output so far (none, unless it resumes)."""
-        matcher = xgr.GrammarMatcher(self.compile(params), max_rollback_tokens=0)
-        for token in output_token_ids:
-            if not matcher.accept_token(token):
-                logger.warning("a resumed request's output left its grammar at token %d", token)
+    def request_grammar(self, params: StructuredOutputsParams, output_token_ids: list[int]) -> RequestGrammar:
+        """The state of a request whose output so far is `output_token_ids` (none, unless it resumes)."""
+        grammar = RequestGrammar(xgr.GrammarMatcher(self.compile(params), max_rollback_tokens=0),
+                                 tuple(params.reasoning_end_token_ids), [])
+        for position, token in enumerate(output_token_ids):
+            if grammar.waiting_for:
+                grammar.saw(token)
+            elif not grammar.matcher.accept_token(token):
+                logger.warning("a resumed request's output left its grammar at token %d (position %d)",
+                               token, position)
                 break
-        return matcher
+        return grammar
 
-    def mask(self, logits: torch.Tensor, matchers: list[xgr.GrammarMatcher | None]) -> None:
+    def mask(self, logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
         """Sets to -inf, in place, each constrained row's logits of tokens its grammar forbids."""
-        rows = [row for row, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+        rows = [row for row, grammar in enumerate(grammars) if grammar is not None and grammar.constrains]
         if not rows:
             return
-        bitmask = xgr.allocate_token_bitmask(len(matchers), self._vocab_size)
-        self._batch.batch_fill_next_token_bitmask([matchers[row] for row in rows], bitmask, indices=rows)
+        bitmask = xgr.allocate_token_bitmask(len(grammars), self._vocab_size)
+        matchers = [grammars[row].matcher for row in rows]
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self._vocab_size, indices=rows)
 
-    def accept(self, matchers: list[xgr.GrammarMatcher | None], tokens: list[int]) -> None:
-        """Advances each live matcher past its row's sampled token."""
-        live = [(m, token) for m, token in zip(matchers, tokens) if m is not None and not m.is_terminated()]
+    def accept(self, grammars: list[RequestGrammar | None], tokens: list[int]) -> None:
+        """Advances each row's grammar past its sampled token."""
+        live = []
+        for grammar, token in zip(grammars, tokens):
+            if grammar is None:
+                continue
+            if grammar.waiting_for:
+                grammar.saw(token)
+            elif not grammar.matcher.is_terminated():
+                live.append((grammar.matcher, token))
         if not live:
             return
         accepted = self._batch.batch_accept_token([m for m, _ in live], [token for _, token in live])

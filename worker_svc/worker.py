@@ -178,15 +178,15 @@ class Worker:
                 states, self.model_config.vocab_size, self.model_config.eos_token_ids, self.device
             )
             processed = adjustments.apply(logits) if adjustments else logits
-            matchers = [s.matcher for s in states]
-            if any(matchers):
+            grammars = [s.grammar for s in states]
+            if any(grammars):
                 # Masked in place on a copy: logprobs report the model's raw distribution.
                 processed = processed.clone() if processed is logits else processed
-                self.grammars.mask(processed, matchers)
+                self.grammars.mask(processed, grammars)
             sampled = sample(processed, batch)
             tokens = sampled.tolist()
-            if any(matchers):
-                self.grammars.accept(matchers, tokens)
+            if any(grammars):
+                self.grammars.accept(grammars, tokens)
             for request_id, state, token in zip(inputs.sample_request_ids, states, tokens):
                 state.token_ids.append(token)
                 result.sampled_token_ids[request_id] = [token]
@@ -232,7 +232,7 @@ class Worker:
                 new.num_computed_tokens,
                 new.sampling_params,
                 generator,
-                self.grammars.matcher(constraint, new.token_ids[new.num_prompt_tokens:]) if constraint else None,
+                self.grammars.request_grammar(constraint, new.token_ids[new.num_prompt_tokens:]) if constraint else None,
             )
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]

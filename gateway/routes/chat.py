@@ -4,6 +4,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from dataclasses import replace
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -36,6 +37,7 @@ from gateway.sampling import response_format_constraint, to_sampling_params
 from gateway.sse import DONE, event, sse_response
 from gateway.tool_calls import OutputReader, StreamingOutputReader
 from gateway.tool_parsers import StreamDelta, new_tool_call_id
+from gateway.tool_parsers.reasoning import END_THINK
 from services.prompt import fit_prompt
 from services.tokenizer_api import ChatPrompt
 from tokenizer_svc.text_output import TextDelta
@@ -72,6 +74,10 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
     )
     tool_definitions = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     prompt = await ctx.encoder.encode_chat(ChatPrompt(message_dicts(body.messages), tools=tool_definitions))
+    if params.structured_outputs is not None and reader.reasoning is not None and reader.reasoning.thinks_after(prompt.text):
+        [end] = await ctx.encoder.encode([END_THINK], add_special_tokens=False)
+        # The grammar starts once the reasoning has ended.
+        params = replace(params, structured_outputs=replace(params.structured_outputs, reasoning_end_token_ids=tuple(end)))
     prompt_token_ids = fit_prompt(
         prompt.token_ids, params, ctx.max_model_len, "messages",
         "max_completion_tokens" if uses_completion_tokens else "max_tokens",

@@ -37,6 +37,11 @@ class ReasoningParser:
     def stream(self) -> StreamingReasoningParser:
         return StreamingReasoningParser(self.requires_open_tag)
 
+    def thinks_after(self, prompt: str) -> bool:
+        """Whether the output may open with reasoning, by the rendered prompt: not when the
+        template already closed a think section (thinking turned off, "<think></think>")."""
+        return END_THINK not in prompt.rpartition(THINK)[2] or THINK not in prompt
+
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     requires_open_tag = False

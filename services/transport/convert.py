@@ -81,14 +81,16 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
 
 def structured_outputs_to_proto(params: StructuredOutputsParams) -> common_pb2.StructuredOutputs:
     return common_pb2.StructuredOutputs(kind=params.kind, spec=params.spec, field_name=params.field_name,
-                                        disable_any_whitespace=params.disable_any_whitespace)
+                                        disable_any_whitespace=params.disable_any_whitespace,
+                                        reasoning_end_token_ids=params.reasoning_end_token_ids)
 
 
 def structured_outputs_from_proto(message: common_pb2.StructuredOutputs) -> StructuredOutputsParams:
     """Raises InvalidParameter on an unknown kind or a malformed choice list."""
     field_name = message.field_name or "structured_outputs"
     try:
-        return StructuredOutputsParams.from_spec(message.kind, message.spec, message.disable_any_whitespace, field_name)
+        return StructuredOutputsParams.from_spec(message.kind, message.spec, message.disable_any_whitespace, field_name,
+                                                 tuple(message.reasoning_end_token_ids))
     except ValueError as exc:
         if isinstance(exc, InvalidParameter):
             raise

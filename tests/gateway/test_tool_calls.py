@@ -83,3 +83,10 @@ def test_tool_choice_mistakes_are_400_naming_tool_choice(fields: dict, options: 
     with pytest.raises(OpenAIError) as raised:
         OutputReader.of(_request(**fields), options)
     assert raised.value.status == 400 and raised.value.param == "tool_choice"
+
+
+def test_the_grammar_waits_for_reasoning_only_where_the_model_may_think() -> None:
+    parser = OutputReader.of(_request(tool_choice="none"), HERMES).reasoning
+    assert parser.thinks_after("<|user|>hi<|assistant|><think>\n")  # the template opened it
+    assert parser.thinks_after("<|user|>hi<|assistant|>")
+    assert not parser.thinks_after("<|user|>hi<|assistant|><think>\n\n</think>\n\n")  # thinking off

@@ -93,6 +93,19 @@ def test_chunked_prefill_and_prefix_hits_keep_the_constraint(make_llm) -> None:
     assert first.outputs[0].text in COLORS and second.outputs[0].text == first.outputs[0].text
 
 
+def test_with_a_reasoning_end_the_grammar_starts_after_it(llm) -> None:
+    [free] = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                          use_tqdm=False)
+    thought = free.outputs[0].token_ids[:4]  # stands in for "...</think>": the last two tokens end it
+    constraint = StructuredOutputsParams(choice=COLORS, reasoning_end_token_ids=tuple(thought[2:]))
+    [output] = llm.generate("The capital of France is", SamplingParams(
+        temperature=0.0, max_tokens=20, structured_outputs=constraint), use_tqdm=False)
+    completion = output.outputs[0]
+    assert completion.token_ids[:4] == thought  # unconstrained until the marker
+    reasoning = llm.get_tokenizer().decode(thought)
+    assert completion.text.startswith(reasoning) and completion.text[len(reasoning):] in COLORS
+
+
 @pytest.mark.parametrize(("constraint", "message"), [
     (dict(regex="(unclosed"), "parenthesis"),
     (dict(grammar="root ::= missing_rule"), "missing_rule"),

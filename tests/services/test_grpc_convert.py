@@ -29,7 +29,7 @@ FULL_PARAMS = SamplingParams(
     spaces_between_special_tokens=False,
     bad_words_token_ids=[[11, 12], [13]],
     structured_outputs=StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True,
-                                               field_name="response_format"),
+                                               field_name="response_format", reasoning_end_token_ids=(5, 6)),
 )
 # Logprobs are float32 on the wire; these values are exact in float32. Dict order is
 # the order that matters (best first, then the sampled token).

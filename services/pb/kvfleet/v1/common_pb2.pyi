@@ -88,16 +88,18 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., best_of: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., bad_words: _Optional[_Iterable[str]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
-    __slots__ = ("kind", "spec", "disable_any_whitespace", "field_name")
+    __slots__ = ("kind", "spec", "disable_any_whitespace", "field_name", "reasoning_end_token_ids")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     DISABLE_ANY_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     FIELD_NAME_FIELD_NUMBER: _ClassVar[int]
+    REASONING_END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     spec: str
     disable_any_whitespace: bool
     field_name: str
-    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., disable_any_whitespace: _Optional[bool] = ..., field_name: _Optional[str] = ...) -> None: ...
+    reasoning_end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., disable_any_whitespace: _Optional[bool] = ..., field_name: _Optional[str] = ..., reasoning_end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.messages import StepPlan
 from services.sampling_params import SamplingParams
 from worker_svc.attention.backend import BatchLayout
-from worker_svc.grammar import RequestGrammar
+
+if TYPE_CHECKING:  # xgrammar loads transformers: only workers that meet a constraint import it
+    from worker_svc.grammar import RequestGrammar
 
 
 @dataclass

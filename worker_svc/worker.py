@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,7 +22,6 @@ from worker_svc.attention.paged_decode import (
 from worker_svc.attention.torch_backend import TorchAttentionBackend
 from worker_svc.batch import RequestState, prepare_inputs
 from worker_svc.device import torch_device, torch_dtype
-from worker_svc.grammar import Grammars
 from worker_svc.kv_cache import (
     allocate_kv_cache,
     bytes_per_block,
@@ -32,6 +33,9 @@ from worker_svc.logits_processors import LogitsAdjustments
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.sampler import SamplingBatch, gather_logprobs, sample
 from worker_svc.weights import load_weights
+
+if TYPE_CHECKING:
+    from worker_svc.grammar import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +50,10 @@ class Worker:
         self.instance_id = uuid.uuid4().hex
         self.device = torch_device(config)
         self.dtype = torch_dtype(config)
-        source = resolve_model(config.model)
-        self.model_config, weights = load_weights(source, self.dtype)
-        self.grammars = Grammars(source, self.model_config.vocab_size, self.model_config.eos_token_ids)
+        self.source = resolve_model(config.model)
+        self.model_config, weights = load_weights(self.source, self.dtype)
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()  # CompileGrammar calls come on several threads
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.attention_backend = self._attention_backend()
         with torch.device("meta"):
@@ -134,6 +139,17 @@ class Worker:
             eos_token_ids=self.model_config.eos_token_ids,
             instance_id=self.instance_id,
         )
+
+    @property
+    def grammars(self) -> Grammars:
+        """Built when the first constraint arrives: xgrammar loads transformers, a second
+        at start and at exit that a worker serving none should not pay."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from worker_svc.grammar import Grammars
+
+                self._grammars = Grammars(self.source, self.model_config.vocab_size, self.model_config.eos_token_ids)
+            return self._grammars
 
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compiles a constraint into the grammar cache; raises InvalidParameter when it is invalid."""

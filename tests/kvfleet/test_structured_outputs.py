@@ -120,6 +120,25 @@ def test_an_invalid_constraint_is_refused_naming_its_field(llm, constraint: dict
     assert_no_leaks(llm)
 
 
+def test_structural_tags_in_vllms_and_xgrammars_formats(llm) -> None:
+    answer = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"]}
+    structure = {"begin": "<answer>", "schema": answer, "end": "</answer>"}
+    legacy = {"type": "structural_tag", "structures": [structure], "triggers": ["<answer>"]}
+    native = {"type": "structural_tag", "format": {"type": "tag", "begin": "<answer>", "end": "</answer>",
+                                                  "content": {"type": "json_schema", "json_schema": structure["schema"]}}}
+    for tag in (legacy, native):
+        params = SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputsParams(
+            structural_tag=json.dumps(tag), disable_any_whitespace=True))
+        [output] = llm.generate("<answer>", params, use_tqdm=False)
+        text = output.outputs[0].text
+        if tag is native:  # the whole output is the tag
+            assert text.startswith("<answer>")
+            assert isinstance(json.loads(text[len("<answer>"):].split("</answer>")[0])["a"], int)
+    with pytest.raises(InvalidParameter, match="structural_tag"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag='{"type": 1}')),
+                     use_tqdm=False)
+
+
 def test_params_name_exactly_one_constraint_and_keep_the_old_spelling() -> None:
     for kwargs in ({}, {"regex": "a", "choice": ["b"]}, {"choice": []}):
         with pytest.raises(InvalidParameter, match="structured_outputs"):

@@ -15,7 +15,7 @@ figure subtracts the wall time of a max_tokens=1 run of the same prompts in the 
 (prompt processing, the first token and per-call overhead): (tokens - 32) / (full - one).
 The arms alternate order each round; the median ratio over the rounds is reported. A
 warm-up compiles the 20 grammars (timed, each) and runs each arm once first. The
-worker's Grammars.mask/accept/matcher and each step are wrapped with timers (a few
+worker's Grammars.mask/accept/request_grammar and each step are wrapped with timers (a few
 perf_counter calls a step, against steps of tens of ms) to show what the grammar work
 costs per step. Outputs are parsed as JSON and validated with jsonschema.
 
@@ -168,7 +168,7 @@ def main() -> None:
     timers.wrap(worker, "execute", "step")
     timers.wrap(worker.grammars, "mask", "mask")
     timers.wrap(worker.grammars, "accept", "accept")
-    timers.wrap(worker.grammars, "matcher", "matcher")
+    timers.wrap(worker.grammars, "request_grammar", "matcher")
     convs = conversations()
 
     # Cold compilation of each distinct schema (xgrammar caches by the schema's text).

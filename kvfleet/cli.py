@@ -82,7 +82,10 @@ def _cluster_up(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:  # as vLLM refuses it
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser to read the model's tool calls")
     if args.command in _ROLES:
         module, function = _ROLES[args.command][2].split(":")
         return getattr(importlib.import_module(module), function)(args)

@@ -5,6 +5,8 @@ named); streamed in any chunking, it gives what the whole answer gives."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from stream_chunks import chunkings
@@ -90,3 +92,9 @@ def test_the_grammar_waits_for_reasoning_only_where_the_model_may_think() -> Non
     assert parser.thinks_after("<|user|>hi<|assistant|><think>\n")  # the template opened it
     assert parser.thinks_after("<|user|>hi<|assistant|>")
     assert not parser.thinks_after("<|user|>hi<|assistant|><think>\n\n</think>\n\n")  # thinking off
+
+
+def test_auto_tool_choice_without_a_parser_is_refused_at_start() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvfleet.cli", "serve", "--enable-auto-tool-choice"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--tool-call-parser" in done.stderr.splitlines()[-1]

@@ -94,9 +94,10 @@ class ToolCalling:
             return StructuredOutputsParams(json=calls, field_name="tool_choice")
         return None
 
-    def finish_reason(self, parsed: ParsedOutput, reason: str | None) -> str | None:
-        # As OpenAI: calls the model chose (auto, required) end with "tool_calls"; a named one with "stop".
-        return "tool_calls" if parsed.tool_calls and reason == "stop" and self.choice != "named" else reason
+    def finish_reason(self, called: bool, reason: str | None) -> str | None:
+        """A choice's finish reason once it has (or has not) `called` a tool. As OpenAI:
+        calls the model chose (auto, required) end with "tool_calls"; a named one with "stop"."""
+        return "tool_calls" if called and reason == "stop" and self.choice != "named" else reason
 
     def parse(self, text: str) -> ParsedOutput:
         if self.parser is not None:

@@ -65,10 +65,11 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
     reader = OutputReader.of(body, ctx.chat_options)
     tools = reader.tools
     constraint = response_format_constraint(body.response_format)
-    if tools is not None and tools.constraint is not None:
+    forced = tools.constraint if tools is not None else None
+    if forced is not None:
         if constraint is not None:
             raise bad_request("response_format", f"response_format cannot be combined with tool_choice {tools.choice!r}")
-        constraint = tools.constraint
+        constraint = forced
     params = await to_sampling_params(
         body, ctx.encoder, max_tokens, num_top if body.logprobs else None, body.prompt_logprobs, constraint,
     )
@@ -115,7 +116,7 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
             index=index,
             message=ChatMessage(content=parsed.content, tool_calls=calls, reasoning_content=reasoning),
             logprobs=ChatLogprobs(content=content_logprobs[index]) if body.logprobs else None,
-            finish_reason=tools.finish_reason(parsed, delta.finish_reason) if tools else delta.finish_reason,
+            finish_reason=tools.finish_reason(bool(calls), delta.finish_reason) if tools else delta.finish_reason,
             stop_reason=delta.stop_reason,
         ))
     response = ChatCompletionResponse(
@@ -166,8 +167,8 @@ async def _events(
                     yield chunk(item.index, message, logprobs if number == 0 else None)
             if delta.finish_reason is not None:
                 reason = delta.finish_reason
-                if called[item.index] and reason == "stop" and reader.tools and reader.tools.choice != "named":
-                    reason = "tool_calls"
+                if reader.tools is not None:
+                    reason = reader.tools.finish_reason(called[item.index], reason)
                 # OpenAI ends a choice with an empty delta that carries the reason.
                 yield chunk(item.index, DeltaMessage(), finish_reason=reason)
     if include_usage:

@@ -91,9 +91,9 @@ def structured_outputs_from_proto(message: common_pb2.StructuredOutputs) -> Stru
     try:
         return StructuredOutputsParams.from_spec(message.kind, message.spec, message.disable_any_whitespace, field_name,
                                                  tuple(message.reasoning_end_token_ids))
-    except ValueError as exc:
-        if isinstance(exc, InvalidParameter):
-            raise
+    except InvalidParameter:
+        raise
+    except ValueError as exc:  # a choice list that is not JSON
         raise InvalidParameter(field_name, f"malformed {message.kind} constraint: {exc}") from exc
 
 

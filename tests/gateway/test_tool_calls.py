@@ -56,7 +56,7 @@ def test_auto_reads_reasoning_then_calls_whole_and_streamed() -> None:
     assert reasoning == "Let me check." and parsed.content == "I will look it up."
     calls = [(call.name, call.arguments) for call in parsed.tool_calls]
     assert calls == [("get_weather", json.dumps({"city": "Paris"}))]
-    assert reader.tools.finish_reason(parsed, "stop") == "tool_calls"
+    assert reader.tools.finish_reason(bool(parsed.tool_calls), "stop") == "tool_calls"
     for pieces in chunkings(TEXT, seed=5):
         assert _streamed(reader, pieces) == (reasoning, parsed.content, calls)
 

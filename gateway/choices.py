@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from gateway.metrics import GatewayMetrics, RequestMeter
+from gateway.metrics import GatewayMetrics
 from services.engine_client import EngineClient
 from services.messages import TokenDelta
 from services.parallel_sampling import child_params, engine_request_ids, num_children
@@ -32,25 +32,35 @@ class ChoiceDelta:
 
 class _Meters:
     """One RequestMeter per engine request: each child of a parallel request is metered as
-    a request of its own, as vLLM V1 (where children are engine requests) does."""
+    a request of its own, as vLLM V1 (where children are engine requests) does; the API
+    request as a whole once its last child has ended, as vLLM's parent request is."""
 
-    def __init__(self, metrics: GatewayMetrics, engine_ids: list[str], num_prompt_tokens: int) -> None:
-        self._open: dict[str, RequestMeter] = {i: metrics.request(num_prompt_tokens) for i in engine_ids}
+    def __init__(self, metrics: GatewayMetrics, engine_ids: list[str], num_prompt_tokens: int,
+                 params: SamplingParams) -> None:
+        self._metrics = metrics
+        self._n = params.n
+        self._open = {i: metrics.request(num_prompt_tokens, params.max_tokens) for i in engine_ids}
+        self._max_generated = 0
 
     def record(self, delta: TokenDelta, finish_reason: str | None) -> None:
         """`finish_reason` is the choice's, which a stop string may have set before the engine's."""
         meter = self._open.get(delta.request_id)
         if meter is None:
             return  # the engine's end of a request the gateway finished already
-        meter.tokens(len(delta.new_token_ids))
+        meter.tokens(len(delta.new_token_ids), delta.first_token_times)
         if finish_reason is not None:
-            del self._open[delta.request_id]
-            meter.finished(finish_reason)
+            self._finish(delta.request_id, finish_reason)
 
     def abort_rest(self) -> None:
-        for meter in self._open.values():
-            meter.finished("abort")
-        self._open.clear()
+        for engine_id in list(self._open):
+            self._finish(engine_id, "abort")
+
+    def _finish(self, engine_id: str, reason: str) -> None:
+        meter = self._open.pop(engine_id)
+        meter.finished(reason)
+        self._max_generated = max(self._max_generated, meter.num_generation_tokens)
+        if not self._open:
+            self._metrics.choices_finished(self._n, self._max_generated)
 
 
 async def generate_choices(
@@ -64,7 +74,7 @@ async def generate_choices(
 ) -> AsyncGenerator[ChoiceDelta, None]:
     count = num_children(params)
     engine_ids = engine_request_ids(request_id, count)
-    meters = _Meters(metrics, engine_ids, len(prompt_token_ids))
+    meters = _Meters(metrics, engine_ids, len(prompt_token_ids), params)
     ranked = params.best_of is not None and params.best_of > params.n
     rejected = False
     try:

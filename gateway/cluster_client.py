@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import redis
@@ -32,7 +32,9 @@ from gateway.nats_subscriber import OutputSubscriber
 from gateway.pass_batcher import PassBatcher
 from gateway.submit_batcher import Scheduler, SubmitRefused, submit_batch
 from services.engine_client import EngineUnavailable, RequestLost
-from services.messages import EngineInfo, EngineStats, TokenDelta
+from services.histogram_counts import HistogramCounts
+from services.messages import CacheConfigInfo, EngineInfo, EngineStats, TokenDelta
+from services.metric_buckets import ITERATION_TOKENS
 from services.parallel_sampling import engine_request_ids, num_children
 from services.pb.kvfleet.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.registry import DEFAULT_TTL_S, ClusterView, Member, Registry, new_member_id
@@ -46,7 +48,7 @@ logger = logging.getLogger(__name__)
 # Its health says SERVING while the scheduler takes requests and its worker link is up.
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
-_NO_STATS = EngineStats(0, 0, 0.0, 0, 0, 0, 0)
+_NO_STATS = EngineStats(0, 0, 0.0, 0, 0, 0, 0, HistogramCounts.zero(ITERATION_TOKENS), None)
 # Submit refusals after which another replica may take the request.
 _TRY_ANOTHER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
 
@@ -363,7 +365,7 @@ def _engine_info(schedulers: list[Member]) -> EngineInfo:
 
 
 def _total(stats: list[EngineStats]) -> EngineStats:
-    """Every replica's stats as one: gauges and counters add up, usage is block-weighted."""
+    """Every replica's stats as one: gauges, counters and histograms add up, usage is block-weighted."""
     blocks = sum(s.num_kv_blocks for s in stats)
     return EngineStats(
         num_requests_running=sum(s.num_requests_running for s in stats),
@@ -373,4 +375,15 @@ def _total(stats: list[EngineStats]) -> EngineStats:
         num_kv_blocks=blocks,
         prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+        iteration_tokens=sum((s.iteration_tokens for s in stats), HistogramCounts.zero(ITERATION_TOKENS)),
+        cache_config=_fleet_cache_config([s.cache_config for s in stats if s.cache_config is not None]),
     )
+
+
+def _fleet_cache_config(configs: list[CacheConfigInfo]) -> CacheConfigInfo | None:
+    """The replicas' KV cache as one, as their other stats are: the blocks of all of them,
+    with the settings they share (replicas of one model run one configuration)."""
+    if not configs:
+        return None
+    return replace(configs[0], num_gpu_blocks=sum(c.num_gpu_blocks for c in configs),
+                   num_cpu_blocks=sum(c.num_cpu_blocks for c in configs))

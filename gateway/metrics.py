@@ -1,32 +1,44 @@
-"""Prometheus metrics under vLLM's names, so vLLM dashboards and autoscaling triggers work.
+"""Prometheus metrics with vLLM V1's names, types, labels and buckets, so vLLM dashboards
+and autoscaling triggers work.
 
 Each app has its own CollectorRegistry: several apps in one process (tests, or one
-process serving two ports) must not collide in the global one. Scheduler gauges are
-read from the engine client's stats at scrape time; request counters and latency
-histograms are recorded by the gateway as deltas stream through it.
+process serving two ports) must not collide in the global one. What the scheduler
+knows (its gauges, the tokens of each engine step, the cache config) is read from the
+engine client's stats at scrape time; request counters and histograms are recorded by
+the gateway as deltas stream through it.
+
+A request's phases come from both sides without comparing two clocks: the scheduler
+measures queue and prefill time and sends them with the first token; decode time is
+the gateway's own, from the first token it received to the last.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
 
 from services.engine_client import EngineClient
+from services.messages import FirstTokenTimes
+from services.metric_buckets import (
+    INTER_TOKEN_LATENCY,
+    REQUEST_LATENCY,
+    REQUEST_PARAMS_N,
+    TIME_TO_FIRST_TOKEN,
+    token_count_buckets,
+)
 from services.telemetry import EngineStatsCollector
 
-# vLLM's buckets, so histograms line up with its dashboards.
-_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0]
-_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort")
 
 # As vLLM does: no `<name>_created` series next to every counter and histogram. The
@@ -34,53 +46,118 @@ FINISH_REASONS = ("stop", "length", "abort")
 disable_created_metrics()
 
 
+@dataclass(frozen=True)
+class TokenCountHistograms:
+    """vLLM buckets these by max_model_len, which a cluster's gateway learns only once a
+    scheduler has registered: they are made then."""
+
+    max_model_len: int
+    prompt: Histogram
+    generation: Histogram
+    max_tokens: Histogram
+    max_generation: Histogram  # the longest choice of an API request
+
+
 class GatewayMetrics:
     def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(engine, model_name))
-        labels = ["model_name"]
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=self.registry
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=self.registry
-        ).labels(model_name)
+        # process_*, python_gc_* and python_info, which vLLM's /metrics also has.
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=self.registry)
+        self._engine = engine
+        self._model_name = model_name
+        self._token_counts: TokenCountHistograms | None = None
+        self.prompt_tokens = self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = self._counter("vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter(
             "vllm:request_success", "Count of successfully processed requests.",
             ["model_name", "finished_reason"], registry=self.registry,
         )
         self.request_success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
-        self.time_to_first_token = Histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
-        ).labels(model_name)
-        self.inter_token_latency = Histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-            labels, buckets=_ITL_BUCKETS, registry=self.registry,
-        ).labels(model_name)
-        self.e2e_latency = Histogram(
-            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-            labels, buckets=_E2E_BUCKETS, registry=self.registry,
-        ).labels(model_name)
+        self.time_to_first_token = self._histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TIME_TO_FIRST_TOKEN
+        )
+        self.inter_token_latency = self._histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", INTER_TOKEN_LATENCY
+        )
+        self.e2e_latency = self._histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY
+        )
+        self.queue_time = self._histogram(
+            "vllm:request_queue_time_seconds", "Seconds from arrival at the scheduler to first scheduled.",
+            REQUEST_LATENCY,
+        )
+        self.prefill_time = self._histogram(
+            "vllm:request_prefill_time_seconds", "Seconds from first scheduled to the first token.", REQUEST_LATENCY
+        )
+        self.decode_time = self._histogram(
+            "vllm:request_decode_time_seconds", "Seconds from the first token to the last.", REQUEST_LATENCY
+        )
+        self.inference_time = self._histogram(
+            "vllm:request_inference_time_seconds", "Seconds from first scheduled to the last token.", REQUEST_LATENCY
+        )
+        self.params_n = self._histogram("vllm:request_params_n", "The n of each API request.", REQUEST_PARAMS_N)
+
+    def _counter(self, name: str, documentation: str) -> Counter:
+        return Counter(name, documentation, ["model_name"], registry=self.registry).labels(self._model_name)
+
+    def _histogram(self, name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
+        return Histogram(
+            name, documentation, ["model_name"], buckets=buckets, registry=self.registry
+        ).labels(self._model_name)
+
+    def token_counts(self) -> TokenCountHistograms | None:
+        """None while the engine is unknown (no request can have run then)."""
+        if self._token_counts is None:
+            info = self._engine.engine_info()
+            if info is None:
+                return None
+            buckets = token_count_buckets(info.max_model_len)
+            self._token_counts = TokenCountHistograms(
+                info.max_model_len,
+                self._histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request.", buckets),
+                self._histogram("vllm:request_generation_tokens", "Tokens generated by each finished request.",
+                                buckets),
+                self._histogram("vllm:request_params_max_tokens", "The max_tokens of each finished request.",
+                                buckets),
+                self._histogram("vllm:request_max_num_generation_tokens",
+                                "Tokens generated by the longest choice of each API request.", buckets),
+            )
+        return self._token_counts
 
     def render(self) -> bytes:
+        self.token_counts()  # shown from the first scrape that knows the engine, as vLLM shows them from the start
         return generate_latest(self.registry)
 
-    def request(self, num_prompt_tokens: int) -> RequestMeter:
-        return RequestMeter(self, num_prompt_tokens)
+    def request(self, num_prompt_tokens: int, max_tokens: int | None) -> RequestMeter:
+        """One engine request; `max_tokens` None: up to the context length."""
+        return RequestMeter(self, num_prompt_tokens, max_tokens)
+
+    def choices_finished(self, n: int, max_generation_tokens: int) -> None:
+        """Once per API request, when the last of its choices has ended."""
+        self.params_n.observe(n)
+        token_counts = self.token_counts()
+        if token_counts is not None:
+            token_counts.max_generation.observe(max_generation_tokens)
 
 
 class RequestMeter:
-    """One request's timings. Inter-token latency is observed once per delta (one
-    engine step), as vLLM does per iteration."""
+    """One engine request's timings and token counts. Inter-token latency is observed once
+    per delta (one engine step), as vLLM does per iteration."""
 
-    def __init__(self, metrics: GatewayMetrics, num_prompt_tokens: int) -> None:
+    def __init__(self, metrics: GatewayMetrics, num_prompt_tokens: int, max_tokens: int | None) -> None:
         self._metrics = metrics
         self._num_prompt_tokens = num_prompt_tokens
+        self._max_tokens = max_tokens
         self._arrival = time.perf_counter()
+        self._first: float | None = None
         self._last: float | None = None
+        self._first_token_times: FirstTokenTimes | None = None
+        self.num_generation_tokens = 0
 
-    def tokens(self, count: int) -> None:
+    def tokens(self, count: int, first_token_times: FirstTokenTimes | None = None) -> None:
+        """`first_token_times`: the scheduler's, which come with the first token."""
         if not count:
             return
         now = time.perf_counter()
@@ -89,11 +166,31 @@ class RequestMeter:
             # The first token means the prompt has been processed.
             metrics.time_to_first_token.observe(now - self._arrival)
             metrics.prompt_tokens.inc(self._num_prompt_tokens)
+            self._first = now
+            self._first_token_times = first_token_times
         else:
             metrics.inter_token_latency.observe(now - self._last)
         self._last = now
+        self.num_generation_tokens += count
         metrics.generation_tokens.inc(count)
 
     def finished(self, reason: str) -> None:
-        self._metrics.e2e_latency.observe(time.perf_counter() - self._arrival)
-        self._metrics.request_success[reason].inc()
+        metrics = self._metrics
+        metrics.e2e_latency.observe(time.perf_counter() - self._arrival)
+        metrics.request_success[reason].inc()
+        times = self._first_token_times
+        if times is not None:  # it reached a first token through the scheduler
+            decode = self._last - self._first
+            metrics.queue_time.observe(times.queued_s)
+            metrics.prefill_time.observe(times.prefill_s)
+            metrics.decode_time.observe(decode)
+            metrics.inference_time.observe(times.prefill_s + decode)
+        token_counts = metrics.token_counts()
+        if token_counts is not None:
+            token_counts.prompt.observe(self._num_prompt_tokens)
+            token_counts.generation.observe(self.num_generation_tokens)
+            max_tokens = self._max_tokens
+            # vLLM's server fills in an absent max_tokens as what the context leaves.
+            token_counts.max_tokens.observe(
+                max_tokens if max_tokens is not None else token_counts.max_model_len - self._num_prompt_tokens
+            )

@@ -16,6 +16,7 @@ from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from services.config import EngineConfig
 from services.engine_client import EngineUnavailable
 from services.messages import (
+    CacheConfigInfo,
     EngineStats,
     StepPlan,
     StepResult,
@@ -73,6 +74,17 @@ class EngineCore:
                 preemption_mode=config.preemption_mode,
                 num_host_blocks=described.num_host_blocks,
             )
+        )
+        # Built once: every stats() shares it.
+        self.cache_config = CacheConfigInfo(
+            block_size=described.block_size,
+            num_gpu_blocks=described.num_kv_blocks,
+            num_cpu_blocks=described.num_host_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            swap_space=config.swap_space,
+            num_gpu_blocks_override=config.num_gpu_blocks_override,
+            cache_dtype=config.kv_cache_dtype,
         )
 
     def add_request(
@@ -179,4 +191,6 @@ class EngineCore:
             num_kv_blocks=scheduler.block_pool.num_blocks,
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,
+            iteration_tokens=scheduler.iteration_tokens.snapshot(),
+            cache_config=self.cache_config,
         )

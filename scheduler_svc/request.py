@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from services.sampling_params import SamplingParams
@@ -45,6 +46,10 @@ class Request:
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # when asked for
     # Parallel samples forked from this request once its prompt is computed.
     followers: list[Request] = field(default_factory=list)
+    # time.monotonic() at arrival in the scheduler and when first scheduled: the queue
+    # and prefill times its first token reports.
+    arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -10,19 +10,23 @@ later, or (swap mode) copied to a host pool and back.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from scheduler_svc.block_hash import extend_block_hashes, extra_keys_bytes
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.request import FinishReason, Request, RequestStatus
+from services.histogram_counts import BucketCounter
 from services.messages import (
     CachedRequestData,
+    FirstTokenTimes,
     NewRequestData,
     StepPlan,
     StepResult,
     TokenDelta,
 )
+from services.metric_buckets import ITERATION_TOKENS
 from services.sampling_params import InvalidParameter
 
 
@@ -58,6 +62,7 @@ class Scheduler:
         self.num_swapped_preemptions = 0  # the part of num_preemptions that swapped rather than dropped KV
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # tokens found there
+        self.iteration_tokens = BucketCounter(ITERATION_TOKENS)  # see EngineStats.iteration_tokens
         self._step_ids = itertools.count()
         # Ended or preempted since the last plan; the next plan tells the worker.
         self._dropped_ids: list[str] = []
@@ -169,6 +174,8 @@ class Scheduler:
                 return
             num_tokens, new_blocks = admitted
             self.waiting.popleft()
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add_to_plan(plan, request, num_tokens, new_blocks)
@@ -307,6 +314,8 @@ class Scheduler:
 
     def update(self, plan: StepPlan, result: StepResult) -> list[TokenDelta]:
         deltas = []
+        now = time.monotonic()
+        step_tokens = 0
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -316,11 +325,17 @@ class Scheduler:
                 request.prompt_logprobs += result.prompt_logprobs[request_id]
             sampled = result.sampled_token_ids.get(request_id)
             if sampled:
-                deltas.append(self._accept(request, sampled, result.logprobs.get(request_id)))
+                delta = self._accept(request, sampled, result.logprobs.get(request_id), now)
+                deltas.append(delta)
+                step_tokens += len(delta.new_token_ids)
+                if delta.first_token_times is not None:
+                    step_tokens += len(request.prompt_token_ids)
             if request.followers and request.num_computed_tokens >= len(request.prompt_token_ids):
                 self._fork_followers(request)
             if self.config.enable_prefix_caching and not request.is_finished:
                 self._cache_computed_blocks(request)
+        if deltas:  # as vLLM, which records a step's stats only when it has outputs
+            self.iteration_tokens.observe(step_tokens)
         return deltas
 
     def _fork_followers(self, leader: Request) -> None:
@@ -345,11 +360,14 @@ class Scheduler:
                 follower.block_ids.append(copy)
             follower.num_computed_tokens = fork_len
             follower.num_cached_blocks = num_shared
+            follower.scheduled_time = time.monotonic()
             follower.status = RequestStatus.RUNNING
             self.running.append(follower)
         leader.followers = []
 
-    def _accept(self, request: Request, sampled: list[int], logprobs: list[dict[int, float]] | None) -> TokenDelta:
+    def _accept(
+        self, request: Request, sampled: list[int], logprobs: list[dict[int, float]] | None, now: float
+    ) -> TokenDelta:
         accepted = []
         for token in sampled:
             request.output_token_ids.append(token)
@@ -359,9 +377,12 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, reason)
                 break
-        prompt_logprobs = None
-        if request.sampling_params.prompt_logprobs is not None and len(request.output_token_ids) == len(accepted):
-            prompt_logprobs = request.prompt_logprobs  # first delta: the prompt is done
+        prompt_logprobs = first_token_times = None
+        if len(request.output_token_ids) == len(accepted):  # the first delta: the prompt is done
+            if request.sampling_params.prompt_logprobs is not None:
+                prompt_logprobs = request.prompt_logprobs
+            first_token_times = FirstTokenTimes(request.scheduled_time - request.arrival_time,
+                                                now - request.scheduled_time)
         return TokenDelta(
             request.request_id,
             accepted,
@@ -369,6 +390,7 @@ class Scheduler:
             request.stop_reason,
             logprobs[: len(accepted)] if logprobs is not None else None,
             prompt_logprobs,
+            first_token_times,
         )
 
     def _cache_computed_blocks(self, request: Request) -> None:

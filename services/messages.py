@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.histogram_counts import HistogramCounts
 from services.sampling_params import SamplingParams
 
 
@@ -84,6 +85,15 @@ class WorkerDescription:
     instance_id: str
 
 
+@dataclass(frozen=True)
+class FirstTokenTimes:
+    """How a request reached its first token, measured by the scheduler: durations on its
+    own clock, since the front end's may be another host's."""
+
+    queued_s: float  # from arrival at the scheduler to being first scheduled
+    prefill_s: float  # from being first scheduled to the first token
+
+
 @dataclass
 class TokenDelta:
     """New tokens of one request after a step, as streamed to the request's front end."""
@@ -95,11 +105,27 @@ class TokenDelta:
     logprobs: list[dict[int, float]] | None = None  # one entry per new token, when asked for
     # On the first delta, when asked for: one entry per prompt token after the first.
     prompt_logprobs: list[dict[int, float]] | None = None
+    first_token_times: FirstTokenTimes | None = None  # on the delta with the first token
+
+
+@dataclass(frozen=True)
+class CacheConfigInfo:
+    """The KV cache's configuration, as the labels of vLLM's vllm:cache_config_info
+    (the names of vLLM's CacheConfig fields)."""
+
+    block_size: int
+    num_gpu_blocks: int  # the KV blocks of the worker group, on whatever device
+    num_cpu_blocks: int  # the host pool that swap preemption copies to
+    enable_prefix_caching: bool
+    gpu_memory_utilization: float
+    swap_space: float  # GiB
+    num_gpu_blocks_override: int | None
+    cache_dtype: str
 
 
 @dataclass
 class EngineStats:
-    """A scheduler's gauges and counters, exported with vLLM's metric names."""
+    """A scheduler's gauges, counters and histograms, exported with vLLM's metric names."""
 
     num_requests_running: int
     num_requests_waiting: int
@@ -108,6 +134,10 @@ class EngineStats:
     num_kv_blocks: int
     prefix_cache_queries: int  # counter, in tokens
     prefix_cache_hits: int  # counter, in tokens
+    # Per engine step that sampled tokens: the prompt tokens of the requests that got their
+    # first token, plus the tokens sampled (vllm:iteration_tokens_total, as vLLM counts them).
+    iteration_tokens: HistogramCounts
+    cache_config: CacheConfigInfo | None  # None: no engine known yet (a cluster still starting)
 
 
 @dataclass(frozen=True)

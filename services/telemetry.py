@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import asdict
+from itertools import accumulate
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector
+from prometheus_client.utils import floatToGoString
 
 from services.messages import EngineStats
+from services.metric_buckets import ITERATION_TOKENS
 
 
 class HasStats(Protocol):
@@ -17,7 +21,8 @@ class HasStats(Protocol):
 
 
 class EngineStatsCollector(Collector):
-    """A scheduler's gauges and counters, read at scrape time (never pushed from the step loop)."""
+    """A scheduler's gauges, counters and histograms, read at scrape time (never pushed
+    from the step loop)."""
 
     _GAUGES = (
         ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_requests_running"),
@@ -49,11 +54,37 @@ class EngineStatsCollector(Collector):
                 if stats is not None:
                     family.add_metric(self._labels, getattr(stats, attribute))
                 yield family
+        yield self._iteration_tokens(stats)
+        yield _cache_config_info(stats)
+
+    def _iteration_tokens(self, stats: EngineStats | None) -> Metric:
+        family = HistogramMetricFamily(
+            "vllm:iteration_tokens_total", "Tokens per engine step: prompts reaching a first token, plus tokens sampled.",
+            labels=["model_name"],
+        )
+        if stats is not None:
+            counts = stats.iteration_tokens
+            bounds = [floatToGoString(bound) for bound in ITERATION_TOKENS] + ["+Inf"]
+            family.add_metric(self._labels, list(zip(bounds, accumulate(counts.counts))), counts.sum)
+        return family
+
+
+def _cache_config_info(stats: EngineStats | None) -> Metric:
+    """An info metric as vLLM makes one: a gauge at 1 whose labels are the config (and no model_name)."""
+    config = stats.cache_config if stats is not None else None
+    labels = {key: str(value) for key, value in asdict(config).items()} if config is not None else {}
+    family = GaugeMetricFamily("vllm:cache_config_info", "The KV cache configuration, as labels.", labels=list(labels))
+    if config is not None:
+        family.add_metric(list(labels.values()), 1)
+    return family
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def configure_logging() -> None:
     """Every role logs the same way, to stderr, for the process supervisor to collect."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
 
 
 def serve_role_metrics(port: int, host: str, extra: Collector | None = None) -> None:

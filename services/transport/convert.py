@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
+from services.histogram_counts import HistogramCounts
 from services.messages import (
+    CacheConfigInfo,
     CachedRequestData,
     EngineStats,
+    FirstTokenTimes,
     NewRequestData,
     StepPlan,
     StepResult,
@@ -129,6 +132,8 @@ def delta_to_proto(delta: TokenDelta, error: str = "") -> common_pb2.TokenDelta:
         message.logprobs.CopyFrom(logprobs_to_proto(delta.logprobs))
     if delta.prompt_logprobs is not None:
         message.prompt_logprobs.CopyFrom(logprobs_to_proto(delta.prompt_logprobs))
+    if delta.first_token_times is not None:
+        message.first_token_times.CopyFrom(common_pb2.FirstTokenTimes(**vars(delta.first_token_times)))
     return message
 
 
@@ -144,15 +149,41 @@ def delta_from_proto(message: common_pb2.TokenDelta) -> TokenDelta:
         prompt_logprobs=(
             logprobs_from_proto(message.prompt_logprobs) if message.HasField("prompt_logprobs") else None
         ),
+        first_token_times=(
+            FirstTokenTimes(message.first_token_times.queued_s, message.first_token_times.prefill_s)
+            if message.HasField("first_token_times") else None
+        ),
     )
 
 
 def stats_to_proto(stats: EngineStats) -> common_pb2.EngineStats:
-    return common_pb2.EngineStats(**vars(stats))
+    fields = vars(stats).copy()
+    histogram, cache_config = fields.pop("iteration_tokens"), fields.pop("cache_config")
+    message = common_pb2.EngineStats(
+        **fields, iteration_tokens=common_pb2.HistogramCounts(counts=histogram.counts, sum=histogram.sum)
+    )
+    if cache_config is not None:
+        # An unset num_gpu_blocks_override is None: left out, it stays unset.
+        message.cache_config.CopyFrom(
+            common_pb2.CacheConfigInfo(**{k: v for k, v in vars(cache_config).items() if v is not None})
+        )
+    return message
 
 
 def stats_from_proto(message: common_pb2.EngineStats) -> EngineStats:
-    return EngineStats(**{f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields})
+    fields = {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields if f.message_type is None}
+    return EngineStats(
+        **fields,
+        iteration_tokens=HistogramCounts(tuple(message.iteration_tokens.counts), message.iteration_tokens.sum),
+        cache_config=_cache_config_from_proto(message.cache_config) if message.HasField("cache_config") else None,
+    )
+
+
+def _cache_config_from_proto(message: common_pb2.CacheConfigInfo) -> CacheConfigInfo:
+    fields = {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
+    if not message.HasField("num_gpu_blocks_override"):
+        fields["num_gpu_blocks_override"] = None
+    return CacheConfigInfo(**fields)
 
 
 # -- the worker's messages ------------------------------------------------------------

@@ -144,3 +144,30 @@ def test_a_failed_plan_names_the_requests_whose_kv_it_moved():
         plan = scheduler.schedule()
     assert "new" not in plan.num_scheduled_tokens
     assert sorted(scheduler.requests_in(plan)) == ["new", "old"]
+
+
+def test_tokens_per_step_count_a_prompt_once_with_its_first_token_as_vllm_does():
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    add(scheduler, "long", 40, max_tokens=3)  # three prefill chunks sample nothing: no observation
+    firsts = []
+    while scheduler.has_unfinished_requests:
+        _, deltas = run_step(scheduler)
+        firsts += [d.first_token_times for d in deltas]
+    counts = scheduler.iteration_tokens.snapshot()
+    assert sum(counts.counts) == 3 and counts.sum == 40 + 3
+    first, *rest = firsts
+    assert first.queued_s >= 0 and first.prefill_s > 0 and rest == [None, None]
+
+
+def test_a_preempted_request_reports_its_first_scheduling_and_first_token_only():
+    scheduler = make_scheduler(num_blocks=6, max_model_len=24)
+    old, new = add(scheduler, "old", 8, max_tokens=12), add(scheduler, "new", 8, max_tokens=12)
+    _, deltas = run_step(scheduler)
+    assert all(d.first_token_times is not None for d in deltas)
+    scheduled = new.scheduled_time
+    times = []
+    while scheduler.has_unfinished_requests:
+        _, deltas = run_step(scheduler)
+        times += [d.first_token_times for d in deltas]
+    assert scheduler.num_preemptions > 0 and new.scheduled_time == scheduled and times == [None] * len(times)
+    assert old.is_finished and new.is_finished

@@ -6,9 +6,12 @@ import dataclasses
 
 import pytest
 
+from services.histogram_counts import HistogramCounts
 from services.messages import (
+    CacheConfigInfo,
     CachedRequestData,
     EngineStats,
+    FirstTokenTimes,
     NewRequestData,
     StepPlan,
     StepResult,
@@ -50,6 +53,9 @@ def _default(field: dataclasses.Field):
         (SamplingParams, common_pb2.SamplingParams),
         (TokenDelta, common_pb2.TokenDelta),
         (EngineStats, common_pb2.EngineStats),
+        (FirstTokenTimes, common_pb2.FirstTokenTimes),
+        (HistogramCounts, common_pb2.HistogramCounts),
+        (CacheConfigInfo, common_pb2.CacheConfigInfo),
         (WorkerDescription, worker_pb2.WorkerDescription),
         (NewRequestData, worker_pb2.NewRequestData),
         (CachedRequestData, worker_pb2.CachedRequestData),
@@ -136,6 +142,7 @@ def test_step_result_round_trip_keeps_logprob_order() -> None:
         TokenDelta("r", [], "stop", "END"),
         TokenDelta("r", [3], "length"),
         TokenDelta("r", [], "abort"),
+        TokenDelta("r", [5], None, first_token_times=FirstTokenTimes(0.25, 1.5)),
     ],
 )
 def test_token_delta_round_trip(delta: TokenDelta) -> None:
@@ -151,5 +158,8 @@ def test_token_delta_carries_the_error_that_ended_it() -> None:
 def test_description_and_stats_round_trip() -> None:
     description = WorkerDescription(100, 20, 16, 2048, 49152, (2, 0), "4f1c")
     assert convert.description_from_proto(_through_wire(convert.description_to_proto(description))) == description
-    stats = EngineStats(3, 4, 0.375, 5, 100, 1 << 40, 1 << 39)
-    assert convert.stats_from_proto(_through_wire(convert.stats_to_proto(stats))) == stats
+    cache_config = CacheConfigInfo(16, 100, 20, True, 0.9, 4.0, None, "auto")
+    stats = EngineStats(3, 4, 0.375, 5, 100, 1 << 40, 1 << 39, HistogramCounts((1, 0, 7), 23.0), cache_config)
+    for each in (stats, dataclasses.replace(stats, cache_config=None),
+                 dataclasses.replace(stats, cache_config=dataclasses.replace(cache_config, num_gpu_blocks_override=0))):
+        assert convert.stats_from_proto(_through_wire(convert.stats_to_proto(each))) == each

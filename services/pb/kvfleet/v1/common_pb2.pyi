@@ -116,7 +116,7 @@ class Logprobs(_message.Message):
     def __init__(self, positions: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_token_id", "stop_string", "logprobs", "prompt_logprobs", "error")
+    __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_token_id", "stop_string", "logprobs", "prompt_logprobs", "error", "first_token_times")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class TokenDelta(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_TIMES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
@@ -133,10 +134,19 @@ class TokenDelta(_message.Message):
     logprobs: Logprobs
     prompt_logprobs: Logprobs
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    first_token_times: FirstTokenTimes
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., error: _Optional[str] = ..., first_token_times: _Optional[_Union[FirstTokenTimes, _Mapping]] = ...) -> None: ...
+
+class FirstTokenTimes(_message.Message):
+    __slots__ = ("queued_s", "prefill_s")
+    QUEUED_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    queued_s: float
+    prefill_s: float
+    def __init__(self, queued_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_requests_running", "num_requests_waiting", "kv_cache_usage", "num_preemptions", "num_kv_blocks", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("num_requests_running", "num_requests_waiting", "kv_cache_usage", "num_preemptions", "num_kv_blocks", "prefix_cache_queries", "prefix_cache_hits", "iteration_tokens", "cache_config")
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +154,8 @@ class EngineStats(_message.Message):
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     num_requests_running: int
     num_requests_waiting: int
     kv_cache_usage: float
@@ -151,4 +163,34 @@ class EngineStats(_message.Message):
     num_kv_blocks: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    iteration_tokens: HistogramCounts
+    cache_config: CacheConfigInfo
+    def __init__(self, num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., iteration_tokens: _Optional[_Union[HistogramCounts, _Mapping]] = ..., cache_config: _Optional[_Union[CacheConfigInfo, _Mapping]] = ...) -> None: ...
+
+class HistogramCounts(_message.Message):
+    __slots__ = ("counts", "sum")
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    sum: float
+    def __init__(self, counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ...) -> None: ...
+
+class CacheConfigInfo(_message.Message):
+    __slots__ = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "enable_prefix_caching", "gpu_memory_utilization", "swap_space", "num_gpu_blocks_override", "cache_dtype")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    SWAP_SPACE_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPU_BLOCKS_OVERRIDE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    enable_prefix_caching: bool
+    gpu_memory_utilization: float
+    swap_space: float
+    num_gpu_blocks_override: int
+    cache_dtype: str
+    def __init__(self, block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., gpu_memory_utilization: _Optional[float] = ..., swap_space: _Optional[float] = ..., num_gpu_blocks_override: _Optional[int] = ..., cache_dtype: _Optional[str] = ...) -> None: ...

@@ -86,7 +86,7 @@ async def beam_choices(
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(prompt_token_ids)
     search = BeamSearchParams(params.best_of or params.n, max_tokens, params.ignore_eos, length_penalty)
     rounds = _Rounds(engine, request_id, cache_salt, asyncio.get_running_loop())
-    meter = metrics.request(len(prompt_token_ids))
+    meter = metrics.request(len(prompt_token_ids), max_tokens)
     try:
         output = await asyncio.to_thread(beam_search, prompt_token_ids, search, eos_token_ids, rounds.next_tokens)
     except ValueError:  # rejected input: the request never started
@@ -94,12 +94,15 @@ async def beam_choices(
     except BaseException:
         rounds.cancel()
         meter.finished("abort")
+        metrics.choices_finished(params.n, 0)
         raise
     choices = []
-    for index, beam in enumerate(output.beams[: params.n]):
-        delta = TokenDelta(request_id, beam.token_ids, "stop" if beam.finished else "length")
+    generated = [beam.tokens[len(prompt_token_ids):] for beam in output.sequences]  # beams carry the prompt
+    for index, (beam, token_ids) in enumerate(zip(output.sequences[: params.n], generated)):
+        delta = TokenDelta(request_id, token_ids, beam.finish_reason)
         choices.append(ChoiceDelta(index, TextStream(tokenizer, prompt_token_ids, params).apply(delta)))
-    meter.tokens(sum(len(beam.token_ids) for beam in output.beams))
+    meter.tokens(sum(map(len, generated)))
     meter.finished(choices[0].text.finish_reason)
+    metrics.choices_finished(params.n, max(map(len, generated[: params.n])))
     for choice in choices:
         yield choice

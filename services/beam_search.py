@@ -5,6 +5,10 @@ Each round asks the engine for one more token of every live beam with the top
 prompt and every common prefix through the prefix cache, so a round recomputes
 little more than the newest token of each beam. Finished beams (EOS) are ranked
 with the others by cumulative logprob / length ** length_penalty.
+
+The results have vLLM's shape (vllm/beam_search.py): a BeamSearchOutput whose
+`sequences` are BeamSearchSequences holding prompt + generated tokens, as vLLM's do.
+`text` is left to the caller, which has the tokenizer.
 """
 from __future__ import annotations
 
@@ -29,16 +33,21 @@ class BeamSearchParams:
 
 
 @dataclass
-class Beam:
-    token_ids: list[int]  # generated tokens only
-    cumulative_logprob: float = 0.0
-    finished: bool = False
+class BeamSearchSequence:
+    """One beam, with vLLM's field names."""
+
+    tokens: list[int]  # prompt + generated, as in vLLM
+    # Per generated token, the {token id: logprob} top candidates of its round.
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None  # set by the SDK, which holds the tokenizer
+    finish_reason: str | None = None  # "stop" at EOS, "length" otherwise
+    stop_reason: int | str | None = None  # always None: only EOS ends a beam, as in vLLM
 
 
 @dataclass
 class BeamSearchOutput:
-    prompt_token_ids: list[int]
-    beams: list[Beam] = field(default_factory=list)  # best first
+    sequences: list[BeamSearchSequence]  # the beam_width best, best first
 
 
 # Runs one round: a batch of token-id prompts, one new token each, with its top logprobs.
@@ -49,26 +58,31 @@ def beam_search(
     prompt: list[int], params: BeamSearchParams, eos_token_ids: tuple[int, ...], next_tokens: NextTokens
 ) -> BeamSearchOutput:
     round_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
-    live = [Beam([])]
-    finished: list[Beam] = []
+    live = [BeamSearchSequence(list(prompt))]
+    finished: list[BeamSearchSequence] = []
     for _ in range(params.max_tokens):
         candidates = []
-        for beam, top in zip(live, next_tokens([prompt + b.token_ids for b in live], round_params)):
+        for beam, top in zip(live, next_tokens([b.tokens for b in live], round_params)):
             for token, logprob in top.items():
                 ends = not params.ignore_eos and token in eos_token_ids
-                candidates.append(Beam(beam.token_ids + [token], beam.cumulative_logprob + logprob, ends))
-        candidates.sort(key=lambda b: b.cumulative_logprob, reverse=True)
+                candidates.append(BeamSearchSequence(
+                    beam.tokens + [token], beam.logprobs + [top], beam.cum_logprob + logprob,
+                    finish_reason="stop" if ends else None,
+                ))
+        candidates.sort(key=lambda b: b.cum_logprob, reverse=True)
         live = []
         for candidate in candidates[: 2 * params.beam_width]:
-            (finished if candidate.finished else live).append(candidate)
+            (finished if candidate.finish_reason else live).append(candidate)
             if len(live) == params.beam_width:
                 break
         if not live:
             break
+    for beam in live:  # still running when max_tokens ran out
+        beam.finish_reason = "length"
 
-    def score(beam: Beam) -> float:
-        length = len(prompt) + len(beam.token_ids) - (1 if beam.finished else 0)
-        return beam.cumulative_logprob / length**params.length_penalty
+    def score(beam: BeamSearchSequence) -> float:
+        # The EOS that ended a beam does not count towards its length, as in vLLM and transformers.
+        length = len(beam.tokens) - (1 if beam.finish_reason == "stop" else 0)
+        return beam.cum_logprob / length**params.length_penalty
 
-    ranked = sorted(finished + live, key=score, reverse=True)[: params.beam_width]
-    return BeamSearchOutput(prompt, ranked)
+    return BeamSearchOutput(sorted(finished + live, key=score, reverse=True)[: params.beam_width])

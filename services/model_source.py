@@ -1,17 +1,23 @@
-"""Where a model's weights and tokenizer come from: an alias, a GGUF file or a HF directory.
+"""Where a model's weights and tokenizer come from: an alias, a GGUF file, a HF
+directory, or a Hugging Face repo id (`org/name`) found in the local HF cache.
 
 Every role resolves `--model` the same way, so a worker and a tokenizer service
-given the same flag read the same files. Nothing here downloads anything.
+given the same flag read the same files. Nothing here downloads anything: a repo id
+resolves through the local cache only, as vLLM does with HF_HUB_OFFLINE=1.
 """
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+import os
+import re
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
+from services.config import ConfigError
 
-class ModelNotFoundError(ValueError):
+
+class ModelNotFoundError(ConfigError):
     """The model argument names nothing we can load locally."""
 
 
@@ -24,9 +30,13 @@ class ModelFormat(str, Enum):
 class ModelSource:
     format: ModelFormat
     path: Path  # the .gguf file, or the HuggingFace directory
+    # Set when found in the HF cache, whose directory names are commit hashes.
+    repo_id: str | None = None
 
     @property
     def name(self) -> str:
+        if self.repo_id is not None:
+            return self.repo_id
         return self.path.stem if self.format is ModelFormat.GGUF else self.path.name
 
 
@@ -46,15 +56,100 @@ def _smollm2_gguf() -> Path:
 MODEL_ALIASES = {"smollm2": _smollm2_gguf}
 
 
-def resolve_model(model: str) -> ModelSource:
+# `org/name`, as the Hub spells repo ids; a path like ./x or /x/y never matches.
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+# What tokenizer_svc.tokenizer can load from a HF directory: tokenizer.json itself, or
+# the files transformers converts into one (a sentencepiece model, a byte-level BPE).
+# tokenizer_config.json alone is not enough: it configures a tokenizer, it holds none.
+_TOKENIZER_FILE_SETS = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
+
+
+def resolve_model(model: str, revision: str = "main", *, require_tokenizer: bool = True) -> ModelSource:
+    """`revision` (a branch, tag or commit) applies to a repo id only. `require_tokenizer=False`
+    lets a HF directory lack tokenizer files: for when --tokenizer names another source."""
     if model in MODEL_ALIASES:
         return ModelSource(ModelFormat.GGUF, MODEL_ALIASES[model]())
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(ModelFormat.GGUF, path)
-    if path.is_dir() and (path / "config.json").is_file():
-        return ModelSource(ModelFormat.HF_DIR, path)
+    if path.is_dir():
+        return _from_directory(path, model, require_tokenizer)
+    if _REPO_ID.fullmatch(model):
+        snapshot = _cached_snapshot(model, revision)
+        return replace(_from_directory(snapshot, model, require_tokenizer), repo_id=model)
     raise ModelNotFoundError(
-        f"model {model!r} is not a known alias ({', '.join(MODEL_ALIASES)}), "
-        "a .gguf file, or a directory with config.json; kvfleet never downloads weights"
+        f"model {model!r} is not a known alias ({', '.join(MODEL_ALIASES)}), a .gguf file, "
+        "a model directory, or a Hugging Face repo id (org/name); kvfleet never downloads weights"
+    )
+
+
+def hf_hub_cache() -> Path:
+    """The HF hub cache, found as huggingface_hub finds it (without importing it)."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")  # the latter: legacy
+    if explicit:
+        return Path(explicit).expanduser()
+    hf_home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(hf_home).expanduser() / "hub"
+
+
+def _cached_snapshot(repo_id: str, revision: str) -> Path:
+    """The snapshot directory of `repo_id` at `revision` in the HF cache:
+    models--{org}--{name}/snapshots/{commit}/, where refs/{revision} holds the commit."""
+    cache = hf_hub_cache()
+    repo_dir = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshots = repo_dir / "snapshots"
+    if not snapshots.is_dir():
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache ({repo_dir} does not exist), "
+            "and kvfleet never downloads weights. On a machine with internet, run "
+            f"`huggingface-cli download {repo_id}` (or `hf download {repo_id}`), then copy its cache "
+            f"directory models--{repo_id.replace('/', '--')} into {cache} here (HF_HUB_CACHE or HF_HOME "
+            "choose where that is), or copy the downloaded files to a directory and pass --model <that directory>"
+        )
+    ref = repo_dir / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision  # a revision may be a commit itself
+    if (snapshots / commit).is_dir():
+        return snapshots / commit
+    available = sorted(p.name for p in snapshots.iterdir() if p.is_dir())
+    # A cache copied by hand sometimes loses refs/; one snapshot is then unambiguous.
+    if not ref.is_file() and revision == "main" and len(available) == 1:
+        return snapshots / available[0]
+    raise ModelNotFoundError(
+        f"model {repo_id!r} has no snapshot for revision {revision!r} in the Hugging Face cache {cache} "
+        f"(snapshots there: {', '.join(available) or 'none'}); kvfleet never downloads weights"
+    )
+
+
+def _from_directory(path: Path, model: str, require_tokenizer: bool) -> ModelSource:
+    """A HF model directory (config.json, weights, tokenizer) or one holding a single .gguf."""
+    if (path / "config.json").is_file():
+        if require_tokenizer:
+            _check_tokenizer_files(path, model)
+        return ModelSource(ModelFormat.HF_DIR, path)
+    # is_file follows links: a snapshot's files are symlinks into blobs/, and one whose
+    # blob was not copied is as missing as no file at all.
+    ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
+    if len(ggufs) == 1:
+        return ModelSource(ModelFormat.GGUF, ggufs[0])
+    if ggufs:
+        raise ModelNotFoundError(
+            f"model {model!r} ({path}) holds several .gguf files; pass one of them as the model: "
+            + ", ".join(str(p) for p in ggufs)
+        )
+    raise ModelNotFoundError(
+        f"model {model!r}: {path} has neither config.json nor a .gguf file "
+        "(an incomplete download or copy?); kvfleet never downloads weights"
+    )
+
+
+def _check_tokenizer_files(path: Path, model: str) -> None:
+    # Checked here, before any weight is read, so that a directory of weights alone
+    # fails at once with the files it lacks rather than deep inside the tokenizer.
+    if any(all((path / name).is_file() for name in names) for names in _TOKENIZER_FILE_SETS):
+        return
+    wanted = " or ".join(" + ".join(names) for names in _TOKENIZER_FILE_SETS)
+    raise ModelNotFoundError(
+        f"model {model!r}: {path} has config.json but no tokenizer: it needs {wanted}; "
+        "copy the tokenizer files from the model's repository into it"
     )

@@ -203,7 +203,7 @@ def test_truncate_prompt_tokens_keeps_the_tail(client: openai.OpenAI, stack: Sta
 def test_beam_search_equals_the_sdks(client: openai.OpenAI, stack: Stack, llm: LLM) -> None:
     prompt = stack.tokenizer.encode(PROMPTS[0])
     [beams] = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6))
-    expected = [stack.tokenizer.decode(beam.token_ids) for beam in beams.beams]
+    expected = [stack.tokenizer.decode(beam.tokens[len(prompt):]) for beam in beams.sequences]
     response = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=6, n=3, extra_body={"use_beam_search": True}
     )

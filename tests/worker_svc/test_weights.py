@@ -136,7 +136,7 @@ def test_hf_directory(tmp_path: Path, architecture: str, tied: bool, overrides: 
     model = _tiny_model(architecture, tied, **overrides)
     model.save_pretrained(tmp_path)
 
-    config, tensors = load_weights(resolve_model(str(tmp_path)), torch.float32)
+    config, tensors = load_weights(ModelSource(ModelFormat.HF_DIR, tmp_path), torch.float32)
 
     _assert_same_weights(tensors, model)
     assert ("lm_head.weight" in tensors) is not tied
@@ -156,7 +156,7 @@ def test_hf_directory_bfloat16_and_sharded(tmp_path: Path) -> None:
     model.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
 
-    _, tensors = load_weights(resolve_model(str(tmp_path)), torch.bfloat16)
+    _, tensors = load_weights(ModelSource(ModelFormat.HF_DIR, tmp_path), torch.bfloat16)
 
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     _assert_same_weights(tensors, model)
@@ -244,7 +244,7 @@ def test_directory_without_config_is_rejected(tmp_path: Path) -> None:
 def test_unsupported_hf_architecture_is_named(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match=r"'gpt2' is not supported; supported: llama, mistral, qwen2"):
-        load_weights(resolve_model(str(tmp_path)), torch.float32)
+        load_weights(ModelSource(ModelFormat.HF_DIR, tmp_path), torch.float32)
 
 
 def test_unsupported_gguf_architecture_is_named(tmp_path: Path) -> None:
@@ -263,4 +263,4 @@ def test_missing_layer_is_reported(tmp_path: Path) -> None:
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     with pytest.raises(ValueError, match=r"missing \['model.layers.2."):
-        load_weights(resolve_model(str(tmp_path)), torch.float32)
+        load_weights(ModelSource(ModelFormat.HF_DIR, tmp_path), torch.float32)

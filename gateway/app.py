@@ -6,6 +6,8 @@ drain by itself: gateway.drain.serve runs it so.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fastapi import FastAPI
 
 from gateway.auth import ApiKeyMiddleware
@@ -23,18 +25,20 @@ from services.tokenizer_api import PromptEncoder
 def build_app(
     engine_client: EngineClient,
     encoder: PromptEncoder,
-    served_model_name: str,
+    served_model_names: str | Sequence[str],
     api_key: str | None = None,
     limits: RequestLimits = RequestLimits(),
     chat_options: ChatOptions = ChatOptions(),
 ) -> FastAPI:
-    """`encoder` does the text work: in-process, or the cluster's tokenizer role."""
+    """`encoder` does the text work: in-process, or the cluster's tokenizer role.
+    Clients may name any of `served_model_names`; responses carry the first, as in vLLM."""
+    names = (served_model_names,) if isinstance(served_model_names, str) else tuple(served_model_names)
     app = FastAPI(title="kvfleet")
     app.state.gateway = GatewayContext(
         engine=engine_client,
         encoder=encoder,
-        served_model_name=served_model_name,
-        metrics=GatewayMetrics(engine_client, served_model_name),
+        served_model_names=names,
+        metrics=GatewayMetrics(engine_client, names[0]),
         limits=limits,
         chat_options=chat_options,
     )

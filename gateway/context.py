@@ -28,11 +28,16 @@ from tokenizer_svc.tokenizer import Tokenizer
 class GatewayContext:
     engine: EngineClient
     encoder: PromptEncoder
-    served_model_name: str
+    served_model_names: tuple[str, ...]
     metrics: GatewayMetrics
     limits: RequestLimits
     chat_options: ChatOptions = field(default_factory=ChatOptions)
     drain: Drain = field(default_factory=Drain)  # set on SIGTERM by gateway.drain.serve
+
+    @property
+    def served_model_name(self) -> str:
+        """The name responses carry."""
+        return self.served_model_names[0]
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -58,7 +63,7 @@ class GatewayContext:
 
     def check_model(self, model: str | None) -> None:
         # Like vLLM, a request that names no model gets the served one.
-        if model is not None and model != self.served_model_name:
+        if model is not None and model not in self.served_model_names:
             raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     def is_ready(self) -> bool:

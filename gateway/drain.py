@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 from types import FrameType
 
@@ -25,6 +26,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import error_response
+from services.config import ConfigError
 from services.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
@@ -110,9 +112,38 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve(app: FastAPI, host: str, port: int, shutdown_timeout_s: float) -> None:
-    """Serves `app` (from gateway.app.build_app) until a signal, then drains; returns
-    once the server is down. The engine client stays the caller's to shut down."""
+def _without_probes(record: logging.LogRecord) -> bool:
+    """Probes and scrapers call every few seconds: their access lines would bury the rest."""
+    # uvicorn's access record: (client, method, path with query, HTTP version, status)
+    return not (isinstance(record.args, tuple) and len(record.args) == 5
+                and str(record.args[2]).split("?")[0] in OPERATIONAL_PATHS)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before anything loads, as vLLM does: a port
+    already in use is a ConfigError at once, not after a minute of loading."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there: {exc.strerror}") from None
+    return listener
+
+
+def serve(app: FastAPI, listener: socket.socket, shutdown_timeout_s: float, log_level: str = "info",
+          access_log: bool = True) -> None:
+    """Serves `app` (from gateway.app.build_app) on `listener` (from bind) until a signal,
+    then drains; returns once the server is down. The engine client stays the caller's to shut down."""
     ctx = app.state.gateway
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=FLUSH_S)
-    DrainingServer(config, ctx.drain, ctx.engine, shutdown_timeout_s).run()
+    host, port = listener.getsockname()[:2]
+    paths = app.openapi()["paths"]
+    logger.info("routes: %s", ", ".join(f"{'|'.join(m.upper() for m in methods)} {path}"
+                                        for path, methods in paths.items()))
+    logger.info("serving %s on http://%s:%d (OpenAI API: http://%s:%d/v1)", ", ".join(ctx.served_model_names),
+                host, port, host, port)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                            timeout_graceful_shutdown=FLUSH_S)
+    logging.getLogger("uvicorn.access").addFilter(_without_probes)
+    DrainingServer(config, ctx.drain, ctx.engine, shutdown_timeout_s).run(sockets=[listener])

@@ -29,25 +29,26 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
 def run_gateway(args: argparse.Namespace) -> int:
     from gateway.app import build_app
     from gateway.cluster_client import ClusterEngineClient
-    from gateway.drain import serve
+    from gateway.drain import bind, serve
     from gateway.limits import RequestLimits
     from gateway.tokenizer_client import RemoteTokenizer
     from gateway.tool_calls import ChatOptions
 
     configure_logging()
+    listener = bind(args.host, args.port)
     registry = Registry(args.redis_url)
     client = ClusterEngineClient(args.redis_url, args.nats_url, lease_ttl_s=args.lease_ttl)
     encoder = RemoteTokenizer(lambda: [member.address for member in registry.members("tokenizer")],
                               lease_ttl_s=args.lease_ttl)
-    app = build_app(client, encoder, args.served_model_name or args.model, args.api_key, RequestLimits.from_args(args),
-                    ChatOptions.from_args(args))
+    app = build_app(client, encoder, args.served_model_name or [args.model], args.api_key,
+                    RequestLimits.from_args(args), ChatOptions.from_args(args))
     member = Member("gateway", client.gateway_id, advertised(args), {"model": args.model})
     client.start()
     encoder.start()
     try:
         with Lease(registry, member, args.lease_ttl):
             # Returns after SIGTERM/SIGINT, once open requests end or the timeout passes.
-            serve(app, args.host, args.port, args.shutdown_timeout)
+            serve(app, listener, args.shutdown_timeout, args.uvicorn_log_level, not args.disable_uvicorn_access_log)
     finally:
         encoder.close()
         client.shutdown()

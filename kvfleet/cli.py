@@ -1,17 +1,31 @@
 """The `kvfleet` console script. Building the parser imports no role: each command
 imports its own process's code when it runs, so `--help` answers at once and a role
-process loads only its own room (the scheduler, gateway and tokenizer never torch)."""
+process loads only its own room (the scheduler, gateway and tokenizer never torch).
+
+A setting that cannot work ends the command with one line naming it, and exit code 2,
+as early as it can be known: flag values at once, the rest before anything loads.
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import logging
 import sys
+from typing import NoReturn
 
 from gateway.main import add_gateway_args
 from kvfleet.cluster_up import add_cluster_up_args
 from scheduler_svc.main import add_scheduler_args
-from services.cli_args import add_engine_args, add_http_args, engine_args
+from services.cli_args import (
+    add_chat_template_arg,
+    add_engine_args,
+    add_http_args,
+    engine_args,
+    http_ignored,
+)
+from services.config import ConfigError, EngineConfig
+from services.telemetry import configure_logging
 from tokenizer_svc.main import add_tokenizer_args
 from worker_svc.main import add_worker_args
 
@@ -27,8 +41,18 @@ _ROLES = {
 }
 
 
+logger = logging.getLogger("kvfleet")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line that names the command (argparse prints its whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvfleet", description="LLM serving with a paged KV cache")
+    parser = _Parser(prog="kvfleet", description="LLM serving with a paged KV cache")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="complete prompts offline and print JSON lines")
@@ -42,12 +66,16 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model; same as --model")
     add_engine_args(serve)
     add_http_args(serve)
+    add_chat_template_arg(serve)
 
     for name, (help_text, add_args, _) in _ROLES.items():
         add_args(commands.add_parser(name, help=help_text))
     up = commands.add_parser("cluster", help="a whole cluster on this machine").add_subparsers(
         dest="cluster_command", required=True).add_parser("up", help="start every role, NATS and Redis; Ctrl-C stops")
     add_cluster_up_args(up)
+    # Each command's own parser, to report its errors under its own name.
+    for command in [*commands.choices.values(), up]:
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -64,14 +92,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.limits import RequestLimits
-    from gateway.tool_calls import ChatOptions
     from kvfleet.serve import serve_embedded
 
-    if args.model_tag:
-        args.model = args.model_tag
-    serve_embedded(engine_args(args), args.host, args.port, args.api_key, args.served_model_name,
-                   args.shutdown_timeout, RequestLimits.from_args(args), ChatOptions.from_args(args))
+    serve_embedded(args)
     return 0
 
 
@@ -82,14 +105,34 @@ def _cluster_up(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = _parser().parse_known_args(argv)
+    command: _Parser = args.command_parser
+    if unknown:
+        command.error(f"unrecognized arguments: {' '.join(unknown)} (see {command.prog} --help)")
+    if getattr(args, "model_tag", None):  # vLLM's `vllm serve MODEL` form
+        args.model = args.model_tag
+    try:
+        _check(args)
+        if args.command in _ROLES:
+            module, function = _ROLES[args.command][2].split(":")
+            return getattr(importlib.import_module(module), function)(args)
+        return {"generate": _generate, "serve": _serve, "cluster": _cluster_up}[args.command](args)
+    except ConfigError as exc:
+        command.error(str(exc))
+
+
+def _check(args: argparse.Namespace) -> None:
+    """The flags' values, before the command does anything; and a log line for each
+    flag accepted for vLLM's sake that changes nothing."""
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:  # as vLLM refuses it
-        parser.error("--enable-auto-tool-choice needs --tool-call-parser to read the model's tool calls")
-    if args.command in _ROLES:
-        module, function = _ROLES[args.command][2].split(":")
-        return getattr(importlib.import_module(module), function)(args)
-    return {"generate": _generate, "serve": _serve, "cluster": _cluster_up}[args.command](args)
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser to read the model's tool calls")
+    notes = EngineConfig(**engine_args(args)).ignored() if hasattr(args, "model") else []
+    if hasattr(args, "disable_log_requests"):
+        notes += http_ignored(args)
+    if notes:
+        configure_logging()
+        for note in notes:
+            logger.info("%s", note)
 
 
 if __name__ == "__main__":

@@ -17,26 +17,34 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import urllib.request
+from pathlib import Path
+from typing import Any
 
 from kvfleet.processes import (
     free_port,
-    spawn,
+    spawn_labelled,
     start_nats,
     start_redis,
     stop,
     wait_for_port,
 )
-from kvfleet.supervisor import Supervised
+from kvfleet.supervisor import CONFIG_ERROR_EXIT, Supervised
 from services.cli_args import (
+    TOKENIZER_FIELDS,
+    add_chat_template_arg,
     add_engine_args,
     add_http_args,
     add_lease_ttl_arg,
+    engine_args,
     engine_argv,
     gateway_argv,
 )
+from services.config import EngineConfig
 from services.telemetry import configure_logging
 
 logger = logging.getLogger("kvfleet.cluster")
@@ -48,47 +56,69 @@ STOP_MARGIN_S = 10.0
 def add_cluster_up_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     add_http_args(parser)
+    add_chat_template_arg(parser)
     add_lease_ttl_arg(parser)
 
 
 def run_cluster_up(args: argparse.Namespace) -> int:
+    # Here, not at the top: `kvfleet --help` builds this command's parser and must not pay for them.
+    from gateway.drain import bind
+    from worker_svc.preflight import check_device, check_model
+
     configure_logging()
+    # What can be checked here is, before anything starts; torch's build is the worker's to check.
+    config = EngineConfig(**engine_args(args))
+    check_model(config)
+    check_device(config)
+    bind(args.host, args.port).close()
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stopping.set())
     local = "127.0.0.1"
     ports = {name: free_port(local) for name in ("nats", "redis", "tokenizer", "worker", "scheduler")}
-    infra = [Supervised("nats", lambda: start_nats(local, ports["nats"])),
-             Supervised("redis", lambda: start_redis(local, ports["redis"]))]
+    # NATS and Redis say little worth reading next to the roles: their lines go to files.
+    log_dir = Path(tempfile.mkdtemp(prefix="kvfleet-cluster-"))
+    infra = [Supervised("nats", lambda: start_nats(local, ports["nats"], **_log_to(log_dir / "nats.log"))),
+             Supervised("redis", lambda: start_redis(local, ports["redis"], **_log_to(log_dir / "redis.log")))]
     roles: list[Supervised] = []  # in start order; stopped in reverse
+    exit_code = 0
     try:
         for part in infra:
             part.launch()
         wait_for_port(local, ports["nats"], infra[0].process)
         wait_for_port(local, ports["redis"], infra[1].process)
+        logger.info("NATS on nats://%s:%d, Redis on redis://%s:%d; their logs: %s", local, ports["nats"], local,
+                    ports["redis"], log_dir)
         cluster = ["--redis-url", f"redis://{local}:{ports['redis']}/0", "--lease-ttl", str(args.lease_ttl),
                    "--shutdown-timeout", str(args.shutdown_timeout)]
         nats = ["--nats-url", f"nats://{local}:{ports['nats']}"]
         engine = engine_argv(args)
         worker = f"{local}:{ports['worker']}"
+        template = ["--chat-template", args.chat_template] if args.chat_template else []
         commands = [
-            ["tokenizer", "--model", args.model, "--host", local, "--port", str(ports["tokenizer"]), *cluster],
+            ["tokenizer", *engine_argv(args, only=TOKENIZER_FIELDS), *template, "--host", local, "--port",
+             str(ports["tokenizer"]), *cluster],
             ["worker", *engine, "--host", local, "--port", str(ports["worker"]), *cluster],
             ["scheduler", *engine, "--host", local, "--port", str(ports["scheduler"]), "--worker-address", worker,
              *nats, *cluster],
             ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port), *nats, *cluster,
-             *gateway_argv(args)] + (["--served-model-name", args.served_model_name] if args.served_model_name else []),
+             *gateway_argv(args)],
         ]
         # The API key travels in the environment, never on a command line others can read.
         env = {key: value for key, value in os.environ.items() if key != "KVFLEET_API_KEY"}
+        env["PYTHONUNBUFFERED"] = "1"  # each line shows when written, in order with the others'
         if args.api_key:
             env["KVFLEET_API_KEY"] = args.api_key
         for command in commands:
-            role = Supervised(command[0], lambda argv=command: spawn([sys.executable, "-m", "kvfleet.cli", *argv],
-                                                                     env=env))
+            argv = [sys.executable, "-m", "kvfleet.cli", *command]
+            role = Supervised(command[0], lambda name=command[0], argv=argv: spawn_labelled(name, argv, env))
             role.launch()
             roles.append(role)
-        _supervise(args, infra + roles, stopping)
+        for name, port in (("tokenizer", ports["tokenizer"]), ("worker", ports["worker"]),
+                           ("scheduler", ports["scheduler"])):
+            logger.info("%s: gRPC on %s:%d", name, local, port)
+        logger.info("gateway: http://%s:%d (OpenAI API at /v1)", args.host, args.port)
+        exit_code = _supervise(args, infra + roles, stopping)
     finally:
         for part in reversed(roles):  # the gateway first: it drains while the rest still serves
             if part.process is not None:
@@ -97,19 +127,29 @@ def run_cluster_up(args: argparse.Namespace) -> int:
             if part.process is not None:
                 stop(part.process)
     logger.info("cluster stopped")
-    return 0
+    return exit_code
 
 
-def _supervise(args: argparse.Namespace, parts: list[Supervised], stopping: threading.Event) -> None:
-    """Until a signal: restarts whatever exits, and announces when the cluster serves."""
+def _log_to(path: Path) -> dict[str, Any]:
+    file = path.open("ab")  # the child holds its own copy once started
+    return {"stdout": file, "stderr": subprocess.STDOUT}
+
+
+def _supervise(args: argparse.Namespace, parts: list[Supervised], stopping: threading.Event) -> int:
+    """Until a signal, or a part refusing its configuration (its exit code): restarts
+    whatever exits, and announces when the cluster serves."""
     health = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{args.port}/health"
     serving = False
     while not stopping.wait(0.5):
         for part in parts:
+            if part.misconfigured:
+                logger.error("%s refused its configuration (its line above says why); stopping the cluster", part.name)
+                return CONFIG_ERROR_EXIT
             part.check()
         if not serving and _healthy(health):
             serving = True
             logger.info("cluster serving on http://%s:%d", args.host, args.port)
+    return 0
 
 
 def _healthy(url: str) -> bool:

@@ -3,6 +3,8 @@ scheduler and an in-process worker stepped by the caller's thread."""
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import Any
@@ -12,14 +14,19 @@ from tqdm.auto import tqdm
 from scheduler_svc.engine_core import EngineCore
 from services.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from services.config import EngineConfig
-from services.model_source import resolve_model
 from services.outputs import RequestOutput
 from services.prompt import fit_prompt
 from services.sampling_params import SamplingParams
+from services.telemetry import LOG_FORMAT
 from tokenizer_svc.text_output import OutputProcessor
 from tokenizer_svc.tokenizer import Tokenizer
+from worker_svc.preflight import check_device, check_model
 from worker_svc.threads import configure_torch_threads
 from worker_svc.worker import Worker
+
+logger = logging.getLogger(__name__)
+# Every package whose lines the SDK shows: load progress, the start-up summary, notes.
+_LOGGING_PACKAGES = ("kvfleet", "services", "worker_svc", "scheduler_svc", "tokenizer_svc")
 
 # A prompt is text, token ids, or vLLM's dict form {"prompt": ...} / {"prompt_token_ids": ...},
 # where the dict may carry a "cache_salt" that keeps its prefix cache apart from other tenants'.
@@ -28,18 +35,29 @@ _CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
 
 
 class LLM:
+    """Takes EngineConfig's fields, vLLM's names (`dtype`, `max_model_len`, `tensor_parallel_size`, ...)."""
+
     def __init__(self, model: str = "smollm2", **engine_args: Any) -> None:
         unknown = set(engine_args) - _CONFIG_FIELDS
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        show_log_lines()
         configure_torch_threads()
         self.config = EngineConfig(model=model, **engine_args)
-        self.tokenizer = Tokenizer.load(resolve_model(model))
+        for note in self.config.ignored():
+            logger.info("%s", note)
+        check_model(self.config)  # before the tokenizer loads, so a bad setting fails at once
+        check_device(self.config)
+        self.tokenizer = Tokenizer.for_engine(self.config)
         self.engine = EngineCore(self.config, Worker(self.config))
         self._request_ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (see --generation-config)."""
+        return SamplingParams(**self.tokenizer.sampling_defaults)
 
     def generate(
         self,
@@ -48,7 +66,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(prompt_list))
+        params_list = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompt_list))
         processor = OutputProcessor(self.tokenizer)
         order = []
         try:
@@ -94,7 +112,12 @@ class LLM:
             return [output.outputs[0].logprobs[0] for output in outputs]
 
         eos = self.engine.eos_token_ids
-        return [beam_search(self._tokenize(p)[1], params, eos, next_tokens) for p in _as_prompt_list(prompts)]
+        outputs = [beam_search(self._tokenize(p)[1], params, eos, next_tokens) for p in _as_prompt_list(prompts)]
+        for output in outputs:
+            for sequence in output.sequences:
+                # As vLLM's LLM.beam_search: the text of the whole sequence, prompt included.
+                sequence.text = self.tokenizer.decode(sequence.tokens)
+        return outputs
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -123,11 +146,25 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return list(prompts)
 
 
-def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(count)]
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * count
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
     return list(params)
+
+
+def show_log_lines() -> None:
+    """As vLLM does for its own loggers: when the application has configured no logging,
+    kvfleet's INFO lines go to stderr, so a model load is not a silent minute.
+    KVFLEET_CONFIGURE_LOGGING=0 leaves logging alone."""
+    if os.environ.get("KVFLEET_CONFIGURE_LOGGING", "1") == "0" or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    for name in _LOGGING_PACKAGES:
+        package = logging.getLogger(name)
+        if not package.handlers:
+            package.addHandler(handler)
+            package.setLevel(logging.INFO)
+            package.propagate = False

@@ -11,7 +11,9 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,20 @@ def spawn(argv: list[str], env: dict[str, str] | None = None, **kwargs: object) 
     """In a process group of its own, so a terminal's Ctrl-C reaches only the launcher."""
     preexec = _die_with_parent if _LIBC is not None else None
     return subprocess.Popen(argv, env=env, process_group=0, preexec_fn=preexec, **kwargs)  # type: ignore[arg-type]
+
+
+def spawn_labelled(name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`spawn`, with each line the child writes (stdout and stderr) copied to ours behind
+    its name, so several processes' logs stay readable side by side."""
+    process = spawn(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    threading.Thread(target=_copy_lines, args=(name, process.stdout), name=f"{name}-output", daemon=True).start()
+    return process
+
+
+def _copy_lines(name: str, lines: Iterable[str]) -> None:
+    for line in lines:
+        sys.stdout.write(f"{name:>9} | {line}")
+        sys.stdout.flush()
 
 
 def start_nats(host: str, port: int, **kwargs: object) -> subprocess.Popen:

@@ -1,42 +1,44 @@
-"""`kvfleet serve` in embedded mode: engine, tokenizer and gateway in one process."""
+"""`kvfleet serve` in embedded mode: engine, tokenizer and gateway in one process.
+
+Whatever can be checked is checked before anything loads, each failure a ConfigError
+(one line, exit 2): the flags' values, the port (bound first, as vLLM does), the
+model's files and metadata against the flags, then the device."""
 from __future__ import annotations
 
-from typing import Any
+import argparse
 
-from gateway.app import build_app
-from gateway.drain import serve
-from gateway.limits import RequestLimits
-from gateway.tool_calls import ChatOptions
-from scheduler_svc.async_engine import AsyncEngine
-from scheduler_svc.engine_core import EngineCore
+from gateway.drain import bind, serve
+from services.cli_args import engine_args
 from services.config import EngineConfig
-from services.model_source import resolve_model
 from services.telemetry import configure_logging
-from tokenizer_svc.in_process import InProcessEncoder
-from tokenizer_svc.tokenizer import Tokenizer
-from worker_svc.threads import configure_torch_threads
-from worker_svc.worker import Worker
+from worker_svc.preflight import check_device, check_model
 
 
-def serve_embedded(
-    engine_args: dict[str, Any],
-    host: str,
-    port: int,
-    api_key: str | None,
-    served_model_name: str | None,
-    shutdown_timeout_s: float,
-    limits: RequestLimits,
-    chat_options: ChatOptions,
-) -> None:
+def serve_embedded(args: argparse.Namespace) -> None:
     """Serves until SIGTERM or SIGINT, then drains (gateway/drain.py) and returns."""
     configure_logging()  # uvicorn configures only its own loggers
+    config = EngineConfig(**engine_args(args))
+    listener = bind(args.host, args.port)
+    check_model(config)
+    check_device(config)
+    # The engine's modules load torch and transformers (seconds): only once the checks above pass.
+    from gateway.app import build_app
+    from gateway.limits import RequestLimits
+    from gateway.tool_calls import ChatOptions
+    from scheduler_svc.async_engine import AsyncEngine
+    from scheduler_svc.engine_core import EngineCore
+    from tokenizer_svc.in_process import InProcessEncoder
+    from tokenizer_svc.tokenizer import Tokenizer
+    from worker_svc.threads import configure_torch_threads
+    from worker_svc.worker import Worker
+
     configure_torch_threads()
-    config = EngineConfig(**engine_args)
-    encoder = InProcessEncoder(Tokenizer.load(resolve_model(config.model)))
+    encoder = InProcessEncoder(Tokenizer.for_engine(config, args.chat_template))
     engine = AsyncEngine(EngineCore(config, Worker(config)))
-    app = build_app(engine, encoder, served_model_name or config.model, api_key, limits, chat_options)
+    app = build_app(engine, encoder, args.served_model_name or [config.model], args.api_key,
+                    RequestLimits.from_args(args), ChatOptions.from_args(args))
     engine.start()
     try:
-        serve(app, host, port, shutdown_timeout_s)
+        serve(app, listener, args.shutdown_timeout, args.uvicorn_log_level, not args.disable_uvicorn_access_log)
     finally:
         engine.shutdown()

@@ -1,7 +1,8 @@
 """Keeps the processes of `cluster up` running: one that exits on its own is started
 again, with a backoff that doubles from 1 s to 30 s while it keeps failing soon after
 its start (and resets once it has run for a minute), and every exit and restart is
-logged. Only the launcher's own shutdown stops them."""
+logged. Only the launcher's own shutdown stops them, or a process that exits with
+code 2: a configuration error, which a restart would only repeat."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,7 @@ logger = logging.getLogger("kvfleet.cluster")
 
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
+CONFIG_ERROR_EXIT = 2  # what kvfleet's commands (and argparse) exit with on a setting that cannot work
 HEALTHY_RUN_S = 60.0  # a run this long counts as recovered: the next failure waits FIRST_BACKOFF_S again
 
 
@@ -26,6 +28,10 @@ class Supervised:
     _started_at: float = 0.0
     _backoff_s: float = FIRST_BACKOFF_S
     _restart_at: float | None = field(default=None)
+
+    @property
+    def misconfigured(self) -> bool:
+        return self.process is not None and self.process.poll() == CONFIG_ERROR_EXIT
 
     def launch(self) -> None:
         self.process = self.start()

@@ -6,19 +6,26 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Sequence
 from dataclasses import fields
 
-from services.config import EngineConfig
+from services.config import EngineConfig, flag
 from services.registry import DEFAULT_TTL_S
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 _ENGINE_HELP = {
-    "model": "alias (smollm2), a .gguf file, or a HuggingFace model directory",
-    "dtype": "auto (float32 on CPU, bfloat16 on GPU), float32 or bfloat16",
-    "device": "auto, cpu or cuda",
+    "model": "alias (smollm2), a .gguf file, a HuggingFace model directory, or a repo id in the local HF cache",
+    "tokenizer": "where the tokenizer comes from, in --model's forms (default: the model's)",
+    "generation_config": "auto: the model's generation_config.json sets the sampling defaults; vllm: it does "
+                         "not; or a directory holding one",
+    "dtype": "auto (float32 on CPU, bfloat16 on GPU), half/float16, bfloat16 or float/float32",
+    "device": "auto, cpu or cuda[:N]",
+    "quantization": "gguf, or unset: the model file says how its weights are stored",
+    "kv_cache_dtype": "auto: the KV cache in the model's dtype",
     "block_size": "tokens per KV block",
     "max_num_seqs": "most requests in one step",
     "max_num_batched_tokens": "most tokens in one step (the per-step token budget)",
@@ -30,43 +37,52 @@ _ENGINE_HELP = {
     "enable_chunked_prefill": "split long prompts into chunks that share steps with decodes",
     "preemption_mode": "recompute or swap, when KV blocks run out",
     "swap_space": "GiB of host memory for swapped-out KV blocks",
-    "seed": "engine seed",
+    "seed": "seeds the sampling of requests that bring no seed of their own",
+    "tensor_parallel_size": "devices one model is split over: 1 (serve more with more replicas)",
+    "pipeline_parallel_size": "pipeline stages one model is split into: 1",
+    "enforce_eager": "accepted for vLLM's sake: kvfleet captures no CUDA graphs, steps always run eagerly",
+    "trust_remote_code": "accepted for vLLM's sake: kvfleet never runs a model repository's code",
 }
+# vLLM's short spellings.
+_ENGINE_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"]}
+# What the tokenizer role needs of the engine flags: the text side of the model.
+TOKENIZER_FIELDS = ("model", "tokenizer", "generation_config")
 
 # The gateway's parsers by name (gateway/tool_parsers; tests/gateway checks the lists agree).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
+    """EngineConfig's fields as flags; `only` those named, for a role that needs a few."""
     for f in fields(EngineConfig):
-        flag, help_text = f"--{f.name.replace('_', '-')}", f"{_ENGINE_HELP[f.name]} (default: %(default)s)"
+        if only is not None and f.name not in only:
+            continue
+        names, help_text = [flag(f.name), *_ENGINE_ALIASES.get(f.name, [])], f"{_ENGINE_HELP[f.name]} (default: %(default)s)"
         kind = str(f.type).split(" ")[0]
         if kind == "bool":  # --enable-x / --no-enable-x, as in vLLM
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:
-            parser.add_argument(flag, type={"int": int, "float": float, "str": str}[kind], default=f.default,
+            parser.add_argument(*names, type={"int": int, "float": float, "str": str}[kind], default=f.default,
                                 help=help_text)
 
 
 def engine_args(namespace: argparse.Namespace) -> dict:
-    return {f.name: getattr(namespace, f.name) for f in fields(EngineConfig)}
+    """The EngineConfig fields `namespace` has flags for."""
+    return {f.name: getattr(namespace, f.name) for f in fields(EngineConfig) if hasattr(namespace, f.name)}
 
 
-def engine_argv(namespace: argparse.Namespace) -> list[str]:
+def engine_argv(namespace: argparse.Namespace, only: Sequence[str] | None = None) -> list[str]:
     """The engine flags of `namespace` as a command line, for the roles `cluster up` starts."""
     argv = []
     for f in fields(EngineConfig):
-        flag, value = f"--{f.name.replace('_', '-')}", getattr(namespace, f.name)
+        if only is not None and f.name not in only:
+            continue
+        name, value = flag(f.name), getattr(namespace, f.name)
         if isinstance(value, bool):
-            argv.append(flag if value else f"--no-{flag[2:]}")
+            argv.append(name if value else f"--no-{name[2:]}")
         elif value is not None:
-            argv += [flag, str(value)]
+            argv += [name, str(value)]
     return argv
-
-
-def add_model_arg(parser: argparse.ArgumentParser) -> None:
-    """--model alone, for the roles that need no other engine flag."""
-    parser.add_argument("--model", default="smollm2", help=f"{_ENGINE_HELP['model']} (default: %(default)s)")
 
 
 def add_shutdown_arg(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +96,15 @@ def add_http_args(parser: argparse.ArgumentParser, port: int = 8000) -> None:
     parser.add_argument("--port", type=int, default=port, help="port to listen on (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("KVFLEET_API_KEY"),
                         help="require `Authorization: Bearer KEY` on /v1 routes (default: $KVFLEET_API_KEY)")
-    parser.add_argument("--served-model-name", help="the model name clients use (default: the --model value)")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="the names clients may ask for; responses carry the first (default: the --model value)")
+    parser.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
+                        help="uvicorn's log level (default: %(default)s)")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="accepted for vLLM's sake: kvfleet never logs request contents")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="accepted for vLLM's sake: kvfleet logs no periodic stats (they are on /metrics)")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="larger request bodies get 413 before they are read (default: %(default)s)")
     parser.add_argument("--max-sequences-per-request", type=int, default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
@@ -95,16 +119,47 @@ def add_http_args(parser: argparse.ArgumentParser, port: int = 8000) -> None:
     add_shutdown_arg(parser)
 
 
+def http_ignored(namespace: argparse.Namespace) -> list[str]:
+    """A line for each HTTP flag accepted for vLLM's sake that changes nothing here."""
+    notes = []
+    if namespace.disable_log_requests:
+        notes.append("--disable-log-requests has no effect: kvfleet never logs request contents")
+    if namespace.disable_log_stats:
+        notes.append("--disable-log-stats has no effect: kvfleet logs no periodic stats (see /metrics)")
+    return notes
+
+
 def gateway_argv(namespace: argparse.Namespace) -> list[str]:
-    """The request limits and chat flags of `namespace` as a command line, for the gateway `cluster up` starts."""
+    """The HTTP flags of `namespace` but the address, as a command line for the gateway `cluster up` starts."""
     argv = [f"--max-request-body-bytes={namespace.max_request_body_bytes}",
-            f"--max-sequences-per-request={namespace.max_sequences_per_request}"]
-    if namespace.enable_auto_tool_choice:
-        argv.append("--enable-auto-tool-choice")
-    for flag in ("tool_call_parser", "reasoning_parser"):
-        if getattr(namespace, flag):
-            argv.append(f"--{flag.replace('_', '-')}={getattr(namespace, flag)}")
+            f"--max-sequences-per-request={namespace.max_sequences_per_request}",
+            f"--uvicorn-log-level={namespace.uvicorn_log_level}"]
+    for name in ("enable_auto_tool_choice", "disable_uvicorn_access_log", "disable_log_requests", "disable_log_stats"):
+        if getattr(namespace, name):
+            argv.append(flag(name))
+    for name in ("tool_call_parser", "reasoning_parser"):
+        if getattr(namespace, name):
+            argv.append(f"{flag(name)}={getattr(namespace, name)}")
+    if namespace.served_model_name:
+        argv += ["--served-model-name", *namespace.served_model_name]
     return argv
+
+
+def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
+    """For whoever renders chats: `serve`, `cluster up` and the tokenizer role."""
+    parser.add_argument("--chat-template", type=chat_template,
+                        help="a Jinja chat template, or a file holding one, instead of the model's")
+
+
+def chat_template(value: str) -> str:
+    """vLLM's rule: an existing file is read; text with template syntax is the template itself."""
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    if "{" in value or "\n" in value:
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a file nor a template")
 
 
 def add_listen_args(parser: argparse.ArgumentParser, port: int) -> None:

@@ -1,17 +1,45 @@
-"""Engine configuration, with vLLM's names and defaults where vLLM has them."""
+"""Engine configuration, with vLLM's names and defaults where vLLM has them.
+
+Every value is checked here, before anything loads: a setting that cannot work is a
+ConfigError naming its flag, which the CLI prints as one line (exit 2) and the SDK
+raises. Settings kvfleet accepts for vLLM's sake but does not act on are listed by
+`ignored()`, for one log line each at start-up.
+"""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16")
+
+class ConfigError(ValueError):
+    """A setting that cannot work, found before any loading."""
+
+
+# vLLM's --dtype spellings -> the torch dtype computed in ("auto" is decided per device).
+DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
+          "float32": "float32"}
+# GGUF files are quantized (Q4_1, Q8_0, ...) and read as such; other formats are not implemented.
+QUANTIZATIONS = ("gguf",)
+GENERATION_CONFIGS = ("auto", "vllm")  # or a directory holding generation_config.json
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 @dataclass
 class EngineConfig:
     model: str = "smollm2"
+    tokenizer: str | None = None  # None: the model's own
+    # "auto" applies the model's generation_config.json sampling defaults, as vLLM does;
+    # "vllm" ignores them; or a directory with its own generation_config.json.
+    generation_config: str = "auto"
     # "auto" is float32 on CPU (this CPU's bf16 matmuls gain little and lose parity) and bfloat16 on GPU.
     dtype: str = "auto"
     device: str = "auto"
+    quantization: str | None = None  # None: whatever the model file holds
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -23,14 +51,51 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap"
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
-    seed: int = 0
+    seed: int = 0  # seeds the sampling of requests that bring no seed of their own
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enforce_eager: bool = False
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
+        self.dtype = DTYPES[self.dtype]
+        if not _DEVICE.fullmatch(self.device):
+            raise ConfigError(f"--device {self.device}: choose auto, cpu or cuda (cuda:N for one GPU)")
         if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        if self.dtype not in ("auto", *DTYPES):
-            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+            raise ConfigError(f"--block-size {self.block_size}: choose one of 8, 16, 32, 64, 128")
         if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+            raise ConfigError(f"--preemption-mode {self.preemption_mode}: choose recompute or swap")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override",
+                     "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag(name)} {value}: must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: must be in (0, 1]")
+        if self.swap_space < 0:
+            raise ConfigError(f"--swap-space {self.swap_space}: must not be negative")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ConfigError(
+                    f"{flag(name)} {getattr(self, name)}: kvfleet does not split a model across devices yet "
+                    "(each worker holds a whole model); use 1, and add replicas to serve more"
+                )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"--quantization {self.quantization}: kvfleet cannot run these weights yet; it runs GGUF files "
+                "(--quantization gguf, or none: it is read from the file) and unquantized safetensors"
+            )
+        if self.kv_cache_dtype != "auto":
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: only auto (the model's dtype) is supported")
+
+    def ignored(self) -> list[str]:
+        """A line for each setting accepted for vLLM's sake that changes nothing here."""
+        notes = []
+        if self.trust_remote_code:
+            notes.append("--trust-remote-code has no effect: kvfleet implements each architecture itself and "
+                         "never runs a model repository's code")
+        if self.enforce_eager:
+            notes.append("--enforce-eager has no effect: kvfleet captures no CUDA graphs yet, so steps run eagerly")
+        return notes

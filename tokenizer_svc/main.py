@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from services.cli_args import add_listen_args, add_model_arg, add_registry_args
-from services.model_source import resolve_model
+from services.cli_args import (
+    TOKENIZER_FIELDS,
+    add_chat_template_arg,
+    add_engine_args,
+    add_listen_args,
+    add_registry_args,
+    engine_args,
+)
+from services.config import EngineConfig
 from services.role_process import serve_role
 from services.telemetry import configure_logging, serve_role_metrics
 
@@ -13,7 +20,8 @@ DEFAULT_PORT = 50053
 
 
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
-    add_model_arg(parser)
+    add_engine_args(parser, only=TOKENIZER_FIELDS)
+    add_chat_template_arg(parser)
     add_listen_args(parser, DEFAULT_PORT)
     add_registry_args(parser, required=False)
 
@@ -23,7 +31,7 @@ def run_tokenizer(args: argparse.Namespace) -> int:
     from tokenizer_svc.tokenizer import Tokenizer
 
     configure_logging()
-    tokenizer = Tokenizer.load(resolve_model(args.model))
+    tokenizer = Tokenizer.for_engine(EngineConfig(**engine_args(args)), args.chat_template)
     serve_role_metrics(args.metrics_port, args.host)
     server = start_tokenizer_server(tokenizer, f"{args.host}:{args.port}")
     serve_role(args, "tokenizer", server)

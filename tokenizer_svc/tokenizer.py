@@ -10,6 +10,7 @@ the result is saved under the kvfleet cache, so later loads read the saved files
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -24,10 +25,15 @@ from typing import Any
 import transformers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from services.model_source import ModelFormat, ModelSource
+from services.config import EngineConfig
+from services.generation_config import sampling_defaults
+from services.model_source import ModelFormat, ModelSource, resolve_model
 from services.prompt import bad_word_spellings, bad_words_token_ids
 
 logger = logging.getLogger(__name__)
+
+# Saved beside the tokenizer's files, so a cluster's gateways get them with the files.
+SAMPLING_DEFAULTS_FILE = "kvfleet_sampling_defaults.json"
 
 
 class NoChatTemplateError(ValueError):
@@ -80,9 +86,11 @@ def _convert(source: ModelSource, destination: Path) -> None:
 
 
 class Tokenizer:
-    def __init__(self, hf: PreTrainedTokenizerBase, name: str) -> None:
+    def __init__(self, hf: PreTrainedTokenizerBase, name: str, sampling_defaults: dict[str, Any] | None = None) -> None:
         self._hf = hf
         self.name = name
+        # SamplingParams fields that requests leaving them unset get (services/generation_config.py).
+        self.sampling_defaults = sampling_defaults or {}
         self.vocab_size: int = len(hf)
         self.eos_token_id: int | None = hf.eos_token_id
         self.bos_token_id: int | None = hf.bos_token_id
@@ -99,9 +107,25 @@ class Tokenizer:
         return cls.from_files(_fast_tokenizer_dir(source), source.name)
 
     @classmethod
+    def for_engine(cls, config: EngineConfig, chat_template: str | None = None) -> Tokenizer:
+        """The tokenizer `config` names (--tokenizer, else the model's), with --chat-template
+        in place of its own and the sampling defaults --generation-config gives."""
+        tokenizer = cls.load(resolve_model(config.tokenizer or config.model))
+        if chat_template is not None:
+            tokenizer._hf.chat_template = chat_template
+        model = resolve_model(config.model, require_tokenizer=False)
+        tokenizer.sampling_defaults = sampling_defaults(model, config.generation_config)
+        if tokenizer.sampling_defaults:
+            logger.info("sampling defaults from the model's generation config: %s (--generation-config vllm: none)",
+                        tokenizer.sampling_defaults)
+        return tokenizer
+
+    @classmethod
     def from_files(cls, directory: Path, name: str) -> Tokenizer:
         """From a directory holding tokenizer.json (and its config and chat template)."""
-        return cls(PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True), name)
+        defaults_file = directory / SAMPLING_DEFAULTS_FILE
+        defaults = json.loads(defaults_file.read_text()) if defaults_file.is_file() else {}
+        return cls(PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True), name, defaults)
 
     def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
         return bad_words_token_ids([self.encode(s, add_special_tokens=False) for s in bad_word_spellings(words)])
@@ -111,8 +135,10 @@ class Tokenizer:
         return self._hf.chat_template is not None
 
     def save_pretrained(self, directory: Path) -> None:
-        """Write HF tokenizer files, e.g. to make a model directory complete."""
+        """Write HF tokenizer files (and the sampling defaults), e.g. to make a model directory complete."""
         self._hf.save_pretrained(directory)
+        if self.sampling_defaults:
+            (directory / SAMPLING_DEFAULTS_FILE).write_text(json.dumps(self.sampling_defaults))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The Rust tokenizer itself, in its batch form: it lets go of the GIL while it

@@ -1,19 +1,36 @@
-"""Where and in what precision a worker computes: EngineConfig's device and dtype as torch objects."""
+"""Where and in what precision a worker computes: EngineConfig's device and dtype as torch
+objects, refused with a ConfigError when this torch cannot use them."""
 from __future__ import annotations
+
+import logging
 
 import torch
 
-from services.config import EngineConfig
+from services.config import ConfigError, EngineConfig
+
+logger = logging.getLogger(__name__)
 
 
 def torch_device(config: EngineConfig) -> torch.device:
     if config.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+            raise ConfigError(f"--device {config.device}: this torch ({torch.__version__}, {build}) sees no CUDA "
+                              "device; use --device cpu, or a CUDA build of torch on a GPU machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {config.device}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return device
 
 
-def torch_dtype(config: EngineConfig) -> torch.dtype:
+def torch_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     # "auto" is float32 on CPU (this CPU's bf16 matmuls gain little and lose parity) and bfloat16 on GPU.
     if config.dtype == "auto":
-        return torch.bfloat16 if torch_device(config).type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if config.dtype == "float16" and device.type == "cpu":
+        logger.warning("--dtype float16 on CPU: computing in float32 instead (CPU float16 matmuls are slow, "
+                       "and float32 keeps the outputs equal to transformers')")
+        return torch.float32
     return getattr(torch, config.dtype)

@@ -32,7 +32,7 @@ import xgrammar as xgr
 from services.model_source import ModelFormat, ModelSource
 from services.sampling_params import InvalidParameter
 from services.structured_outputs import StructuredOutputsParams
-from worker_svc.weights import read_gguf
+from worker_svc.gguf_header import read_gguf_header
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +47,8 @@ _MAX_JSON_WHITESPACE = 21
 
 def _tokenizer_info(source: ModelSource, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
     if source.format is ModelFormat.GGUF:
-        reader = read_gguf(source.path)
-        tokens = reader.fields["tokenizer.ggml.tokens"]
-        vocab = [bytes(tokens.parts[index]).decode() for index in tokens.data]
-        model = bytes(reader.fields["tokenizer.ggml.model"].parts[-1]).decode()
+        fields = read_gguf_header(source.path, arrays_read=("tokenizer.ggml.tokens",)).fields
+        vocab, model = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.model"]
         # "gpt2" vocabularies spell bytes as GPT-2's printable characters; "llama" ones
         # are sentencepiece pieces ("▁the") with <0xNN> tokens for raw bytes.
         sentencepiece = model == "llama"
@@ -80,6 +78,7 @@ def _compile_structural_tag(compiler: xgr.GrammarCompiler, spec: str) -> xgr.Com
 
 
 @dataclass
+
 class RequestGrammar:
     """One request's grammar state: its matcher, and the reasoning it waits out first."""
 

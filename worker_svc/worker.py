@@ -11,7 +11,6 @@ import torch
 
 from services.config import EngineConfig
 from services.messages import StepPlan, StepResult, WorkerDescription
-from services.model_source import resolve_model
 from services.sampling_params import SamplingParams
 from services.structured_outputs import StructuredOutputsParams
 from worker_svc.attention.paged_decode import (
@@ -31,6 +30,7 @@ from worker_svc.kv_cache import (
 )
 from worker_svc.logits_processors import LogitsAdjustments
 from worker_svc.models.llama import LlamaForCausalLM
+from worker_svc.preflight import check_model
 from worker_svc.sampler import SamplingBatch, gather_logprobs, sample
 from worker_svc.weights import load_weights
 
@@ -48,13 +48,18 @@ class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.instance_id = uuid.uuid4().hex
+        checked = check_model(config)  # before any loading: a bad flag fails in milliseconds
+        self.source = checked.source
+        self.max_model_len = checked.max_model_len
         self.device = torch_device(config)
-        self.dtype = torch_dtype(config)
-        self.source = resolve_model(config.model)
+        self.dtype = torch_dtype(config, self.device)
+        torch.manual_seed(config.seed)  # what requests without a seed of their own draw from, as in vLLM
+        started = time.perf_counter()
         self.model_config, weights = load_weights(self.source, self.dtype)
+        self.load_seconds = time.perf_counter() - started
+        self.weights_bytes = sum(tensor.nbytes for tensor in weights.values())
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()  # CompileGrammar calls come on several threads
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.attention_backend = self._attention_backend()
         with torch.device("meta"):
             self.model = LlamaForCausalLM(self.model_config, self.attention_backend, self.max_model_len, self.device)
@@ -73,6 +78,22 @@ class Worker:
             if self.num_host_blocks
             else []
         )
+        for line in self.summary():
+            logger.info("%s", line)
+
+    def summary(self) -> list[str]:
+        """The start-up summary's lines on the model and its KV cache."""
+        model, dtype = self.model_config, str(self.dtype).removeprefix("torch.")
+        stored = f"{model.quantization} dequantized to {dtype}" if model.quantization else dtype
+        kv_tokens = self.num_blocks * self.block_size
+        kv_bytes = self.num_blocks * bytes_per_block(self.model_config, self.block_size, self.dtype)
+        return [
+            f"model {self.config.model}: {self.source.path} ({model.architecture}, {model.num_hidden_layers} layers)",
+            f"weights: {stored} on {self.device}, {self.weights_bytes / 1e9:.2f} GB, loaded in {self.load_seconds:.1f} s",
+            f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = {kv_tokens} tokens "
+            f"({kv_bytes / 2**30:.2f} GiB); maximum concurrency at max_model_len {self.max_model_len}: "
+            f"{kv_tokens / self.max_model_len:.1f}x",
+        ]
 
     def _attention_backend(self) -> TorchAttentionBackend:
         shape = (self.model_config.num_attention_heads, self.model_config.num_key_value_heads, self.model_config.head_dim)

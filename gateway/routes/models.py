@@ -1,4 +1,4 @@
-"""GET /v1/models: the one model this server serves."""
+"""GET /v1/models: the model this server serves, under each of its served names."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
@@ -11,4 +11,4 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(ctx: GatewayContext = Depends(get_context)) -> ModelList:
-    return ModelList(data=[ModelCard(id=ctx.served_model_name, max_model_len=ctx.max_model_len)])
+    return ModelList(data=[ModelCard(id=name, max_model_len=ctx.max_model_len) for name in ctx.served_model_names])

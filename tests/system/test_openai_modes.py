@@ -488,17 +488,27 @@ def test_metrics_use_vllm_names(server: Server, client: openai.OpenAI, llm: LLM)
     client.completions.create(model=SERVED, prompt=PROMPTS[4], max_tokens=5, temperature=0,
                               extra_body={"ignore_eos": True})
     after = server.wait_idle(since=time.monotonic())
-    for name in ("vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+    for name in ("vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "process_cpu_seconds_total"):
         assert name in after
+    # In cluster mode too: what only a scheduler knows (the phases' times, tokens per step, its cache) reaches the gateway.
+    assert any(name.startswith("vllm:cache_config_info{") for name in after)
+    num_prompt_tokens = len(encode(llm, PROMPTS[4]))
     grew = {
         "vllm:generation_tokens_total": 5,
-        "vllm:prompt_tokens_total": len(encode(llm, PROMPTS[4])),
+        "vllm:prompt_tokens_total": num_prompt_tokens,
         "vllm:request_success_total{finished_reason=length}": 1,
         "vllm:time_to_first_token_seconds_count": 1,
         "vllm:inter_token_latency_seconds_count": 4,
         "vllm:e2e_request_latency_seconds_count": 1,
+        **{f"vllm:request_{phase}_time_seconds_count": 1 for phase in ("queue", "prefill", "decode", "inference")},
+        "vllm:request_prompt_tokens_sum": num_prompt_tokens,
+        "vllm:request_generation_tokens_sum": 5,
+        "vllm:request_params_n_count": 1,
+        "vllm:iteration_tokens_total_count": 5,
+        "vllm:iteration_tokens_total_sum": num_prompt_tokens + 5,
     }
-    assert {name: after[name] - before[name] for name in grew} == grew
+    assert {name: after[name] - before.get(name, 0.0) for name in grew} == grew
     assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
     assert not any(name.endswith("_created") for name in after)
 
@@ -623,6 +633,32 @@ def test_tool_choice_errors_name_the_field(client: openai.OpenAI) -> None:
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(model=SERVED, messages=ASK, max_tokens=4, extra_body=extra)
         assert caught.value.param in ("tool_choice", "response_format")
+
+
+def test_the_start_up_summary_says_what_serves(server: Server) -> None:
+    """What a person reads in the output once the server is up; in a cluster, each role's
+    lines behind its name, and NATS and Redis in files of their own."""
+    log = server.log_path.read_text(errors="replace")
+    lines = {
+        "model smollm2:": "(llama, 30 layers)",
+        "weights:": "GGUF Q4_1+Q8_0 dequantized to float32 on cpu",
+        "KV cache:": f"{NUM_BLOCKS} blocks of 16 tokens = {NUM_BLOCKS * 16} tokens",
+        "maximum concurrency at": f"max_model_len {MAX_MODEL_LEN}: {NUM_BLOCKS * 16 / MAX_MODEL_LEN:.1f}x",
+        "routes:": "POST /v1/chat/completions",
+        f"serving {SERVED} on": f"{server.url} (OpenAI API: {server.url}/v1)",
+    }
+    for key, value in lines.items():
+        line = next((line for line in log.splitlines() if key in line), "")
+        assert value in line, f"{key!r} ... {value!r} not in the log:\n{server.log_tail()}"
+        if server.mode == "cluster":
+            assert re.search(r"^ *(worker|gateway) \| ", line), line
+    if server.mode == "cluster":
+        for role in ("tokenizer", "worker", "scheduler"):
+            assert re.search(rf"kvfleet.cluster: {role}: gRPC on 127.0.0.1:\d+", log), role
+        logs_dir = Path(re.search(r"their logs: (\S+)", log)[1])
+        assert (logs_dir / "nats.log").is_file() and (logs_dir / "redis.log").is_file()
+        assert "[INF]" not in log  # nats-server's lines stay in its file
+    assert '"GET /health HTTP/1.1"' not in log  # probes' access lines are dropped
 
 
 def test_greedy_outputs_are_identical_in_both_modes_and_equal_the_sdk() -> None:

@@ -1,0 +1,172 @@
+"""A vLLM user's command lines against the real `kvfleet` console script: a launch
+line written for `vllm serve` starts and serves; a setting kvfleet cannot honour ends
+the command within seconds with exit code 2 and one line naming it, before any loading;
+the SDK takes the same names and shows the same start-up summary."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvfleet.processes import free_port
+from tests.system.openai_servers import healthy
+
+REPO = Path(__file__).resolve().parents[2]
+KVFLEET = [sys.executable, "-m", "kvfleet.cli"]
+ENV = {**{k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_LONG_MAX_MODEL_LEN"},
+       "KVFLEET_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
+# The issue's launch line, as a vLLM user's script carries it.
+VLLM_LAUNCH = ["--tensor-parallel-size", "1", "--dtype", "half", "--max-model-len", "1024",
+               "--gpu-memory-utilization", "0.9", "--enable-prefix-caching", "--disable-log-requests",
+               "--uvicorn-log-level", "warning", "--served-model-name", "a", "b", "--generation-config", "auto",
+               "--trust-remote-code"]
+ERROR_WITHIN_S = 3.0
+# What a person needs to see once the server is up (worker_svc/worker.py, gateway/drain.py).
+SUMMARY_FIELDS = ("model smollm2:", "(llama, 30 layers)", "weights: GGUF Q4_1+Q8_0 dequantized to float32 on cpu",
+                  "GB, loaded in", "KV cache:", "blocks of 16 tokens", "maximum concurrency at max_model_len")
+
+
+def test_a_vllm_launch_line_serves(tmp_path: Path) -> None:
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([*KVFLEET, "serve", "smollm2", "--port", str(port), *VLLM_LAUNCH], cwd=REPO,
+                                   env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    try:
+        while not healthy(url):
+            assert process.poll() is None, log_path.read_text()
+            assert time.monotonic() - started < 120, log_path.read_text()
+            time.sleep(0.2)
+        print(f"healthy after {time.monotonic() - started:.1f} s")
+        models = httpx.get(f"{url}/v1/models").json()["data"]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [("a", 1024), ("b", 1024)]
+        body = {"model": "b", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["model"] == "a"  # the first served name, as vLLM answers
+        assert httpx.post(f"{url}/v1/chat/completions", json={**body, "model": "c"}).status_code == 404
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    log = log_path.read_text()
+    for field in (*SUMMARY_FIELDS, "max_model_len 1024", "routes: GET /v1/models", "POST /v1/chat/completions",
+                  f"serving a, b on http://127.0.0.1:{port} (OpenAI API: http://127.0.0.1:{port}/v1)",
+                  "--trust-remote-code has no effect", "--disable-log-requests has no effect",
+                  "--dtype float16 on CPU: computing in float32"):
+        assert field in log, f"{field!r} not in:\n{log}"
+    assert "Uvicorn running" not in log  # --uvicorn-log-level warning holds
+
+
+def _hf_dir(tmp_path: Path, model_type: str, tokenizer: bool) -> Path:
+    directory = tmp_path / f"{model_type}-model"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
+    if tokenizer:
+        (directory / "tokenizer.json").write_text("{}")
+        (directory / "tokenizer_config.json").write_text("{}")
+    return directory
+
+
+# argv after `kvfleet serve` -> what the one line must say
+REFUSED = {
+    "tensor-parallel": (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: kvfleet does not split a model"),
+    "pipeline-parallel": (["-pp", "2"], "--pipeline-parallel-size 2"),
+    "dtype": (["--dtype", "int8"], "--dtype int8: choose one of auto, half, float16, bfloat16, float, float32"),
+    "block-size": (["--block-size", "7"], "--block-size 7: choose one of 8, 16, 32, 64, 128"),
+    "quantization": (["--quantization", "awq"], "--quantization awq: kvfleet cannot run these weights yet"),
+    "kv-cache-dtype": (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
+    "max-model-len": (["--max-model-len", "20000"], "--max-model-len 20000: SmolLM2-135M-Instruct.Q4_1 has 8192 "
+                      "positions; use at most 8192, or set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"),
+    "device-name": (["--device", "tpu"], "--device tpu: choose auto, cpu or cuda"),
+    "unknown-flag": (["--no-such-flag"], "kvfleet serve: error: unrecognized arguments: --no-such-flag"),
+    "tool-choice": (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    "chat-template": (["--chat-template", "no-such-file"], "'no-such-file' is neither a file nor a template"),
+    "generation-config": (["--generation-config", "/no/such/dir"], "--generation-config /no/such/dir: no "
+                          "generation_config.json there"),
+    "missing-model": (["--model", "/no/such/model"], "'/no/such/model'"),
+    "missing-tokenizer": (["--tokenizer", "/no/such/tokenizer"], "'/no/such/tokenizer'"),
+}
+
+
+@pytest.mark.serial  # times each refusal
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_setting_that_cannot_work_is_one_line_and_exit_2(case: str) -> None:
+    argv, message = REFUSED[case]
+    _assert_refused(["serve", "--port", str(free_port()), *argv], message)
+
+
+@pytest.mark.serial
+def test_refused_before_loading_model_and_machine_facts(tmp_path: Path) -> None:
+    import torch
+
+    unknown_arch = _hf_dir(tmp_path, "gpt2", tokenizer=True)
+    _assert_refused(["serve", "--model", str(unknown_arch)],
+                    "model_type 'gpt2' is not supported; supported: llama, mistral, qwen2")
+    if not torch.cuda.is_available():
+        _assert_refused(["serve", "--device", "cuda"], "--device cuda: this machine has no CUDA device")
+        _assert_refused(["cluster", "up", "--device", "cuda:1"], "--device cuda:1: this machine has no CUDA device")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        _assert_refused(["serve", "--port", str(port)], f"--host 127.0.0.1 --port {port}: cannot listen there")
+        # cluster up checks it too, before starting anything
+        _assert_refused(["cluster", "up", "--port", str(port)], f"--port {port}: cannot listen there")
+    _assert_refused(["cluster", "up", "--max-model-len", "9000"], "--max-model-len 9000")
+    _assert_refused(["worker", "--tensor-parallel-size", "4"], "kvfleet worker: error: --tensor-parallel-size 4")
+
+
+def _assert_refused(argv: list[str], message: str) -> None:
+    started = time.monotonic()
+    done = subprocess.run([*KVFLEET, *argv], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and message in lines[0] and not done.stdout, done.stderr
+    assert elapsed < ERROR_WITHIN_S, f"{argv}: {elapsed:.2f} s"
+
+
+def test_help_loads_no_engine() -> None:
+    """`kvfleet serve --help` answers without torch or transformers (0.3 s here)."""
+    probe = ("import sys, runpy\nsys.argv = ['kvfleet', 'serve', '--help']\ntry:\n"
+             "    runpy.run_module('kvfleet.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print([m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules], file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=ENV, capture_output=True, text=True)
+    assert done.stderr.strip() == "[]", done.stderr
+    for flag in ("--tensor-parallel-size", "-tp", "--served-model-name NAME [NAME ...]", "--generation-config",
+                 "--chat-template", "--uvicorn-log-level", "--trust-remote-code", "--quantization"):
+        assert flag in done.stdout
+
+
+def test_the_sdk_takes_vllm_names_and_shows_the_summary() -> None:
+    """LLM(...) in a script that configured no logging: the load and its summary are
+    shown; and --seed seeds the requests that bring none, whatever ran before."""
+    script = """
+import torch
+from kvfleet import LLM, SamplingParams
+def sample(seed):
+    llm = LLM("smollm2", tensor_parallel_size=1, enforce_eager=True, trust_remote_code=True, dtype="float",
+              max_model_len=512, seed=seed)
+    return llm.generate("Hello", SamplingParams(max_tokens=8, temperature=1.0), use_tqdm=False)[0].outputs[0].text
+first = sample(7)
+torch.rand(100)  # draws from the global generator in between
+print(repr([first, sample(7), sample(8)]))
+"""
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=ENV, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    for field in (*SUMMARY_FIELDS, "max_model_len 512", "--trust-remote-code has no effect",
+                  "--enforce-eager has no effect"):
+        assert field in run.stderr, f"{field!r} not in:\n{run.stderr}"
+    first, again, other = eval(run.stdout)
+    assert first == again != other

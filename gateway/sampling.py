@@ -32,7 +32,11 @@ async def to_sampling_params(
     """`constraint`: the output constraint the endpoint sets itself (e.g. chat's
     response_format or a forced tool call), besides what the shared fields ask for."""
     _check_extras(request, logprobs, prompt_logprobs)
-    kwargs: dict[str, Any] = {name: getattr(request, name) for name in _ALWAYS}
+    # The model's generation-config defaults (--generation-config) for what the request
+    # leaves unset; its max_tokens caps the request's, as in vLLM.
+    defaults = dict(encoder.decoder.sampling_defaults)
+    max_tokens = min((n for n in (max_tokens, defaults.pop("max_tokens", None)) if n is not None), default=None)
+    kwargs: dict[str, Any] = {name: getattr(request, name) for name in _ALWAYS} | defaults
     kwargs["structured_outputs"] = _one_constraint(request, constraint)
     kwargs.update((name, value) for name in _OPTIONAL if (value := getattr(request, name)) is not None)
     if request.bad_words:  # the engine bans token sequences

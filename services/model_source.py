@@ -84,6 +84,15 @@ def resolve_model(model: str, revision: str = "main", *, require_tokenizer: bool
     )
 
 
+def resolve_tokenizer(name: str) -> ModelSource:
+    """Where --tokenizer takes the tokenizer from: any of resolve_model's forms, or a
+    directory holding tokenizer files alone."""
+    path = Path(name).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file() and _has_tokenizer_files(path):
+        return ModelSource(ModelFormat.HF_DIR, path)
+    return resolve_model(name)
+
+
 def hf_hub_cache() -> Path:
     """The HF hub cache, found as huggingface_hub finds it (without importing it)."""
     explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")  # the latter: legacy
@@ -143,10 +152,14 @@ def _from_directory(path: Path, model: str, require_tokenizer: bool) -> ModelSou
     )
 
 
+def _has_tokenizer_files(path: Path) -> bool:
+    return any(all((path / name).is_file() for name in names) for names in _TOKENIZER_FILE_SETS)
+
+
 def _check_tokenizer_files(path: Path, model: str) -> None:
     # Checked here, before any weight is read, so that a directory of weights alone
     # fails at once with the files it lacks rather than deep inside the tokenizer.
-    if any(all((path / name).is_file() for name in names) for names in _TOKENIZER_FILE_SETS):
+    if _has_tokenizer_files(path):
         return
     wanted = " or ".join(" + ".join(names) for names in _TOKENIZER_FILE_SETS)
     raise ModelNotFoundError(

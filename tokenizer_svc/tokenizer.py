@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from services.config import EngineConfig
 from services.generation_config import sampling_defaults
-from services.model_source import ModelFormat, ModelSource, resolve_model
+from services.model_source import ModelFormat, ModelSource, resolve_model, resolve_tokenizer
 from services.prompt import bad_word_spellings, bad_words_token_ids
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class Tokenizer:
     def for_engine(cls, config: EngineConfig, chat_template: str | None = None) -> Tokenizer:
         """The tokenizer `config` names (--tokenizer, else the model's), with --chat-template
         in place of its own and the sampling defaults --generation-config gives."""
-        tokenizer = cls.load(resolve_model(config.tokenizer or config.model))
+        tokenizer = cls.load(resolve_tokenizer(config.tokenizer or config.model))
         if chat_template is not None:
             tokenizer._hf.chat_template = chat_template
         model = resolve_model(config.model, require_tokenizer=False)

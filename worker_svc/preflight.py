@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from services.config import ConfigError, EngineConfig
 from services.generation_config import sampling_defaults
-from services.model_source import ModelFormat, ModelSource, resolve_model
+from services.model_source import ModelFormat, ModelSource, resolve_model, resolve_tokenizer
 from worker_svc.model_config import ModelConfig, read_model_config
 
 # vLLM's variable, so its launch scripts carry over.
@@ -29,7 +29,7 @@ def check_model(config: EngineConfig) -> CheckedModel:
     source = resolve_model(config.model, require_tokenizer=config.tokenizer is None)
     model_config = read_model_config(source)
     if config.tokenizer is not None:
-        resolve_model(config.tokenizer)
+        resolve_tokenizer(config.tokenizer)
     sampling_defaults(source, config.generation_config)
     if config.quantization == "gguf" and source.format is not ModelFormat.GGUF:
         raise ConfigError(f"--quantization gguf: {config.model} is not a GGUF file")

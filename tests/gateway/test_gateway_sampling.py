@@ -286,3 +286,27 @@ def test_non_finite_numbers_are_400(server: ServerThread) -> None:
     body = f'{{"model": "{MODEL}", "prompt": "hi", "max_tokens": 2, "temperature": NaN}}'
     response = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "temperature"
+
+
+# -- the model's generation config ------------------------------------------------------
+
+
+def test_generation_config_defaults_fill_what_a_request_leaves_unset(
+    client: openai.OpenAI, stack: Stack, llm: LLM
+) -> None:
+    """--generation-config auto: the model's recommended sampling defaults apply where a
+    request sets nothing, and its max_new_tokens caps max_tokens, as in vLLM."""
+    prompt = PROMPTS[4]
+    greedy = sdk(llm, stack.tokenizer.encode(prompt), temperature=0.0, max_tokens=3).outputs[0].text
+    stack.tokenizer.sampling_defaults = {"temperature": 0.0, "max_tokens": 3}
+    try:
+        unset = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10)
+        assert (unset.choices[0].text, unset.usage.completion_tokens) == (greedy, 3)
+        chat = client.chat.completions.create(model=MODEL, messages=CHAT)
+        assert chat.usage.completion_tokens == 3
+        # What the request sets wins: temperature 1 with a seed is the SDK's seeded sample.
+        sampled = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=1.0, seed=3)
+        expected = sdk(llm, stack.tokenizer.encode(prompt), temperature=1.0, seed=3, max_tokens=3)
+        assert sampled.choices[0].text == expected.outputs[0].text
+    finally:
+        stack.tokenizer.sampling_defaults = {}

@@ -201,3 +201,15 @@ def test_second_load_hits_the_cache(
     assert again.encode(probe) == tok.encode(probe)
     assert again.render_chat(MESSAGES) == tok.render_chat(MESSAGES)
     assert again.apply_chat_template(MESSAGES) == tok.apply_chat_template(MESSAGES)
+
+
+def test_the_engine_flags_choose_the_tokenizer_and_its_chat_template(tmp_path: Path) -> None:
+    """--tokenizer names where the tokenizer comes from; --chat-template replaces the model's."""
+    from services.config import EngineConfig
+
+    Tokenizer.load(resolve_model("smollm2")).save_pretrained(tmp_path)
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    tokenizer = Tokenizer.for_engine(EngineConfig(model="smollm2", tokenizer=str(tmp_path)), template)
+    assert tokenizer.name == tmp_path.name
+    assert tokenizer.render_chat([{"role": "user", "content": "Hi"}]) == "<user>Hi"
+    assert "<|im_start|>" in Tokenizer.for_engine(EngineConfig()).render_chat([{"role": "user", "content": "Hi"}])

@@ -1,7 +1,8 @@
 """OpenAI's request and response shapes, with vLLM's extra sampling fields.
 
-Unknown request fields are ignored, as OpenAI's API does, so clients that send newer
-or vendor-specific fields keep working. Value checks live in SamplingParams (one
+Unknown request fields are ignored, as vLLM's server does, so clients that send newer
+or vendor-specific fields keep working; like vLLM, each request that carries any logs
+them once, at warning level, so a misspelt field does not pass unnoticed. Value checks live in SamplingParams (one
 source of truth for every front end); these models check types, and the bounds
 that keep a value representable where it goes: floats are finite, seeds and top_k
 fit torch's int64, token ids are below 2**31 (what a tokenizer can decode), and
@@ -9,17 +10,22 @@ logprob counts stay within vLLM's max_logprobs (20).
 """
 from __future__ import annotations
 
+import logging
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
     SerializerFunctionWrapHandler,
     field_validator,
     model_serializer,
+    model_validator,
 )
+
+logger = logging.getLogger(__name__)
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -54,6 +60,62 @@ class _Request(BaseModel):
         return value
 
 
+# The most ignored fields one log line names; the rest are counted.
+_MAX_IGNORED_NAMED = 20
+# Per model class: the key each field is read from (its alias, else its name), and the
+# keys of the fields that may hold models of their own, each with its field's name.
+_WIRE_KEYS: dict[type[BaseModel], tuple[frozenset[str], dict[str, str]]] = {}
+
+
+def _holds_models(annotation: Any) -> bool:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_holds_models(arg) for arg in get_args(annotation))
+
+
+def _wire_keys(cls: type[BaseModel]) -> tuple[frozenset[str], dict[str, str]]:
+    keys = _WIRE_KEYS.get(cls)
+    if keys is None:
+        fields = cls.model_fields.items()
+        keys = _WIRE_KEYS[cls] = (frozenset(field.alias or name for name, field in fields),
+                                  {field.alias or name: name for name, field in fields if _holds_models(field.annotation)})
+    return keys
+
+
+def _ignored_fields(model: BaseModel, raw: dict[str, Any], path: str = "") -> list[str]:
+    """The keys of `raw` that validating it into `model` dropped, nested ones as
+    `messages[0].key`, in the body's order. Walks down only the fields that hold models."""
+    cls = type(model)
+    known, nested = _wire_keys(cls)
+    found = [] if cls.model_config.get("extra") == "allow" else [f"{path}{key}" for key in raw if key not in known]
+    for key, name in nested.items():
+        if (value := raw.get(key)) is None:
+            continue
+        parsed = getattr(model, name)
+        if isinstance(parsed, BaseModel) and isinstance(value, dict):
+            found += _ignored_fields(parsed, value, f"{path}{key}.")
+        elif isinstance(parsed, list) and isinstance(value, list):
+            for index, (item, raw_item) in enumerate(zip(parsed, value)):
+                if isinstance(item, BaseModel) and isinstance(raw_item, dict):
+                    found += _ignored_fields(item, raw_item, f"{path}{key}[{index}].")
+    return found
+
+
+class _Body(_Request):
+    """A whole request body. Fields it does not know are dropped, and logged once per
+    request in vLLM's words."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_ignored_fields(cls, data: Any, handler: ModelWrapValidatorHandler[_Body]) -> _Body:
+        body = handler(data)
+        if isinstance(data, dict) and (ignored := _ignored_fields(body, data)):
+            named = ", ".join(repr(key) for key in ignored[:_MAX_IGNORED_NAMED])
+            more = f" and {len(ignored) - _MAX_IGNORED_NAMED} more" if len(ignored) > _MAX_IGNORED_NAMED else ""
+            logger.warning("The following fields were present in the request but ignored: {%s}%s", named, more)
+        return body
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
@@ -71,7 +133,7 @@ class StructuredOutputsField(_Request):
     disable_any_whitespace: bool = False
 
 
-class SamplingFields(_Request):
+class SamplingFields(_Body):
     """What completions and chat share, named as in OpenAI and vLLM."""
 
     model: str | None = None
@@ -184,7 +246,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Body):
     """vLLM's /tokenize: either a prompt or chat messages."""
 
     model: str | None = None
@@ -195,7 +257,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[TokenId]
 

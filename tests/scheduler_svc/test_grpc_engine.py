@@ -167,34 +167,35 @@ def test_remote_worker_matches_the_in_process_llm(make_llm, worker, worker_srv, 
 # -- the scheduler role ------------------------------------------------------------------
 
 
-def readme_generate(address: str, prompt_token_ids: list[int]) -> list[int]:
-    """The README example, verbatim: nothing but grpc and the generated stubs."""
+def stub_generate(address: str, prompt_token_ids: list[int]) -> list[int]:
+    """A client built of nothing but grpc and the generated stubs, as the README's example
+    is (tests/system/test_readme.py runs that one as written, against `cluster up`)."""
     import grpc
 
     from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
         scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
-        # Open this gateway's token stream first; its first message says it is live.
-        outputs = scheduler.StreamOutputs(scheduler_pb2.StreamOutputsRequest(gateway_id="readme"))
-        next(outputs)
+        outputs = scheduler.StreamOutputs(scheduler_pb2.StreamOutputsRequest(gateway_id="stub"))
+        next(outputs)  # the stream is live: Submits for this gateway are accepted from now on
         scheduler.Submit(scheduler_pb2.SubmitRequest(
-            request_id="readme-1",
+            request_id="stub-1",
             prompt_token_ids=prompt_token_ids,
             sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-            gateway_id="readme",
+            gateway_id="stub",
         ))
         tokens = []
-        for message in outputs:  # one message per engine step, all of this gateway's new tokens
+        for message in outputs:
             for delta in message.deltas:
                 tokens.extend(delta.new_token_ids)
                 if delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    outputs.cancel()  # done: closing the stream is how a gateway leaves
+                    outputs.cancel()  # reading on after cancel() would raise CANCELLED
                     return tokens
+        raise AssertionError("the stream ended before the request finished")
 
 
 def test_plain_stub_client_streams_a_completion(cluster, prompts, reference, idle_after) -> None:
-    assert readme_generate(cluster.server.address, prompts[2]) == reference[2]
+    assert stub_generate(cluster.server.address, prompts[2]) == reference[2]
 
 
 def test_a_batch_streams_one_message_per_step(cluster, prompts, reference, idle_after) -> None:

@@ -9,10 +9,8 @@ the result is saved under the kvfleet cache, so later loads read the saved files
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -26,6 +24,7 @@ import transformers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from services.config import EngineConfig
+from services.file_cache import derived_path
 from services.generation_config import sampling_defaults
 from services.model_source import ModelFormat, ModelSource, resolve_model, resolve_tokenizer
 from services.prompt import bad_word_spellings, bad_words_token_ids
@@ -40,16 +39,9 @@ class NoChatTemplateError(ValueError):
     """Chat was asked of a model whose tokenizer has no chat template."""
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("KVFLEET_CACHE_DIR", "~/.cache/kvfleet")).expanduser()
-
-
 def converted_cache_dir(source: Path) -> Path:
-    stat = source.stat()
-    # The converted tokenizer depends on the source and on the converter, so a new
-    # transformers release converts again instead of trusting an old result.
-    key = f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|transformers={transformers.__version__}"
-    return cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()
+    # transformers converts, so a new release converts again.
+    return derived_path("tokenizers", source, f"transformers={transformers.__version__}")
 
 
 def _fast_tokenizer_dir(source: ModelSource) -> Path:
@@ -110,10 +102,10 @@ class Tokenizer:
     def for_engine(cls, config: EngineConfig, chat_template: str | None = None) -> Tokenizer:
         """The tokenizer `config` names (--tokenizer, else the model's), with --chat-template
         in place of its own and the sampling defaults --generation-config gives."""
-        tokenizer = cls.load(resolve_tokenizer(config.tokenizer or config.model))
+        model = resolve_model(config.model, config.revision, require_tokenizer=config.tokenizer is None)
+        tokenizer = cls.load(resolve_tokenizer(config.tokenizer, config.tokenizer_revision) if config.tokenizer else model)
         if chat_template is not None:
             tokenizer._hf.chat_template = chat_template
-        model = resolve_model(config.model, require_tokenizer=False)
         tokenizer.sampling_defaults = sampling_defaults(model, config.generation_config)
         if tokenizer.sampling_defaults:
             logger.info("sampling defaults from the model's generation config: %s (--generation-config vllm: none)",

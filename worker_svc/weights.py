@@ -6,10 +6,13 @@ any checkpoint can be checked against transformers itself.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import os
 import re
 import time
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +20,16 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
+from services.file_cache import derived_path
 from services.model_source import ModelFormat, ModelSource
 from worker_svc.gguf_header import GGUFTensor, read_gguf_header
 from worker_svc.model_config import ModelConfig, read_json, read_model_config
 
 logger = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 2.0
+_LOADER_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -121,6 +127,26 @@ def _gguf_hf_name(gguf_name: str) -> str:
 
 
 def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Dequantizing takes seconds, so its result is cached (services/file_cache.py): a
+    restarted worker reads the tensors back in a fraction of that. The key holds this
+    module's source and gguf's version, so a change to either dequantizes again."""
+    cached = derived_path("weights", path, f"dtype={dtype}", f"gguf={metadata.version('gguf')}",
+                          f"loader={_LOADER_DIGEST}")
+    if cached.is_file():
+        logger.info("reading the dequantized weights cached in %s", cached)
+        return load_file(cached)
+    tensors = _dequantize_gguf(path, config, dtype)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = cached.with_name(f"{cached.name}.{os.getpid()}.staging")  # several workers may start at once
+        save_file(tensors, staging)
+        os.replace(staging, cached)
+    except OSError as exc:  # a read-only home must not stop serving, only slow the next start
+        logger.warning("could not cache the dequantized weights in %s: %s", cached, exc)
+    return tensors
+
+
+def _dequantize_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     header = read_gguf_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     rotary_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
+import shutil
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracles read local files only
@@ -264,3 +266,24 @@ def test_missing_layer_is_reported(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     with pytest.raises(ValueError, match=r"missing \['model.layers.2."):
         load_weights(ModelSource(ModelFormat.HF_DIR, tmp_path), torch.float32)
+
+
+def test_dequantized_gguf_weights_are_cached_and_keyed_by_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The second load reads back what the first dequantized; a changed file is dequantized anew."""
+    monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = tmp_path / "model.gguf"
+    shutil.copy(resolve_model("smollm2").path, gguf_file)
+    source = resolve_model(str(gguf_file))
+    _, dequantized = load_weights(source, torch.float32)
+    assert len(list((tmp_path / "cache" / "weights").iterdir())) == 1
+    with caplog.at_level(logging.INFO, logger="worker_svc.weights"):
+        _, cached = load_weights(source, torch.float32)
+    assert "reading the dequantized weights cached in" in caplog.text
+    assert cached.keys() == dequantized.keys()
+    assert all(torch.equal(cached[name], dequantized[name]) for name in dequantized)
+    stat = gguf_file.stat()
+    os.utime(gguf_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    load_weights(source, torch.float32)
+    assert len(list((tmp_path / "cache" / "weights").iterdir())) == 2

@@ -18,6 +18,7 @@ from gateway.main import add_gateway_args
 from kvfleet.cluster_up import add_cluster_up_args
 from scheduler_svc.main import add_scheduler_args
 from services.cli_args import (
+    VLLM_FLAGS_NOT_SUPPORTED,
     add_chat_template_arg,
     add_engine_args,
     add_http_args,
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = _parser().parse_known_args(argv)
     command: _Parser = args.command_parser
     if unknown:
+        for name in (argument.split("=")[0] for argument in unknown):
+            if name in VLLM_FLAGS_NOT_SUPPORTED:
+                command.error(f"{name}: {VLLM_FLAGS_NOT_SUPPORTED[name]}")
         command.error(f"unrecognized arguments: {' '.join(unknown)} (see {command.prog} --help)")
     if getattr(args, "model_tag", None):  # vLLM's `vllm serve MODEL` form
         args.model = args.model_tag

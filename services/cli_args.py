@@ -19,7 +19,10 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 _ENGINE_HELP = {
     "model": "alias (smollm2), a .gguf file, a HuggingFace model directory, or a repo id in the local HF cache",
-    "tokenizer": "where the tokenizer comes from, in --model's forms (default: the model's)",
+    "revision": "the branch, tag or commit of a repo id --model names",
+    "tokenizer": "where the tokenizer comes from, in --model's forms or a directory of tokenizer files "
+                 "(default: the model's)",
+    "tokenizer_revision": "the branch, tag or commit of a repo id --tokenizer names",
     "generation_config": "auto: the model's generation_config.json sets the sampling defaults; vllm: it does "
                          "not; or a directory holding one",
     "dtype": "auto (float32 on CPU, bfloat16 on GPU), half/float16, bfloat16 or float/float32",
@@ -46,7 +49,22 @@ _ENGINE_HELP = {
 # vLLM's short spellings.
 _ENGINE_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"]}
 # What the tokenizer role needs of the engine flags: the text side of the model.
-TOKENIZER_FIELDS = ("model", "tokenizer", "generation_config")
+TOKENIZER_FIELDS = ("model", "revision", "tokenizer", "tokenizer_revision", "generation_config")
+
+# vLLM flags for what kvfleet does not do (yet): refused by name, saying what to do instead.
+_LORA = "LoRA adapters are not supported yet; merge the adapter into the weights and serve those"
+_TLS = "kvfleet serves plain HTTP; terminate TLS in front of it (a reverse proxy, an ingress)"
+VLLM_FLAGS_NOT_SUPPORTED = {
+    "--enable-lora": _LORA,
+    "--lora-modules": _LORA,
+    "--speculative-config": "speculative decoding is not supported yet; serve without it",
+    "--kv-transfer-config": "disaggregated prefill (KV transfer) is not supported; serve without it",
+    "--cpu-offload-gb": "weights offloaded to host memory are not supported; use a device that holds the model",
+    "--limit-mm-per-prompt": "kvfleet serves text-only models; drop the flag",
+    "--enable-expert-parallel": "kvfleet implements no mixture-of-experts model; drop the flag",
+    "--ssl-keyfile": _TLS,
+    "--ssl-certfile": _TLS,
+}
 
 # The gateway's parsers by name (gateway/tool_parsers; tests/gateway checks the lists agree).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")

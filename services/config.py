@@ -31,7 +31,9 @@ def flag(name: str) -> str:
 @dataclass
 class EngineConfig:
     model: str = "smollm2"
+    revision: str = "main"  # of a repo id in the local HF cache: a branch, tag or commit
     tokenizer: str | None = None  # None: the model's own
+    tokenizer_revision: str = "main"
     # "auto" applies the model's generation_config.json sampling defaults, as vLLM does;
     # "vllm" ignores them; or a directory with its own generation_config.json.
     generation_config: str = "auto"

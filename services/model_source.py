@@ -84,13 +84,13 @@ def resolve_model(model: str, revision: str = "main", *, require_tokenizer: bool
     )
 
 
-def resolve_tokenizer(name: str) -> ModelSource:
+def resolve_tokenizer(name: str, revision: str = "main") -> ModelSource:
     """Where --tokenizer takes the tokenizer from: any of resolve_model's forms, or a
     directory holding tokenizer files alone."""
     path = Path(name).expanduser()
     if path.is_dir() and not (path / "config.json").is_file() and _has_tokenizer_files(path):
         return ModelSource(ModelFormat.HF_DIR, path)
-    return resolve_model(name)
+    return resolve_model(name, revision)
 
 
 def hf_hub_cache() -> Path:

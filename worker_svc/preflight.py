@@ -26,10 +26,10 @@ class CheckedModel:
 
 
 def check_model(config: EngineConfig) -> CheckedModel:
-    source = resolve_model(config.model, require_tokenizer=config.tokenizer is None)
+    source = resolve_model(config.model, config.revision, require_tokenizer=config.tokenizer is None)
     model_config = read_model_config(source)
     if config.tokenizer is not None:
-        resolve_tokenizer(config.tokenizer)
+        resolve_tokenizer(config.tokenizer, config.tokenizer_revision)
     sampling_defaults(source, config.generation_config)
     if config.quantization == "gguf" and source.format is not ModelFormat.GGUF:
         raise ConfigError(f"--quantization gguf: {config.model} is not a GGUF file")

@@ -22,8 +22,8 @@ import sys
 import tempfile
 import threading
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from kvfleet.processes import (
     free_port,
@@ -78,8 +78,8 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     ports = {name: free_port(local) for name in ("nats", "redis", "tokenizer", "worker", "scheduler")}
     # NATS and Redis say little worth reading next to the roles: their lines go to files.
     log_dir = Path(tempfile.mkdtemp(prefix="kvfleet-cluster-"))
-    infra = [Supervised("nats", lambda: start_nats(local, ports["nats"], **_log_to(log_dir / "nats.log"))),
-             Supervised("redis", lambda: start_redis(local, ports["redis"], **_log_to(log_dir / "redis.log")))]
+    infra = [Supervised("nats", lambda: _logged(start_nats, local, ports["nats"], log_dir / "nats.log")),
+             Supervised("redis", lambda: _logged(start_redis, local, ports["redis"], log_dir / "redis.log"))]
     roles: list[Supervised] = []  # in start order; stopped in reverse
     exit_code = 0
     try:
@@ -130,9 +130,10 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     return exit_code
 
 
-def _log_to(path: Path) -> dict[str, Any]:
-    file = path.open("ab")  # the child holds its own copy once started
-    return {"stdout": file, "stderr": subprocess.STDOUT}
+def _logged(start: Callable[..., subprocess.Popen], host: str, port: int, path: Path) -> subprocess.Popen:
+    """`start` with the process's output appended to `path`."""
+    with path.open("ab") as log:  # the child holds its own copy once started; each restart opens anew
+        return start(host, port, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _supervise(args: argparse.Namespace, parts: list[Supervised], stopping: threading.Event) -> int:

@@ -78,7 +78,6 @@ def _compile_structural_tag(compiler: xgr.GrammarCompiler, spec: str) -> xgr.Com
 
 
 @dataclass
-
 class RequestGrammar:
     """One request's grammar state: its matcher, and the reasoning it waits out first."""
 

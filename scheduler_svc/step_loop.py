@@ -152,6 +152,8 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
             logger.warning("gateway %s has no output stream; aborting its %d requests", gateway_id, len(orphans))
             for route in orphans:
                 self._abort_in_core(self._routes.remove(route))
+            # The loop may now sleep until the next command: Stats must not keep showing them.
+            self._stats = self.core.stats()
 
     def _check_drained(self) -> None:
         # has_work covers the drops the worker has yet to hear of, so a drained

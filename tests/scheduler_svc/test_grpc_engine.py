@@ -296,7 +296,10 @@ def test_a_gateway_that_leaves_has_its_requests_aborted(cluster, worker, prompts
         pass
     outputs.cancel()
     wait_idle(cluster.loop.core, worker)  # long before its 100 tokens
-    stats = cluster.stub.Stats(scheduler_pb2.StatsRequest())
+    # The engine thread publishes its stats just after the abort: give it that moment.
+    deadline = time.monotonic() + 5
+    while (stats := cluster.stub.Stats(scheduler_pb2.StatsRequest())).num_requests_running and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert (stats.num_requests_running, stats.num_requests_waiting, stats.num_kv_blocks) == (0, 0, 8)
 
 

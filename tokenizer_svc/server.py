@@ -13,12 +13,21 @@ from services.pb.kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.sampling_params import InvalidParameter
 from services.tokenizer_api import EncodedPrompt
 from services.tokenizer_archive import chunks, pack
-from services.transport.convert import chat_from_proto
+from services.transport.convert import chat_from_proto, pack_token_ids
 from services.transport.server import RoleServer
 from tokenizer_svc.in_process import encode_chat
 from tokenizer_svc.tokenizer import Tokenizer
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+
+
+def _response(request: tokenizer_pb2.TokenizeRequest, encoded: EncodedPrompt) -> tokenizer_pb2.TokenizeResponse:
+    response = tokenizer_pb2.TokenizeResponse(prompt=encoded.text if request.HasField("chat") else "")
+    if request.packed_token_ids:
+        response.token_ids_packed = pack_token_ids(encoded.token_ids)
+    else:
+        response.token_ids.extend(encoded.token_ids)
+    return response
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
@@ -38,7 +47,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             encoded = self._encode(request)
         except InvalidParameter as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return tokenizer_pb2.TokenizeResponse(token_ids=encoded.token_ids, prompt=encoded.text)
+        return _response(request, encoded)
 
     def TokenizeBatch(
         self, request: tokenizer_pb2.TokenizeBatchRequest, context: grpc.ServicerContext
@@ -50,8 +59,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             except InvalidParameter as exc:  # this input's error; the others are answered
                 results.append(tokenizer_pb2.TokenizeResult(invalid_argument=str(exc)))
                 continue
-            response = tokenizer_pb2.TokenizeResponse(token_ids=encoded.token_ids, prompt=encoded.text)
-            results.append(tokenizer_pb2.TokenizeResult(response=response))
+            results.append(tokenizer_pb2.TokenizeResult(response=_response(item, encoded)))
         return tokenizer_pb2.TokenizeBatchResponse(results=results)
 
     def _encode(self, request: tokenizer_pb2.TokenizeRequest) -> EncodedPrompt:

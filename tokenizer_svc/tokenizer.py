@@ -28,6 +28,7 @@ from services.file_cache import derived_path
 from services.generation_config import sampling_defaults
 from services.model_source import ModelFormat, ModelSource, resolve_model, resolve_tokenizer
 from services.prompt import bad_word_spellings, bad_words_token_ids
+from tokenizer_svc.encode_process import HUGE_TEXT_CHARS, EncodeProcess
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class Tokenizer:
         # incremental detokenizer and decode() drop the same tokens.
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self._added_tokens = frozenset(t.content for t in added.values())
+        self._encode_process = EncodeProcess(hf.backend_tokenizer)
 
     @classmethod
     def load(cls, source: ModelSource) -> Tokenizer:
@@ -137,6 +139,8 @@ class Tokenizer:
         # works (its one-text form does not), so a megabyte prompt never stalls the
         # threads beside it; and transformers' wrapper adds ~20% of Python around it.
         # Its post-processor adds the special tokens, as transformers' encode() does.
+        if len(text) > HUGE_TEXT_CHARS:
+            return self._encode_process.encode(text, add_special_tokens)
         [encoding] = self._hf.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
         return encoding.ids
 

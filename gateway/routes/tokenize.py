@@ -20,8 +20,9 @@ from gateway.protocol import (
 from services.tokenizer_api import ChatPrompt
 
 router = APIRouter(route_class=OffLoopJsonRoute)
-# About 3 ms of writing each.
-_IDS_PER_SLICE = 16384
+# About 0.5 ms of writing each: a request served meanwhile takes a few dozen passes
+# of the event loop, each of which may wait for one slice.
+_IDS_PER_SLICE = 4096
 
 
 @router.post("/tokenize", response_model=TokenizeResponse)
@@ -42,11 +43,12 @@ async def tokenize(body: TokenizeRequest, ctx: GatewayContext = Depends(get_cont
 
 async def _reply(tokens: list[int], max_model_len: int) -> AsyncIterator[bytes]:
     """The reply's JSON in slices, the event loop free between them: a multi-megabyte
-    prompt's ids take the better part of a second to write (with the GIL held, so a
+    prompt's ids take half a second to write (with the GIL held, so a
     thread would not help)."""
     yield f'{{"count": {len(tokens)}, "max_model_len": {max_model_len}, "tokens": ['.encode()
     for start in range(0, len(tokens), _IDS_PER_SLICE):
-        ids = ", ".join(map(str, tokens[start:start + _IDS_PER_SLICE]))
+        # A list of ints prints as its JSON, twice as fast as json.dumps.
+        ids = repr(tokens[start:start + _IDS_PER_SLICE])[1:-1]
         yield (", " + ids if start else ids).encode()
         await asyncio.sleep(0)
     yield b"]}"

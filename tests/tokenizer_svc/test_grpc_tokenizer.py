@@ -22,6 +22,8 @@ from services.model_source import resolve_model
 from services.pb.kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.sampling_params import InvalidParameter
 from services.tokenizer_api import ChatPrompt
+from services.transport.convert import chat_to_proto, unpack_token_ids
+from tokenizer_svc.encode_process import HUGE_TEXT_CHARS
 from tokenizer_svc.server import SERVICE_NAME, TokenizerServicer, start_tokenizer_server
 from tokenizer_svc.tokenizer import Tokenizer
 
@@ -75,6 +77,15 @@ def test_encode_equals_in_process_and_the_fetched_files_decode_alike(tokenizer, 
             for spaces in (True, False):
                 assert decoder.decode(token_ids, skip, spaces) == tokenizer.decode(token_ids, skip, spaces)
         assert decoder.decode(token_ids, skip_special_tokens=False) == text
+
+
+def test_a_huge_text_crosses_whole(tokenizer, remote) -> None:
+    """Past HUGE_TEXT_CHARS the role encodes in its child process, and the gateway turns
+    the packed reply into a list in slices: the ids still equal the in-process ones."""
+    client, _ = remote
+    text = "".join(TEXTS) * (HUGE_TEXT_CHARS // len("".join(TEXTS)) + 1)
+    [ids] = asyncio.run(client.encode([text]))
+    assert len(ids) > 20_000 and ids == tokenizer.encode(text)
 
 
 def test_chat_equals_in_process(tokenizer, remote) -> None:
@@ -147,6 +158,21 @@ def test_describe_detokenize_and_health_over_the_stubs(tokenizer, remote) -> Non
         for name in ("", SERVICE_NAME):
             status = health.Check(health_pb2.HealthCheckRequest(service=name)).status
             assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_packed_ids_equal_the_repeated_ones_and_only_chats_are_echoed(tokenizer, remote) -> None:
+    _, address = remote
+    with grpc.insecure_channel(address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+        for text in TEXTS:
+            plain = stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text))
+            packed = stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text, packed_token_ids=True))
+            assert list(plain.token_ids) == unpack_token_ids(packed.token_ids_packed).tolist() == tokenizer.encode(text)
+            assert (plain.token_ids_packed, list(packed.token_ids), plain.prompt, packed.prompt) == (b"", [], "", "")
+        chat = ChatPrompt(MESSAGES)
+        reply = stub.Tokenize(tokenizer_pb2.TokenizeRequest(chat=chat_to_proto(chat), packed_token_ids=True))
+        assert reply.prompt == tokenizer.render_chat(MESSAGES, add_generation_prompt=True)
+        assert unpack_token_ids(reply.token_ids_packed).tolist() == tokenizer.encode(reply.prompt, False)
 
 
 def test_a_dead_replica_is_passed_over_and_none_left_is_unavailable(tokenizer) -> None:

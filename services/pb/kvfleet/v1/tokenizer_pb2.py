@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvfleet/v1/tokenizer.proto\x12\nkvfleet.v1\"\x8d\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x17\n\x0ftool_calls_json\x18\x04 \x01(\t\x12\x19\n\x0ctool_call_id\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05_nameB\x0f\n\r_tool_call_id\"\x83\x01\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvfleet.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x03 \x01(\tB\x18\n\x16_add_generation_prompt\"\x84\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x02 \x01(\x0b\x32\x10.kvfleet.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"E\n\x14TokenizeBatchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.kvfleet.v1.TokenizeRequest\"h\n\x0eTokenizeResult\x12\x30\n\x08response\x18\x01 \x01(\x0b\x32\x1c.kvfleet.v1.TokenizeResponseH\x00\x12\x1a\n\x10invalid_argument\x18\x02 \x01(\tH\x00\x42\x08\n\x06result\"D\n\x15TokenizeBatchResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.kvfleet.v1.TokenizeResult\"\x15\n\x13GetTokenizerRequest\"1\n\x11GetTokenizerChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"\xae\x01\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65scribeTokenizerRequest\"\xab\x01\n\x14TokenizerDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x19\n\x0c\x65os_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x42\x0f\n\r_eos_token_idB\x0f\n\r_bos_token_id2\x9b\x03\n\tTokenizer\x12\x45\n\x08Tokenize\x12\x1b.kvfleet.v1.TokenizeRequest\x1a\x1c.kvfleet.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.kvfleet.v1.DetokenizeRequest\x1a\x1e.kvfleet.v1.DetokenizeResponse\x12T\n\rTokenizeBatch\x12 .kvfleet.v1.TokenizeBatchRequest\x1a!.kvfleet.v1.TokenizeBatchResponse\x12R\n\x08\x44\x65scribe\x12$.kvfleet.v1.DescribeTokenizerRequest\x1a .kvfleet.v1.TokenizerDescription\x12P\n\x0cGetTokenizer\x12\x1f.kvfleet.v1.GetTokenizerRequest\x1a\x1d.kvfleet.v1.GetTokenizerChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvfleet/v1/tokenizer.proto\x12\nkvfleet.v1\"\x8d\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x17\n\x0ftool_calls_json\x18\x04 \x01(\t\x12\x19\n\x0ctool_call_id\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05_nameB\x0f\n\r_tool_call_id\"\x83\x01\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvfleet.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x03 \x01(\tB\x18\n\x16_add_generation_prompt\"\x9e\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x02 \x01(\x0b\x32\x10.kvfleet.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x18\n\x10packed_token_ids\x18\x04 \x01(\x08\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"O\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10token_ids_packed\x18\x03 \x01(\x0c\"E\n\x14TokenizeBatchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.kvfleet.v1.TokenizeRequest\"h\n\x0eTokenizeResult\x12\x30\n\x08response\x18\x01 \x01(\x0b\x32\x1c.kvfleet.v1.TokenizeResponseH\x00\x12\x1a\n\x10invalid_argument\x18\x02 \x01(\tH\x00\x42\x08\n\x06result\"D\n\x15TokenizeBatchResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.kvfleet.v1.TokenizeResult\"\x15\n\x13GetTokenizerRequest\"1\n\x11GetTokenizerChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"\xae\x01\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65scribeTokenizerRequest\"\xab\x01\n\x14TokenizerDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x19\n\x0c\x65os_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x42\x0f\n\r_eos_token_idB\x0f\n\r_bos_token_id2\x9b\x03\n\tTokenizer\x12\x45\n\x08Tokenize\x12\x1b.kvfleet.v1.TokenizeRequest\x1a\x1c.kvfleet.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.kvfleet.v1.DetokenizeRequest\x1a\x1e.kvfleet.v1.DetokenizeResponse\x12T\n\rTokenizeBatch\x12 .kvfleet.v1.TokenizeBatchRequest\x1a!.kvfleet.v1.TokenizeBatchResponse\x12R\n\x08\x44\x65scribe\x12$.kvfleet.v1.DescribeTokenizerRequest\x1a .kvfleet.v1.TokenizerDescription\x12P\n\x0cGetTokenizer\x12\x1f.kvfleet.v1.GetTokenizerRequest\x1a\x1d.kvfleet.v1.GetTokenizerChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,27 +36,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHAT']._serialized_start=187
   _globals['_CHAT']._serialized_end=318
   _globals['_TOKENIZEREQUEST']._serialized_start=321
-  _globals['_TOKENIZEREQUEST']._serialized_end=453
-  _globals['_TOKENIZERESPONSE']._serialized_start=455
-  _globals['_TOKENIZERESPONSE']._serialized_end=508
-  _globals['_TOKENIZEBATCHREQUEST']._serialized_start=510
-  _globals['_TOKENIZEBATCHREQUEST']._serialized_end=579
-  _globals['_TOKENIZERESULT']._serialized_start=581
-  _globals['_TOKENIZERESULT']._serialized_end=685
-  _globals['_TOKENIZEBATCHRESPONSE']._serialized_start=687
-  _globals['_TOKENIZEBATCHRESPONSE']._serialized_end=755
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=757
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=778
-  _globals['_GETTOKENIZERCHUNK']._serialized_start=780
-  _globals['_GETTOKENIZERCHUNK']._serialized_end=829
-  _globals['_DETOKENIZEREQUEST']._serialized_start=832
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1006
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1008
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1042
-  _globals['_DESCRIBETOKENIZERREQUEST']._serialized_start=1044
-  _globals['_DESCRIBETOKENIZERREQUEST']._serialized_end=1070
-  _globals['_TOKENIZERDESCRIPTION']._serialized_start=1073
-  _globals['_TOKENIZERDESCRIPTION']._serialized_end=1244
-  _globals['_TOKENIZER']._serialized_start=1247
-  _globals['_TOKENIZER']._serialized_end=1658
+  _globals['_TOKENIZEREQUEST']._serialized_end=479
+  _globals['_TOKENIZERESPONSE']._serialized_start=481
+  _globals['_TOKENIZERESPONSE']._serialized_end=560
+  _globals['_TOKENIZEBATCHREQUEST']._serialized_start=562
+  _globals['_TOKENIZEBATCHREQUEST']._serialized_end=631
+  _globals['_TOKENIZERESULT']._serialized_start=633
+  _globals['_TOKENIZERESULT']._serialized_end=737
+  _globals['_TOKENIZEBATCHRESPONSE']._serialized_start=739
+  _globals['_TOKENIZEBATCHRESPONSE']._serialized_end=807
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=809
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=830
+  _globals['_GETTOKENIZERCHUNK']._serialized_start=832
+  _globals['_GETTOKENIZERCHUNK']._serialized_end=881
+  _globals['_DETOKENIZEREQUEST']._serialized_start=884
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1058
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1060
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1094
+  _globals['_DESCRIBETOKENIZERREQUEST']._serialized_start=1096
+  _globals['_DESCRIBETOKENIZERREQUEST']._serialized_end=1122
+  _globals['_TOKENIZERDESCRIPTION']._serialized_start=1125
+  _globals['_TOKENIZERDESCRIPTION']._serialized_end=1296
+  _globals['_TOKENIZER']._serialized_start=1299
+  _globals['_TOKENIZER']._serialized_end=1710
 # @@protoc_insertion_point(module_scope)

@@ -31,22 +31,26 @@ class Chat(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "chat", "add_special_tokens")
+    __slots__ = ("text", "chat", "add_special_tokens", "packed_token_ids")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: Chat
     add_special_tokens: bool
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    packed_token_ids: bool
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., packed_token_ids: _Optional[bool] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("token_ids", "prompt")
+    __slots__ = ("token_ids", "prompt", "token_ids_packed")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_PACKED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ...) -> None: ...
+    token_ids_packed: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., token_ids_packed: _Optional[bytes] = ...) -> None: ...
 
 class TokenizeBatchRequest(_message.Message):
     __slots__ = ("requests",)

@@ -100,6 +100,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 LONGEST_FIRST = (
     "tests/kvfleet/test_parity.py",
     "tests/gateway/test_fuzz_gateway.py",
+    "tests/system/test_openai_structured.py",
     "tests/system/test_readme.py",
     "tests/kvfleet/test_structured_outputs.py",
     "tests/system/test_drain.py",

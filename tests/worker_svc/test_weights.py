@@ -15,7 +15,6 @@ import gguf  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -51,24 +50,18 @@ def smollm2() -> ModelSource:
     return resolve_model("smollm2")
 
 
-@pytest.fixture(scope="module")
-def smollm2_oracle(smollm2: ModelSource) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(
-        smollm2.path.parent, gguf_file=smollm2.path.name, dtype=torch.float32
-    )
-
-
 @needs_smollm2
-def test_smollm2_gguf_matches_transformers(smollm2: ModelSource, smollm2_oracle: PreTrainedModel) -> None:
+def test_smollm2_gguf_matches_transformers(smollm2: ModelSource, hf_smollm2: PreTrainedModel) -> None:
+    """Against the suite's oracle (conftest): transformers' own loading of the same GGUF."""
     config, tensors = load_weights(smollm2, torch.float32)
 
-    _assert_same_weights(tensors, smollm2_oracle)
+    _assert_same_weights(tensors, hf_smollm2)
     assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
     assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
     assert tensors["model.layers.0.mlp.down_proj.weight"].shape == (576, 1536)
     assert tensors["model.embed_tokens.weight"].shape == (49152, 576)
 
-    oracle = smollm2_oracle.config
+    oracle = hf_smollm2.config
     assert config.architecture == "llama"
     assert config.hidden_size == oracle.hidden_size == 576
     assert config.num_hidden_layers == oracle.num_hidden_layers == 30

@@ -29,12 +29,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.pass_batcher import PassBatcher
 from services.engine_client import EngineUnavailable
+from services.packed_token_ids import unpack_token_ids
 from services.pb.kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.registry import DEFAULT_TTL_S
 from services.tokenizer_api import ChatPrompt, EncodedPrompt
 from services.tokenizer_archive import unpack
 from services.transport.channel import open_async_channel, open_channel
-from services.transport.convert import chat_to_proto, unpack_token_ids
+from services.transport.convert import chat_to_proto
 from services.transport.futures import invalid_argument
 from tokenizer_svc.tokenizer import Tokenizer
 

@@ -6,13 +6,13 @@ which no other thread of the process runs, so the server's event loop, its /heal
 and every stream would freeze. In a child process that cost stalls nobody; the ids
 come back as one packed buffer, which becomes a list in ~50 ms.
 
-The child (`python -m tokenizer_svc.encode_process`) imports only `tokenizers`, gets
-the tokenizer's JSON on stdin, then answers requests framed on its pipes; it exits
-when its stdin closes, so it never outlives the process that started it.
+The child (`python -m tokenizer_svc.encode_process`) imports only `tokenizers` and the
+packed-ids format, gets the tokenizer's JSON on stdin, then answers requests framed on
+its pipes; it exits when its stdin closes, so it never outlives the process that
+started it.
 """
 from __future__ import annotations
 
-import array
 import logging
 import struct
 import subprocess
@@ -22,6 +22,8 @@ from typing import BinaryIO
 
 from tokenizers import Tokenizer as RustTokenizer
 
+from services.packed_token_ids import ID_BYTES, pack_token_ids, unpack_token_ids
+
 logger = logging.getLogger(__name__)
 
 # Texts longer than this (in characters) are encoded in the child: freeing the
@@ -30,7 +32,6 @@ HUGE_TEXT_CHARS = 100_000
 
 _LENGTH = struct.Struct("<Q")
 _REQUEST = struct.Struct("<?Q")  # add_special_tokens, then the text's UTF-8 byte count
-_ID_TYPE = "I"  # uint32: every vocabulary fits
 _LIST_SLICE = 1 << 16
 
 
@@ -71,8 +72,7 @@ class EncodeProcess:
         child.stdin.write(_REQUEST.pack(add_special_tokens, len(data)) + data)
         child.stdin.flush()
         (count,) = _LENGTH.unpack(_read_exactly(child.stdout, _LENGTH.size))
-        ids = array.array(_ID_TYPE)
-        ids.frombytes(_read_exactly(child.stdout, count * ids.itemsize))
+        ids = unpack_token_ids(_read_exactly(child.stdout, count * ID_BYTES))
         # In slices: one tolist() of millions of ids would hold the GIL for ~50 ms.
         token_ids: list[int] = []
         for start in range(0, len(ids), _LIST_SLICE):
@@ -101,8 +101,8 @@ def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
         add_special_tokens, size = _REQUEST.unpack(header)
         text = _read_exactly(requests, size).decode()
         [encoding] = tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
-        ids = array.array(_ID_TYPE, encoding.ids)
-        replies.write(_LENGTH.pack(len(ids)) + ids.tobytes())
+        ids = encoding.ids
+        replies.write(_LENGTH.pack(len(ids)) + pack_token_ids(ids))
         replies.flush()
 
 

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import grpc
 
+from services.packed_token_ids import pack_token_ids
 from services.pb.kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.sampling_params import InvalidParameter
 from services.tokenizer_api import EncodedPrompt
 from services.tokenizer_archive import chunks, pack
-from services.transport.convert import chat_from_proto, pack_token_ids
+from services.transport.convert import chat_from_proto
 from services.transport.server import RoleServer
 from tokenizer_svc.in_process import encode_chat
 from tokenizer_svc.tokenizer import Tokenizer

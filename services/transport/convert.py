@@ -4,10 +4,8 @@ cannot tell an empty list from None, the Python field treats both alike (see com
 """
 from __future__ import annotations
 
-import array
 import json
-import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from services.histogram_counts import HistogramCounts
 from services.messages import (
@@ -349,21 +347,3 @@ def _json_list(text: str, param: str) -> list:
         raise InvalidParameter(param, "must be a JSON list")
     return value
 
-
-def pack_token_ids(token_ids: Sequence[int]) -> bytes:
-    """TokenizeResponse.token_ids_packed: little-endian uint32s."""
-    packed = array.array("I", token_ids)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def unpack_token_ids(data: bytes) -> memoryview:
-    """uint32s to slice and tolist(): a view of `data`, not a copy, as millions of ids
-    are tens of megabytes."""
-    if sys.byteorder == "big":
-        swapped = array.array("I")
-        swapped.frombytes(data)
-        swapped.byteswap()
-        return memoryview(swapped)
-    return memoryview(data).cast("I")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 
 from services.cli_args import (
     add_engine_args,
@@ -30,6 +31,9 @@ def run_worker(args: argparse.Namespace) -> int:
     configure_logging()
     configure_torch_threads()
     worker = Worker(EngineConfig(**engine_args(args)))
+    # The model's objects live as long as the process: kept out of every collection,
+    # they cost no GC pass while serving, and exit skips ~1 s of collecting them.
+    gc.freeze()
     serve_role_metrics(args.metrics_port, args.host)
     server = start_worker_server(worker, f"{args.host}:{args.port}")
     serve_role(args, "worker", server)

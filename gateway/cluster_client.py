@@ -10,10 +10,11 @@ A replica is declared dead only on evidence about it, and then its requests end 
 with RequestLost (a 503), none waiting forever: its channel failing (a dead process, seen
 within milliseconds), another process answering at its address (calls name the
 lease's instance, and a successor refuses them), or its lease staying away longer than a lease TTL while Redis
-answers (a hung scheduler, or one that lost NATS and withholds its lease). A slow
+answers (a hung scheduler, or one cut off from NATS for a TTL). A slow
 answer is no evidence, nor is a lease missing right after Redis came back (an empty,
 restarted Redis is refilled within a TTL), so a busy scheduler or a Redis restart
-fails nothing.
+fails nothing. Nor does a NATS restart: messages missed meanwhile are replayed by their
+scheduler (gateway/nats_subscriber.py).
 """
 from __future__ import annotations
 
@@ -128,7 +129,8 @@ class ClusterEngineClient:
         if self._thread is not None:
             raise RuntimeError("the client was already started")
         self._registry = Registry(self._redis_url)
-        self._subscriber = OutputSubscriber(self._nats_url, self.gateway_id)
+        # NATS away for a lease TTL fails our streams, as a scheduler's lease lapsing would.
+        self._subscriber = OutputSubscriber(self._nats_url, self.gateway_id, self, grace_s=self._lease_ttl_s)
         self._refresh()  # so is_ready() is right from the start
         self._thread = threading.Thread(target=self._poll_forever, name="kvfleet-cluster-poller", daemon=True)
         self._thread.start()
@@ -248,6 +250,25 @@ class ClusterEngineClient:
         if call.exception() is not None:
             logger.warning("abort failed: %s", call.exception())
 
+    # -- replaying the token stream (the subscriber's ReplaySource) ----------------------
+
+    def replay(self, instance_id: str, after_seq: int) -> list[scheduler_pb2.StepOutputs] | None:
+        with self._lock:
+            replica = next((r for r in self._replicas.values() if r.instance_id == instance_id), None)
+        if replica is None:  # retired: its requests were failed then
+            return None
+        request = scheduler_pb2.ReplayOutputsRequest(gateway_id=self.gateway_id, after_seq=after_seq,
+                                                     scheduler_instance_id=instance_id)
+        try:
+            return list(replica.stub.ReplayOutputs(request, timeout=self._submit_timeout_s))
+        except grpc.RpcError as exc:
+            self._lost(replica, f"could not replay its token stream: {exc.code().name}: {exc.details()}")
+            return None
+
+    def instances(self) -> list[str]:
+        with self._lock:
+            return list({replica.instance_id for replica in self._placed.values()})
+
     # -- the poller thread -------------------------------------------------------------
 
     def _poll_forever(self) -> None:
@@ -323,7 +344,8 @@ class ClusterEngineClient:
 
     def _lost(self, replica: _Replica, why: str, superseded: bool = False) -> None:
         """Any thread: the scheduler's process is gone (its connection failed, or another
-        process answers at its address); its requests end now."""
+        process answers at its address), or tokens it sent us cannot be replayed; its
+        requests end now."""
         with self._lock:
             replica.routable = False
             replica.superseded |= superseded

@@ -1,19 +1,28 @@
 """A gateway's end of the token stream: one NATS subscription to `kvfleet.out.<gateway_id>`,
 demultiplexed into per-request RequestStreams (services/request_stream.py), fed with
 one `call_soon_threadsafe` per loop per NATS message (never one per token).
-Core NATS is at-most-once: a disconnect, or a message the client had to drop, fails
-every open stream explicitly, since whose tokens were lost cannot be told.
+
+Core NATS is at-most-once, so each scheduler numbers its messages to us: a hole in the
+numbers (a NATS restart, a message the client had to drop, a scheduler announcing a
+tail we never got) is filled by a replay over gRPC from that scheduler
+(gateway/step_sequence.py, Scheduler.ReplayOutputs), and the streams go on intact.
+Streams fail only when NATS stays away longer than `grace_s`, or a scheduler can no
+longer replay what is missing (then its ReplaySource fails that scheduler's requests).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from nats.aio.msg import Msg
 from nats.errors import SlowConsumerError
 
+from gateway.step_sequence import StepSequence
 from services.engine_client import EngineUnavailable, RequestFailed, RequestLost
 from services.messages import TokenDelta
 from services.nats_link import NatsThread, subject
@@ -25,27 +34,49 @@ from services.transport.convert import delta_from_proto
 
 logger = logging.getLogger(__name__)
 
+
+class ReplaySource(Protocol):
+    """Who can send a scheduler's messages again: the gateway's cluster client."""
+
+    def replay(self, instance_id: str, after_seq: int) -> list[scheduler_pb2.StepOutputs] | None:
+        """That scheduler's messages to us numbered after `after_seq`; None when it
+        cannot say (gone, or they are no longer held), having failed the requests
+        of ours it held."""
+
+    def instances(self) -> Iterable[str]:
+        """The schedulers that hold requests of ours."""
+
+
 class OutputSubscriber:
-    def __init__(self, url: str, gateway_id: str, connect_timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, gateway_id: str, source: ReplaySource, grace_s: float = 10.0,
+                 connect_timeout_s: float = 10.0) -> None:
         self.gateway_id = gateway_id
-        # Guards the tables below, which the NATS thread and the consumers' loops share.
+        self._source = source
+        self._grace_s = grace_s
+        # Guards the tables below, which the NATS thread, replay threads and the consumers' loops share.
         self._lock = threading.Lock()
         self._routes: RequestRoutes[RequestStream] = RequestRoutes()
+        self._sequences: defaultdict[str, StepSequence] = defaultdict(StepSequence)  # by scheduler instance
+        self._away_since: float | None = None  # NATS disconnected since (monotonic)
+        self._give_up: asyncio.TimerHandle | None = None
         self._closing = False
-        self._nats = NatsThread(url, "kvfleet-nats-subscriber", connect_timeout_s,
-                                disconnected_cb=self._on_disconnect, error_cb=self._on_error)
+        self._nats = NatsThread(url, "kvfleet-nats-subscriber", connect_timeout_s, disconnected_cb=self._on_disconnect,
+                                reconnected_cb=self._on_reconnect, error_cb=self._on_error)
         self._nats.run(self._subscribe(), connect_timeout_s)
 
     @property
     def connected(self) -> bool:
-        return self._nats.connected
+        """Connected, or away from NATS for less than the grace: what is sent meanwhile
+        is replayed once it is back."""
+        away_since = self._away_since
+        return self._nats.connected or (away_since is not None and time.monotonic() - away_since < self._grace_s)
 
     def open(self, request_id: str, num_children: int = 1) -> RequestStream:
         """Call on the consumer's loop, before the request is submitted, so no delta is
         missed. `num_children`: with n or best_of > 1, its deltas carry child ids."""
         stream = RequestStream(request_id, num_children)
         with self._lock:
-            # Under the lock: a disconnect after this check fails the stream (_on_disconnect).
+            # Under the lock: NATS staying away past the grace after this check fails the stream (_expire).
             if not self.connected:
                 raise EngineUnavailable("the token stream (NATS) is disconnected")
             ids = engine_request_ids(request_id, num_children)
@@ -81,9 +112,20 @@ class OutputSubscriber:
         await self._nats.nc.flush()  # the server knows the subscription: submits may start
 
     async def _on_message(self, msg: Msg) -> None:
-        outputs = scheduler_pb2.StepOutputs.FromString(msg.data)
-        items: defaultdict[RequestStream, list[Item]] = defaultdict(list)
+        self._accept(scheduler_pb2.StepOutputs.FromString(msg.data))
+
+    def _accept(self, outputs: scheduler_pb2.StepOutputs) -> None:
+        """Any thread: from NATS, or from a replay."""
         with self._lock:
+            sequence = self._sequences[outputs.scheduler_instance_id]
+            self._deliver(sequence.accept(outputs))
+            if sequence.has_hole:
+                self._replay(outputs.scheduler_instance_id)
+
+    def _deliver(self, messages: Sequence[scheduler_pb2.StepOutputs]) -> None:
+        """Under the lock, so that messages of one scheduler reach their streams in order."""
+        items: defaultdict[RequestStream, list[Item]] = defaultdict(list)
+        for outputs in messages:
             for message in outputs.deltas:
                 route = self._routes.of(message.request_id)
                 if route is None:  # ended here already (e.g. its client left): drop
@@ -100,13 +142,63 @@ class OutputSubscriber:
                     self._routes.end(message.request_id)
         post(items)
 
+    def _replay(self, instance_id: str) -> None:
+        """Under the lock: fills the scheduler's hole on a thread of its own (a gRPC call)
+        unless a replay of it is under way already (which checks for holes when done)."""
+        sequence = self._sequences[instance_id]
+        if not sequence.replaying:
+            sequence.replaying = True
+            threading.Thread(target=self._replay_until_whole, args=(instance_id, sequence),
+                             name="kvfleet-nats-replay", daemon=True).start()
+
+    def _replay_until_whole(self, instance_id: str, sequence: StepSequence) -> None:
+        while True:
+            with self._lock:
+                after = sequence.delivered
+            replayed = self._source.replay(instance_id, after)
+            with self._lock:
+                for outputs in replayed or ():
+                    self._deliver(sequence.accept(outputs))
+                if not sequence.has_hole:
+                    sequence.replaying = False
+                    return
+                if replayed is None or sequence.delivered == after:  # it cannot be filled
+                    logger.warning("gateway %s: messages %d+ of scheduler %s are lost", self.gateway_id, after + 1,
+                                   instance_id)
+                    self._deliver(sequence.skip_hole())
+                    sequence.replaying = False
+                    return
+
+    def _resync(self) -> None:
+        """Asks every scheduler we hear from, or have requests on, for what we may have missed."""
+        holding = set(self._source.instances())
+        with self._lock:
+            for instance_id in holding | set(self._sequences):
+                self._replay(instance_id)
+
     async def _on_disconnect(self) -> None:
-        if not self._closing:  # messages published while we are away are gone for good (core NATS)
-            self._fail_all("the token stream (NATS) was disconnected")
+        if self._closing or self._away_since is not None:
+            return
+        logger.warning("gateway %s: the token stream (NATS) is disconnected; waiting up to %g s for it",
+                       self.gateway_id, self._grace_s)
+        self._away_since = time.monotonic()
+        self._give_up = self._nats.loop.call_later(self._grace_s, self._expire)
+
+    async def _on_reconnect(self) -> None:
+        if self._give_up is not None:
+            self._give_up.cancel()
+        self._away_since = None
+        logger.info("gateway %s: the token stream (NATS) is back; replaying what was missed", self.gateway_id)
+        self._resync()
+
+    def _expire(self) -> None:
+        if not self._nats.connected:  # messages published while we were away are gone for good
+            self._fail_all(f"the token stream (NATS) was disconnected for more than {self._grace_s:g} s")
 
     async def _on_error(self, error: Exception) -> None:
-        if isinstance(error, SlowConsumerError):  # the client dropped a message: whose tokens, it cannot say
-            self._fail_all("the gateway fell behind its token stream (NATS slow consumer)")
+        if isinstance(error, SlowConsumerError):  # the client dropped a message: get it again
+            logger.warning("gateway %s fell behind its token stream (NATS slow consumer); replaying", self.gateway_id)
+            self._resync()
         else:
             logger.warning("NATS: %r", error)
 

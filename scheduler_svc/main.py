@@ -67,8 +67,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
     config = EngineConfig(**engine_args(args))
     worker = RemoteWorker(args.worker_address)
     logger.info("waiting for the worker at %s", args.worker_address)
-    hub = NatsOutputHub(args.nats_url) if args.nats_url else OutputHub()
-    loop = StepLoop(EngineCore(config, worker), hub)
+    core = EngineCore(config, worker)
+    hub = NatsOutputHub(args.nats_url, core.instance_id) if args.nats_url else OutputHub()
+    loop = StepLoop(core, hub)
     try:
         serve_role_metrics(args.metrics_port, args.host, EngineStatsCollector(loop, config.model))
         server = start_scheduler_server(loop, hub, f"{args.host}:{args.port}")
@@ -114,16 +115,16 @@ def lease_metadata(worker_address: str, model: str, core: EngineCore) -> dict[st
 
 def _scheduler_lease(args: argparse.Namespace, port: int, loop: StepLoop, hub: NatsOutputHub) -> Lease:
     """The scheduler's lease, with what gateways must know of its engine before they
-    can validate requests. Healthy while it serves (or drains) and can publish."""
+    can validate requests. Healthy while it serves (or drains) and reaches NATS: a
+    scheduler cut off from NATS for a lease TTL loses its lease, and gateways fail its
+    requests (within that TTL, what it publishes waits in its replay window)."""
     serving = grpc_serving(f"127.0.0.1:{port}")
     metadata = lease_metadata(args.worker_address, args.model, loop.core)
     member = Member("scheduler", new_member_id(), advertised(args, port), metadata)
 
     def healthy() -> bool:
-        # After lost deltas, stay away for two TTLs: every gateway sees the lease lapse and fails our requests.
-        publishing = hub.publisher.connected and not hub.publisher.lost_within(2 * args.lease_ttl)
         # Draining, health says NOT_SERVING but the lease stays: gateways fail the
         # requests of a scheduler whose lease lapses, and these are still running.
-        return publishing and (serving() or loop.draining)
+        return hub.publisher.away_s() < args.lease_ttl and (serving() or loop.draining)
 
     return Lease(Registry(args.redis_url), member, args.lease_ttl, healthy=healthy)

@@ -1,19 +1,20 @@
 """The scheduler's end of the token stream: each step's deltas, per gateway, on NATS
-(`kvfleet.out.<gateway_id>`, see services/nats_link.py). Core NATS is at-most-once,
-so whatever may have lost tokens ends its requests with an explicit error instead:
-a delta too large for NATS becomes an ABORT carrying the reason, and a scheduler
-that could not publish withholds its lease until its gateways have failed its requests.
+(`kvfleet.out.<gateway_id>`, see services/nats_link.py). Core NATS is at-most-once, so
+every message is numbered and kept a while (scheduler_svc/replay_window.py): a gateway
+that missed some asks for them again, and after a NATS outage of our own we announce
+the last number we sent each gateway. A delta too large for NATS becomes an ABORT
+carrying the reason.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 
 from scheduler_svc.output_hub import OutputHub
+from scheduler_svc.replay_window import ReplayWindow
 from services.nats_link import NatsThread, subject
 from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2
 
@@ -22,10 +23,13 @@ logger = logging.getLogger(__name__)
 _Batches = Mapping[str, Sequence[common_pb2.TokenDelta]]
 # A repeated message field costs its tag and a length varint on top of the element.
 _FIELD_OVERHEAD = 6
+# What the replay window's stamp adds: the instance id and the sequence number.
+_STAMP_BYTES = 64
 
 
-def _payloads(deltas: Sequence[common_pb2.TokenDelta], max_bytes: int) -> Iterator[bytes]:
-    """StepOutputs messages of at most max_bytes each: normally one."""
+def _messages(deltas: Sequence[common_pb2.TokenDelta], max_bytes: int) -> Iterator[scheduler_pb2.StepOutputs]:
+    """StepOutputs messages of at most max_bytes each once stamped: normally one."""
+    max_bytes -= _STAMP_BYTES
     message, size = scheduler_pb2.StepOutputs(), 0
     for delta in deltas:
         cost = delta.ByteSize() + _FIELD_OVERHEAD
@@ -36,33 +40,30 @@ def _payloads(deltas: Sequence[common_pb2.TokenDelta], max_bytes: int) -> Iterat
             )
             cost = delta.ByteSize() + _FIELD_OVERHEAD
         if size + cost > max_bytes:
-            yield message.SerializeToString()
+            yield message
             message, size = scheduler_pb2.StepOutputs(), 0
         message.deltas.append(delta)
         size += cost
     if message.deltas:
-        yield message.SerializeToString()
+        yield message
 
 
 class OutputPublisher:
     """The scheduler's end. publish() is thread-safe and never blocks: it hands the
     step's batches to the NATS thread, which sends one message per gateway."""
 
-    def __init__(self, url: str, connect_timeout_s: float = 10.0) -> None:
-        self._nats = NatsThread(url, "kvfleet-nats-publisher", connect_timeout_s)
-        self._last_loss = -math.inf  # monotonic time of the last batch that could not be sent
+    def __init__(self, url: str, instance_id: str, connect_timeout_s: float = 10.0) -> None:
+        self.window = ReplayWindow(instance_id)
+        self._away_since: float | None = None  # NATS disconnected since (monotonic)
+        self._nats = NatsThread(url, "kvfleet-nats-publisher", connect_timeout_s,
+                                disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect)
         self._queue: asyncio.Queue[_Batches | None] = self._nats.run(self._make_queue(), connect_timeout_s)
         self._sender = asyncio.run_coroutine_threadsafe(self._send_forever(), self._nats.loop)
 
-    @property
-    def connected(self) -> bool:
-        return self._nats.connected
-
-    def lost_within(self, seconds: float) -> bool:
-        """Whether some deltas could not be sent in the last `seconds`: their gateways
-        wait for tokens that will never come, so the scheduler withholds its lease
-        until they have seen it lapse and failed its requests."""
-        return time.monotonic() - self._last_loss < seconds
+    def away_s(self) -> float:
+        """How long NATS has been unreachable (0 while connected)."""
+        away_since = self._away_since
+        return 0.0 if away_since is None or self._nats.connected else time.monotonic() - away_since
 
     def publish(self, batches: _Batches) -> None:
         """Takes ownership of `batches` (the caller must not change them afterwards)."""
@@ -100,12 +101,23 @@ class OutputPublisher:
         await self._nats.nc.flush()
 
     async def _send(self, gateway_id: str, deltas: list[common_pb2.TokenDelta]) -> None:
-        try:
-            for payload in _payloads(deltas, self._nats.nc.max_payload):
+        for message in _messages(deltas, self._nats.nc.max_payload):
+            payload = self.window.record(gateway_id, message)  # kept, even if it cannot go now
+            try:
                 await self._nats.nc.publish(subject(gateway_id), payload)
-        except Exception:  # e.g. NATS has been away long enough to fill the reconnect buffer
-            self._last_loss = time.monotonic()
-            logger.exception("could not publish %d deltas to gateway %s", len(deltas), gateway_id)
+            except Exception as exc:  # NATS has been away long enough to fill the client's buffer
+                logger.warning("gateway %s's message %d waits for a replay: %r", gateway_id, message.seq, exc)
+
+    async def _on_disconnect(self) -> None:
+        if self._away_since is None:
+            self._away_since = time.monotonic()
+
+    async def _on_reconnect(self) -> None:
+        """Announces the last message we sent each gateway: what we sent while away
+        may be lost, and a gateway missing our last messages would never hear of it."""
+        self._away_since = None
+        for gateway_id, payload in self.window.announcements().items():
+            await self._nats.nc.publish(subject(gateway_id), payload)
 
 
 class NatsOutputHub(OutputHub):
@@ -115,9 +127,10 @@ class NatsOutputHub(OutputHub):
     a gateway subscribes to its subject before it submits anything.
     """
 
-    def __init__(self, url: str, connect_timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, instance_id: str, connect_timeout_s: float = 10.0) -> None:
         super().__init__()
-        self.publisher = OutputPublisher(url, connect_timeout_s)
+        self.publisher = OutputPublisher(url, instance_id, connect_timeout_s)
+        self.replay_window = self.publisher.window
 
     def has_subscriber(self, gateway_id: str) -> bool:
         return True

@@ -10,6 +10,7 @@ import queue
 import threading
 from collections import defaultdict
 
+from scheduler_svc.replay_window import ReplayWindow
 from services.engine_client import EngineUnavailable
 from services.pb.kvfleet.v1 import common_pb2
 
@@ -48,6 +49,10 @@ class Subscription:
 
 
 class OutputHub:
+    # What was published on NATS, for gateways that missed some (NatsOutputHub's);
+    # StreamOutputs needs none: gRPC keeps a stream in order and whole.
+    replay_window: ReplayWindow | None = None
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._subscriptions: defaultdict[str, list[Subscription]] = defaultdict(list)

@@ -124,6 +124,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             self._hub.unsubscribe(subscription)
 
+    def ReplayOutputs(
+        self, request: scheduler_pb2.ReplayOutputsRequest, context: grpc.ServicerContext
+    ) -> Iterator[scheduler_pb2.StepOutputs]:
+        self._check_instance(request.scheduler_instance_id, context)
+        window = self._hub.replay_window
+        if window is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this scheduler publishes no NATS stream to replay")
+        payloads = window.after(request.gateway_id, request.after_seq)
+        if payloads is None:
+            context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                          f"after_seq: message {request.after_seq + 1} to gateway {request.gateway_id!r} "
+                          "is no longer held")
+        for payload in payloads:
+            yield scheduler_pb2.StepOutputs.FromString(payload)
+
 
 def start_scheduler_server(loop: StepLoop, hub: OutputHub, address: str) -> RoleServer:
     """Starts `loop` and serves it on `address` ("host:port"; port 0 picks a free one).

@@ -1,8 +1,9 @@
 """Token streaming over a real nats-server: the publisher, called from a plain thread as
 the scheduler's step loop calls it, sends one StepOutputs per step per gateway (never
-one per token); each gateway's subscriber demultiplexes them into per-request queues;
-whatever could lose tokens (a NATS disconnect, an oversized delta) ends requests with
-an explicit error."""
+one per token); each gateway's subscriber demultiplexes them into per-request queues.
+Messages are numbered per gateway: a NATS restart, or a message lost on the way, is
+made good by a replay from the publisher's window, and whatever cannot be (NATS away
+past the grace, an oversized delta) ends requests with an explicit error."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,9 @@ import nats as nats_client
 import pytest
 
 from gateway.nats_subscriber import OutputSubscriber
+from kvfleet.processes import start_nats, stop, wait_for_port
 from scheduler_svc.nats_publisher import OutputPublisher
+from scheduler_svc.replay_window import ReplayWindow
 from services.engine_client import EngineUnavailable, RequestFailed
 from services.messages import TokenDelta
 from services.nats_link import subject
@@ -22,7 +25,7 @@ from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2
 from services.request_stream import RequestStream
 from services.transport.convert import delta_to_proto, logprobs_to_proto
 
-from servers import nats, nats_server  # noqa: F401  (fixture)
+from servers import HOST, nats, nats_server  # noqa: F401  (fixture)
 
 STEPS = 5
 REQUESTS = {"g1": ["a", "b", "c"], "g2": ["d", "e"]}
@@ -41,6 +44,24 @@ def step_batches(step: int) -> dict[str, list[common_pb2.TokenDelta]]:
         ]
         for gateway, requests in REQUESTS.items()
     }
+
+
+class WindowSource:
+    """Replays from the publisher's window, as Scheduler.ReplayOutputs does over gRPC."""
+
+    def __init__(self, publisher: OutputPublisher, gateway_id: str = "g") -> None:
+        self.window = publisher.window
+        self.gateway_id = gateway_id
+        self.replays: list[int] = []
+
+    def replay(self, instance_id: str, after_seq: int) -> list[scheduler_pb2.StepOutputs] | None:
+        assert instance_id == self.window.instance_id
+        self.replays.append(after_seq)
+        payloads = self.window.after(self.gateway_id, after_seq)
+        return None if payloads is None else [scheduler_pb2.StepOutputs.FromString(p) for p in payloads]
+
+    def instances(self) -> list[str]:
+        return [self.window.instance_id]
 
 
 class Spy:
@@ -81,8 +102,8 @@ async def read_all(queue: RequestStream) -> list[TokenDelta]:
 
 
 def test_one_message_per_step_per_gateway_demultiplexed(nats) -> None:
-    publisher = OutputPublisher(nats.url)
-    subscribers = {gateway: OutputSubscriber(nats.url, gateway) for gateway in REQUESTS}
+    publisher = OutputPublisher(nats.url, "s1")
+    subscribers = {gateway: OutputSubscriber(nats.url, gateway, WindowSource(publisher, gateway)) for gateway in REQUESTS}
 
     async def main() -> None:
         spy = await Spy().start(nats.url)
@@ -118,8 +139,8 @@ def test_one_message_per_step_per_gateway_demultiplexed(nats) -> None:
 def test_publish_from_the_step_thread_does_not_wait_for_nats(nats) -> None:
     """With the NATS thread busy, publish() still returns at once; the backlog goes out
     merged, one message per gateway, in step order."""
-    publisher = OutputPublisher(nats.url)
-    subscriber = OutputSubscriber(nats.url, "g1")
+    publisher = OutputPublisher(nats.url, "s1")
+    subscriber = OutputSubscriber(nats.url, "g1", WindowSource(publisher, "g1"))
     hold = threading.Event()
     publisher._nats.loop.call_soon_threadsafe(hold.wait)  # the NATS thread stalls until released
     threading.Timer(2.0, hold.set).start()  # a publish() that waited would hold the test up this long
@@ -145,8 +166,8 @@ def test_publish_from_the_step_thread_does_not_wait_for_nats(nats) -> None:
 
 
 def test_errors_unknown_requests_and_discards(nats) -> None:
-    publisher = OutputPublisher(nats.url)
-    subscriber = OutputSubscriber(nats.url, "g")
+    publisher = OutputPublisher(nats.url, "s1")
+    subscriber = OutputSubscriber(nats.url, "g", WindowSource(publisher))
 
     async def main() -> None:
         failing, kept, dropped = subscriber.open("failing"), subscriber.open("kept"), subscriber.open("dropped")
@@ -171,8 +192,8 @@ def test_errors_unknown_requests_and_discards(nats) -> None:
 
 def test_child_requests_stream_into_their_parent_until_the_last_ends(nats) -> None:
     """n > 1: deltas keep their child ids and share the parent's queue."""
-    publisher = OutputPublisher(nats.url)
-    subscriber = OutputSubscriber(nats.url, "g")
+    publisher = OutputPublisher(nats.url, "s1")
+    subscriber = OutputSubscriber(nats.url, "g", WindowSource(publisher))
 
     async def main() -> list[TokenDelta]:
         queue = subscriber.open("p", 2)  # p#0 and p#1
@@ -197,8 +218,8 @@ def test_child_requests_stream_into_their_parent_until_the_last_ends(nats) -> No
 
 
 def test_oversized_batches_split_and_an_oversized_delta_fails_its_request(nats) -> None:
-    publisher = OutputPublisher(nats.url)
-    subscriber = OutputSubscriber(nats.url, "g")
+    publisher = OutputPublisher(nats.url, "s1")
+    subscriber = OutputSubscriber(nats.url, "g", WindowSource(publisher))
 
     def big(request_id: str, positions: int) -> common_pb2.TokenDelta:
         delta = delta_to_proto(TokenDelta(request_id, [7], "length"))
@@ -223,42 +244,105 @@ def test_oversized_batches_split_and_an_oversized_delta_fails_its_request(nats) 
         subscriber.close()
 
 
-def test_nats_disconnect_fails_open_streams() -> None:
+def test_nats_away_past_the_grace_fails_open_streams() -> None:
     with nats_server() as server:
-        subscriber = OutputSubscriber(server.url, "g")
+        publisher = OutputPublisher(server.url, "s1")
+        subscriber = OutputSubscriber(server.url, "g", WindowSource(publisher), grace_s=1.0)
 
         async def main() -> None:
             queue = subscriber.open("a")
-            assert subscriber.connected
             server.stop()
+            subscriber.open("b")  # within the grace: what it is sent is replayed once NATS is back
             error = await asyncio.wait_for(queue.get(), 10)
-            assert isinstance(error, RequestFailed) and "disconnected" in str(error)
+            assert isinstance(error, RequestFailed) and "disconnected for more than 1 s" in str(error)
             with pytest.raises(EngineUnavailable):  # nothing new may wait on a dead stream
-                subscriber.open("b")
+                subscriber.open("c")
 
         try:
             asyncio.run(main())
         finally:
             subscriber.close()
-
-
-def test_the_publisher_remembers_deltas_it_could_not_send() -> None:
-    """While NATS is away the client buffers up to 2 MiB; past that, deltas are lost, and
-    the publisher says so (the scheduler then withholds its lease: scheduler_svc/main.py)."""
-    with nats_server() as server:
-        publisher = OutputPublisher(server.url)
-        try:
-            server.stop()
-            deadline = time.monotonic() + 10
-            while publisher.connected:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            assert not publisher.lost_within(60)
-            chunk = delta_to_proto(TokenDelta("a", list(range(200_000))))  # ~0.6 MB
-            for _ in range(5):
-                publisher.publish({"g": [chunk]})
-            while not publisher.lost_within(60):
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-        finally:
             publisher.close(timeout_s=1.0)
+
+
+def tokens(deltas: list[TokenDelta]) -> list[int]:
+    return [t for d in deltas for t in d.new_token_ids]
+
+
+def test_a_lost_message_is_replayed_in_its_place(nats) -> None:
+    publisher = OutputPublisher(nats.url, "s1")
+    source = WindowSource(publisher)
+    subscriber = OutputSubscriber(nats.url, "g", source)
+
+    async def main() -> None:
+        queue = subscriber.open("a")
+        publisher.publish({"g": [delta_to_proto(TokenDelta("a", [1]))]})
+        assert (await asyncio.wait_for(queue.get(), 10)).new_token_ids == [1]
+        publisher.window.record("g", scheduler_pb2.StepOutputs(deltas=[delta_to_proto(TokenDelta("a", [2]))]))  # lost
+        publisher.publish({"g": [delta_to_proto(TokenDelta("a", [3], "length"))]})
+        assert tokens(await read_all(queue)) == [2, 3]
+        assert source.replays == [1]
+
+    try:
+        asyncio.run(main())
+    finally:
+        publisher.close()
+        subscriber.close()
+
+
+def test_a_hole_no_longer_held_is_skipped_and_the_stream_goes_on(nats) -> None:
+    """The window lost it (here: aged out at once); the cluster client then fails the
+    requests it carried (gateway/cluster_client.py), and later messages still flow."""
+    publisher = OutputPublisher(nats.url, "s1")
+    publisher.window = ReplayWindow("s1", max_age_s=0.0)
+    source = WindowSource(publisher)
+    subscriber = OutputSubscriber(nats.url, "g", source)
+
+    async def main() -> None:
+        queue = subscriber.open("a")
+        publisher.window.record("g", scheduler_pb2.StepOutputs(deltas=[delta_to_proto(TokenDelta("a", [1]))]))  # lost
+        publisher.publish({"g": [delta_to_proto(TokenDelta("a", [2], "length"))]})
+        assert tokens(await read_all(queue)) == [2]
+        assert source.replays == [0]
+
+    try:
+        asyncio.run(main())
+    finally:
+        publisher.close()
+        subscriber.close()
+
+
+def test_a_nats_restart_loses_no_delta() -> None:
+    """kill -9 of nats-server mid-stream, restarted on its port: what was published while
+    it was away (some of it lost in flight, some held in the client's buffer, some past
+    that buffer) reaches the stream once, in order."""
+    with nats_server() as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        publisher = OutputPublisher(server.url, "s1")
+        subscriber = OutputSubscriber(server.url, "g", WindowSource(publisher))
+        restarted = None
+
+        async def main() -> None:
+            nonlocal restarted
+            queue = subscriber.open("a")
+            publisher.publish({"g": [delta_to_proto(TokenDelta("a", [0]))]})
+            assert (await asyncio.wait_for(queue.get(), 10)).new_token_ids == [0]
+            server.process.kill()
+            server.process.wait()
+            big = list(range(1, 200_001))  # ~0.6 MB a step: past the client's 2 MiB buffer within a few
+            for step in range(8):
+                publisher.publish({"g": [delta_to_proto(TokenDelta("a", big if step % 2 else [step + 1]))]})
+                await asyncio.sleep(0.1)
+            restarted = start_nats(HOST, port)
+            wait_for_port(HOST, port, restarted)
+            publisher.publish({"g": [delta_to_proto(TokenDelta("a", [7], "length"))]})
+            expected = [*[t for step in range(8) for t in (big if step % 2 else [step + 1])], 7]
+            assert tokens(await read_all(queue)) == expected
+
+        try:
+            asyncio.run(main())
+        finally:
+            subscriber.close()
+            publisher.close(timeout_s=1.0)
+            if restarted is not None:
+                stop(restarted, grace_s=5.0)

@@ -79,9 +79,10 @@ class Cluster:
         self.worker_state = offline.engine.worker
         self.worker = start_worker_server(self.worker_state, "127.0.0.1:0")
         self.tokenizer = start_tokenizer_server(offline.get_tokenizer(), "127.0.0.1:0")
-        self.hub = NatsOutputHub(nats_url)
         self.remote = RemoteWorker(self.worker.address)
-        self.loop = StepLoop(EngineCore(EngineConfig(**ENGINE), self.remote), self.hub)
+        core = EngineCore(EngineConfig(**ENGINE), self.remote)
+        self.hub = NatsOutputHub(nats_url, core.instance_id)
+        self.loop = StepLoop(core, self.hub)
         self.scheduler = start_scheduler_server(self.loop, self.hub, "127.0.0.1:0")
         self.leases = [
             Lease(self.registry, member, TTL_S).start()
@@ -236,8 +237,9 @@ def test_a_consumer_that_leaves_aborts_its_request(client, cluster, nats, prompt
 def test_a_replica_that_refuses_is_passed_over_for_another(cluster, client, nats, prompts, reference) -> None:
     """A scheduler that stopped taking requests since the last poll (draining, say)
     answers Submit with UNAVAILABLE; the request goes to another replica instead."""
-    hub = NatsOutputHub(nats.url)
-    refusing = StepLoop(EngineCore(EngineConfig(**ENGINE), cluster.remote), hub)
+    core = EngineCore(EngineConfig(**ENGINE), cluster.remote)
+    hub = NatsOutputHub(nats.url, core.instance_id)
+    refusing = StepLoop(core, hub)
     server = start_scheduler_server(refusing, hub, "127.0.0.1:0")
     refusing.stop()  # its server still answers Stats and health: only Submit tells
     metadata = lease_metadata(cluster.worker.address, "smollm2", refusing.core)

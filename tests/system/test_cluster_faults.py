@@ -5,6 +5,9 @@ worker, scheduler, gateway), with witness streams in flight through each fault:
   are served, and every witness stream completes: submits travel batched, and a slow
   answer from a busy scheduler is no evidence that it died;
 - Redis killed and restarted empty mid-stream: every stream completes, nothing is orphaned;
+- nats-server killed and restarted mid-stream: every stream completes with exactly the
+  text of an uninterrupted run (what NATS lost is replayed by the scheduler), and a
+  request that arrives while NATS is away is served too;
 - a scheduler killed and restarted at once on its address, its old lease still standing:
   the successor takes the new requests, and the old lease lapsing fails none of them;
 - a scheduler killed mid-stream: its clients hear of it within a second (its channel
@@ -25,9 +28,9 @@ import httpx
 import openai
 import pytest
 
-from kvfleet.processes import free_port, start_redis, stop, wait_for_port
+from kvfleet.processes import free_port, start_nats, start_redis, stop, wait_for_port
 
-from servers import HOST, RoleProcess, nats  # noqa: F401  (fixture)
+from servers import HOST, RoleProcess
 from test_worker_failover import health, wait_for
 
 # Latency bounds under a second: run alone (see pyproject's markers).
@@ -38,6 +41,11 @@ ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memo
 WITNESS_TOKENS = 48
 
 
+def witness_request(index: int) -> dict:
+    return {"model": "smollm2", "messages": [{"role": "user", "content": f"Count from {index} upwards."}],
+            "max_tokens": WITNESS_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
 class Witness(threading.Thread):
     """A streamed chat completion read on a thread: its tokens, its end, its error and when."""
 
@@ -46,6 +54,7 @@ class Witness(threading.Thread):
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         self.index = index
         self.tokens = 0
+        self.text = ""
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.failed_at: float | None = None
@@ -54,15 +63,14 @@ class Witness(threading.Thread):
 
     def run(self) -> None:
         try:
-            chunks = self.client.chat.completions.create(
-                model="smollm2", messages=[{"role": "user", "content": f"Count from {self.index} upwards."}],
-                max_tokens=WITNESS_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True})
+            chunks = self.client.chat.completions.create(**witness_request(self.index), stream=True,
+                                                         stream_options={"include_usage": True})
             for chunk in chunks:
                 if chunk.usage is not None:
                     self.tokens = chunk.usage.completion_tokens
                 for choice in chunk.choices:
                     if choice.delta.content:
+                        self.text += choice.delta.content
                         self.first_token.set()
                     self.finish_reason = choice.finish_reason or self.finish_reason
         except BaseException as exc:
@@ -88,6 +96,8 @@ class Cluster:
     url: str
     redis_port: int
     redis: subprocess.Popen
+    nats_port: int
+    nats: subprocess.Popen
     roles: dict[str, RoleProcess]
 
     def logs(self) -> str:
@@ -100,20 +110,23 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(nats) -> Iterator[Cluster]:
-    redis_port = free_port()
+def cluster() -> Iterator[Cluster]:
+    redis_port, nats_port = free_port(), free_port()
     redis = start_redis(HOST, redis_port, stdout=subprocess.DEVNULL)
     wait_for_port(HOST, redis_port, redis)
+    nats = start_nats(HOST, nats_port, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_port(HOST, nats_port, nats)
+    nats_url = f"nats://{HOST}:{nats_port}"
     registry = ["--redis-url", f"redis://{HOST}:{redis_port}/0", "--lease-ttl", str(LEASE_TTL_S)]
     worker_address, gateway_port = f"{HOST}:{free_port()}", free_port()
     roles = {
         "tokenizer": RoleProcess("tokenizer", "--port", "0", *registry),
         "worker": RoleProcess("worker", *ENGINE_FLAGS, "--port", worker_address.rsplit(":", 1)[1], *registry),
         "scheduler": RoleProcess("scheduler", *ENGINE_FLAGS, "--port", str(free_port()), "--worker-address", worker_address,
-                                 "--nats-url", nats.url, *registry),
-        "gateway": RoleProcess("gateway", "--port", str(gateway_port), "--nats-url", nats.url, *registry),
+                                 "--nats-url", nats_url, *registry),
+        "gateway": RoleProcess("gateway", "--port", str(gateway_port), "--nats-url", nats_url, *registry),
     }
-    running = Cluster(f"http://{HOST}:{gateway_port}", redis_port, redis, roles)
+    running = Cluster(f"http://{HOST}:{gateway_port}", redis_port, redis, nats_port, nats, roles)
     try:
         wait_for(lambda: health(running.url) == 200, 180, "the cluster is not healthy", list(roles.values()))
         yield running
@@ -121,6 +134,7 @@ def cluster(nats) -> Iterator[Cluster]:
         for role in roles.values():
             role.kill()
         stop(running.redis, grace_s=5.0)
+        stop(running.nats, grace_s=5.0)
 
 
 def test_heavy_valid_requests_are_served_and_disturb_no_witness(cluster: Cluster) -> None:
@@ -162,6 +176,23 @@ def test_a_redis_restart_fails_no_stream_and_orphans_nothing(cluster: Cluster) -
     reply = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0).completions.create(
         model="smollm2", prompt="Hello", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 4
+
+
+def test_a_nats_restart_loses_no_token(cluster: Cluster) -> None:
+    streams = witnesses(cluster.url)
+    cluster.nats.send_signal(signal.SIGKILL)
+    cluster.nats.wait()
+    time.sleep(0.5)
+    streams.append(Witness(cluster.url, len(streams)))  # arrives while NATS is away
+    time.sleep(0.5)
+    cluster.nats = start_nats(HOST, cluster.nats_port, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_port(HOST, cluster.nats_port, cluster.nats)
+    assert all(stream.completed() for stream in streams), ([(s.error, s.tokens) for s in streams], cluster.logs())
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=120)
+    for stream in streams:  # greedy: an uninterrupted run gives the same text
+        reply = client.chat.completions.create(**witness_request(stream.index))
+        assert stream.text == reply.choices[0].message.content, stream.index
+    wait_for(cluster.scheduler_idle, 10, "requests still run on the scheduler", list(cluster.roles.values()))
 
 
 def test_a_scheduler_restarted_on_its_address_serves_as_a_new_replica(cluster: Cluster) -> None:

@@ -70,7 +70,23 @@ class StreamOutputsRequest(_message.Message):
     def __init__(self, gateway_id: _Optional[str] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
-    __slots__ = ("deltas",)
+    __slots__ = ("deltas", "scheduler_instance_id", "seq", "announce")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCE_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenDelta]
-    def __init__(self, deltas: _Optional[_Iterable[_Union[_common_pb2.TokenDelta, _Mapping]]] = ...) -> None: ...
+    scheduler_instance_id: str
+    seq: int
+    announce: bool
+    def __init__(self, deltas: _Optional[_Iterable[_Union[_common_pb2.TokenDelta, _Mapping]]] = ..., scheduler_instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., announce: _Optional[bool] = ...) -> None: ...
+
+class ReplayOutputsRequest(_message.Message):
+    __slots__ = ("gateway_id", "after_seq", "scheduler_instance_id")
+    GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    gateway_id: str
+    after_seq: int
+    scheduler_instance_id: str
+    def __init__(self, gateway_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., scheduler_instance_id: _Optional[str] = ...) -> None: ...

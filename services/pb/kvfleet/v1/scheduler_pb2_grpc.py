@@ -61,6 +61,11 @@ class SchedulerStub:
                 request_serializer=kvfleet_dot_v1_dot_scheduler__pb2.StreamOutputsRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_scheduler__pb2.StepOutputs.FromString,
                 _registered_method=True)
+        self.ReplayOutputs = channel.unary_stream(
+                '/kvfleet.v1.Scheduler/ReplayOutputs',
+                request_serializer=kvfleet_dot_v1_dot_scheduler__pb2.ReplayOutputsRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_scheduler__pb2.StepOutputs.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -114,6 +119,18 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReplayOutputs(self, request, context):
+        """What this scheduler published on NATS for one gateway after a sequence number
+        (StepOutputs.seq), in order: a gateway that missed messages (NATS restarted, or it
+        fell behind) asks for them and its streams go on intact. The scheduler keeps a
+        gateway's messages for a while (REPLAY_WINDOW_S in scheduler_svc/replay_window.py);
+        OUT_OF_RANGE when the first one asked for is no longer held, FAILED_PRECONDITION
+        when scheduler_instance_id names another process or this one publishes no NATS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +157,11 @@ def add_SchedulerServicer_to_server(servicer, server):
             'StreamOutputs': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamOutputs,
                     request_deserializer=kvfleet_dot_v1_dot_scheduler__pb2.StreamOutputsRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_scheduler__pb2.StepOutputs.SerializeToString,
+            ),
+            'ReplayOutputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReplayOutputs,
+                    request_deserializer=kvfleet_dot_v1_dot_scheduler__pb2.ReplayOutputsRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_scheduler__pb2.StepOutputs.SerializeToString,
             ),
     }
@@ -278,6 +300,33 @@ class Scheduler:
             target,
             '/kvfleet.v1.Scheduler/StreamOutputs',
             kvfleet_dot_v1_dot_scheduler__pb2.StreamOutputsRequest.SerializeToString,
+            kvfleet_dot_v1_dot_scheduler__pb2.StepOutputs.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplayOutputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvfleet.v1.Scheduler/ReplayOutputs',
+            kvfleet_dot_v1_dot_scheduler__pb2.ReplayOutputsRequest.SerializeToString,
             kvfleet_dot_v1_dot_scheduler__pb2.StepOutputs.FromString,
             options,
             channel_credentials,

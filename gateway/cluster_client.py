@@ -4,7 +4,9 @@ generate() opens the request's stream on this gateway's NATS subscription, submi
 request to a scheduler replica over gRPC (batched with those that arrive together),
 then yields the deltas NATS brings back. Replicas come from the Redis registry, read
 by a poller thread that also fetches each replica's Stats and health: routing picks
-the least loaded ready replica, and /metrics gets the sum.
+among the ready replicas by --routing-policy (gateway/routing.py; by default where the
+prompt's prefix is cached, from the replicas' KV events: gateway/kv_index.py, balanced
+with load), and /metrics gets the sum.
 
 A replica is declared dead only on evidence about it, and then its requests end here
 with RequestLost (a 503), none waiting forever: its channel failing (a dead process, seen
@@ -29,9 +31,12 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.kv_index import KvIndex
 from gateway.nats_subscriber import OutputSubscriber
 from gateway.pass_batcher import PassBatcher
+from gateway.routing import Candidate, pick
 from gateway.submit_batcher import Scheduler, SubmitRefused, submit_batch
+from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.engine_client import EngineUnavailable, RequestLost
 from services.histogram_counts import HistogramCounts
 from services.messages import CacheConfigInfo, EngineInfo, EngineStats, TokenDelta
@@ -73,6 +78,10 @@ class _Replica:
         """Named in Stats and SubmitBatch, so only this process answers them."""
         return self.member.metadata.get("instance_id", "")
 
+    @property
+    def block_size(self) -> int:
+        return int(self.member.metadata.get("block_size", "16"))
+
     @classmethod
     def open(cls, member: Member, on_lost: Callable[[_Replica, str], None]) -> _Replica:
         channel = open_channel(member.address)
@@ -97,8 +106,12 @@ class ClusterEngineClient:
         poll_interval_s: float = 0.5,
         submit_timeout_s: float = 60.0,
         lease_ttl_s: float = DEFAULT_TTL_S,
+        routing_policy: str = "prefix",
     ) -> None:
         self.gateway_id = gateway_id or new_member_id()
+        self._routing_policy = routing_policy
+        self._turn = 0  # requests routed, for round-robin
+        self._kv_index: KvIndex | None = None
         self._lease_ttl_s = lease_ttl_s
         # Since when every registry read has worked; None while Redis is away. A lease
         # missing within a TTL of Redis coming back may just not be re-written yet (an
@@ -131,6 +144,8 @@ class ClusterEngineClient:
         self._registry = Registry(self._redis_url)
         # NATS away for a lease TTL fails our streams, as a scheduler's lease lapsing would.
         self._subscriber = OutputSubscriber(self._nats_url, self.gateway_id, self, grace_s=self._lease_ttl_s)
+        if self._routing_policy == "prefix":
+            self._kv_index = KvIndex(self._nats_url, self._kv_snapshot)
         self._refresh()  # so is_ready() is right from the start
         self._thread = threading.Thread(target=self._poll_forever, name="kvfleet-cluster-poller", daemon=True)
         self._thread.start()
@@ -142,6 +157,8 @@ class ClusterEngineClient:
         self._thread.join()
         self._subscriber.fail(None, lambda request_id: EngineUnavailable("the gateway is shutting down"))
         self._subscriber.close()
+        if self._kv_index is not None:
+            self._kv_index.close()
         with self._lock:
             replicas, self._replicas = list(self._replicas.values()), {}
         for replica in replicas:
@@ -172,7 +189,7 @@ class ClusterEngineClient:
         stream = self._subscriber.open(request_id, count)  # before Submit: no delta can slip past
         submit: asyncio.Future[None] | None = None
         try:
-            replica = self._claim(placed)
+            replica = self._claim(placed, prompt_token_ids, cache_salt)
             request = scheduler_pb2.SubmitRequest(
                 request_id=request_id, prompt_token_ids=prompt_token_ids, gateway_id=self.gateway_id,
                 sampling_params=sampling_params_to_proto(params), cache_salt=cache_salt,
@@ -207,12 +224,20 @@ class ClusterEngineClient:
         if replica is not None:
             self._send_abort(replica, request_id)
 
-    def _claim(self, ids: list[str]) -> _Replica:
+    def _claim(self, ids: list[str], prompt_token_ids: list[int] | None = None, cache_salt: str | None = None
+               ) -> _Replica:
         with self._lock:
             routable = [replica for replica in self._replicas.values() if replica.routable]
-            if not routable:
-                raise EngineUnavailable("no scheduler is ready")
-            replica = min(routable, key=lambda r: r.load)
+        if not routable:
+            raise EngineUnavailable("no scheduler is ready")
+        hashes: list[bytes] = []
+        if self._kv_index is not None and prompt_token_ids and len(routable) > 1:  # one replica: no choice
+            extend_block_hashes(hashes, prompt_token_ids, routable[0].block_size, extra_keys_bytes(cache_salt))
+        cached = self._kv_index.cached_blocks(hashes) if hashes and self._kv_index is not None else {}
+        with self._lock:
+            candidates = [Candidate(r.load, cached.get(r.instance_id, 0)) for r in routable]
+            replica = routable[pick(self._routing_policy, candidates, len(hashes), self._turn)]
+            self._turn += 1
             replica.load += 1  # until the next poll counts it
             self._placed.update(dict.fromkeys(ids, replica))
             return replica
@@ -265,6 +290,19 @@ class ClusterEngineClient:
             self._lost(replica, f"could not replay its token stream: {exc.code().name}: {exc.details()}")
             return None
 
+    def _kv_snapshot(self, instance_id: str) -> scheduler_pb2.KvSnapshotResponse | None:
+        """For the KV index: the replica's cached hashes, or None once it is gone."""
+        with self._lock:
+            replica = next((r for r in self._replicas.values() if r.instance_id == instance_id), None)
+        if replica is None:
+            return None
+        try:
+            return replica.stub.KvSnapshot(scheduler_pb2.KvSnapshotRequest(scheduler_instance_id=instance_id),
+                                           timeout=self._submit_timeout_s)
+        except grpc.RpcError as exc:
+            logger.warning("no KV snapshot from scheduler %s: %s", replica.member.address, exc.code().name)
+            return None
+
     def instances(self) -> list[str]:
         with self._lock:
             return list({replica.instance_id for replica in self._placed.values()})
@@ -297,10 +335,14 @@ class ClusterEngineClient:
         with self._lock:
             gone = [self._replicas.pop(i) for i in list(self._replicas) if i not in leased]
             orphans = [(replica, [i for i, r in self._placed.items() if r is replica]) for replica in gone]
-            for member_id, member in leased.items():
-                if member_id not in self._replicas:
-                    self._replicas[member_id] = _Replica.open(member, self._lost)
+            opened = [self._replicas.setdefault(member_id, _Replica.open(member, self._lost))
+                      for member_id, member in leased.items() if member_id not in self._replicas]
             replicas = list(self._replicas.values())
+        if self._kv_index is not None:
+            for replica in opened:
+                self._kv_index.sync(replica.instance_id)
+            for replica in gone:
+                self._kv_index.forget(replica.instance_id)
         for replica, request_ids in orphans:
             self._retire(replica, request_ids)
         # All at once, so one slow replica delays the poll by its timeout only.

@@ -5,14 +5,52 @@ frees it: it sits in the free queue, evictable, and a later request with the sam
 prefix can take it back. Allocation takes from the front of the queue (least
 recently freed), dropping the old hash. Requests free their blocks tail first, so
 a prompt's shared head outlives its private tail.
+
+With a KvEventLog attached, the pool also records what its index gained and lost, for
+routers that place requests where their prefix is cached (KV events).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 
 class NoFreeBlocks(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class KvEvents:
+    """The index's net change over some steps: clear first if `cleared`, then drop
+    `removed`, then add `stored`."""
+
+    cleared: bool
+    removed: list[bytes]
+    stored: list[bytes]
+
+
+class KvEventLog:
+    """Each hash's last change since the last take: a hash stored and evicted within one
+    step is one removal, which a router applies as a no-op."""
+
+    def __init__(self) -> None:
+        self._changes: dict[bytes, bool] = {}  # hash -> indexed now
+        self._cleared = False
+
+    def changed(self, block_hash: bytes, indexed: bool) -> None:
+        self._changes[block_hash] = indexed
+
+    def clear(self) -> None:
+        self._changes.clear()
+        self._cleared = True
+
+    def take(self) -> KvEvents | None:
+        if not self._changes and not self._cleared:
+            return None
+        events = KvEvents(self._cleared, [h for h, indexed in self._changes.items() if not indexed],
+                          [h for h, indexed in self._changes.items() if indexed])
+        self._changes, self._cleared = {}, False
+        return events
 
 
 class BlockPool:
@@ -24,6 +62,7 @@ class BlockPool:
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}
+        self.events: KvEventLog | None = None  # attached by whoever publishes them
 
     @property
     def num_free_blocks(self) -> int:
@@ -87,14 +126,20 @@ class BlockPool:
         if block_hash not in self._cached and self._block_hash[block] is None:
             self._cached[block_hash] = block
             self._block_hash[block] = block_hash
+            if self.events is not None:
+                self.events.changed(block_hash, True)
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):
             self._block_hash[block] = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.clear()
 
     def _evict(self, block: int) -> None:
         block_hash = self._block_hash[block]
         if block_hash is not None:
             del self._cached[block_hash]
             self._block_hash[block] = None
+            if self.events is not None:
+                self.events.changed(block_hash, False)

@@ -110,7 +110,8 @@ def lease_metadata(worker_address: str, model: str, core: EngineCore) -> dict[st
     process's instance, which they name in their calls (a successor on the same address
     refuses what was meant for this one)."""
     return {"worker": worker_address, "model": model, "max_model_len": str(core.max_model_len),
-            "eos_token_ids": ",".join(map(str, core.eos_token_ids)), "instance_id": core.instance_id}
+            "eos_token_ids": ",".join(map(str, core.eos_token_ids)), "instance_id": core.instance_id,
+            "block_size": str(core.scheduler.config.block_size)}
 
 
 def _scheduler_lease(args: argparse.Namespace, port: int, loop: StepLoop, hub: NatsOutputHub) -> Lease:

@@ -13,6 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 
+from scheduler_svc.kv_event_publisher import KvEventPublisher
 from scheduler_svc.output_hub import OutputHub
 from scheduler_svc.replay_window import ReplayWindow
 from services.nats_link import NatsThread, subject
@@ -55,7 +56,7 @@ class OutputPublisher:
     def __init__(self, url: str, instance_id: str, connect_timeout_s: float = 10.0) -> None:
         self.window = ReplayWindow(instance_id)
         self._away_since: float | None = None  # NATS disconnected since (monotonic)
-        self._nats = NatsThread(url, "kvfleet-nats-publisher", connect_timeout_s,
+        self.nats = self._nats = NatsThread(url, "kvfleet-nats-publisher", connect_timeout_s,
                                 disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect)
         self._queue: asyncio.Queue[_Batches | None] = self._nats.run(self._make_queue(), connect_timeout_s)
         self._sender = asyncio.run_coroutine_threadsafe(self._send_forever(), self._nats.loop)
@@ -131,6 +132,7 @@ class NatsOutputHub(OutputHub):
         super().__init__()
         self.publisher = OutputPublisher(url, instance_id, connect_timeout_s)
         self.replay_window = self.publisher.window
+        self.kv_events = KvEventPublisher(self.publisher.nats, instance_id)
 
     def has_subscriber(self, gateway_id: str) -> bool:
         return True

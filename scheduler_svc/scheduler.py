@@ -14,9 +14,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler_svc.block_hash import extend_block_hashes, extra_keys_bytes
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.request import FinishReason, Request, RequestStatus
+from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.histogram_counts import BucketCounter
 from services.messages import (
     CachedRequestData,

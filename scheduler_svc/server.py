@@ -140,6 +140,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             yield scheduler_pb2.StepOutputs.FromString(payload)
 
 
+    def KvSnapshot(
+        self, request: scheduler_pb2.KvSnapshotRequest, context: grpc.ServicerContext
+    ) -> scheduler_pb2.KvSnapshotResponse:
+        self._check_instance(request.scheduler_instance_id, context)
+        if self._hub.kv_events is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this scheduler publishes no KV events")
+        return self._hub.kv_events.snapshot()
+
+
 def start_scheduler_server(loop: StepLoop, hub: OutputHub, address: str) -> RoleServer:
     """Starts `loop` and serves it on `address` ("host:port"; port 0 picks a free one).
     Stopping the server drains the loop first (Submit answers UNAVAILABLE, running

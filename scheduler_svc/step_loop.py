@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from scheduler_svc.block_pool import KvEventLog
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.engine_thread import EngineThread
 from scheduler_svc.output_hub import OutputHub
@@ -62,6 +63,10 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
         self._idle_event: threading.Event | None = None
         # Owned by the loop thread: the deltas not yet published, per gateway.
         self._outputs: defaultdict[str, list[common_pb2.TokenDelta]] = defaultdict(list)
+        # The prefix cache's changes, when the hub has routers to tell.
+        self._kv_log: KvEventLog | None = None
+        if hub.kv_events is not None:
+            self._kv_log = core.scheduler.block_pool.events = KvEventLog()
 
     # -- any thread ----------------------------------------------------------------------
 
@@ -119,6 +124,8 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
 
     def _end_iteration(self) -> None:
         self._publish()
+        if self._kv_log is not None and (events := self._kv_log.take()) is not None:
+            self._hub.kv_events.publish(events)
         self._check_drained()
 
     def _submit(self, command: _Submit) -> None:

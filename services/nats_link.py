@@ -2,7 +2,8 @@
 
 Subject `kvfleet.out.<gateway_id>` carries scheduler.proto's StepOutputs: one message
 per engine step per gateway with every new delta of that gateway's requests, never
-one per token. Each end keeps its NATS client on an asyncio loop in a daemon thread:
+one per token; `kvfleet.kv.<scheduler_instance_id>` carries each scheduler's KvEvents.
+Each end keeps its NATS client on an asyncio loop in a daemon thread:
 the publisher is called from the scheduler's step-loop thread, which must never wait
 on the network, and the subscriber serves consumers on any event loop.
 """
@@ -24,6 +25,11 @@ T = TypeVar("T")
 
 def subject(gateway_id: str) -> str:
     return f"kvfleet.out.{gateway_id}"
+
+
+def kv_subject(scheduler_instance_id: str) -> str:
+    """A scheduler's KV events (scheduler.proto's KvEvents); `kv_subject("*")` is all of them."""
+    return f"kvfleet.kv.{scheduler_instance_id}"
 
 
 class NatsThread:

@@ -11,13 +11,13 @@ import sys
 import pytest
 
 from kvfleet import SamplingParams
-from scheduler_svc.block_hash import (
+from scheduler_svc.block_pool import BlockPool
+from services.block_hash import (
     ROOT_PARENT,
     extend_block_hashes,
     extra_keys_bytes,
     hash_block,
 )
-from scheduler_svc.block_pool import BlockPool
 
 from conftest import assert_no_leaks
 
@@ -37,7 +37,7 @@ def test_hash_follows_the_documented_formula():
 
 def test_hashes_are_the_same_in_another_process():
     code = (
-        "from scheduler_svc.block_hash import extend_block_hashes, extra_keys_bytes\n"
+        "from services.block_hash import extend_block_hashes, extra_keys_bytes\n"
         "h = []\nextend_block_hashes(h, list(range(64)), 16, extra_keys_bytes(cache_salt='s'))\n"
         "print(','.join(x.hex() for x in h))"
     )

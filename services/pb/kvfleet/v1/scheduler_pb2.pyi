@@ -90,3 +90,31 @@ class ReplayOutputsRequest(_message.Message):
     after_seq: int
     scheduler_instance_id: str
     def __init__(self, gateway_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., scheduler_instance_id: _Optional[str] = ...) -> None: ...
+
+class KvEvents(_message.Message):
+    __slots__ = ("scheduler_instance_id", "seq", "cleared", "removed", "stored")
+    SCHEDULER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    scheduler_instance_id: str
+    seq: int
+    cleared: bool
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, scheduler_instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., cleared: _Optional[bool] = ..., removed: _Optional[_Iterable[bytes]] = ..., stored: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KvSnapshotRequest(_message.Message):
+    __slots__ = ("scheduler_instance_id",)
+    SCHEDULER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    scheduler_instance_id: str
+    def __init__(self, scheduler_instance_id: _Optional[str] = ...) -> None: ...
+
+class KvSnapshotResponse(_message.Message):
+    __slots__ = ("seq", "block_hashes")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...

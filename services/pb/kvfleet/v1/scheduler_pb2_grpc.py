@@ -66,6 +66,11 @@ class SchedulerStub:
                 request_serializer=kvfleet_dot_v1_dot_scheduler__pb2.ReplayOutputsRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_scheduler__pb2.StepOutputs.FromString,
                 _registered_method=True)
+        self.KvSnapshot = channel.unary_unary(
+                '/kvfleet.v1.Scheduler/KvSnapshot',
+                request_serializer=kvfleet_dot_v1_dot_scheduler__pb2.KvSnapshotRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_scheduler__pb2.KvSnapshotResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -131,6 +136,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvSnapshot(self, request, context):
+        """Every block hash in this scheduler's prefix cache now, and the number of the last
+        KvEvents published before it: a router that starts late, or sees a gap in the
+        numbers, applies this and then the events numbered after it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +177,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ReplayOutputs,
                     request_deserializer=kvfleet_dot_v1_dot_scheduler__pb2.ReplayOutputsRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_scheduler__pb2.StepOutputs.SerializeToString,
+            ),
+            'KvSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.KvSnapshot,
+                    request_deserializer=kvfleet_dot_v1_dot_scheduler__pb2.KvSnapshotRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_scheduler__pb2.KvSnapshotResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -328,6 +347,33 @@ class Scheduler:
             '/kvfleet.v1.Scheduler/ReplayOutputs',
             kvfleet_dot_v1_dot_scheduler__pb2.ReplayOutputsRequest.SerializeToString,
             kvfleet_dot_v1_dot_scheduler__pb2.StepOutputs.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.Scheduler/KvSnapshot',
+            kvfleet_dot_v1_dot_scheduler__pb2.KvSnapshotRequest.SerializeToString,
+            kvfleet_dot_v1_dot_scheduler__pb2.KvSnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

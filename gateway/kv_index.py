@@ -1,0 +1,121 @@
+"""Which scheduler replica holds which prefix: an index of every replica's cached block
+hashes, kept from their KV events (NATS `kvfleet.kv.*`, scheduler_svc/kv_event_publisher.py).
+
+Each replica's events are numbered; one that starts late here, or whose numbers jump
+(NATS lost a message, or we reconnected), is reloaded from its snapshot
+(Scheduler.KvSnapshot), and the events after it are applied on top. Every gateway
+builds the same index from the same events, so gateways route alike without talking
+to each other.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from nats.aio.msg import Msg
+
+from services.nats_link import NatsThread, kv_subject
+from services.pb.kvfleet.v1 import scheduler_pb2
+
+logger = logging.getLogger(__name__)
+
+# A replica's snapshot, or None when it cannot be had (the replica is gone).
+Snapshot = Callable[[str], scheduler_pb2.KvSnapshotResponse | None]
+
+
+@dataclass
+class _Replica:
+    seq: int = 0  # every event up to this number is applied
+    hashes: set[bytes] = field(default_factory=set)
+    held: dict[int, scheduler_pb2.KvEvents] = field(default_factory=dict)  # after a gap, until a snapshot
+    syncing: bool = False
+
+    def apply_held(self) -> None:
+        while (events := self.held.pop(self.seq + 1, None)) is not None:
+            if events.cleared:
+                self.hashes.clear()
+            self.hashes.difference_update(events.removed)
+            self.hashes.update(events.stored)
+            self.seq = events.seq
+        for seq in [s for s in self.held if s <= self.seq]:
+            del self.held[seq]
+
+
+class KvIndex:
+    def __init__(self, url: str, snapshot: Snapshot, connect_timeout_s: float = 10.0) -> None:
+        self._snapshot = snapshot
+        self._lock = threading.Lock()  # the NATS thread applies, sync threads reload, routing reads
+        self._replicas: dict[str, _Replica] = {}
+        self._nats = NatsThread(url, "kvfleet-kv-index", connect_timeout_s, reconnected_cb=self._on_reconnect)
+        self._nats.run(self._subscribe(), connect_timeout_s)
+
+    def close(self) -> None:
+        self._nats.close()
+
+    def sync(self, instance_id: str) -> None:
+        """(Re)loads the replica from its snapshot, on a thread (a gRPC call)."""
+        with self._lock:
+            self._sync(instance_id, self._replicas.setdefault(instance_id, _Replica()))
+
+    def forget(self, instance_id: str) -> None:
+        with self._lock:
+            self._replicas.pop(instance_id, None)
+
+    def cached_blocks(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        """Per replica, how many leading blocks of this chain it holds."""
+        with self._lock:
+            counts = {}
+            for instance_id, replica in self._replicas.items():
+                count = 0
+                while count < len(block_hashes) and block_hashes[count] in replica.hashes:
+                    count += 1
+                counts[instance_id] = count
+            return counts
+
+    async def _subscribe(self) -> None:
+        await self._nats.nc.subscribe(kv_subject("*"), cb=self._on_message)
+        await self._nats.nc.flush()
+
+    async def _on_message(self, msg: Msg) -> None:
+        events = scheduler_pb2.KvEvents.FromString(msg.data)
+        with self._lock:
+            replica = self._replicas.get(events.scheduler_instance_id)
+            if replica is None:  # a replica we have not synced yet: its snapshot first
+                replica = self._replicas[events.scheduler_instance_id] = _Replica()
+                self._sync(events.scheduler_instance_id, replica)
+            if events.seq > replica.seq:
+                replica.held[events.seq] = events
+            if not replica.syncing:
+                replica.apply_held()
+                if replica.held:  # a gap: a message was lost
+                    self._sync(events.scheduler_instance_id, replica)
+
+    async def _on_reconnect(self) -> None:
+        """Events sent while we were away are lost: reload every replica."""
+        with self._lock:
+            for instance_id, replica in self._replicas.items():
+                self._sync(instance_id, replica)
+
+    def _sync(self, instance_id: str, replica: _Replica) -> None:
+        """Under the lock."""
+        if not replica.syncing:
+            replica.syncing = True
+            threading.Thread(target=self._load, args=(instance_id, replica), name="kvfleet-kv-sync",
+                             daemon=True).start()
+
+    def _load(self, instance_id: str, replica: _Replica) -> None:
+        snapshot = self._snapshot(instance_id)
+        with self._lock:
+            replica.syncing = False
+            if snapshot is None:  # gone: nothing to route to
+                if self._replicas.get(instance_id) is replica:
+                    del self._replicas[instance_id]
+                return
+            if snapshot.seq >= replica.seq:
+                replica.seq, replica.hashes = snapshot.seq, set(snapshot.block_hashes)
+            replica.apply_held()
+            if replica.held:  # lost again since the snapshot
+                logger.info("KV events of scheduler %s: a gap after %d; reloading", instance_id, replica.seq)
+                self._sync(instance_id, replica)

@@ -1,0 +1,51 @@
+"""The scheduler's KV events on NATS (`kvfleet.kv.<instance_id>`): after each step that
+changed the prefix cache, what it stored and evicted, numbered from 1, so routers keep
+an index of which replica holds which prefix (gateway/kv_index.py).
+
+Core NATS may lose a message; a router that sees a gap (or starts late) asks for a
+snapshot (Scheduler.KvSnapshot), which comes from a mirror kept here: the hashes as of
+the last numbered message, so snapshot and events always agree.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from scheduler_svc.block_pool import KvEvents
+from services.nats_link import NatsThread, kv_subject
+from services.pb.kvfleet.v1 import scheduler_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class KvEventPublisher:
+    def __init__(self, nats: NatsThread, instance_id: str) -> None:
+        self._nats = nats
+        self._instance_id = instance_id
+        self._lock = threading.Lock()  # the step thread publishes, gRPC threads snapshot
+        self._seq = 0
+        self._mirror: set[bytes] = set()
+
+    def publish(self, events: KvEvents) -> None:
+        """From the step thread; never waits on the network."""
+        with self._lock:
+            self._seq += 1
+            if events.cleared:
+                self._mirror.clear()
+            self._mirror.difference_update(events.removed)
+            self._mirror.update(events.stored)
+            payload = scheduler_pb2.KvEvents(scheduler_instance_id=self._instance_id, seq=self._seq,
+                                             cleared=events.cleared, removed=events.removed,
+                                             stored=events.stored).SerializeToString()
+        # FIFO on the NATS loop: messages leave in number order.
+        self._nats.loop.call_soon_threadsafe(self._nats.loop.create_task, self._send(payload))
+
+    def snapshot(self) -> scheduler_pb2.KvSnapshotResponse:
+        with self._lock:
+            return scheduler_pb2.KvSnapshotResponse(seq=self._seq, block_hashes=list(self._mirror))
+
+    async def _send(self, payload: bytes) -> None:
+        try:
+            await self._nats.nc.publish(kv_subject(self._instance_id), payload)
+        except Exception as exc:  # routers see the gap and take a snapshot
+            logger.warning("could not publish KV events: %r", exc)

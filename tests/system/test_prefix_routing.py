@@ -1,0 +1,193 @@
+"""Prefix-aware routing across two real replicas (each a worker and a scheduler over gRPC,
+in this process), real NATS and Redis: requests sharing a long prefix go to the replica
+that holds it, seen through the replicas' own prefix-cache hits, whether the gateway
+followed the KV events as they came or started later and loaded the replicas'
+snapshots; a least-load gateway, as a control, does not. The KV index also recovers
+a lost event message from a snapshot."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from contextlib import aclosing
+
+import pytest
+
+from gateway.cluster_client import ClusterEngineClient
+from gateway.kv_index import KvIndex
+from scheduler_svc.block_pool import KvEvents
+from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.kv_event_publisher import KvEventPublisher
+from scheduler_svc.main import lease_metadata
+from scheduler_svc.nats_publisher import NatsOutputHub
+from scheduler_svc.server import start_scheduler_server
+from scheduler_svc.step_loop import StepLoop, Submission
+from scheduler_svc.worker_client import RemoteWorker
+from services.block_hash import extend_block_hashes
+from services.config import EngineConfig
+from services.model_source import resolve_model
+from services.registry import Lease, Member, Registry
+from services.sampling_params import SamplingParams
+from tokenizer_svc.server import start_tokenizer_server
+from tokenizer_svc.tokenizer import Tokenizer
+from worker_svc.server import start_worker_server
+from worker_svc.worker import Worker
+
+from corpus import TEXT
+from servers import nats, redis_url  # noqa: F401  (fixtures)
+
+ENGINE = dict(dtype="float32", num_gpu_blocks_override=64, max_model_len=256)
+BLOCK = 16
+PREFIX_BLOCKS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+TTL_S = 2.0
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+class Replica:
+    def __init__(self, name: str, nats_url: str, registry: Registry) -> None:
+        self.worker = start_worker_server(Worker(EngineConfig(**ENGINE)), "127.0.0.1:0")
+        self.remote = RemoteWorker(self.worker.address)
+        self.core = EngineCore(EngineConfig(**ENGINE), self.remote)
+        self.hub = NatsOutputHub(nats_url, self.core.instance_id)
+        self.loop = StepLoop(self.core, self.hub)
+        self.scheduler = start_scheduler_server(self.loop, self.hub, "127.0.0.1:0")
+        metadata = lease_metadata(self.worker.address, "smollm2", self.core)
+        self.leases = [Lease(registry, Member("worker", name, self.worker.address), TTL_S).start(),
+                       Lease(registry, Member("scheduler", name, self.scheduler.address, metadata), TTL_S).start()]
+
+    @property
+    def hits(self) -> int:
+        return self.loop.stats().prefix_cache_hits
+
+    def idle(self) -> bool:
+        return not self.core.scheduler.has_unfinished_requests
+
+    def close(self) -> None:
+        for lease in self.leases:
+            lease.stop()
+        self.scheduler.stop(0)
+        self.worker.stop(0)
+        self.remote.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.load(resolve_model("smollm2"))
+
+
+@pytest.fixture(scope="module")
+def replicas(nats, redis_url, tokenizer) -> Iterator[dict[str, Replica]]:
+    registry = Registry(redis_url)
+    server = start_tokenizer_server(tokenizer, "127.0.0.1:0")
+    lease = Lease(registry, Member("tokenizer", "t", server.address), TTL_S).start()
+    # The registry lists schedulers by member id: "a" before "b", so under equal load
+    # a least-load gateway picks "a"; the prefix is put in "b".
+    replicas = {name: Replica(name, nats.url, registry) for name in ("a", "b")}
+    yield replicas
+    for replica in replicas.values():
+        replica.close()
+    lease.stop()
+    server.stop(0)
+    registry.close()
+
+
+def started_client(redis_url: str, nats_url: str, policy: str) -> ClusterEngineClient:
+    client = ClusterEngineClient(redis_url, nats_url, poll_interval_s=0.2, routing_policy=policy)
+    client.start()
+    wait_until(lambda: client.is_ready() and sum(r.routable for r in client._replicas.values()) == 2,
+               "the client never saw both replicas")
+    return client
+
+
+def prompts(tokenizer: Tokenizer, count: int, first: int = 0) -> list[list[int]]:
+    ids = tokenizer.encode(TEXT)
+    prefix = ids[:PREFIX_BLOCKS * BLOCK]
+    return [prefix + ids[200 + 9 * i:200 + 9 * i + 9] for i in range(first, first + count)]
+
+
+def prefix_hashes(prompt: list[int]) -> list[bytes]:
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, prompt[:PREFIX_BLOCKS * BLOCK], BLOCK, b"")
+    return hashes
+
+
+def holds_prefix(index: KvIndex, instance_id: str, prompt: list[int]) -> bool:
+    return index.cached_blocks(prefix_hashes(prompt)).get(instance_id, 0) == PREFIX_BLOCKS
+
+
+def run_each(client: ClusterEngineClient, prompts: list[list[int]], tag: str) -> None:
+    async def one(index: int, prompt: list[int]) -> None:
+        async with aclosing(client.generate(f"{tag}-{index}", prompt, GREEDY)) as deltas:
+            async for _ in deltas:
+                pass
+
+    async def main() -> None:
+        for index, prompt in enumerate(prompts):  # one at a time: equal load at each choice
+            await one(index, prompt)
+
+    asyncio.run(main())
+
+
+def test_a_shared_prefix_goes_where_it_is_cached(replicas, tokenizer, nats, redis_url) -> None:
+    a, b = replicas["a"], replicas["b"]
+    following = started_client(redis_url, nats.url, "prefix")
+    try:
+        warm = prompts(tokenizer, 1)[0]
+        [accepted] = b.loop.submit([Submission("warm", warm, GREEDY, None, "nobody")])
+        accepted.result(10)
+        wait_until(b.idle, "the warm-up request did not finish")
+        wait_until(lambda: holds_prefix(following._kv_index, b.core.instance_id, warm),
+                   "the gateway's index never learnt that b holds the prefix")
+
+        run_each(following, prompts(tokenizer, 3, first=1), "following")
+        assert a.hits == 0, "a shared-prefix request went to the replica without the prefix"
+        assert b.hits >= 3 * PREFIX_BLOCKS * BLOCK
+
+        late = started_client(redis_url, nats.url, "prefix")  # no events since: it loads snapshots
+        try:
+            wait_until(lambda: holds_prefix(late._kv_index, b.core.instance_id, warm),
+                       "the late gateway's index never loaded b's snapshot")
+            before = b.hits
+            run_each(late, prompts(tokenizer, 2, first=4), "late")
+            assert a.hits == 0 and b.hits >= before + 2 * PREFIX_BLOCKS * BLOCK
+        finally:
+            late.shutdown()
+
+        control = started_client(redis_url, nats.url, "least-load")
+        try:
+            run_each(control, prompts(tokenizer, 1, first=6), "control")
+            assert a.hits == 0 and a.loop.stats().prefix_cache_queries > 0  # it went to a, blind to the cache
+        finally:
+            control.shutdown()
+    finally:
+        following.shutdown()
+
+
+def test_a_lost_event_message_is_recovered_from_a_snapshot(nats, monkeypatch) -> None:
+    hub = NatsOutputHub(nats.url, "s1")
+    publisher: KvEventPublisher = hub.kv_events
+    index = KvIndex(nats.url, lambda instance_id: publisher.snapshot() if instance_id == "s1" else None)
+    try:
+        publisher.publish(KvEvents(False, [], [b"A"]))
+        wait_until(lambda: index.cached_blocks([b"A"]) == {"s1": 1}, "the first event was not applied")
+        send = KvEventPublisher._send
+
+        async def lose(self: KvEventPublisher, payload: bytes) -> None:  # NATS drops this one
+            monkeypatch.setattr(KvEventPublisher, "_send", send)
+
+        monkeypatch.setattr(KvEventPublisher, "_send", lose)
+        publisher.publish(KvEvents(False, [b"A"], [b"B"]))  # lost
+        wait_until(lambda: KvEventPublisher._send is send, "the loss was not injected")
+        publisher.publish(KvEvents(False, [], [b"C"]))  # a gap: the index reloads
+        wait_until(lambda: index.cached_blocks([b"B", b"C"]) == {"s1": 2} and index.cached_blocks([b"A"]) == {"s1": 0},
+                   "the index did not recover the lost message")
+    finally:
+        index.close()
+        hub.close()

@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 import grpc
@@ -32,6 +33,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.kv_index import KvIndex
+from gateway.migration import DEFAULT_MIGRATION_LIMIT, migrating
 from gateway.nats_subscriber import OutputSubscriber
 from gateway.pass_batcher import PassBatcher
 from gateway.routing import Candidate, pick
@@ -107,8 +109,10 @@ class ClusterEngineClient:
         submit_timeout_s: float = 60.0,
         lease_ttl_s: float = DEFAULT_TTL_S,
         routing_policy: str = "prefix",
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
     ) -> None:
         self.gateway_id = gateway_id or new_member_id()
+        self._migration_limit = migration_limit
         self._routing_policy = routing_policy
         self._turn = 0  # requests routed, for round-robin
         self._kv_index: KvIndex | None = None
@@ -182,6 +186,20 @@ class ClusterEngineClient:
     ) -> AsyncIterator[TokenDelta]:
         if self._thread is None or self._stop.is_set():
             raise EngineUnavailable("the cluster client is not running")
+
+        def attempt(resumed: list[int], tried: set[_Replica]) -> AsyncIterator[TokenDelta]:
+            return self._place(request_id, prompt_token_ids, params, cache_salt, resumed, tried)
+
+        async with aclosing(migrating(attempt, request_id, params, self._migration_limit)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def _place(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None,
+        resumed: list[int], tried: set[_Replica],
+    ) -> AsyncIterator[TokenDelta]:
+        """One placement of the request on a replica (gateway/migration.py); `resumed`:
+        the tokens it generated on replicas that died."""
         # With n or best_of > 1 the scheduler runs child requests; each ends with one final delta.
         count = num_children(params)
         # Placed by its own id and its children's: an abort may name either.
@@ -189,12 +207,16 @@ class ClusterEngineClient:
         stream = self._subscriber.open(request_id, count)  # before Submit: no delta can slip past
         submit: asyncio.Future[None] | None = None
         try:
-            replica = self._claim(placed, prompt_token_ids, cache_salt)
+            replica = self._claim(placed, prompt_token_ids, cache_salt, tried)
+            if resumed:  # the prompt's logprobs went out with its first delta
+                params = replace(params, prompt_logprobs=None)
             request = scheduler_pb2.SubmitRequest(
                 request_id=request_id, prompt_token_ids=prompt_token_ids, gateway_id=self.gateway_id,
-                sampling_params=sampling_params_to_proto(params), cache_salt=cache_salt,
+                sampling_params=sampling_params_to_proto(params), cache_salt=cache_salt, output_token_ids=resumed,
             )
             while True:
+                tried.add(replica)
+                self._subscriber.expect(request_id, replica.instance_id)
                 submit = self._batcher.submit((replica.stub, replica.instance_id), request)
                 try:
                     await asyncio.shield(submit)
@@ -224,10 +246,13 @@ class ClusterEngineClient:
         if replica is not None:
             self._send_abort(replica, request_id)
 
-    def _claim(self, ids: list[str], prompt_token_ids: list[int] | None = None, cache_salt: str | None = None
-               ) -> _Replica:
+    def _claim(self, ids: list[str], prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
+               avoid: set[_Replica] = frozenset()) -> _Replica:
+        """A routable replica for the request, by the routing policy; one in `avoid` (where
+        it ran before, and failed) only when no other can take it."""
         with self._lock:
             routable = [replica for replica in self._replicas.values() if replica.routable]
+        routable = [replica for replica in routable if replica not in avoid] or routable
         if not routable:
             raise EngineUnavailable("no scheduler is ready")
         hashes: list[bytes] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from gateway.migration import DEFAULT_MIGRATION_LIMIT
 from gateway.routing import ROUTING_POLICIES
 from services.cli_args import add_http_args, add_nats_arg, add_registry_args
 from services.registry import Lease, Member, Registry
@@ -25,9 +26,19 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     add_http_args(parser, DEFAULT_PORT)
     add_nats_arg(parser, required=True, help_text="where token deltas arrive, e.g. nats://127.0.0.1:4222")
     add_registry_args(parser, required=True)
+    parser.add_argument("--migration-limit", type=_non_negative, default=DEFAULT_MIGRATION_LIMIT,
+                        help="how many times a request whose replica dies is resubmitted to another, its stream "
+                        "going on where it was (0: never; the client gets the error) (default: %(default)s)")
     parser.add_argument("--routing-policy", choices=ROUTING_POLICIES, default="prefix",
                         help="which scheduler replica takes a request: where its prompt's prefix is cached, "
                         "balanced with load (prefix), the least loaded, or each in turn (default: %(default)s)")
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def run_gateway(args: argparse.Namespace) -> int:
@@ -42,7 +53,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     listener = bind(args.host, args.port)
     registry = Registry(args.redis_url)
     client = ClusterEngineClient(args.redis_url, args.nats_url, lease_ttl_s=args.lease_ttl,
-                                 routing_policy=args.routing_policy)
+                                 routing_policy=args.routing_policy, migration_limit=args.migration_limit)
     encoder = RemoteTokenizer(lambda: [member.address for member in registry.members("tokenizer")],
                               lease_ttl_s=args.lease_ttl)
     app = build_app(client, encoder, args.served_model_name or [args.model], args.api_key,

@@ -57,6 +57,7 @@ class OutputSubscriber:
         self._lock = threading.Lock()
         self._routes: RequestRoutes[RequestStream] = RequestRoutes()
         self._sequences: defaultdict[str, StepSequence] = defaultdict(StepSequence)  # by scheduler instance
+        self._expected: dict[str, str] = {}  # request id -> the scheduler instance it runs on
         self._away_since: float | None = None  # NATS disconnected since (monotonic)
         self._give_up: asyncio.TimerHandle | None = None
         self._closing = False
@@ -85,9 +86,16 @@ class OutputSubscriber:
             self._routes.add(request_id, num_children, stream)
         return stream
 
+    def expect(self, request_id: str, instance_id: str) -> None:
+        """The open request runs on this scheduler: deltas for it from any other (one it
+        ran on before it was migrated, say) are dropped."""
+        with self._lock:
+            self._expected[request_id] = instance_id
+
     def discard(self, request_id: str) -> None:
         """Stops routing the request's deltas (it ended, or its consumer left)."""
         with self._lock:
+            self._expected.pop(request_id, None)
             route = self._routes.get(request_id)
             if route is not None:
                 self._drop(route)
@@ -129,6 +137,9 @@ class OutputSubscriber:
             for message in outputs.deltas:
                 route = self._routes.of(message.request_id)
                 if route is None:  # ended here already (e.g. its client left): drop
+                    continue
+                if self._expected.get(route.target.request_id, outputs.scheduler_instance_id) != (
+                        outputs.scheduler_instance_id):  # from where it ran before it was migrated
                     continue
                 stream, delta = route.target, delta_from_proto(message)
                 if message.error:  # one engine request failed: the whole request does

@@ -24,7 +24,7 @@ from services.messages import (
     WorkerDescription,
 )
 from services.parallel_sampling import child_params, child_request_id, num_children
-from services.sampling_params import SamplingParams
+from services.sampling_params import InvalidParameter, SamplingParams
 from services.structured_outputs import StructuredOutputsParams
 
 
@@ -93,14 +93,20 @@ class EngineCore:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        output_token_ids: Sequence[int] = (),
     ) -> None:
         """Queue a request; with n > 1 (or best_of) as child requests named by
-        `child_request_id`, which share the prompt's KV."""
+        `child_request_id`, which share the prompt's KV. `output_token_ids` resumes a
+        request that generated them elsewhere (scheduler.proto's SubmitRequest)."""
         if self._worker_lost:
             self._reconnect()
         count = num_children(params)
+        if output_token_ids and count > 1:
+            raise InvalidParameter("output_token_ids", "a request with n or best_of > 1 cannot be resumed")
         if count == 1:
-            self.scheduler.add_request(self._request(request_id, prompt_token_ids, params, cache_salt))
+            request = self._request(request_id, prompt_token_ids, params, cache_salt)
+            request.output_token_ids = list(output_token_ids)
+            self.scheduler.add_request(request)
             return
         leader, *followers = (
             self._request(child_request_id(request_id, i), prompt_token_ids, child_params(params, i), cache_salt)

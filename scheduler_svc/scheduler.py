@@ -95,12 +95,17 @@ class Scheduler:
                 "prompt",
                 f"the prompt is {prompt_len} tokens long, more than the maximum model length of {limit}",
             )
+        resumed = len(request.output_token_ids)
+        max_tokens = request.sampling_params.max_tokens
+        if resumed and (prompt_len + resumed >= limit or (max_tokens is not None and resumed >= max_tokens)):
+            raise InvalidParameter("output_token_ids", f"{resumed} tokens resumed leave nothing to generate")
         vocab = self.config.vocab_size
         for param in ("logprobs", "prompt_logprobs"):
             wanted = getattr(request.sampling_params, param)
             if wanted is not None and wanted > vocab:
                 raise InvalidParameter(param, f"asks for {wanted} tokens, more than the vocabulary's {vocab}")
-        named = {"prompt": request.prompt_token_ids, "logit_bias": list(request.sampling_params.logit_bias or {}),
+        named = {"prompt": request.prompt_token_ids, "output_token_ids": request.output_token_ids,
+                 "logit_bias": list(request.sampling_params.logit_bias or {}),
                  "allowed_token_ids": request.sampling_params.allowed_token_ids or [],
                  "stop_token_ids": request.sampling_params.stop_token_ids}
         for param, token_ids in named.items():

@@ -88,7 +88,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except Exception as exc:  # the worker is away: the request may well succeed later
             raise _Refused(grpc.StatusCode.UNAVAILABLE, f"the worker could not compile the constraint: {exc}") from exc
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
-        return Submission(request.request_id, list(request.prompt_token_ids), params, cache_salt, request.gateway_id)
+        return Submission(request.request_id, list(request.prompt_token_ids), params, cache_salt, request.gateway_id,
+                          list(request.output_token_ids))
 
     def Abort(self, request: scheduler_pb2.AbortRequest, context: grpc.ServicerContext) -> scheduler_pb2.AbortResponse:
         self._loop.abort(request.request_id)

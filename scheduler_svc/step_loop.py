@@ -13,7 +13,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler_svc.block_pool import KvEventLog
 from scheduler_svc.engine_core import EngineCore
@@ -37,6 +37,7 @@ class Submission:
     params: SamplingParams
     cache_salt: str | None
     gateway_id: str
+    output_token_ids: list[int] = field(default_factory=list)  # resumed: generated elsewhere already
 
 
 @dataclass
@@ -131,7 +132,8 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
     def _submit(self, command: _Submit) -> None:
         new = command.submission
         try:
-            self.core.add_request(new.request_id, new.prompt_token_ids, new.params, new.cache_salt)
+            self.core.add_request(new.request_id, new.prompt_token_ids, new.params, new.cache_salt,
+                                  new.output_token_ids)
         except Exception as exc:  # rejected input: the caller gets the error, the loop goes on
             command.accepted.set_exception(exc)
             return

@@ -56,6 +56,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.where(greedy, greedy_tokens, random_tokens)
 
 
+def position_seed(seed: int, output_position: int) -> int:
+    """What a seeded request's generator is seeded with before it samples output token
+    `output_position`: its noise then depends on (seed, position) alone, so the request
+    samples the same tokens whether it ran straight through, was recomputed after a
+    preemption, or was resumed on another replica after its own died (migration)."""
+    return (seed * 0x9E3779B97F4A7C15 + output_position) % 2**63
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) the logits outside each row's top-k and top-p nucleus."""
     use_top_k = bool((top_k > 0).any())

@@ -31,7 +31,7 @@ from worker_svc.kv_cache import (
 from worker_svc.logits_processors import LogitsAdjustments
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.preflight import check_model
-from worker_svc.sampler import SamplingBatch, gather_logprobs, sample
+from worker_svc.sampler import SamplingBatch, gather_logprobs, position_seed, sample
 from worker_svc.weights import load_weights
 
 if TYPE_CHECKING:
@@ -208,6 +208,10 @@ class Worker:
         if inputs.sample_request_ids:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
             states = [self.requests[r] for r in inputs.sample_request_ids]
+            for state in states:
+                if state.generator is not None:
+                    position = len(state.token_ids) - state.num_prompt_tokens
+                    state.generator.manual_seed(position_seed(state.sampling_params.seed, position))
             batch = SamplingBatch.from_params(
                 [s.sampling_params for s in states], [s.generator for s in states], self.device
             )

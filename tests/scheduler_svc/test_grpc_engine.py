@@ -78,10 +78,12 @@ class Cluster:
         assert not next(outputs).deltas  # the subscription is live
         return outputs
 
-    def submit(self, request_id: str, prompt: list[int], gateway_id: str = "g", **params) -> None:
+    def submit(self, request_id: str, prompt: list[int], gateway_id: str = "g", resumed: list[int] = (),
+               **params) -> None:
         sampling = common_pb2.SamplingParams(**{"temperature": 0.0, "ignore_eos": True, **params})
         self.stub.Submit(scheduler_pb2.SubmitRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling, gateway_id=gateway_id
+            request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling, gateway_id=gateway_id,
+            output_token_ids=resumed,
         ))
 
     def close(self) -> None:
@@ -211,6 +213,27 @@ def test_a_batch_streams_one_message_per_step(cluster, prompts, reference, idle_
     assert len(messages) < sum(map(len, reference)) / 2
     assert all(d[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH and not d[-1].error for d in deltas.values())
     assert cluster.loop.stats().num_preemptions > 0
+
+
+def test_a_resumed_request_continues_as_if_uninterrupted(cluster, prompts, reference, idle_after) -> None:
+    """What a gateway sends when it migrates a request: the tokens generated so far, as
+    output. Greedy and seeded sampling both go on with the tokens an uninterrupted run
+    gives (a seeded row's noise depends on its seed and output position alone)."""
+    outputs = cluster.open_stream("resume")
+    cluster.submit("whole", prompts[1], "resume", max_tokens=NEW_TOKENS, temperature=0.9, seed=11)
+    sampled = tokens_of(read_until_finished(outputs, {"whole"})["whole"])
+    cluster.submit("greedy", prompts[0], "resume", resumed=reference[0][:3], max_tokens=NEW_TOKENS)
+    cluster.submit("seeded", prompts[1], "resume", resumed=sampled[:3], max_tokens=NEW_TOKENS, temperature=0.9, seed=11)
+    resumed = read_until_finished(outputs, {"greedy", "seeded"})
+    assert tokens_of(resumed["greedy"]) == reference[0][3:]
+    assert tokens_of(resumed["seeded"]) == sampled[3:]
+    assert resumed["greedy"][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    for bad, params in ((list(range(NEW_TOKENS)), {}), ([1], {"n": 2})):  # nothing left to do; not one sequence
+        with pytest.raises(grpc.RpcError) as refused:
+            cluster.submit("bad", prompts[0], "resume", resumed=bad, max_tokens=NEW_TOKENS, **params)
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("output_token_ids")
+    outputs.cancel()
 
 
 def test_health_reports_serving(cluster, worker_srv) -> None:

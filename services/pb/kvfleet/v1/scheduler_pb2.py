@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.pb.kvfleet.v1 import common_pb2 as kvfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvfleet/v1/scheduler.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\xae\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x12\n\ngateway_id\x18\x05 \x01(\tB\r\n\x0b_cache_salt\"\x10\n\x0eSubmitResponse\"`\n\x12SubmitBatchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.kvfleet.v1.SubmitRequest\x12\x1d\n\x15scheduler_instance_id\x18\x02 \x01(\t\"-\n\x0cSubmitResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"@\n\x13SubmitBatchResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.kvfleet.v1.SubmitResult\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"-\n\x0cStatsRequest\x12\x1d\n\x15scheduler_instance_id\x18\x01 \x01(\t\"*\n\x14StreamOutputsRequest\x12\x12\n\ngateway_id\x18\x01 \x01(\t\"s\n\x0bStepOutputs\x12&\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x16.kvfleet.v1.TokenDelta\x12\x1d\n\x15scheduler_instance_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x10\n\x08\x61nnounce\x18\x04 \x01(\x08\"\\\n\x14ReplayOutputsRequest\x12\x12\n\ngateway_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\x1d\n\x15scheduler_instance_id\x18\x03 \x01(\t\"h\n\x08KvEvents\x12\x1d\n\x15scheduler_instance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0f\n\x07\x63leared\x18\x03 \x01(\x08\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\x12\x0e\n\x06stored\x18\x05 \x03(\x0c\"2\n\x11KvSnapshotRequest\x12\x1d\n\x15scheduler_instance_id\x18\x01 \x01(\t\"7\n\x12KvSnapshotResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x32\xff\x03\n\tScheduler\x12?\n\x06Submit\x12\x19.kvfleet.v1.SubmitRequest\x1a\x1a.kvfleet.v1.SubmitResponse\x12N\n\x0bSubmitBatch\x12\x1e.kvfleet.v1.SubmitBatchRequest\x1a\x1f.kvfleet.v1.SubmitBatchResponse\x12<\n\x05\x41\x62ort\x12\x18.kvfleet.v1.AbortRequest\x1a\x19.kvfleet.v1.AbortResponse\x12:\n\x05Stats\x12\x18.kvfleet.v1.StatsRequest\x1a\x17.kvfleet.v1.EngineStats\x12L\n\rStreamOutputs\x12 .kvfleet.v1.StreamOutputsRequest\x1a\x17.kvfleet.v1.StepOutputs0\x01\x12L\n\rReplayOutputs\x12 .kvfleet.v1.ReplayOutputsRequest\x1a\x17.kvfleet.v1.StepOutputs0\x01\x12K\n\nKvSnapshot\x12\x1d.kvfleet.v1.KvSnapshotRequest\x1a\x1e.kvfleet.v1.KvSnapshotResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvfleet/v1/scheduler.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\xc8\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x12\n\ngateway_id\x18\x05 \x01(\t\x12\x18\n\x10output_token_ids\x18\x06 \x03(\rB\r\n\x0b_cache_salt\"\x10\n\x0eSubmitResponse\"`\n\x12SubmitBatchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.kvfleet.v1.SubmitRequest\x12\x1d\n\x15scheduler_instance_id\x18\x02 \x01(\t\"-\n\x0cSubmitResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"@\n\x13SubmitBatchResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.kvfleet.v1.SubmitResult\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"-\n\x0cStatsRequest\x12\x1d\n\x15scheduler_instance_id\x18\x01 \x01(\t\"*\n\x14StreamOutputsRequest\x12\x12\n\ngateway_id\x18\x01 \x01(\t\"s\n\x0bStepOutputs\x12&\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x16.kvfleet.v1.TokenDelta\x12\x1d\n\x15scheduler_instance_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x10\n\x08\x61nnounce\x18\x04 \x01(\x08\"\\\n\x14ReplayOutputsRequest\x12\x12\n\ngateway_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\x1d\n\x15scheduler_instance_id\x18\x03 \x01(\t\"h\n\x08KvEvents\x12\x1d\n\x15scheduler_instance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0f\n\x07\x63leared\x18\x03 \x01(\x08\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\x12\x0e\n\x06stored\x18\x05 \x03(\x0c\"2\n\x11KvSnapshotRequest\x12\x1d\n\x15scheduler_instance_id\x18\x01 \x01(\t\"7\n\x12KvSnapshotResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x32\xff\x03\n\tScheduler\x12?\n\x06Submit\x12\x19.kvfleet.v1.SubmitRequest\x1a\x1a.kvfleet.v1.SubmitResponse\x12N\n\x0bSubmitBatch\x12\x1e.kvfleet.v1.SubmitBatchRequest\x1a\x1f.kvfleet.v1.SubmitBatchResponse\x12<\n\x05\x41\x62ort\x12\x18.kvfleet.v1.AbortRequest\x1a\x19.kvfleet.v1.AbortResponse\x12:\n\x05Stats\x12\x18.kvfleet.v1.StatsRequest\x1a\x17.kvfleet.v1.EngineStats\x12L\n\rStreamOutputs\x12 .kvfleet.v1.StreamOutputsRequest\x1a\x17.kvfleet.v1.StepOutputs0\x01\x12L\n\rReplayOutputs\x12 .kvfleet.v1.ReplayOutputsRequest\x1a\x17.kvfleet.v1.StepOutputs0\x01\x12K\n\nKvSnapshot\x12\x1d.kvfleet.v1.KvSnapshotRequest\x1a\x1e.kvfleet.v1.KvSnapshotResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,33 +33,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvfleet.v1.scheduler_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST']._serialized_start=68
-  _globals['_SUBMITREQUEST']._serialized_end=242
-  _globals['_SUBMITRESPONSE']._serialized_start=244
-  _globals['_SUBMITRESPONSE']._serialized_end=260
-  _globals['_SUBMITBATCHREQUEST']._serialized_start=262
-  _globals['_SUBMITBATCHREQUEST']._serialized_end=358
-  _globals['_SUBMITRESULT']._serialized_start=360
-  _globals['_SUBMITRESULT']._serialized_end=405
-  _globals['_SUBMITBATCHRESPONSE']._serialized_start=407
-  _globals['_SUBMITBATCHRESPONSE']._serialized_end=471
-  _globals['_ABORTREQUEST']._serialized_start=473
-  _globals['_ABORTREQUEST']._serialized_end=507
-  _globals['_ABORTRESPONSE']._serialized_start=509
-  _globals['_ABORTRESPONSE']._serialized_end=524
-  _globals['_STATSREQUEST']._serialized_start=526
-  _globals['_STATSREQUEST']._serialized_end=571
-  _globals['_STREAMOUTPUTSREQUEST']._serialized_start=573
-  _globals['_STREAMOUTPUTSREQUEST']._serialized_end=615
-  _globals['_STEPOUTPUTS']._serialized_start=617
-  _globals['_STEPOUTPUTS']._serialized_end=732
-  _globals['_REPLAYOUTPUTSREQUEST']._serialized_start=734
-  _globals['_REPLAYOUTPUTSREQUEST']._serialized_end=826
-  _globals['_KVEVENTS']._serialized_start=828
-  _globals['_KVEVENTS']._serialized_end=932
-  _globals['_KVSNAPSHOTREQUEST']._serialized_start=934
-  _globals['_KVSNAPSHOTREQUEST']._serialized_end=984
-  _globals['_KVSNAPSHOTRESPONSE']._serialized_start=986
-  _globals['_KVSNAPSHOTRESPONSE']._serialized_end=1041
-  _globals['_SCHEDULER']._serialized_start=1044
-  _globals['_SCHEDULER']._serialized_end=1555
+  _globals['_SUBMITREQUEST']._serialized_end=268
+  _globals['_SUBMITRESPONSE']._serialized_start=270
+  _globals['_SUBMITRESPONSE']._serialized_end=286
+  _globals['_SUBMITBATCHREQUEST']._serialized_start=288
+  _globals['_SUBMITBATCHREQUEST']._serialized_end=384
+  _globals['_SUBMITRESULT']._serialized_start=386
+  _globals['_SUBMITRESULT']._serialized_end=431
+  _globals['_SUBMITBATCHRESPONSE']._serialized_start=433
+  _globals['_SUBMITBATCHRESPONSE']._serialized_end=497
+  _globals['_ABORTREQUEST']._serialized_start=499
+  _globals['_ABORTREQUEST']._serialized_end=533
+  _globals['_ABORTRESPONSE']._serialized_start=535
+  _globals['_ABORTRESPONSE']._serialized_end=550
+  _globals['_STATSREQUEST']._serialized_start=552
+  _globals['_STATSREQUEST']._serialized_end=597
+  _globals['_STREAMOUTPUTSREQUEST']._serialized_start=599
+  _globals['_STREAMOUTPUTSREQUEST']._serialized_end=641
+  _globals['_STEPOUTPUTS']._serialized_start=643
+  _globals['_STEPOUTPUTS']._serialized_end=758
+  _globals['_REPLAYOUTPUTSREQUEST']._serialized_start=760
+  _globals['_REPLAYOUTPUTSREQUEST']._serialized_end=852
+  _globals['_KVEVENTS']._serialized_start=854
+  _globals['_KVEVENTS']._serialized_end=958
+  _globals['_KVSNAPSHOTREQUEST']._serialized_start=960
+  _globals['_KVSNAPSHOTREQUEST']._serialized_end=1010
+  _globals['_KVSNAPSHOTRESPONSE']._serialized_start=1012
+  _globals['_KVSNAPSHOTRESPONSE']._serialized_end=1067
+  _globals['_SCHEDULER']._serialized_start=1070
+  _globals['_SCHEDULER']._serialized_end=1581
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,64 @@
+"""Requests that outlive their replica.
+
+When the replica running a request dies (its worker or its scheduler), the gateway
+submits the request to another replica with the tokens generated so far as its
+output (scheduler.proto's SubmitRequest.output_token_ids), and the client's stream goes
+on: no token lost, repeated or reordered; greedy text as an uninterrupted run gives,
+and seeded sampling draws what it would have drawn. `--migration-limit` caps the
+re-submissions of one request (0: none); when no other replica can take it, the
+client gets the original error.
+
+The journal (prompt, sampling params, tokens emitted) is this coroutine's state, in
+the gateway: it holds the client's connection, so when a gateway dies its clients'
+streams die with it and there is nothing left to continue; keeping the journal in
+Redis would only add a write per step. Requests with n or best_of > 1 are not
+migrated (each child would need its own journal): they end with the error, as before.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from services.engine_client import EngineUnavailable, RequestFailed, RequestLost
+from services.messages import TokenDelta
+from services.parallel_sampling import num_children
+from services.sampling_params import InvalidParameter, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MIGRATION_LIMIT = 3
+
+# One placement of the request: given the tokens it already generated, and the replicas
+# tried so far (it adds the one it uses, and avoids them while others can take it),
+# the deltas of its new tokens.
+Attempt = Callable[[list[int], set], AsyncIterator[TokenDelta]]
+
+
+async def migrating(attempt: Attempt, request_id: str, params: SamplingParams, limit: int
+                    ) -> AsyncIterator[TokenDelta]:
+    emitted: list[int] = []
+    tried: set = set()
+    failure: RequestLost | RequestFailed | None = None  # what ended the last placement
+    migrations = 0
+    while True:
+        started = False
+        try:
+            async for delta in attempt(list(emitted), tried):
+                started = True
+                emitted.extend(delta.new_token_ids)
+                yield delta
+            return
+        except (EngineUnavailable, InvalidParameter) as refused:
+            if failure is None or started:
+                raise
+            raise failure from refused  # no replica can take it (or no room is left): the original error
+        except (RequestLost, RequestFailed) as exc:  # its replica died under it
+            if migrations >= limit or num_children(params) > 1:
+                raise
+            if params.max_tokens is not None and len(emitted) >= params.max_tokens:
+                yield TokenDelta(request_id, [], "length")  # it was done: only its end was lost
+                return
+            migrations += 1
+            logger.warning("request %s: %s; migrating it with %d tokens generated (migration %d of at most %d)",
+                           request_id, exc, len(emitted), migrations, limit)
+            failure = exc

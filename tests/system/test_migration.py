@@ -1,0 +1,152 @@
+"""Requests outlive their replica (real processes: nats-server, Redis, a tokenizer, two
+replicas of a worker and a scheduler each, gateways): with 8 greedy streams in flight,
+kill -9 of a worker, then of a scheduler, and every stream completes with exactly the
+text an uninterrupted run gives, no error event, each migrated by its gateway to the
+other replica. A gateway with --migration-limit 0 gives its clients the error instead.
+They run in this order on one cluster; each fault's role is restarted after it.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from kvfleet.processes import free_port
+from services.registry import ClusterView, Registry
+
+from servers import HOST, RoleProcess, nats, redis_url  # noqa: F401  (fixtures)
+from test_worker_failover import health, wait_for
+
+LEASE_TTL_S = 3.0
+ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", str(256 * 2**20)]
+TOKENS = 64
+STREAMS = 8
+
+
+def request(index: int) -> dict:
+    return {"model": "smollm2", "messages": [{"role": "user", "content": f"Write about the number {index}."}],
+            "max_tokens": TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+class Stream(threading.Thread):
+    """A streamed chat completion read on a thread: its text, its end and its error."""
+
+    def __init__(self, url: str, index: int) -> None:
+        super().__init__(daemon=True)
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+        self.index = index
+        self.text = ""
+        self.tokens = 0
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.first_token = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            chunks = self.client.chat.completions.create(**request(self.index), stream=True,
+                                                         stream_options={"include_usage": True})
+            for chunk in chunks:
+                if chunk.usage is not None:
+                    self.tokens = chunk.usage.completion_tokens
+                for choice in chunk.choices:
+                    if choice.delta.content:
+                        self.text += choice.delta.content
+                        self.first_token.set()
+                    self.finish_reason = choice.finish_reason or self.finish_reason
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.first_token.set()
+
+
+class Cluster:
+    def __init__(self, nats_url: str, redis_url: str) -> None:
+        self.registry = Registry(redis_url)
+        registry = ["--redis-url", redis_url, "--lease-ttl", str(LEASE_TTL_S)]
+        self.roles = {"tokenizer": RoleProcess("tokenizer", "--port", "0", *registry)}
+        for name in ("a", "b"):
+            worker_port = free_port()
+            self.roles[f"worker-{name}"] = RoleProcess("worker", *ENGINE_FLAGS, "--port", str(worker_port), *registry)
+            self.roles[f"scheduler-{name}"] = RoleProcess(
+                "scheduler", *ENGINE_FLAGS, "--port", str(free_port()), "--worker-address", f"{HOST}:{worker_port}",
+                "--nats-url", nats_url, *registry)
+        self.urls = {}
+        for name, flags in (("gateway", []), ("gateway-no-migration", ["--migration-limit", "0"])):
+            port = free_port()
+            self.roles[name] = RoleProcess("gateway", "--port", str(port), "--nats-url", nats_url, *registry, *flags)
+            self.urls[name] = f"http://{HOST}:{port}"
+
+    def logs(self) -> str:
+        return "\n".join(role.log_tail() for role in self.roles.values())
+
+    def wait_for_both_replicas(self) -> None:
+        def ready() -> bool:
+            both = len(ClusterView.read(self.registry).ready_schedulers) == 2
+            return both and all(health(url) == 200 for url in self.urls.values())
+
+        wait_for(ready, 180, "both replicas did not come up", list(self.roles.values()))
+        time.sleep(2.0)  # the gateways' pollers have seen both (every 0.5 s)
+
+    def restart(self, role: str) -> None:
+        self.roles[role] = self.roles[role].restarted()
+        self.wait_for_both_replicas()
+
+
+@pytest.fixture(scope="module")
+def cluster(nats, redis_url) -> Iterator[Cluster]:
+    running = Cluster(nats.url, redis_url)
+    try:
+        running.wait_for_both_replicas()
+        yield running
+    finally:
+        for role in running.roles.values():
+            role.kill()
+        running.registry.close()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: Cluster) -> list[str]:
+    """Each request's text, uninterrupted."""
+    client = openai.OpenAI(base_url=f"{cluster.urls['gateway']}/v1", api_key="none", max_retries=0, timeout=300)
+    return [client.chat.completions.create(**request(index)).choices[0].message.content for index in range(STREAMS)]
+
+
+def in_flight(url: str) -> list[Stream]:
+    streams = [Stream(url, index) for index in range(STREAMS)]
+    for stream in streams:
+        assert stream.first_token.wait(120)
+    return streams
+
+
+def migrations(cluster: Cluster) -> int:
+    return sum("migrating it with" in line for line in cluster.roles["gateway"].log)
+
+
+@pytest.mark.parametrize("killed", ["worker-a", "scheduler-b"])
+def test_a_dying_replica_loses_no_token(cluster: Cluster, reference: list[str], killed: str) -> None:
+    before = migrations(cluster)
+    streams = in_flight(cluster.urls["gateway"])
+    cluster.roles[killed].process.send_signal(signal.SIGKILL)
+    for stream in streams:
+        stream.join(300)
+    assert [(s.error, s.finish_reason, s.tokens) for s in streams] == [(None, "length", TOKENS)] * STREAMS, (
+        cluster.logs())
+    assert [s.text for s in streams] == reference
+    assert migrations(cluster) > before  # some of them ran there
+    cluster.restart(killed)
+
+
+def test_without_migration_the_client_gets_the_error(cluster: Cluster) -> None:
+    streams = in_flight(cluster.urls["gateway-no-migration"])
+    cluster.roles["worker-b"].process.send_signal(signal.SIGKILL)
+    for stream in streams:
+        stream.join(300)
+    failed = [s for s in streams if s.error is not None]
+    assert failed and all(isinstance(s.error, openai.APIError) for s in failed), cluster.logs()
+    assert all((s.finish_reason, s.tokens) == ("length", TOKENS) for s in streams if s.error is None)
+    cluster.restart("worker-b")

@@ -8,6 +8,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from scheduler_svc.worker_client import DEADLINE_TOKENS, DEFAULT_STEP_TIMEOUT_S
 from services.cli_args import (
     add_engine_args,
     add_listen_args,
@@ -48,6 +49,9 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     add_listen_args(parser, DEFAULT_PORT)
     parser.add_argument("--worker-address", default=f"127.0.0.1:{WORKER_PORT}",
                         help="host:port of the worker group this scheduler drives (default: %(default)s)")
+    parser.add_argument("--worker-step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
+                        help=f"seconds a step may take, per {DEADLINE_TOKENS} scheduled tokens, before its worker "
+                        "counts as hung and its requests end (or move to another replica) (default: %(default)s)")
     add_nats_arg(parser, required=False, help_text="publish token deltas on NATS (kvfleet.out.<gateway_id>), as "
                  "`kvfleet gateway` reads them; unset: over StreamOutputs only")
     add_registry_args(parser, required=False)
@@ -65,7 +69,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         raise SystemExit("--redis-url needs --nats-url: gateways that find this scheduler read its tokens from NATS")
     configure_logging()
     config = EngineConfig(**engine_args(args))
-    worker = RemoteWorker(args.worker_address)
+    worker = RemoteWorker(args.worker_address, step_timeout_s=args.worker_step_timeout)
     logger.info("waiting for the worker at %s", args.worker_address)
     core = EngineCore(config, worker)
     hub = NatsOutputHub(args.nats_url, core.instance_id) if args.nats_url else OutputHub()

@@ -29,14 +29,27 @@ class WorkerError(RuntimeError):
 _LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 # Describe checks on a worker that was lost are quick: requests wait on them.
 _RECHECK_TIMEOUT_S = 2.0
+# A step's deadline grows with its size: the base for each this many scheduled tokens.
+DEADLINE_TOKENS = 512
+DEFAULT_STEP_TIMEOUT_S = 30.0
+
+
+def step_deadline_s(base_s: float, num_tokens: int) -> float:
+    """How long a step of `num_tokens` may take before its worker counts as hung: a
+    worker stopped (SIGSTOP, a wedged device) answers nothing, and without a deadline
+    its scheduler would wait forever with every request."""
+    return base_s * (1 + num_tokens / DEADLINE_TOKENS)
 
 
 class RemoteWorker:
-    def __init__(self, address: str, ready_timeout_s: float = 600.0) -> None:
+    def __init__(self, address: str, ready_timeout_s: float = 600.0,
+                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> None:
         """`ready_timeout_s`: how long describe() waits for the worker to listen (it
-        opens its port once its weights are loaded)."""
+        opens its port once its weights are loaded); `step_timeout_s`: the deadline of a
+        step, per DEADLINE_TOKENS scheduled tokens (step_deadline_s)."""
         self.address = address
         self._ready_timeout_s = ready_timeout_s
+        self._step_timeout_s = step_timeout_s
         self._described = False
         self._channel = open_channel(address)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
@@ -55,7 +68,8 @@ class RemoteWorker:
     def execute(self, plan: StepPlan) -> StepResult:
         # No waiting for a lost worker: every request's KV is gone with it, so the
         # step fails at once and the scheduler ends them all with this error.
-        return result_from_proto(self._call(self._stub.ExecuteStep, plan_to_proto(plan)))
+        deadline_s = step_deadline_s(self._step_timeout_s, sum(plan.num_scheduled_tokens.values()))
+        return result_from_proto(self._call(self._stub.ExecuteStep, plan_to_proto(plan), timeout=deadline_s))
 
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
         try:

@@ -102,6 +102,7 @@ LONGEST_FIRST = (
     "tests/gateway/test_fuzz_gateway.py",
     "tests/system/test_openai_structured.py",
     "tests/system/test_readme.py",
+    "tests/system/test_migration.py",
     "tests/kvfleet/test_structured_outputs.py",
     "tests/system/test_drain.py",
     "tests/kvfleet/test_cli.py",

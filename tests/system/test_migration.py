@@ -1,8 +1,10 @@
 """Requests outlive their replica (real processes: nats-server, Redis, a tokenizer, two
 replicas of a worker and a scheduler each, gateways): with 8 greedy streams in flight,
-kill -9 of a worker, then of a scheduler, and every stream completes with exactly the
-text an uninterrupted run gives, no error event, each migrated by its gateway to the
-other replica. A gateway with --migration-limit 0 gives its clients the error instead.
+kill -9 of a worker, then of a scheduler, then a worker stopped (SIGSTOP: hung, not
+dead), and every stream completes with exactly the text an uninterrupted run gives, no
+error event, each migrated by its gateway to the other replica; the hung worker is
+declared lost within its step deadline, and rejoins once continued. A gateway with
+--migration-limit 0 gives its clients the error instead.
 They run in this order on one cluster; each fault's role is restarted after it.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from servers import HOST, RoleProcess, nats, redis_url  # noqa: F401  (fixtures)
 from test_worker_failover import health, wait_for
 
 LEASE_TTL_S = 3.0
+STEP_TIMEOUT_S = 5.0  # per 512 tokens: these steps hold under 300
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", str(256 * 2**20)]
 TOKENS = 64
 STREAMS = 8
@@ -74,7 +77,7 @@ class Cluster:
             self.roles[f"worker-{name}"] = RoleProcess("worker", *ENGINE_FLAGS, "--port", str(worker_port), *registry)
             self.roles[f"scheduler-{name}"] = RoleProcess(
                 "scheduler", *ENGINE_FLAGS, "--port", str(free_port()), "--worker-address", f"{HOST}:{worker_port}",
-                "--nats-url", nats_url, *registry)
+                "--worker-step-timeout", str(STEP_TIMEOUT_S), "--nats-url", nats_url, *registry)
         self.urls = {}
         for name, flags in (("gateway", []), ("gateway-no-migration", ["--migration-limit", "0"])):
             port = free_port()
@@ -139,6 +142,30 @@ def test_a_dying_replica_loses_no_token(cluster: Cluster, reference: list[str], 
     assert [s.text for s in streams] == reference
     assert migrations(cluster) > before  # some of them ran there
     cluster.restart(killed)
+
+
+def test_a_hung_worker_is_declared_lost_and_its_requests_move(cluster: Cluster, reference: list[str]) -> None:
+    before = migrations(cluster)
+    streams = in_flight(cluster.urls["gateway"])
+    worker = cluster.roles["worker-a"].process
+    worker.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        wait_for(lambda: migrations(cluster) > before, 2 * STEP_TIMEOUT_S + 5, "the hung worker's requests did not move",
+                 list(cluster.roles.values()))
+        assert time.monotonic() - stopped < 2 * STEP_TIMEOUT_S + 5
+        for stream in streams:
+            stream.join(300)
+    finally:
+        worker.send_signal(signal.SIGCONT)
+    assert [(s.error, s.finish_reason, s.tokens) for s in streams] == [(None, "length", TOKENS)] * STREAMS, (
+        cluster.logs())
+    assert [s.text for s in streams] == reference
+    cluster.wait_for_both_replicas()  # continued, it serves again, from an empty cache
+    again = in_flight(cluster.urls["gateway"])
+    for stream in again:
+        stream.join(300)
+    assert [s.text for s in again] == reference, cluster.logs()
 
 
 def test_without_migration_the_client_gets_the_error(cluster: Cluster) -> None:

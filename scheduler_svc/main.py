@@ -59,6 +59,7 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
 
 def run_scheduler(args: argparse.Namespace) -> int:
     from scheduler_svc.engine_core import EngineCore
+    from scheduler_svc.gateway_watch import GatewayWatch
     from scheduler_svc.nats_publisher import NatsOutputHub
     from scheduler_svc.output_hub import OutputHub
     from scheduler_svc.server import start_scheduler_server
@@ -72,7 +73,11 @@ def run_scheduler(args: argparse.Namespace) -> int:
     worker = RemoteWorker(args.worker_address, step_timeout_s=args.worker_step_timeout)
     logger.info("waiting for the worker at %s", args.worker_address)
     core = EngineCore(config, worker)
-    hub = NatsOutputHub(args.nats_url, core.instance_id) if args.nats_url else OutputHub()
+    if args.nats_url:  # with a registry, the requests of a gateway whose lease lapsed are aborted
+        gateways = GatewayWatch(Registry(args.redis_url), args.lease_ttl) if args.redis_url else None
+        hub = NatsOutputHub(args.nats_url, core.instance_id, gateways=gateways)
+    else:
+        hub = OutputHub()
     loop = StepLoop(core, hub)
     try:
         serve_role_metrics(args.metrics_port, args.host, EngineStatsCollector(loop, config.model))

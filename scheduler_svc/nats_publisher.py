@@ -13,6 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 
+from scheduler_svc.gateway_watch import GatewayWatch
 from scheduler_svc.kv_event_publisher import KvEventPublisher
 from scheduler_svc.output_hub import OutputHub
 from scheduler_svc.replay_window import ReplayWindow
@@ -124,12 +125,15 @@ class OutputPublisher:
 class NatsOutputHub(OutputHub):
     """The scheduler's OutputHub in cluster mode: every batch goes out on NATS too.
 
-    NATS cannot tell the scheduler who listens, so every gateway counts as subscribed:
-    a gateway subscribes to its subject before it submits anything.
+    NATS cannot tell the scheduler who listens, so every gateway counts as subscribed
+    (a gateway subscribes to its subject before it submits anything) until `gateways`,
+    when given, says it is gone: then its requests are aborted.
     """
 
-    def __init__(self, url: str, instance_id: str, connect_timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, instance_id: str, connect_timeout_s: float = 10.0,
+                 gateways: GatewayWatch | None = None) -> None:
         super().__init__()
+        self._gateways = gateways
         self.publisher = OutputPublisher(url, instance_id, connect_timeout_s)
         self.replay_window = self.publisher.window
         self.kv_events = KvEventPublisher(self.publisher.nats, instance_id)
@@ -140,8 +144,10 @@ class NatsOutputHub(OutputHub):
     def publish(self, batches: dict[str, list[common_pb2.TokenDelta]]) -> list[str]:
         super().publish(batches)  # gRPC StreamOutputs readers, if there are any
         self.publisher.publish(batches)
-        return []
+        return [gateway_id for gateway_id in batches if self._gateways is not None and self._gateways.gone(gateway_id)]
 
     def close(self) -> None:
         super().close()
         self.publisher.close()
+        if self._gateways is not None:
+            self._gateways.close()

@@ -156,9 +156,10 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
             return
         outputs, self._outputs = self._outputs, defaultdict(list)
         for gateway_id in self._hub.publish(outputs):
-            # Its stream closed (the gateway left): nobody will read these requests' tokens.
+            # Nobody will read these requests' tokens.
             orphans = [route for route in self._routes if route.target == gateway_id]
-            logger.warning("gateway %s has no output stream; aborting its %d requests", gateway_id, len(orphans))
+            logger.warning("gateway %s is gone (its stream closed, or its lease lapsed); aborting its %d requests",
+                           gateway_id, len(orphans))
             for route in orphans:
                 self._abort_in_core(self._routes.remove(route))
             # The loop may now sleep until the next command: Stats must not keep showing them.

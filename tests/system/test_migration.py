@@ -4,7 +4,8 @@ kill -9 of a worker, then of a scheduler, then a worker stopped (SIGSTOP: hung, 
 dead), and every stream completes with exactly the text an uninterrupted run gives, no
 error event, each migrated by its gateway to the other replica; the hung worker is
 declared lost within its step deadline, and rejoins once continued. A gateway with
---migration-limit 0 gives its clients the error instead.
+--migration-limit 0 gives its clients the error instead; and when it is killed, the
+schedulers abort its requests once its lease lapses.
 They run in this order on one cluster; each fault's role is restarted after it.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
@@ -30,16 +32,17 @@ TOKENS = 64
 STREAMS = 8
 
 
-def request(index: int) -> dict:
+def request(index: int, max_tokens: int = TOKENS) -> dict:
     return {"model": "smollm2", "messages": [{"role": "user", "content": f"Write about the number {index}."}],
-            "max_tokens": TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+            "max_tokens": max_tokens, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 class Stream(threading.Thread):
     """A streamed chat completion read on a thread: its text, its end and its error."""
 
-    def __init__(self, url: str, index: int) -> None:
+    def __init__(self, url: str, index: int, max_tokens: int = TOKENS) -> None:
         super().__init__(daemon=True)
+        self.max_tokens = max_tokens
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
         self.index = index
         self.text = ""
@@ -51,7 +54,7 @@ class Stream(threading.Thread):
 
     def run(self) -> None:
         try:
-            chunks = self.client.chat.completions.create(**request(self.index), stream=True,
+            chunks = self.client.chat.completions.create(**request(self.index, self.max_tokens), stream=True,
                                                          stream_options={"include_usage": True})
             for chunk in chunks:
                 if chunk.usage is not None:
@@ -119,8 +122,8 @@ def reference(cluster: Cluster) -> list[str]:
     return [client.chat.completions.create(**request(index)).choices[0].message.content for index in range(STREAMS)]
 
 
-def in_flight(url: str) -> list[Stream]:
-    streams = [Stream(url, index) for index in range(STREAMS)]
+def in_flight(url: str, max_tokens: int = TOKENS) -> list[Stream]:
+    streams = [Stream(url, index, max_tokens) for index in range(STREAMS)]
     for stream in streams:
         assert stream.first_token.wait(120)
     return streams
@@ -177,3 +180,21 @@ def test_without_migration_the_client_gets_the_error(cluster: Cluster) -> None:
     assert failed and all(isinstance(s.error, openai.APIError) for s in failed), cluster.logs()
     assert all((s.finish_reason, s.tokens) == ("length", TOKENS) for s in streams if s.error is None)
     cluster.restart("worker-b")
+
+
+def running(url: str) -> float:
+    """Requests running on every replica, as a gateway's /metrics sums them."""
+    metrics = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("vllm:num_requests_running{"))
+
+
+def test_a_dead_gateways_requests_are_aborted_once_its_lease_lapses(cluster: Cluster) -> None:
+    in_flight(cluster.urls["gateway-no-migration"], max_tokens=200)  # ~10 s or more each, uninterrupted
+    witness = cluster.urls["gateway"]
+    wait_for(lambda: running(witness) > 0, 5, "the requests do not show", list(cluster.roles.values()))
+    cluster.roles["gateway-no-migration"].process.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: running(witness) == 0, 2 * LEASE_TTL_S + 3, "a dead gateway's requests still run",
+             list(cluster.roles.values()))
+    assert time.monotonic() - killed < 2 * LEASE_TTL_S + 3

@@ -39,7 +39,7 @@ from gateway.pass_batcher import PassBatcher
 from gateway.routing import Candidate, pick
 from gateway.submit_batcher import Scheduler, SubmitRefused, submit_batch
 from services.block_hash import extend_block_hashes, extra_keys_bytes
-from services.engine_client import EngineUnavailable, RequestLost
+from services.engine_client import EngineOverloaded, EngineUnavailable, RequestLost
 from services.histogram_counts import HistogramCounts
 from services.messages import CacheConfigInfo, EngineInfo, EngineStats, TokenDelta
 from services.metric_buckets import ITERATION_TOKENS
@@ -58,7 +58,7 @@ SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_
 
 _NO_STATS = EngineStats(0, 0, 0.0, 0, 0, 0, 0, HistogramCounts.zero(ITERATION_TOKENS), None)
 # Submit refusals after which another replica may take the request.
-_TRY_ANOTHER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
+_TRY_ANOTHER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 @dataclass(eq=False)
@@ -71,6 +71,7 @@ class _Replica:
     # (a draining scheduler says NOT_SERVING while it finishes what it holds).
     routable: bool = False
     load: int = 0  # running + waiting at the last poll, plus what we sent it since
+    waiting: int = 0  # waiting at the last poll, plus what we sent it since
     # Another process answers at its address: this one died, and never serves again
     # (its successor has a lease, so an entry, of its own).
     superseded: bool = False
@@ -83,6 +84,12 @@ class _Replica:
     @property
     def block_size(self) -> int:
         return int(self.member.metadata.get("block_size", "16"))
+
+    @property
+    def full(self) -> bool:
+        """Its queue is at its bound (--max-queued-requests), as far as we know."""
+        bound = self.member.metadata.get("max_queued_requests")
+        return bool(bound) and self.waiting >= int(bound)
 
     @classmethod
     def open(cls, member: Member, on_lost: Callable[[_Replica, str], None]) -> _Replica:
@@ -255,6 +262,9 @@ class ClusterEngineClient:
         routable = [replica for replica in routable if replica not in avoid] or routable
         if not routable:
             raise EngineUnavailable("no scheduler is ready")
+        routable = [replica for replica in routable if not replica.full]
+        if not routable:
+            raise EngineOverloaded("every scheduler's queue is full; try again shortly")
         hashes: list[bytes] = []
         if self._kv_index is not None and prompt_token_ids and len(routable) > 1:  # one replica: no choice
             extend_block_hashes(hashes, prompt_token_ids, routable[0].block_size, extra_keys_bytes(cache_salt))
@@ -264,6 +274,7 @@ class ClusterEngineClient:
             replica = routable[pick(self._routing_policy, candidates, len(hashes), self._turn)]
             self._turn += 1
             replica.load += 1  # until the next poll counts it
+            replica.waiting += 1
             self._placed.update(dict.fromkeys(ids, replica))
             return replica
 
@@ -274,6 +285,7 @@ class ClusterEngineClient:
             refused.routable = False
             refused.superseded |= code is grpc.StatusCode.FAILED_PRECONDITION
             refused.load -= 1
+            refused.waiting -= 1
         try:
             return self._claim(ids)
         except EngineUnavailable:
@@ -436,6 +448,7 @@ class ClusterEngineClient:
             return None
         with self._lock:
             replica.load = stats.num_requests_running + stats.num_requests_waiting
+            replica.waiting = stats.num_requests_waiting
             replica.routable = worker_live and serving and not replica.superseded
         return stats
 
@@ -443,6 +456,8 @@ class ClusterEngineClient:
 def _submit_error(exc: SubmitRefused, scheduler: Member) -> Exception:
     if exc.code is grpc.StatusCode.INVALID_ARGUMENT:
         return invalid_argument(exc.details)
+    if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # the last replica that could take it is full too
+        return EngineOverloaded(f"every scheduler's queue is full ({exc.details}); try again shortly")
     return EngineUnavailable(f"scheduler at {scheduler.address}: {exc.code.name}: {exc.details}")
 
 

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from gateway.protocol import ErrorInfo, ErrorResponse
-from services.engine_client import EngineUnavailable, RequestFailed, RequestLost
+from services.engine_client import EngineOverloaded, EngineUnavailable, RequestFailed, RequestLost
 from services.sampling_params import InvalidParameter
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ def error_for(exc: Exception) -> OpenAIError:
         return OpenAIError(400, str(exc), exc.param)
     if isinstance(exc, ValueError):  # the engine's other input checks
         return OpenAIError(400, str(exc))
+    if isinstance(exc, EngineOverloaded):
+        return OpenAIError(429, str(exc))
     if isinstance(exc, (EngineUnavailable, RequestLost)):
         return OpenAIError(503, str(exc))
     if isinstance(exc, RequestFailed):
@@ -78,9 +80,12 @@ async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
     return error_response(exc.status_code, str(exc.detail))
 
 
-async def _on_error(_: Request, exc: Exception) -> JSONResponse:
+async def _on_error(request: Request, exc: Exception) -> JSONResponse:
     error = error_for(exc)
     response = error_response(error.status, error.message, error.param, error.code)
+    if isinstance(exc, EngineOverloaded):
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+        request.app.state.gateway.metrics.requests_rejected.inc()
     if not isinstance(exc, (OpenAIError, ValueError, EngineUnavailable, RequestFailed)):
         # A bug: Starlette re-raises it after this response, and the server then drops the
         # connection. Saying so keeps a keep-alive client from sending its next request into it.

@@ -12,7 +12,7 @@ import argparse
 
 from gateway.migration import DEFAULT_MIGRATION_LIMIT
 from gateway.routing import ROUTING_POLICIES
-from services.cli_args import add_http_args, add_nats_arg, add_registry_args
+from services.cli_args import add_http_args, add_nats_arg, add_registry_args, at_least
 from services.registry import Lease, Member, Registry
 from services.role_process import advertised
 from services.telemetry import configure_logging
@@ -26,19 +26,12 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     add_http_args(parser, DEFAULT_PORT)
     add_nats_arg(parser, required=True, help_text="where token deltas arrive, e.g. nats://127.0.0.1:4222")
     add_registry_args(parser, required=True)
-    parser.add_argument("--migration-limit", type=_non_negative, default=DEFAULT_MIGRATION_LIMIT,
+    parser.add_argument("--migration-limit", type=at_least(0), default=DEFAULT_MIGRATION_LIMIT,
                         help="how many times a request whose replica dies is resubmitted to another, its stream "
                         "going on where it was (0: never; the client gets the error) (default: %(default)s)")
     parser.add_argument("--routing-policy", choices=ROUTING_POLICIES, default="prefix",
                         help="which scheduler replica takes a request: where its prompt's prefix is cached, "
                         "balanced with load (prefix), the least loaded, or each in turn (default: %(default)s)")
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
 
 
 def run_gateway(args: argparse.Namespace) -> int:

@@ -98,6 +98,9 @@ class GatewayMetrics:
             "vllm:request_inference_time_seconds", "Seconds from first scheduled to the last token.", REQUEST_LATENCY
         )
         self.params_n = self._histogram("vllm:request_params_n", "The n of each API request.", REQUEST_PARAMS_N)
+        # No vLLM name for it: vLLM queues without bound.
+        self.requests_rejected = self._counter(
+            "kvfleet:requests_rejected", "Requests answered 429 because every replica's queue was full.")
 
     def _counter(self, name: str, documentation: str) -> Counter:
         return Counter(name, documentation, ["model_name"], registry=self.registry).labels(self._model_name)

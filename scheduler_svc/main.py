@@ -14,6 +14,7 @@ from services.cli_args import (
     add_listen_args,
     add_nats_arg,
     add_registry_args,
+    at_least,
     engine_args,
 )
 from services.config import EngineConfig
@@ -49,6 +50,9 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     add_listen_args(parser, DEFAULT_PORT)
     parser.add_argument("--worker-address", default=f"127.0.0.1:{WORKER_PORT}",
                         help="host:port of the worker group this scheduler drives (default: %(default)s)")
+    parser.add_argument("--max-queued-requests", type=at_least(1), default=None,
+                        help="past this many waiting requests, new ones are refused (gateways send them to another "
+                        "replica, or answer 429 when all are full); running ones go on (default: no bound)")
     parser.add_argument("--worker-step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
                         help=f"seconds a step may take, per {DEADLINE_TOKENS} scheduled tokens, before its worker "
                         "counts as hung and its requests end (or move to another replica) (default: %(default)s)")
@@ -78,7 +82,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         hub = NatsOutputHub(args.nats_url, core.instance_id, gateways=gateways)
     else:
         hub = OutputHub()
-    loop = StepLoop(core, hub)
+    loop = StepLoop(core, hub, args.max_queued_requests)
     try:
         serve_role_metrics(args.metrics_port, args.host, EngineStatsCollector(loop, config.model))
         server = start_scheduler_server(loop, hub, f"{args.host}:{args.port}")
@@ -113,14 +117,16 @@ def _follow_worker(address: str, server: RoleServer, loop: StepLoop) -> None:
     threading.Thread(target=follow, name="kvfleet-worker-check", daemon=True).start()
 
 
-def lease_metadata(worker_address: str, model: str, core: EngineCore) -> dict[str, str]:
+def lease_metadata(worker_address: str, model: str, core: EngineCore, max_queued_requests: int | None = None
+                   ) -> dict[str, str]:
     """What a scheduler's lease tells gateways: its worker group (whose lease says it is
     up), what they must know of its engine before they can validate requests, and the
     process's instance, which they name in their calls (a successor on the same address
     refuses what was meant for this one)."""
     return {"worker": worker_address, "model": model, "max_model_len": str(core.max_model_len),
             "eos_token_ids": ",".join(map(str, core.eos_token_ids)), "instance_id": core.instance_id,
-            "block_size": str(core.scheduler.config.block_size)}
+            "block_size": str(core.scheduler.config.block_size),
+            "max_queued_requests": "" if max_queued_requests is None else str(max_queued_requests)}
 
 
 def _scheduler_lease(args: argparse.Namespace, port: int, loop: StepLoop, hub: NatsOutputHub) -> Lease:
@@ -129,7 +135,7 @@ def _scheduler_lease(args: argparse.Namespace, port: int, loop: StepLoop, hub: N
     scheduler cut off from NATS for a lease TTL loses its lease, and gateways fail its
     requests (within that TTL, what it publishes waits in its replay window)."""
     serving = grpc_serving(f"127.0.0.1:{port}")
-    metadata = lease_metadata(args.worker_address, args.model, loop.core)
+    metadata = lease_metadata(args.worker_address, args.model, loop.core, loop.max_queued_requests)
     member = Member("scheduler", new_member_id(), advertised(args, port), metadata)
 
     def healthy() -> bool:

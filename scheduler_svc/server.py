@@ -8,7 +8,7 @@ import grpc
 
 from scheduler_svc.output_hub import OutputHub
 from scheduler_svc.step_loop import StepLoop, Submission
-from services.engine_client import EngineUnavailable
+from services.engine_client import EngineOverloaded, EngineUnavailable
 from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.transport.convert import sampling_params_from_proto, stats_to_proto
 from services.transport.server import RoleServer
@@ -66,6 +66,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 future.result()
             except ValueError as exc:  # InvalidParameter's message starts with the parameter
                 results[index] = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except EngineOverloaded as exc:  # its queue is full: another replica may take it
+                results[index] = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             except EngineUnavailable as exc:
                 results[index] = (grpc.StatusCode.UNAVAILABLE, str(exc))
         return results

@@ -19,7 +19,7 @@ from scheduler_svc.block_pool import KvEventLog
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.engine_thread import EngineThread
 from scheduler_svc.output_hub import OutputHub
-from services.engine_client import EngineUnavailable
+from services.engine_client import EngineOverloaded, EngineUnavailable
 from services.messages import TokenDelta
 from services.parallel_sampling import num_children
 from services.pb.kvfleet.v1 import common_pb2
@@ -56,9 +56,12 @@ class _CheckWorker:
 
 
 class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
-    def __init__(self, core: EngineCore, hub: OutputHub) -> None:
+    def __init__(self, core: EngineCore, hub: OutputHub, max_queued_requests: int | None = None) -> None:
+        """`max_queued_requests`: past this many waiting requests, new ones are refused
+        (EngineOverloaded) and running ones go on; None: no bound."""
         super().__init__(core, "kvfleet-step-loop")
         self._hub = hub
+        self.max_queued_requests = max_queued_requests
         self._draining = False  # guarded by _lock: once set, Submits are refused
         # Owned by the loop thread: set from drain(), the event to set once idle.
         self._idle_event: threading.Event | None = None
@@ -131,6 +134,11 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
 
     def _submit(self, command: _Submit) -> None:
         new = command.submission
+        waiting = len(self.core.scheduler.waiting)
+        if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
+            command.accepted.set_exception(
+                EngineOverloaded(f"the scheduler's queue is full ({waiting} requests waiting)"))
+            return
         try:
             self.core.add_request(new.request_id, new.prompt_token_ids, new.params, new.cache_salt,
                                   new.output_token_ids)

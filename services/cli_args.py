@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 
 from services.config import EngineConfig, flag
@@ -106,6 +106,17 @@ def engine_argv(namespace: argparse.Namespace, only: Sequence[str] | None = None
 def add_shutdown_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="seconds in-flight work gets to finish after SIGTERM (default: %(default)s)")
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int no smaller than `minimum`."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {minimum} or more, got {value}")
+        return value
+
+    return parse
 
 
 def add_http_args(parser: argparse.ArgumentParser, port: int = 8000) -> None:

@@ -17,6 +17,13 @@ class EngineUnavailable(RuntimeError):
     """The engine is not running (not started, shut down, or its loop died)."""
 
 
+class EngineOverloaded(EngineUnavailable):
+    """Every replica's queue is full (--max-queued-requests): a 429, and sent again a
+    little later the request may well be served. Running requests are untouched."""
+
+    retry_after_s = 1
+
+
 class RequestFailed(RuntimeError):
     """The engine ended a request with an internal error; the request is aborted."""
 

@@ -36,6 +36,7 @@ bench: setup
 	$(PY) benchmarks/offline_throughput.py
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/structured_outputs.py
+	$(PY) benchmarks/fleet_sim.py
 
 # Regenerates services/pb from protos/; commit the result (tests/services/test_protos.py fails on stale stubs).
 protos: setup

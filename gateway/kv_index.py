@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
@@ -26,11 +26,20 @@ Snapshot = Callable[[str], scheduler_pb2.KvSnapshotResponse | None]
 
 
 @dataclass
-class _Replica:
+class ReplicaBlocks:
+    """One replica's cached block hashes, as its numbered events build them."""
+
     seq: int = 0  # every event up to this number is applied
     hashes: set[bytes] = field(default_factory=set)
     held: dict[int, scheduler_pb2.KvEvents] = field(default_factory=dict)  # after a gap, until a snapshot
     syncing: bool = False
+
+    def receive(self, events: scheduler_pb2.KvEvents) -> None:
+        """Holds the events, and applies what is now in order (a gap waits for a snapshot)."""
+        if events.seq > self.seq:
+            self.held[events.seq] = events
+        if not self.syncing:
+            self.apply_held()
 
     def apply_held(self) -> None:
         while (events := self.held.pop(self.seq + 1, None)) is not None:
@@ -43,11 +52,22 @@ class _Replica:
             del self.held[seq]
 
 
+def cached_blocks(replicas: Mapping[str, ReplicaBlocks], block_hashes: Sequence[bytes]) -> dict[str, int]:
+    """Per replica, how many leading blocks of this chain it holds."""
+    counts = {}
+    for instance_id, replica in replicas.items():
+        count = 0
+        while count < len(block_hashes) and block_hashes[count] in replica.hashes:
+            count += 1
+        counts[instance_id] = count
+    return counts
+
+
 class KvIndex:
     def __init__(self, url: str, snapshot: Snapshot, connect_timeout_s: float = 10.0) -> None:
         self._snapshot = snapshot
         self._lock = threading.Lock()  # the NATS thread applies, sync threads reload, routing reads
-        self._replicas: dict[str, _Replica] = {}
+        self._replicas: dict[str, ReplicaBlocks] = {}
         self._nats = NatsThread(url, "kvfleet-kv-index", connect_timeout_s, reconnected_cb=self._on_reconnect)
         self._nats.run(self._subscribe(), connect_timeout_s)
 
@@ -57,7 +77,7 @@ class KvIndex:
     def sync(self, instance_id: str) -> None:
         """(Re)loads the replica from its snapshot, on a thread (a gRPC call)."""
         with self._lock:
-            self._sync(instance_id, self._replicas.setdefault(instance_id, _Replica()))
+            self._sync(instance_id, self._replicas.setdefault(instance_id, ReplicaBlocks()))
 
     def forget(self, instance_id: str) -> None:
         with self._lock:
@@ -66,13 +86,7 @@ class KvIndex:
     def cached_blocks(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """Per replica, how many leading blocks of this chain it holds."""
         with self._lock:
-            counts = {}
-            for instance_id, replica in self._replicas.items():
-                count = 0
-                while count < len(block_hashes) and block_hashes[count] in replica.hashes:
-                    count += 1
-                counts[instance_id] = count
-            return counts
+            return cached_blocks(self._replicas, block_hashes)
 
     async def _subscribe(self) -> None:
         await self._nats.nc.subscribe(kv_subject("*"), cb=self._on_message)
@@ -83,14 +97,11 @@ class KvIndex:
         with self._lock:
             replica = self._replicas.get(events.scheduler_instance_id)
             if replica is None:  # a replica we have not synced yet: its snapshot first
-                replica = self._replicas[events.scheduler_instance_id] = _Replica()
+                replica = self._replicas[events.scheduler_instance_id] = ReplicaBlocks()
                 self._sync(events.scheduler_instance_id, replica)
-            if events.seq > replica.seq:
-                replica.held[events.seq] = events
-            if not replica.syncing:
-                replica.apply_held()
-                if replica.held:  # a gap: a message was lost
-                    self._sync(events.scheduler_instance_id, replica)
+            replica.receive(events)
+            if replica.held and not replica.syncing:  # a gap: a message was lost
+                self._sync(events.scheduler_instance_id, replica)
 
     async def _on_reconnect(self) -> None:
         """Events sent while we were away are lost: reload every replica."""
@@ -98,14 +109,14 @@ class KvIndex:
             for instance_id, replica in self._replicas.items():
                 self._sync(instance_id, replica)
 
-    def _sync(self, instance_id: str, replica: _Replica) -> None:
+    def _sync(self, instance_id: str, replica: ReplicaBlocks) -> None:
         """Under the lock."""
         if not replica.syncing:
             replica.syncing = True
             threading.Thread(target=self._load, args=(instance_id, replica), name="kvfleet-kv-sync",
                              daemon=True).start()
 
-    def _load(self, instance_id: str, replica: _Replica) -> None:
+    def _load(self, instance_id: str, replica: ReplicaBlocks) -> None:
         snapshot = self._snapshot(instance_id)
         with self._lock:
             replica.syncing = False

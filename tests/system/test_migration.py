@@ -1,5 +1,8 @@
-"""Requests outlive their replica (real processes: nats-server, Redis, a tokenizer, two
-replicas of a worker and a scheduler each, gateways): with 8 greedy streams in flight,
+"""Routing and requests that outlive their replica (real processes: nats-server, Redis, a
+tokenizer, two replicas of a worker and a scheduler each, gateways). Requests sharing a
+long prefix go to the replica that holds it, seen in the replicas' own
+vllm:prefix_cache_hits, through a gateway started after the prefix was cached too (it
+loads the replicas' KV snapshots). Then, with 8 greedy streams in flight,
 kill -9 of a worker, then of a scheduler, then a worker stopped (SIGSTOP: hung, not
 dead), and every stream completes with exactly the text an uninterrupted run gives, no
 error event, each migrated by its gateway to the other replica; the hung worker is
@@ -75,12 +78,16 @@ class Cluster:
         self.registry = Registry(redis_url)
         registry = ["--redis-url", redis_url, "--lease-ttl", str(LEASE_TTL_S)]
         self.roles = {"tokenizer": RoleProcess("tokenizer", "--port", "0", *registry)}
+        self.metrics: dict[str, str] = {}  # each scheduler's /metrics
         for name in ("a", "b"):
-            worker_port = free_port()
+            worker_port, metrics_port = free_port(), free_port()
+            self.metrics[name] = f"http://{HOST}:{metrics_port}/metrics"
             self.roles[f"worker-{name}"] = RoleProcess("worker", *ENGINE_FLAGS, "--port", str(worker_port), *registry)
             self.roles[f"scheduler-{name}"] = RoleProcess(
                 "scheduler", *ENGINE_FLAGS, "--port", str(free_port()), "--worker-address", f"{HOST}:{worker_port}",
-                "--worker-step-timeout", str(STEP_TIMEOUT_S), "--nats-url", nats_url, *registry)
+                "--worker-step-timeout", str(STEP_TIMEOUT_S), "--metrics-port", str(metrics_port),
+                "--nats-url", nats_url, *registry)
+        self.nats_url, self.registry_flags = nats_url, registry
         self.urls = {}
         for name, flags in (("gateway", []), ("gateway-no-migration", ["--migration-limit", "0"])):
             port = free_port()
@@ -120,6 +127,66 @@ def reference(cluster: Cluster) -> list[str]:
     """Each request's text, uninterrupted."""
     client = openai.OpenAI(base_url=f"{cluster.urls['gateway']}/v1", api_key="none", max_retries=0, timeout=300)
     return [client.chat.completions.create(**request(index)).choices[0].message.content for index in range(STREAMS)]
+
+
+def scheduler_metric(cluster: Cluster, name: str, metric: str) -> float:
+    """A replica's metric (summed over its labels), from its scheduler's own /metrics."""
+    lines = httpx.get(cluster.metrics[name], timeout=5).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(metric + "{"))
+
+
+def prefix_hits(cluster: Cluster) -> dict[str, float]:
+    return {name: scheduler_metric(cluster, name, "vllm:prefix_cache_hits_total") for name in cluster.metrics}
+
+
+def complete(url: str, prompt: str, max_tokens: int = 2) -> None:
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
+
+
+PREFIX = "You are a careful assistant for a library. " + " ".join(f"Rule {i}: be kind to book {i}." for i in range(12))
+
+
+def routes_by_prefix(cluster: Cluster, url: str, warm: str) -> None:
+    """A long request sharing the prefix makes `warm` the busier replica; three more,
+    meanwhile, must go there too (a least-load router would send them to the other)."""
+    blocker = threading.Thread(target=complete, args=(url, PREFIX + " Tell a long story.", 100))
+    blocker.start()
+    wait_for(lambda: scheduler_metric(cluster, warm, "vllm:num_requests_running") == 1, 30,
+             "the long request did not go where its prefix is", list(cluster.roles.values()))
+    before = prefix_hits(cluster)
+    for index in range(1, 4):
+        complete(url, PREFIX + f" Question {index}: where is book {index}?")
+    after = prefix_hits(cluster)
+    assert scheduler_metric(cluster, warm, "vllm:num_requests_running") == 1  # still the busier one
+    assert after[warm] - before[warm] >= 3 * 96 and after[other(warm)] == before[other(warm)], (warm, before, after)
+    blocker.join(120)
+
+
+def test_a_shared_prefix_goes_to_the_replica_that_holds_it(cluster: Cluster) -> None:
+    def queries() -> dict[str, float]:
+        return {name: scheduler_metric(cluster, name, "vllm:prefix_cache_queries_total") for name in cluster.metrics}
+
+    before = queries()
+    complete(cluster.urls["gateway"], PREFIX + " Question 0: where is the atlas?")
+    after = queries()
+    [warm] = [name for name in after if after[name] > before[name]]
+    time.sleep(1.0)  # its KV events have reached the gateways
+    routes_by_prefix(cluster, cluster.urls["gateway"], warm)
+
+    port = free_port()  # a gateway that starts now: it has seen none of the events
+    late = RoleProcess("gateway", "--port", str(port), "--nats-url", cluster.nats_url, *cluster.registry_flags)
+    try:
+        url = f"http://{HOST}:{port}"
+        wait_for(lambda: health(url) == 200, 60, "the late gateway did not come up", [late])
+        time.sleep(2.0)  # its poller has found both replicas and loaded their snapshots
+        routes_by_prefix(cluster, url, warm)
+    finally:
+        late.kill()
+
+
+def other(name: str) -> str:
+    return "b" if name == "a" else "a"
 
 
 def in_flight(url: str, max_tokens: int = TOKENS) -> list[Stream]:

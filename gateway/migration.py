@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from services.engine_client import EngineUnavailable, RequestFailed, RequestLost
+from services.engine_client import EngineUnavailable, RequestLost
 from services.messages import TokenDelta
 from services.parallel_sampling import num_children
 from services.sampling_params import InvalidParameter, SamplingParams
@@ -38,7 +38,7 @@ async def migrating(attempt: Attempt, request_id: str, params: SamplingParams, l
                     ) -> AsyncIterator[TokenDelta]:
     emitted: list[int] = []
     tried: set = set()
-    failure: RequestLost | RequestFailed | None = None  # what ended the last placement
+    failure: RequestLost | None = None  # what ended the last placement
     migrations = 0
     while True:
         started = False
@@ -52,7 +52,7 @@ async def migrating(attempt: Attempt, request_id: str, params: SamplingParams, l
             if failure is None or started:
                 raise
             raise failure from refused  # no replica can take it (or no room is left): the original error
-        except (RequestLost, RequestFailed) as exc:  # its replica died under it
+        except RequestLost as exc:  # what carried it failed (its worker or scheduler), not the request
             if migrations >= limit or num_children(params) > 1:
                 raise
             if params.max_tokens is not None and len(emitted) >= params.max_tokens:

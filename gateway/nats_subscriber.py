@@ -145,7 +145,8 @@ class OutputSubscriber:
                 if message.error:  # one engine request failed: the whole request does
                     if delta.new_token_ids:
                         items[stream].append(TokenDelta(delta.request_id, delta.new_token_ids, logprobs=delta.logprobs))
-                    items[stream].append(RequestFailed(stream.request_id, message.error))
+                    failure = RequestLost if message.lost else RequestFailed
+                    items[stream].append(failure(stream.request_id, message.error))
                     self._drop(route)
                     continue
                 items[stream].append(delta)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.engine_thread import EngineThread
-from services.engine_client import EngineUnavailable, RequestFailed
+from services.engine_client import EngineUnavailable, RequestFailed, RequestLost
 from services.messages import EngineInfo, TokenDelta
 from services.parallel_sampling import num_children
 from services.request_routes import Route
@@ -86,11 +86,12 @@ class AsyncEngine(EngineThread[_Add, RequestStream]):
     def _emit(self, route: Route[RequestStream], delta: TokenDelta) -> None:
         self._outbox[route.target].append(delta)
 
-    def _fail(self, engine_ids: list[str], reason: str) -> None:
+    def _fail(self, engine_ids: list[str], reason: str, lost: bool = False) -> None:
+        failure = RequestLost if lost else RequestFailed
         for engine_id in engine_ids:
             route = self._routes.of(engine_id)
             if route is not None:  # a parallel request fails whole, once
-                self._end_stream(route, RequestFailed(route.request_id, reason))
+                self._end_stream(route, failure(route.request_id, reason))
 
     def _end_stream(self, route: Route[RequestStream], error: Exception) -> None:
         """Ends a stream with `error`, aborting whatever of it the core still runs."""

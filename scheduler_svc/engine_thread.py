@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from scheduler_svc.engine_core import EngineCore, StepFailed
+from scheduler_svc.engine_core import EngineCore, StepFailed, WorkerLost
 from services.engine_client import EngineUnavailable
 from services.messages import EngineStats, TokenDelta
 from services.request_routes import RequestRoutes, Route
@@ -143,7 +143,7 @@ class EngineThread(ABC, Generic[Command, Target]):
             deltas = self.core.step()
         except StepFailed as exc:  # the core has ended the step's requests; the others run on
             logger.error("an engine step failed, ending its %d requests: %s", len(exc.request_ids), exc.__cause__)
-            self._fail(exc.request_ids, f"engine step failed: {exc.__cause__!r}")
+            self._fail(exc.request_ids, f"engine step failed: {exc.__cause__!r}", lost=isinstance(exc.__cause__, WorkerLost))
             return
         except Exception as exc:
             logger.exception("the scheduler failed; ending all %d requests", len(self._routes))
@@ -179,8 +179,10 @@ class EngineThread(ABC, Generic[Command, Target]):
         """Queues a delta for the route's target (delivered at the end of the iteration)."""
 
     @abstractmethod
-    def _fail(self, engine_ids: list[str], reason: str) -> None:
-        """Ends these engine requests (and what else of their requests must end) with an explicit error."""
+    def _fail(self, engine_ids: list[str], reason: str, lost: bool = False) -> None:
+        """Ends these engine requests (and what else of their requests must end) with an
+        explicit error; `lost`: what failed is what carried them (the worker was lost,
+        the scheduler shut down), not the requests (RequestLost, a 503)."""
 
     @abstractmethod
     def _handle(self, command: Command) -> None:

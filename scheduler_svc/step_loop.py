@@ -122,7 +122,7 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
         if isinstance(command, _Drain):
             self._idle_event = command.idle
         elif isinstance(command, _CheckWorker):
-            self._fail(self.core.check_worker(), "the worker restarted: its KV cache is gone")
+            self._fail(self.core.check_worker(), "the worker restarted: its KV cache is gone", lost=True)
         else:
             self._submit(command)
 
@@ -149,15 +149,15 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
         self._routes.add(new.request_id, num_children(new.params), new.gateway_id)
         command.accepted.set_result(None)
 
-    def _emit(self, route: Route[str], delta: TokenDelta, error: str = "") -> None:
-        self._outputs[route.target].append(delta_to_proto(delta, error))
+    def _emit(self, route: Route[str], delta: TokenDelta) -> None:
+        self._outputs[route.target].append(delta_to_proto(delta))
 
-    def _fail(self, engine_ids: list[str], reason: str) -> None:
+    def _fail(self, engine_ids: list[str], reason: str, lost: bool = False) -> None:
         self._abort_in_core(engine_ids)
         for engine_id in engine_ids:
             route = self._routes.end(engine_id)
             if route is not None:
-                self._emit(route, TokenDelta(engine_id, [], "abort"), reason)
+                self._outputs[route.target].append(delta_to_proto(TokenDelta(engine_id, [], "abort"), reason, lost))
 
     def _publish(self) -> None:
         if not self._outputs:
@@ -184,7 +184,7 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
         for command in self._pending_commands():
             if isinstance(command, _Submit):
                 command.accepted.set_exception(EngineUnavailable("the scheduler is shutting down"))
-        self._fail(self._live_engine_ids(), "the scheduler shut down")
+        self._fail(self._live_engine_ids(), "the scheduler shut down", lost=True)
         self._release_worker()
         self._publish()
         self._hub.close()

@@ -116,13 +116,15 @@ def logprobs_from_proto(message: common_pb2.Logprobs) -> list[dict[int, float]]:
 # -- TokenDelta, EngineStats ----------------------------------------------------------
 
 
-def delta_to_proto(delta: TokenDelta, error: str = "") -> common_pb2.TokenDelta:
-    """`error` is the internal failure that ended the request, if one did."""
+def delta_to_proto(delta: TokenDelta, error: str = "", lost: bool = False) -> common_pb2.TokenDelta:
+    """`error` is the failure that ended the request, if one did; `lost`: a failure of
+    what carried it (common.proto's TokenDelta.lost)."""
     message = common_pb2.TokenDelta(
         request_id=delta.request_id,
         new_token_ids=delta.new_token_ids,
         finish_reason=_FINISH_TO_PROTO[delta.finish_reason],
         error=error,
+        lost=lost,
     )
     if isinstance(delta.stop_reason, int):
         message.stop_token_id = delta.stop_reason

@@ -18,7 +18,7 @@ from gateway.nats_subscriber import OutputSubscriber
 from kvfleet.processes import start_nats, stop, wait_for_port
 from scheduler_svc.nats_publisher import OutputPublisher
 from scheduler_svc.replay_window import ReplayWindow
-from services.engine_client import EngineUnavailable, RequestFailed
+from services.engine_client import EngineUnavailable, RequestFailed, RequestLost
 from services.messages import TokenDelta
 from services.nats_link import subject
 from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2
@@ -171,15 +171,19 @@ def test_errors_unknown_requests_and_discards(nats) -> None:
 
     async def main() -> None:
         failing, kept, dropped = subscriber.open("failing"), subscriber.open("kept"), subscriber.open("dropped")
+        carried = subscriber.open("carried")
         subscriber.discard("dropped")
         publisher.publish({"g": [
-            delta_to_proto(TokenDelta("failing", [], "abort"), "engine step failed: worker unreachable"),
+            delta_to_proto(TokenDelta("failing", [], "abort"), "engine step failed: a bug"),
+            delta_to_proto(TokenDelta("carried", [], "abort"), "engine step failed: worker unreachable", lost=True),
             delta_to_proto(TokenDelta("unknown", [1])),
             delta_to_proto(TokenDelta("dropped", [2])),
             delta_to_proto(TokenDelta("kept", [3], "stop", stop_reason=3)),
         ]})
         error = await asyncio.wait_for(failing.get(), 10)
-        assert isinstance(error, RequestFailed) and "worker unreachable" in str(error)
+        assert isinstance(error, RequestFailed) and not isinstance(error, RequestLost) and "a bug" in str(error)
+        error = await asyncio.wait_for(carried.get(), 10)  # its worker failed, not it: a 503, and migratable
+        assert isinstance(error, RequestLost) and "worker unreachable" in str(error)
         assert (await read_all(kept))[0].stop_reason == 3
         assert dropped.empty()
 

@@ -31,6 +31,7 @@ import pytest
 from kvfleet.processes import free_port, start_nats, start_redis, stop, wait_for_port
 
 from servers import HOST, RoleProcess
+from streamed_chat import StreamedChat, in_flight
 from test_worker_failover import health, wait_for
 
 # Latency bounds under a second: run alone (see pyproject's markers).
@@ -46,49 +47,9 @@ def witness_request(index: int) -> dict:
             "max_tokens": WITNESS_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
-class Witness(threading.Thread):
-    """A streamed chat completion read on a thread: its tokens, its end, its error and when."""
-
-    def __init__(self, url: str, index: int) -> None:
-        super().__init__(daemon=True)
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        self.index = index
-        self.tokens = 0
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None
-        self.failed_at: float | None = None
-        self.first_token = threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        try:
-            chunks = self.client.chat.completions.create(**witness_request(self.index), stream=True,
-                                                         stream_options={"include_usage": True})
-            for chunk in chunks:
-                if chunk.usage is not None:
-                    self.tokens = chunk.usage.completion_tokens
-                for choice in chunk.choices:
-                    if choice.delta.content:
-                        self.text += choice.delta.content
-                        self.first_token.set()
-                    self.finish_reason = choice.finish_reason or self.finish_reason
-        except BaseException as exc:
-            self.error, self.failed_at = exc, time.monotonic()
-        finally:
-            self.first_token.set()
-
-    def completed(self) -> bool:
-        self.join(120)
-        return self.error is None and (self.finish_reason, self.tokens) == ("length", WITNESS_TOKENS)
-
-
-def witnesses(url: str, count: int = 8) -> list[Witness]:
+def witnesses(url: str, count: int = 8) -> list[StreamedChat]:
     """Streams that have each received a token: all of them in flight."""
-    started = [Witness(url, index) for index in range(count)]
-    for witness in started:
-        assert witness.first_token.wait(120)
-    return started
+    return in_flight(url, [witness_request(index) for index in range(count)])
 
 
 @dataclass
@@ -183,15 +144,15 @@ def test_a_nats_restart_loses_no_token(cluster: Cluster) -> None:
     cluster.nats.send_signal(signal.SIGKILL)
     cluster.nats.wait()
     time.sleep(0.5)
-    streams.append(Witness(cluster.url, len(streams)))  # arrives while NATS is away
+    streams.append(StreamedChat(cluster.url, witness_request(len(streams))))  # arrives while NATS is away
     time.sleep(0.5)
     cluster.nats = start_nats(HOST, cluster.nats_port, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_port(HOST, cluster.nats_port, cluster.nats)
     assert all(stream.completed() for stream in streams), ([(s.error, s.tokens) for s in streams], cluster.logs())
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=120)
     for stream in streams:  # greedy: an uninterrupted run gives the same text
-        reply = client.chat.completions.create(**witness_request(stream.index))
-        assert stream.text == reply.choices[0].message.content, stream.index
+        reply = client.chat.completions.create(**stream.request)
+        assert stream.text == reply.choices[0].message.content, stream.request
     wait_for(cluster.scheduler_idle, 10, "requests still run on the scheduler", list(cluster.roles.values()))
 
 
@@ -206,10 +167,10 @@ def test_a_scheduler_restarted_on_its_address_serves_as_a_new_replica(cluster: C
         assert isinstance(stream.error, openai.APIError), (stream.error, stream.tokens)
     roles = list(cluster.roles.values())
     wait_for(lambda: health(cluster.url) == 200, 60, "the restarted scheduler is not taken up", roles)
-    streams = [Witness(cluster.url, index) for index in range(8)]  # at once, while the old lease stands
+    streams = [StreamedChat(cluster.url, witness_request(index)) for index in range(8)]  # at once: the old lease stands
     assert all(stream.completed() for stream in streams), [(s.error, s.tokens) for s in streams]
     time.sleep(2 * LEASE_TTL_S)  # the old lease has lapsed by now, whatever its timing
-    fresh = [Witness(cluster.url, index) for index in range(2)]
+    fresh = [StreamedChat(cluster.url, witness_request(index)) for index in range(2)]
     assert all(stream.completed() for stream in fresh), [(s.error, s.tokens) for s in fresh]
 
 

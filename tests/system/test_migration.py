@@ -26,6 +26,7 @@ from kvfleet.processes import free_port
 from services.registry import ClusterView, Registry
 
 from servers import HOST, RoleProcess, nats, redis_url  # noqa: F401  (fixtures)
+from streamed_chat import StreamedChat, in_flight
 from test_worker_failover import health, wait_for
 
 LEASE_TTL_S = 3.0
@@ -38,39 +39,6 @@ STREAMS = 8
 def request(index: int, max_tokens: int = TOKENS) -> dict:
     return {"model": "smollm2", "messages": [{"role": "user", "content": f"Write about the number {index}."}],
             "max_tokens": max_tokens, "temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-class Stream(threading.Thread):
-    """A streamed chat completion read on a thread: its text, its end and its error."""
-
-    def __init__(self, url: str, index: int, max_tokens: int = TOKENS) -> None:
-        super().__init__(daemon=True)
-        self.max_tokens = max_tokens
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
-        self.index = index
-        self.text = ""
-        self.tokens = 0
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None
-        self.first_token = threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        try:
-            chunks = self.client.chat.completions.create(**request(self.index, self.max_tokens), stream=True,
-                                                         stream_options={"include_usage": True})
-            for chunk in chunks:
-                if chunk.usage is not None:
-                    self.tokens = chunk.usage.completion_tokens
-                for choice in chunk.choices:
-                    if choice.delta.content:
-                        self.text += choice.delta.content
-                        self.first_token.set()
-                    self.finish_reason = choice.finish_reason or self.finish_reason
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.first_token.set()
 
 
 class Cluster:
@@ -189,11 +157,9 @@ def other(name: str) -> str:
     return "b" if name == "a" else "a"
 
 
-def in_flight(url: str, max_tokens: int = TOKENS) -> list[Stream]:
-    streams = [Stream(url, index, max_tokens) for index in range(STREAMS)]
-    for stream in streams:
-        assert stream.first_token.wait(120)
-    return streams
+def greedy_streams(url: str, max_tokens: int = TOKENS) -> list[StreamedChat]:
+    """STREAMS streamed greedy chats, each in flight (a token received)."""
+    return in_flight(url, [request(index, max_tokens) for index in range(STREAMS)])
 
 
 def migrations(cluster: Cluster) -> int:
@@ -203,7 +169,7 @@ def migrations(cluster: Cluster) -> int:
 @pytest.mark.parametrize("killed", ["worker-a", "scheduler-b"])
 def test_a_dying_replica_loses_no_token(cluster: Cluster, reference: list[str], killed: str) -> None:
     before = migrations(cluster)
-    streams = in_flight(cluster.urls["gateway"])
+    streams = greedy_streams(cluster.urls["gateway"])
     cluster.roles[killed].process.send_signal(signal.SIGKILL)
     for stream in streams:
         stream.join(300)
@@ -216,7 +182,7 @@ def test_a_dying_replica_loses_no_token(cluster: Cluster, reference: list[str], 
 
 def test_a_hung_worker_is_declared_lost_and_its_requests_move(cluster: Cluster, reference: list[str]) -> None:
     before = migrations(cluster)
-    streams = in_flight(cluster.urls["gateway"])
+    streams = greedy_streams(cluster.urls["gateway"])
     worker = cluster.roles["worker-a"].process
     worker.send_signal(signal.SIGSTOP)
     stopped = time.monotonic()
@@ -232,14 +198,14 @@ def test_a_hung_worker_is_declared_lost_and_its_requests_move(cluster: Cluster, 
         cluster.logs())
     assert [s.text for s in streams] == reference
     cluster.wait_for_both_replicas()  # continued, it serves again, from an empty cache
-    again = in_flight(cluster.urls["gateway"])
+    again = greedy_streams(cluster.urls["gateway"])
     for stream in again:
         stream.join(300)
     assert [s.text for s in again] == reference, cluster.logs()
 
 
 def test_without_migration_the_client_gets_the_error(cluster: Cluster) -> None:
-    streams = in_flight(cluster.urls["gateway-no-migration"])
+    streams = greedy_streams(cluster.urls["gateway-no-migration"])
     cluster.roles["worker-b"].process.send_signal(signal.SIGKILL)
     for stream in streams:
         stream.join(300)
@@ -257,7 +223,7 @@ def running(url: str) -> float:
 
 
 def test_a_dead_gateways_requests_are_aborted_once_its_lease_lapses(cluster: Cluster) -> None:
-    in_flight(cluster.urls["gateway-no-migration"], max_tokens=200)  # ~10 s or more each, uninterrupted
+    greedy_streams(cluster.urls["gateway-no-migration"], max_tokens=200)  # ~10 s or more each, uninterrupted
     witness = cluster.urls["gateway"]
     wait_for(lambda: running(witness) > 0, 5, "the requests do not show", list(cluster.roles.values()))
     cluster.roles["gateway-no-migration"].process.send_signal(signal.SIGKILL)

@@ -66,8 +66,8 @@ def _default(field: dataclasses.Field):
 def test_protos_mirror_the_dataclasses(dataclass, proto) -> None:
     python_fields = {f.name for f in dataclasses.fields(dataclass)}
     proto_fields = set(proto.DESCRIPTOR.fields_by_name)
-    if proto is common_pb2.TokenDelta:  # stop_reason is a oneof of its two types; error is transport-only
-        proto_fields = proto_fields - {"stop_token_id", "stop_string", "error"} | {"stop_reason"}
+    if proto is common_pb2.TokenDelta:  # stop_reason is a oneof of its two types; error and lost are transport-only
+        proto_fields = proto_fields - {"stop_token_id", "stop_string", "error", "lost"} | {"stop_reason"}
     assert python_fields == proto_fields
 
 

@@ -1,8 +1,9 @@
 """Which gateways are gone: a scheduler aborts the requests of a gateway whose registry
 lease has lapsed, since nobody will read their tokens (over NATS a scheduler cannot see
-its readers leave). Evidence as the gateways' own rule for schedulers: a gateway counts
-as gone only once it has been missing from the registry for a lease TTL while Redis
-answered, so a Redis restart, or a gateway whose lease is not written yet, costs nothing.
+its readers leave). A lapsed lease is a TTL of missed heartbeats, evidence about the
+gateway itself; it counts only once Redis has answered for a TTL (an empty, restarted
+Redis is refilled within one) and a TTL after the gateway was first heard of (its lease
+may not be written yet), so neither a Redis restart nor a new gateway costs anything.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class GatewayWatch:
         self._registry = registry
         self._ttl_s = ttl_s
         self._lock = threading.Lock()
-        self._last_seen: dict[str, float] = {}  # gateway id -> listed, or first asked about (monotonic)
+        self._first_seen: dict[str, float] = {}  # gateway id -> first listed or asked about (monotonic)
+        self._listed: set[str] = set()  # by the last read that worked
         self._registry_since: float | None = None  # every read has worked since
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll_forever, name="kvfleet-gateway-watch", daemon=True)
@@ -31,16 +33,16 @@ class GatewayWatch:
     def gone(self, gateway_id: str) -> bool:
         now = time.monotonic()
         with self._lock:
-            since = self._last_seen.setdefault(gateway_id, now)
+            known_for = now - self._first_seen.setdefault(gateway_id, now)
             answered = self._registry_since is not None and now - self._registry_since > self._ttl_s
-        return answered and now - since > self._ttl_s
+            return answered and known_for > self._ttl_s and gateway_id not in self._listed
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
 
     def _poll_forever(self) -> None:
-        while not self._stop.wait(self._ttl_s / 3):
+        while not self._stop.wait(self._ttl_s / 4):
             try:
                 listed = [member.id for member in self._registry.members("gateway")]
             except redis.RedisError as exc:
@@ -52,4 +54,6 @@ class GatewayWatch:
             with self._lock:
                 if self._registry_since is None:
                     self._registry_since = now
-                self._last_seen.update(dict.fromkeys(listed, now))
+                self._listed = set(listed)
+                for gateway_id in listed:
+                    self._first_seen.setdefault(gateway_id, now)

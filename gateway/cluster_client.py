@@ -268,7 +268,7 @@ class ClusterEngineClient:
         hashes: list[bytes] = []
         if self._kv_index is not None and prompt_token_ids and len(routable) > 1:  # one replica: no choice
             extend_block_hashes(hashes, prompt_token_ids, routable[0].block_size, extra_keys_bytes(cache_salt))
-        cached = self._kv_index.cached_blocks(hashes) if hashes and self._kv_index is not None else {}
+        cached = self._kv_index.cached_blocks(hashes) if hashes else {}
         with self._lock:
             candidates = [Candidate(r.load, cached.get(r.instance_id, 0)) for r in routable]
             replica = routable[pick(self._routing_policy, candidates, len(hashes), self._turn)]
@@ -315,8 +315,7 @@ class ClusterEngineClient:
     # -- replaying the token stream (the subscriber's ReplaySource) ----------------------
 
     def replay(self, instance_id: str, after_seq: int) -> list[scheduler_pb2.StepOutputs] | None:
-        with self._lock:
-            replica = next((r for r in self._replicas.values() if r.instance_id == instance_id), None)
+        replica = self._replica_of(instance_id)
         if replica is None:  # retired: its requests were failed then
             return None
         request = scheduler_pb2.ReplayOutputsRequest(gateway_id=self.gateway_id, after_seq=after_seq,
@@ -329,8 +328,7 @@ class ClusterEngineClient:
 
     def _kv_snapshot(self, instance_id: str) -> scheduler_pb2.KvSnapshotResponse | None:
         """For the KV index: the replica's cached hashes, or None once it is gone."""
-        with self._lock:
-            replica = next((r for r in self._replicas.values() if r.instance_id == instance_id), None)
+        replica = self._replica_of(instance_id)
         if replica is None:
             return None
         try:
@@ -339,6 +337,11 @@ class ClusterEngineClient:
         except grpc.RpcError as exc:
             logger.warning("no KV snapshot from scheduler %s: %s", replica.member.address, exc.code().name)
             return None
+
+    def _replica_of(self, instance_id: str) -> _Replica | None:
+        """The listed replica that is this scheduler process, if it still is."""
+        with self._lock:
+            return next((r for r in self._replicas.values() if r.instance_id == instance_id), None)
 
     def instances(self) -> list[str]:
         with self._lock:

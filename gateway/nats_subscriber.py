@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
@@ -58,7 +57,6 @@ class OutputSubscriber:
         self._routes: RequestRoutes[RequestStream] = RequestRoutes()
         self._sequences: defaultdict[str, StepSequence] = defaultdict(StepSequence)  # by scheduler instance
         self._expected: dict[str, str] = {}  # request id -> the scheduler instance it runs on
-        self._away_since: float | None = None  # NATS disconnected since (monotonic)
         self._give_up: asyncio.TimerHandle | None = None
         self._closing = False
         self._nats = NatsThread(url, "kvfleet-nats-subscriber", connect_timeout_s, disconnected_cb=self._on_disconnect,
@@ -69,8 +67,7 @@ class OutputSubscriber:
     def connected(self) -> bool:
         """Connected, or away from NATS for less than the grace: what is sent meanwhile
         is replayed once it is back."""
-        away_since = self._away_since
-        return self._nats.connected or (away_since is not None and time.monotonic() - away_since < self._grace_s)
+        return not self._closing and self._nats.away_s() < self._grace_s
 
     def open(self, request_id: str, num_children: int = 1) -> RequestStream:
         """Call on the consumer's loop, before the request is submitted, so no delta is
@@ -189,17 +186,15 @@ class OutputSubscriber:
                 self._replay(instance_id)
 
     async def _on_disconnect(self) -> None:
-        if self._closing or self._away_since is not None:
+        if self._closing:
             return
         logger.warning("gateway %s: the token stream (NATS) is disconnected; waiting up to %g s for it",
                        self.gateway_id, self._grace_s)
-        self._away_since = time.monotonic()
         self._give_up = self._nats.loop.call_later(self._grace_s, self._expire)
 
     async def _on_reconnect(self) -> None:
         if self._give_up is not None:
             self._give_up.cancel()
-        self._away_since = None
         logger.info("gateway %s: the token stream (NATS) is back; replaying what was missed", self.gateway_id)
         self._resync()
 

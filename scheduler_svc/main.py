@@ -141,6 +141,6 @@ def _scheduler_lease(args: argparse.Namespace, port: int, loop: StepLoop, hub: N
     def healthy() -> bool:
         # Draining, health says NOT_SERVING but the lease stays: gateways fail the
         # requests of a scheduler whose lease lapses, and these are still running.
-        return hub.publisher.away_s() < args.lease_ttl and (serving() or loop.draining)
+        return hub.publisher.nats.away_s() < args.lease_ttl and (serving() or loop.draining)
 
     return Lease(Registry(args.redis_url), member, args.lease_ttl, healthy=healthy)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -56,29 +55,22 @@ class OutputPublisher:
 
     def __init__(self, url: str, instance_id: str, connect_timeout_s: float = 10.0) -> None:
         self.window = ReplayWindow(instance_id)
-        self._away_since: float | None = None  # NATS disconnected since (monotonic)
-        self.nats = self._nats = NatsThread(url, "kvfleet-nats-publisher", connect_timeout_s,
-                                disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect)
-        self._queue: asyncio.Queue[_Batches | None] = self._nats.run(self._make_queue(), connect_timeout_s)
-        self._sender = asyncio.run_coroutine_threadsafe(self._send_forever(), self._nats.loop)
-
-    def away_s(self) -> float:
-        """How long NATS has been unreachable (0 while connected)."""
-        away_since = self._away_since
-        return 0.0 if away_since is None or self._nats.connected else time.monotonic() - away_since
+        self.nats = NatsThread(url, "kvfleet-nats-publisher", connect_timeout_s, reconnected_cb=self._announce)
+        self._queue: asyncio.Queue[_Batches | None] = self.nats.run(self._make_queue(), connect_timeout_s)
+        self._sender = asyncio.run_coroutine_threadsafe(self._send_forever(), self.nats.loop)
 
     def publish(self, batches: _Batches) -> None:
         """Takes ownership of `batches` (the caller must not change them afterwards)."""
-        self._nats.loop.call_soon_threadsafe(self._queue.put_nowait, batches)
+        self.nats.loop.call_soon_threadsafe(self._queue.put_nowait, batches)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Sends what was published, then disconnects."""
-        self._nats.loop.call_soon_threadsafe(self._queue.put_nowait, None)
+        self.nats.loop.call_soon_threadsafe(self._queue.put_nowait, None)
         try:
             self._sender.result(timeout_s)
         except Exception:
             logger.exception("could not send the last token batches")
-        self._nats.close(timeout_s)
+        self.nats.close(timeout_s)
 
     async def _make_queue(self) -> asyncio.Queue[_Batches | None]:
         return asyncio.Queue()
@@ -100,26 +92,21 @@ class OutputPublisher:
                     merged[gateway_id].extend(deltas)
             for gateway_id, deltas in merged.items():
                 await self._send(gateway_id, deltas)
-        await self._nats.nc.flush()
+        await self.nats.nc.flush()
 
     async def _send(self, gateway_id: str, deltas: list[common_pb2.TokenDelta]) -> None:
-        for message in _messages(deltas, self._nats.nc.max_payload):
+        for message in _messages(deltas, self.nats.nc.max_payload):
             payload = self.window.record(gateway_id, message)  # kept, even if it cannot go now
             try:
-                await self._nats.nc.publish(subject(gateway_id), payload)
+                await self.nats.nc.publish(subject(gateway_id), payload)
             except Exception as exc:  # NATS has been away long enough to fill the client's buffer
                 logger.warning("gateway %s's message %d waits for a replay: %r", gateway_id, message.seq, exc)
 
-    async def _on_disconnect(self) -> None:
-        if self._away_since is None:
-            self._away_since = time.monotonic()
-
-    async def _on_reconnect(self) -> None:
-        """Announces the last message we sent each gateway: what we sent while away
-        may be lost, and a gateway missing our last messages would never hear of it."""
-        self._away_since = None
+    async def _announce(self) -> None:
+        """Back on NATS: tells each gateway the last message we sent it. What we sent
+        while away may be lost, and a gateway missing our last messages would never hear of it."""
         for gateway_id, payload in self.window.announcements().items():
-            await self._nats.nc.publish(subject(gateway_id), payload)
+            await self.nats.nc.publish(subject(gateway_id), payload)
 
 
 class NatsOutputHub(OutputHub):

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -21,6 +23,7 @@ from nats.aio.client import Client
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Callback = Callable[[], Awaitable[None]]
 
 
 def subject(gateway_id: str) -> str:
@@ -33,14 +36,24 @@ def kv_subject(scheduler_instance_id: str) -> str:
 
 
 class NatsThread:
-    """One NATS connection, owned by an event loop running on its own daemon thread."""
+    """One NATS connection, owned by an event loop running on its own daemon thread.
 
-    def __init__(self, url: str, name: str, connect_timeout_s: float, **callbacks: Callable[[], Awaitable[None]]) -> None:
+    It reconnects forever, and knows how long it has been away: `disconnected_cb` runs
+    once when the connection is lost (not again for each failed attempt), and
+    `reconnected_cb` once it is back."""
+
+    def __init__(self, url: str, name: str, connect_timeout_s: float,
+                 disconnected_cb: Callback | None = None, reconnected_cb: Callback | None = None,
+                 **callbacks: Callback) -> None:
+        self._away_since: float | None = None  # monotonic; None while connected
+        self._on_disconnect = disconnected_cb
+        self._on_reconnect = reconnected_cb
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
         # Reconnect forever: a NATS restart must not end a long-lived role.
-        connect = nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, **callbacks)
+        connect = nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                               disconnected_cb=self._disconnected, reconnected_cb=self._reconnected, **callbacks)
         try:
             self.nc: Client = self.run(connect, connect_timeout_s)
         except BaseException:
@@ -58,6 +71,25 @@ class NatsThread:
     @property
     def connected(self) -> bool:
         return self.nc.is_connected
+
+    def away_s(self) -> float:
+        """How long NATS has been unreachable: 0 while connected, infinite once closed."""
+        away_since = self._away_since
+        if self.nc.is_connected:
+            return 0.0
+        return math.inf if away_since is None else time.monotonic() - away_since
+
+    async def _disconnected(self) -> None:
+        if self._away_since is not None:  # a failed reconnect attempt: still away
+            return
+        self._away_since = time.monotonic()
+        if self._on_disconnect is not None:
+            await self._on_disconnect()
+
+    async def _reconnected(self) -> None:
+        self._away_since = None
+        if self._on_reconnect is not None:
+            await self._on_reconnect()
 
     def close(self, timeout_s: float = 5.0) -> None:
         try:

@@ -142,7 +142,7 @@ def test_publish_from_the_step_thread_does_not_wait_for_nats(nats) -> None:
     publisher = OutputPublisher(nats.url, "s1")
     subscriber = OutputSubscriber(nats.url, "g1", WindowSource(publisher, "g1"))
     hold = threading.Event()
-    publisher._nats.loop.call_soon_threadsafe(hold.wait)  # the NATS thread stalls until released
+    publisher.nats.loop.call_soon_threadsafe(hold.wait)  # the NATS thread stalls until released
     threading.Timer(2.0, hold.set).start()  # a publish() that waited would hold the test up this long
 
     async def main() -> None:

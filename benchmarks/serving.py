@@ -19,7 +19,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ from typing import Any
 
 import numpy as np
 from openai import AsyncOpenAI
+
+from kvfleet.processes import free_port
 
 MODEL = "smollm2"
 NUM_THREADS = 2  # torch threads in each server, as the other benchmarks pin
@@ -150,12 +151,6 @@ def cpu_by_role(root: int) -> dict[str, float]:
             totals[procs[pid][1]] = totals.get(procs[pid][1], 0.0) + procs[pid][2]
             tree += [child for child, (parent, _, _) in procs.items() if parent == pid]
     return totals
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_server(mode: str, port: int, log_file: Any) -> subprocess.Popen:

@@ -4,7 +4,9 @@ by the tests, which start their own servers."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
+import random
 import shutil
 import signal
 import socket
@@ -43,10 +45,34 @@ def redis_server_binary() -> str:
     return str(get_binary_path())
 
 
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Below the kernel's ephemeral range: a port handed out here is not also the port of the
+# next outgoing connection or `bind(0)` of any process, while its owner is still starting
+# (a scheduler binds its metrics port only once its worker answers). Each process walks
+# the range from its own random start, so concurrent launchers rarely meet.
+_PORTS = range(10_000, max(_ephemeral_floor(), 20_000))
+_port_cursor = itertools.count(random.randrange(len(_PORTS)))
+_port_lock = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
+    """A port nothing listens on now, outside the range the kernel picks from."""
+    for _ in _PORTS:
+        with _port_lock:
+            port = _PORTS[next(_port_cursor) % len(_PORTS)]
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on {host} in {_PORTS.start}-{_PORTS.stop}")
 
 
 # Loaded here, not in the forked child, where a dlopen could wait on a lock of another thread.

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvfleet.processes import free_port
 from services.pb.kvfleet.v1 import (
     common_pb2,
     scheduler_pb2,
@@ -30,12 +30,6 @@ REPO = Path(__file__).resolve().parents[2]
 ENGINE_FLAGS = ["--dtype", "float32", "--num-gpu-blocks-override", "8", "--max-model-len", "128"]
 # Runs one role the way the console script does: `kvfleet <role> <flags>`.
 _LAUNCH = "import sys\nfrom kvfleet.cli import main\nsys.exit(main(sys.argv[1:]))\n"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Role:

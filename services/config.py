@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
           "float32": "float32"}
 # GGUF files are quantized (Q4_1, Q8_0, ...) and read as such; other formats are not implemented.
-QUANTIZATIONS = ("gguf",)
+QUANTIZATIONS = ("gguf", "none")
 GENERATION_CONFIGS = ("auto", "vllm")  # or a directory holding generation_config.json
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -40,7 +40,7 @@ class EngineConfig:
     # "auto" is float32 on CPU (this CPU's bf16 matmuls gain little and lose parity) and bfloat16 on GPU.
     dtype: str = "auto"
     device: str = "auto"
-    quantization: str | None = None  # None: whatever the model file holds
+    quantization: str | None = None  # gguf: 4-bit GGUF weights run as stored; None or none: dequantized
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 256
@@ -87,7 +87,8 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(
                 f"--quantization {self.quantization}: kvfleet cannot run these weights yet; it runs GGUF files "
-                "(--quantization gguf, or none: it is read from the file) and unquantized safetensors"
+                "(--quantization gguf runs their 4-bit weights as stored, none dequantizes them) and unquantized "
+                "safetensors"
             )
         if self.kv_cache_dtype != "auto":
             raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: only auto (the model's dtype) is supported")

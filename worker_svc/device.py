@@ -1,5 +1,6 @@
 """Where and in what precision a worker computes: EngineConfig's device and dtype as torch
-objects, refused with a ConfigError when this torch cannot use them."""
+objects, refused with a ConfigError when this torch cannot use them, and whether a GGUF
+file's 4-bit weights run as stored."""
 from __future__ import annotations
 
 import logging
@@ -34,3 +35,12 @@ def torch_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
                        "and float32 keeps the outputs equal to transformers')")
         return torch.float32
     return getattr(torch, config.dtype)
+
+
+def runs_q4_as_stored(config: EngineConfig, device: torch.device) -> bool:
+    """--quantization gguf: a GGUF file's 4-bit projections run as stored, on CPU (the
+    kernels are CPU kernels; elsewhere the weights are dequantized, as without the flag)."""
+    if config.quantization == "gguf" and device.type != "cpu":
+        logger.warning("--quantization gguf: 4-bit weights run as stored on CPU only; dequantizing them on %s",
+                       device)
+    return config.quantization == "gguf" and device.type == "cpu"

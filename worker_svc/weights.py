@@ -12,6 +12,7 @@ import math
 import os
 import re
 import time
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from services.file_cache import derived_path
 from services.model_source import ModelFormat, ModelSource
 from worker_svc.gguf_header import GGUFTensor, read_gguf_header
 from worker_svc.model_config import ModelConfig, read_json, read_model_config
+from worker_svc.q4_weights import Q4_KINDS, Q4Blocks
 
 logger = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 2.0
@@ -69,10 +71,16 @@ class LoadProgress:
                         self.total_bytes / 1e9, now - self.started)
 
 
-def load_weights(source: ModelSource, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The model's config and its HF-named state dict, every tensor contiguous in `dtype`."""
+Weights = dict[str, torch.Tensor | Q4Blocks]
+
+
+def load_weights(source: ModelSource, dtype: torch.dtype, keep_q4: bool = False) -> tuple[ModelConfig, Weights]:
+    """The model's config and its HF-named state dict, every tensor contiguous in `dtype`;
+    with `keep_q4`, a GGUF file's 4-bit projection matrices stay 4-bit (Q4Blocks)."""
     config = read_model_config(source)
-    if source.format is ModelFormat.GGUF:
+    if source.format is ModelFormat.GGUF and keep_q4:
+        tensors = _read_gguf(source.path, config, dtype, keep_q4=True)
+    elif source.format is ModelFormat.GGUF:
         tensors = _load_gguf(source.path, config, dtype)
     else:
         tensors = _load_hf_dir(source.path, config, dtype)
@@ -135,7 +143,7 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str,
     if cached.is_file():
         logger.info("reading the dequantized weights cached in %s", cached)
         return load_file(cached)
-    tensors = _dequantize_gguf(path, config, dtype)
+    tensors = _read_gguf(path, config, dtype, keep_q4=False)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         staging = cached.with_name(f"{cached.name}.{os.getpid()}.staging")  # several workers may start at once
@@ -146,21 +154,27 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str,
     return tensors
 
 
-def _dequantize_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, keep_q4: bool) -> Weights:
     header = read_gguf_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     rotary_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
-    tensors = {}
+    tensors: Weights = {}
     progress = LoadProgress(data.size - min(tensor.offset for tensor in header.tensors.values()))
     for name, tensor in header.tensors.items():
-        raw = _gguf_raw(data, tensor)
-        # dequantize yields numpy shape (rows, cols): GGUF's dims reversed, which is
-        # torch's Linear layout. torch.tensor copies out of the read-only map.
-        weight = torch.tensor(dequantize(raw, GGMLQuantizationType(tensor.kind)), dtype=dtype)
-        kind = name.split(".")[-2]
-        if config.architecture == "llama" and kind in rotary_heads:
-            weight = _unpermute_rotary(weight, rotary_heads[kind])
-        tensors[_gguf_hf_name(name)] = weight.contiguous()
+        raw, kind = _gguf_raw(data, tensor), GGMLQuantizationType(tensor.kind)
+        hf_name = _gguf_hf_name(name)
+        weight: torch.Tensor | Q4Blocks
+        if keep_q4 and kind in Q4_KINDS and hf_name.startswith("model.layers."):
+            weight = Q4Blocks.from_gguf(raw, kind)
+        else:
+            # dequantize yields numpy shape (rows, cols): GGUF's dims reversed, which is
+            # torch's Linear layout. torch.tensor copies out of the read-only map.
+            weight = torch.tensor(dequantize(raw, kind), dtype=dtype)
+        role = name.split(".")[-2]
+        if config.architecture == "llama" and role in rotary_heads:
+            reorder = partial(_unpermute_rotary, n_head=rotary_heads[role])
+            weight = weight.map_rows(reorder) if isinstance(weight, Q4Blocks) else reorder(weight).contiguous()
+        tensors[hf_name] = weight
         progress.advance(raw.nbytes)
     return tensors
 

@@ -20,7 +20,7 @@ from worker_svc.attention.paged_decode import (
 )
 from worker_svc.attention.torch_backend import TorchAttentionBackend
 from worker_svc.batch import RequestState, prepare_inputs
-from worker_svc.device import torch_device, torch_dtype
+from worker_svc.device import runs_q4_as_stored, torch_device, torch_dtype
 from worker_svc.kv_cache import (
     allocate_kv_cache,
     bytes_per_block,
@@ -55,7 +55,8 @@ class Worker:
         self.dtype = torch_dtype(config, self.device)
         torch.manual_seed(config.seed)  # what requests without a seed of their own draw from, as in vLLM
         started = time.perf_counter()
-        self.model_config, weights = load_weights(self.source, self.dtype)
+        self.runs_q4 = runs_q4_as_stored(config, self.device)
+        self.model_config, weights = load_weights(self.source, self.dtype, keep_q4=self.runs_q4)
         self.load_seconds = time.perf_counter() - started
         self.weights_bytes = sum(tensor.nbytes for tensor in weights.values())
         self._grammars: Grammars | None = None
@@ -84,7 +85,10 @@ class Worker:
     def summary(self) -> list[str]:
         """The start-up summary's lines on the model and its KV cache."""
         model, dtype = self.model_config, str(self.dtype).removeprefix("torch.")
-        stored = f"{model.quantization} dequantized to {dtype}" if model.quantization else dtype
+        if self.runs_q4:
+            stored = f"{model.quantization}, its 4-bit projections run as stored, the rest in {dtype}"
+        else:
+            stored = f"{model.quantization} dequantized to {dtype}" if model.quantization else dtype
         kv_tokens = self.num_blocks * self.block_size
         kv_bytes = self.num_blocks * bytes_per_block(self.model_config, self.block_size, self.dtype)
         return [

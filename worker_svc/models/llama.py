@@ -12,6 +12,9 @@ from torch import nn
 from worker_svc.attention.backend import AttentionBackend
 from worker_svc.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from worker_svc.model_config import ModelConfig
+from worker_svc.q4_weights import Q4Blocks
+from worker_svc.quantized_linear import DequantScratch, QuantizedLinear
+from worker_svc.weights import Weights
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # the step's cos and sin tables
 
@@ -92,21 +95,23 @@ class LlamaForCausalLM(nn.Module):
         """Logits (float32) for the rows that sample; the final norm is per row, so only they need it."""
         return self.lm_head(self.norm(hidden)).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy transformers-named weights in, fusing q/k/v and gate/up."""
-        fused: dict[str, torch.Tensor] = {}
+    def load_weights(self, weights: Weights) -> None:
+        """Copy transformers-named weights in, fusing q/k/v and gate/up; projections
+        given as 4-bit blocks become QuantizedLinear layers."""
+        fused: Weights = {}
         for i in range(self.config.num_hidden_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             for kind in ("weight", "bias"):
                 parts = [weights.pop(f"{src}self_attn.{p}_proj.{kind}", None) for p in "qkv"]
                 if all(p is not None for p in parts):
-                    fused[f"{dst}self_attn.qkv_proj.{kind}"] = torch.cat(parts)
+                    fused[f"{dst}self_attn.qkv_proj.{kind}"] = _cat(parts)
             gate_up = [weights.pop(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")]
-            fused[f"{dst}mlp.gate_up_proj.weight"] = torch.cat(gate_up)
+            fused[f"{dst}mlp.gate_up_proj.weight"] = _cat(gate_up)
         for name, tensor in weights.items():
             fused[name.removeprefix("model.")] = tensor
         if self.config.tie_word_embeddings:
             fused["lm_head.weight"] = fused["embed_tokens.weight"]
+        self._install_quantized(fused)
         # assign=True keeps tied embeddings one tensor and skips a copy.
         missing, unexpected = self.load_state_dict(fused, strict=False, assign=True)
         if missing or unexpected:
@@ -114,3 +119,16 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
+
+    def _install_quantized(self, fused: Weights) -> None:
+        """Replace each Linear whose weight is 4-bit blocks, taking its weight and bias out of `fused`."""
+        scratch = DequantScratch(fused["embed_tokens.weight"].dtype)  # the model's dtype
+        for name in [name for name, value in fused.items() if isinstance(value, Q4Blocks)]:
+            module_name = name.removesuffix(".weight")
+            parent, _, child = module_name.rpartition(".")
+            layer = QuantizedLinear(fused.pop(name), fused.pop(f"{module_name}.bias", None), scratch)
+            setattr(self.get_submodule(parent), child, layer)
+
+
+def _cat(parts: list[torch.Tensor] | list[Q4Blocks]) -> torch.Tensor | Q4Blocks:
+    return Q4Blocks.cat(parts) if isinstance(parts[0], Q4Blocks) else torch.cat(parts)

@@ -34,6 +34,8 @@ serve: setup
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py
+	$(PY) benchmarks/quantized_weights.py
+	$(PY) benchmarks/step_overhead.py
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/structured_outputs.py
 	$(PY) benchmarks/fleet_sim.py

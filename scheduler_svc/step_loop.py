@@ -51,8 +51,11 @@ class _Drain:
     idle: threading.Event  # set once the engine has nothing left to do
 
 
+@dataclass
 class _CheckWorker:
     """The worker link came back: see whether it is the worker we knew."""
+
+    answered: Future[bool]  # whether the worker answered the engine's own client
 
 
 class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
@@ -112,9 +115,12 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
     def abort(self, request_id: str) -> None:
         self._send_abort(request_id)
 
-    def check_worker(self) -> None:
-        """Ahead of anything posted after it, the loop checks the worker's identity."""
-        self._send(_CheckWorker(), "the scheduler is shutting down")
+    def check_worker(self) -> Future[bool]:
+        """Ahead of anything posted after it, the loop checks the worker's identity; the
+        future says whether the worker answered."""
+        command = _CheckWorker(Future())
+        self._send(command, "the scheduler is shutting down")
+        return command.answered
 
     # -- the loop thread -----------------------------------------------------------------
 
@@ -122,7 +128,10 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
         if isinstance(command, _Drain):
             self._idle_event = command.idle
         elif isinstance(command, _CheckWorker):
-            self._fail(self.core.check_worker(), "the worker restarted: its KV cache is gone", lost=True)
+            ended = self.core.check_worker()
+            if ended:
+                self._fail(ended, "the worker restarted: its KV cache is gone", lost=True)
+            command.answered.set_result(ended is not None)
         else:
             self._submit(command)
 

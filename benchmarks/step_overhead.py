@@ -5,8 +5,8 @@ the plan, input preparation, sampling, the scheduler's update, detokenization).
 The real embedded engine (LLM: EngineCore, the in-process Worker, the OutputProcessor)
 runs unchanged; the benchmark only wraps its functions with timers. Each request has a
 16-token prompt and never stops (ignore_eos); once every request is decoding, STEPS
-steps are timed. Default model and settings (the 4-bit GGUF path on CPU), 2 torch
-threads. JSON goes to benchmarks/results/step_overhead.json. Target (issue 15): the
+steps are timed. Default model and settings (float32; --quantization gguf for the
+4-bit path), 2 torch threads. JSON goes to benchmarks/results/step_overhead.json. Target (issue 15): the
 overhead under 10% of the step at every size.
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def measure(llm: LLM, size: int, timers: Timers) -> dict[str, Any]:
         processor.add_request(request_id, None, PROMPT, params)
         llm.engine.add_request(request_id, PROMPT, params)
     while llm.engine.scheduler.waiting or any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in llm.engine.scheduler.running):
+            not r.output_token_ids for r in llm.engine.scheduler.running):
         processor.process(llm.engine.step(), llm.engine.abort_request)
     timers.seconds.clear()
     began = time.perf_counter()
@@ -94,9 +94,10 @@ def timed_step(llm: LLM, timers: Timers) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="1 and 16 running requests only")
+    parser.add_argument("--quantization", choices=["none", "gguf"], default="none")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/step_overhead.json")
     args = parser.parse_args()
-    llm = LLM("smollm2", max_model_len=1024)
+    llm = LLM("smollm2", max_model_len=1024, quantization=args.quantization)
     timers = Timers()
     engine, worker = llm.engine, llm.engine.worker
     timers.wrap(engine.scheduler, "schedule", "schedule")

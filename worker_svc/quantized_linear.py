@@ -53,13 +53,16 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= INT4_MAX_ROWS:
-            out = torch._weight_int4pack_mm_for_cpu(
-                rows.to(torch.bfloat16), self.int4_weight, GROUP_SIZE, self.int4_scale_zeros
-            ).to(x.dtype)
-            if self.bias is not None:
-                out += self.bias
-        else:
-            weight = self.blocks.dequantize(self.scratch.reserve(self.blocks.codes.numel()))
-            out = cpu_linear(rows, weight, self.bias)
+        out = self.int4_matmul(rows) if rows.shape[0] <= INT4_MAX_ROWS else self.dequantized_matmul(rows)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def int4_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        out = torch._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self.int4_weight, GROUP_SIZE,
+                                                self.int4_scale_zeros).to(rows.dtype)
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+    def dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        weight = self.blocks.dequantize(self.scratch.reserve(self.blocks.codes.numel()))
+        return cpu_linear(rows, weight, self.bias)

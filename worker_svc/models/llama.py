@@ -122,8 +122,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _install_quantized(self, fused: Weights) -> None:
         """Replace each Linear whose weight is 4-bit blocks, taking its weight and bias out of `fused`."""
+        quantized = [name for name, value in fused.items() if isinstance(value, Q4Blocks)]
+        if not quantized:
+            return
         scratch = DequantScratch(fused["embed_tokens.weight"].dtype)  # the model's dtype
-        for name in [name for name, value in fused.items() if isinstance(value, Q4Blocks)]:
+        for name in quantized:
             module_name = name.removesuffix(".weight")
             parent, _, child = module_name.rpartition(".")
             layer = QuantizedLinear(fused.pop(name), fused.pop(f"{module_name}.bias", None), scratch)

@@ -42,8 +42,8 @@ _ENGINE_HELP = {
     "preemption_mode": "recompute or swap, when KV blocks run out",
     "swap_space": "GiB of host memory for swapped-out KV blocks",
     "seed": "seeds the sampling of requests that bring no seed of their own",
-    "tensor_parallel_size": "devices one model is split over: 1 (serve more with more replicas)",
-    "pipeline_parallel_size": "pipeline stages one model is split into: 1",
+    "tensor_parallel_size": "ranks each layer is split over (one process and device each; gloo on CPU, NCCL on GPU)",
+    "pipeline_parallel_size": "pipeline stages the layers are split into (one process and device each)",
     "enforce_eager": "accepted for vLLM's sake: kvfleet captures no CUDA graphs, steps always run eagerly",
     "trust_remote_code": "accepted for vLLM's sake: kvfleet never runs a model repository's code",
 }

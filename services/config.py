@@ -79,11 +79,8 @@ class EngineConfig:
         if self.swap_space < 0:
             raise ConfigError(f"--swap-space {self.swap_space}: must not be negative")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ConfigError(
-                    f"{flag(name)} {getattr(self, name)}: kvfleet does not split a model across devices yet "
-                    "(each worker holds a whole model); use 1, and add replicas to serve more"
-                )
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{flag(name)} {getattr(self, name)}: must be positive")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(
                 f"--quantization {self.quantization}: kvfleet cannot run these weights yet; it runs GGUF files "

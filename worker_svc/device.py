@@ -12,10 +12,12 @@ from services.config import ConfigError, EngineConfig
 logger = logging.getLogger(__name__)
 
 
-def torch_device(config: EngineConfig) -> torch.device:
+def torch_device(config: EngineConfig, rank: int = 0) -> torch.device:
+    """`rank`: a worker group's rank, which takes the GPU of its number (one device per rank)."""
     if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(config.device)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
@@ -23,6 +25,13 @@ def torch_device(config: EngineConfig) -> torch.device:
                               "device; use --device cpu, or a CUDA build of torch on a GPU machine")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ConfigError(f"--device {config.device}: this machine has {torch.cuda.device_count()} CUDA devices")
+    if device.type == "cuda" and config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
+        if torch.cuda.device_count() < world:
+            raise ConfigError(f"--tensor-parallel-size x --pipeline-parallel-size = {world} GPUs, but this machine "
+                              f"has {torch.cuda.device_count()}")
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
     return device
 
 

@@ -13,6 +13,7 @@ from services.config import ConfigError, EngineConfig
 from services.generation_config import sampling_defaults
 from services.model_source import ModelFormat, ModelSource, resolve_model, resolve_tokenizer
 from worker_svc.model_config import ModelConfig, read_model_config
+from worker_svc.shard import Shard
 
 # vLLM's variable, so its launch scripts carry over.
 ALLOW_LONG_MAX_MODEL_LEN = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
@@ -33,6 +34,7 @@ def check_model(config: EngineConfig) -> CheckedModel:
     sampling_defaults(source, config.generation_config)
     if config.quantization == "gguf" and source.format is not ModelFormat.GGUF:
         raise ConfigError(f"--quantization gguf: {config.model} is not a GGUF file")
+    Shard(tp_size=config.tensor_parallel_size, pp_size=config.pipeline_parallel_size).check(model_config)
     limit = model_config.max_position_embeddings
     max_model_len = config.max_model_len or limit
     if max_model_len > limit and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN, "").lower() not in ("1", "true"):

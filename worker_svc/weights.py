@@ -12,22 +12,27 @@ import math
 import os
 import re
 import time
+from dataclasses import dataclass
 from functools import partial
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from services.config import ConfigError
 from services.file_cache import derived_path
 from services.model_source import ModelFormat, ModelSource
 from worker_svc.gguf_header import GGUFTensor, read_gguf_header
 from worker_svc.model_config import ModelConfig, read_json, read_model_config
 from worker_svc.q4_weights import Q4_KINDS, Q4Blocks
+from worker_svc.shard import SINGLE, Shard
 
 logger = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 2.0
@@ -74,18 +79,54 @@ class LoadProgress:
 Weights = dict[str, torch.Tensor | Q4Blocks]
 
 
-def load_weights(source: ModelSource, dtype: torch.dtype, keep_q4: bool = False) -> tuple[ModelConfig, Weights]:
+def load_weights(
+    source: ModelSource, dtype: torch.dtype, keep_q4: bool = False, shard: Shard = SINGLE
+) -> tuple[ModelConfig, Weights]:
     """The model's config and its HF-named state dict, every tensor contiguous in `dtype`;
-    with `keep_q4`, a GGUF file's 4-bit projection matrices stay 4-bit (Q4Blocks)."""
+    with `keep_q4`, a GGUF file's 4-bit projection matrices stay 4-bit (Q4Blocks).
+
+    A rank of a worker group gets only its shard: the tensors of its stage, each cut to
+    its slice as it is read (its rows or block-aligned columns, before any dequantizing),
+    so no rank ever holds the whole model. Layers are then numbered from the stage's first."""
     config = read_model_config(source)
+    part = _Part(shard, config)
     if source.format is ModelFormat.GGUF and keep_q4:
-        tensors = _read_gguf(source.path, config, dtype, keep_q4=True)
+        tensors = _read_gguf(source.path, config, dtype, part, keep_q4=True)
     elif source.format is ModelFormat.GGUF:
-        tensors = _load_gguf(source.path, config, dtype)
+        tensors = _load_gguf(source.path, config, dtype, part)
     else:
-        tensors = _load_hf_dir(source.path, config, dtype)
-    _check_names(config, tensors, source.path)
-    return config, tensors
+        tensors = _load_hf_dir(source.path, config, dtype, part)
+    _check_names(config, tensors, source.path, shard)
+    return config, {shard.local_name(name, config): tensor for name, tensor in tensors.items()}
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What of each stored tensor a rank reads."""
+
+    shard: Shard
+    config: ModelConfig
+
+    @property
+    def whole(self) -> bool:
+        return self.shard.world_size == 1
+
+    def wants(self, name: str) -> bool:
+        return self.shard.holds(name, self.config)
+
+    def cut(self, name: str, tensor: Any, block: int = 1, block_bytes: int = 1) -> Any:
+        """Its slice of `tensor` (a torch or numpy array, or a safetensors slice). Quantized
+        rows are bytes, `block_bytes` per `block` weights: columns are cut at whole blocks."""
+        cut = self.shard.slice_of(name, self.config)
+        if cut is None:
+            return tensor[...] if not isinstance(tensor, (torch.Tensor, np.ndarray)) else tensor
+        dim, start, length = cut
+        if dim == 1 and (start % block or length % block):
+            raise ConfigError(f"--tensor-parallel-size {self.shard.tp_size}: {name} stores its columns in blocks "
+                              f"of {block}, and this rank's columns {start}..{start + length} split one")
+        if dim == 1:
+            start, length = start // block * block_bytes, length // block * block_bytes
+        return tensor[(slice(None),) * dim + (slice(start, start + length),)]
 
 
 def _expected_names(config: ModelConfig) -> set[str]:
@@ -102,10 +143,10 @@ def _expected_names(config: ModelConfig) -> set[str]:
     return names
 
 
-def _check_names(config: ModelConfig, tensors: dict[str, torch.Tensor], path: Path) -> None:
+def _check_names(config: ModelConfig, tensors: Weights, path: Path, shard: Shard) -> None:
     # A missing or extra tensor means the file is not the architecture we think it is
     # (e.g. an MLP bias we would silently ignore), so fail at load, not at first forward.
-    expected = _expected_names(config)
+    expected = {name for name in _expected_names(config) if shard.holds(name, config)}
     missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
     if missing or unexpected:
         raise ValueError(
@@ -134,16 +175,20 @@ def _gguf_hf_name(gguf_name: str) -> str:
     return f"model.layers.{match[1]}.{_GGUF_LAYER_NAMES[match[2]]}.{match[3]}"
 
 
-def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, part: _Part) -> dict[str, torch.Tensor]:
     """Dequantizing takes seconds, so its result is cached (services/file_cache.py): a
     restarted worker reads the tensors back in a fraction of that. The key holds this
-    module's source and gguf's version, so a change to either dequantizes again."""
+    module's source and gguf's version, so a change to either dequantizes again. A rank
+    of a group reads its slices of the cache when there is one, and dequantizes only its
+    slices (caching nothing) when there is not."""
     cached = derived_path("weights", path, f"dtype={dtype}", f"gguf={metadata.version('gguf')}",
                           f"loader={_LOADER_DIGEST}")
     if cached.is_file():
         logger.info("reading the dequantized weights cached in %s", cached)
-        return load_file(cached)
-    tensors = _read_gguf(path, config, dtype, keep_q4=False)
+        return load_file(cached) if part.whole else _read_safetensors([cached], dtype, part)
+    tensors = _read_gguf(path, config, dtype, part, keep_q4=False)
+    if not part.whole:
+        return tensors
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         staging = cached.with_name(f"{cached.name}.{os.getpid()}.staging")  # several workers may start at once
@@ -154,15 +199,18 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str,
     return tensors
 
 
-def _read_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, keep_q4: bool) -> Weights:
+def _read_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, part: _Part, keep_q4: bool) -> Weights:
     header = read_gguf_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    rotary_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     tensors: Weights = {}
     progress = LoadProgress(data.size - min(tensor.offset for tensor in header.tensors.values()))
     for name, tensor in header.tensors.items():
-        raw, kind = _gguf_raw(data, tensor), GGMLQuantizationType(tensor.kind)
         hf_name = _gguf_hf_name(name)
+        if not part.wants(hf_name):
+            continue
+        kind = GGMLQuantizationType(tensor.kind)
+        block, block_bytes = (1, 1) if kind in _FLOAT_TYPES else GGML_QUANT_SIZES[kind]
+        raw = part.cut(hf_name, _gguf_raw(data, tensor), block, block_bytes)
         weight: torch.Tensor | Q4Blocks
         if keep_q4 and kind in Q4_KINDS and hf_name.startswith("model.layers."):
             weight = Q4Blocks.from_gguf(raw, kind)
@@ -170,9 +218,9 @@ def _read_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, keep_q4: boo
             # dequantize yields numpy shape (rows, cols): GGUF's dims reversed, which is
             # torch's Linear layout. torch.tensor copies out of the read-only map.
             weight = torch.tensor(dequantize(raw, kind), dtype=dtype)
-        role = name.split(".")[-2]
-        if config.architecture == "llama" and role in rotary_heads:
-            reorder = partial(_unpermute_rotary, n_head=rotary_heads[role])
+        if config.architecture == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
+            # Per head, so a rank's whole heads unpermute alone.
+            reorder = partial(_unpermute_rotary, n_head=weight.shape[0] // config.head_dim)
             weight = weight.map_rows(reorder) if isinstance(weight, Q4Blocks) else reorder(weight).contiguous()
         tensors[hf_name] = weight
         progress.advance(raw.nbytes)
@@ -205,18 +253,24 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _load_hf_dir(directory: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _load_hf_dir(directory: Path, config: ModelConfig, dtype: torch.dtype, part: _Part) -> dict[str, torch.Tensor]:
+    tensors = _read_safetensors(_safetensors_files(directory), dtype, part)
+    if config.tie_word_embeddings:  # some tied checkpoints store the head anyway
+        tensors.pop("lm_head.weight", None)
+    return tensors
+
+
+def _read_safetensors(files: list[Path], dtype: torch.dtype, part: _Part) -> dict[str, torch.Tensor]:
+    """The tensors `part` wants, each read as its slice only."""
     tensors = {}
-    files = _safetensors_files(directory)
     progress = LoadProgress(sum(file.stat().st_size for file in files))
     for file in files:
         with safe_open(file, framework="pt") as checkpoint:
             for name in checkpoint.keys():
                 # Old Llama checkpoints store the rotary inverse frequencies, which we recompute.
-                if not name.endswith("rotary_emb.inv_freq"):
-                    tensor = checkpoint.get_tensor(name)
-                    progress.advance(tensor.nbytes)
-                    tensors[name] = tensor.to(dtype).contiguous()
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
+                if name.endswith("rotary_emb.inv_freq") or not part.wants(name):
+                    continue
+                tensor = part.cut(name, checkpoint.get_slice(name))
+                progress.advance(tensor.nbytes)
+                tensors[name] = tensor.to(dtype).contiguous()
     return tensors

@@ -19,7 +19,7 @@ from worker_svc.attention.paged_decode import (
     load_kernel,
 )
 from worker_svc.attention.torch_backend import TorchAttentionBackend
-from worker_svc.batch import RequestState, prepare_inputs
+from worker_svc.batch import RequestState, StepInputs, prepare_inputs
 from worker_svc.device import runs_q4_as_stored, torch_device, torch_dtype
 from worker_svc.kv_cache import (
     allocate_kv_cache,
@@ -31,6 +31,7 @@ from worker_svc.kv_cache import (
 from worker_svc.logits_processors import LogitsAdjustments
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.preflight import check_model
+from worker_svc.rank_group import RankGroup
 from worker_svc.sampler import SamplingBatch, gather_logprobs, position_seed, sample
 from worker_svc.weights import load_weights
 
@@ -39,43 +40,53 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# A request's prompt logits this step: (request id, logits, the tokens they score, top-k wanted).
+PromptLogits = tuple[str, torch.Tensor, torch.Tensor, int]
+
 
 class WrongWorkerInstance(RuntimeError):
     """A step plan made for another worker instance: this one holds none of its state."""
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
+        """One rank of a worker group (worker_svc/worker_group.py), or a whole worker when `group` is None."""
         self.config = config
+        self.group = group = group or RankGroup()
         self.instance_id = uuid.uuid4().hex
+        self.group_lost: str | None = None  # why the group is down, once a rank died
         checked = check_model(config)  # before any loading: a bad flag fails in milliseconds
         self.source = checked.source
         self.max_model_len = checked.max_model_len
-        self.device = torch_device(config)
+        self.device = torch_device(config, group.shard.rank)
         self.dtype = torch_dtype(config, self.device)
         torch.manual_seed(config.seed)  # what requests without a seed of their own draw from, as in vLLM
         started = time.perf_counter()
         self.runs_q4 = runs_q4_as_stored(config, self.device)
-        self.model_config, weights = load_weights(self.source, self.dtype, keep_q4=self.runs_q4)
+        self.model_config, weights = load_weights(self.source, self.dtype, keep_q4=self.runs_q4, shard=group.shard)
+        self.local_config = group.shard.local_config(self.model_config)  # the heads and layers this rank computes
         self.load_seconds = time.perf_counter() - started
         self.weights_bytes = sum(tensor.nbytes for tensor in weights.values())
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()  # CompileGrammar calls come on several threads
         self.attention_backend = self._attention_backend()
         with torch.device("meta"):
-            self.model = LlamaForCausalLM(self.model_config, self.attention_backend, self.max_model_len, self.device)
+            self.model = LlamaForCausalLM(self.model_config, self.attention_backend, self.max_model_len, self.device,
+                                          group)
         self.model.load_weights({name: t.to(self.device) for name, t in weights.items()})
         self.model.eval()
         self.block_size = config.block_size
         self.requests: dict[str, RequestState] = {}
         self.scheduler_instance_id = ""  # whose requests those are
         self.last_step_at = time.monotonic()  # when a step last began or ended
-        self.num_blocks = self._size_kv_cache()
-        self.kv_caches = allocate_kv_cache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
-        block_bytes = bytes_per_block(self.model_config, self.block_size, self.dtype)
-        self.num_host_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
+        # Block ids are the group's: every rank holds the same number, its own heads' and layers' share of each.
+        self.num_blocks = group.minimum(self._size_kv_cache())
+        self.kv_caches = allocate_kv_cache(self.local_config, self.num_blocks, self.block_size, self.dtype, self.device)
+        block_bytes = bytes_per_block(self.local_config, self.block_size, self.dtype)
+        swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
+        self.num_host_blocks = group.minimum(swap_blocks)
         self.host_kv_caches = (
-            allocate_kv_cache(self.model_config, self.num_host_blocks, self.block_size, self.dtype, torch.device("cpu"))
+            allocate_kv_cache(self.local_config, self.num_host_blocks, self.block_size, self.dtype, torch.device("cpu"))
             if self.num_host_blocks
             else []
         )
@@ -90,9 +101,14 @@ class Worker:
         else:
             stored = f"{model.quantization} dequantized to {dtype}" if model.quantization else dtype
         kv_tokens = self.num_blocks * self.block_size
-        kv_bytes = self.num_blocks * bytes_per_block(self.model_config, self.block_size, self.dtype)
+        kv_bytes = self.num_blocks * bytes_per_block(self.local_config, self.block_size, self.dtype)
+        shard, local = self.group.shard, self.local_config
+        rank = (f"rank {shard.rank} of {shard.tp_size} TP x {shard.pp_size} PP: {local.num_hidden_layers} layers, "
+                f"{local.num_attention_heads} heads, {local.num_key_value_heads} KV heads; " if self.group.distributed
+                else "")
         return [
             f"model {self.config.model}: {self.source.path} ({model.architecture}, {model.num_hidden_layers} layers)",
+            *([rank.removesuffix("; ")] if rank else []),
             f"weights: {stored} on {self.device}, {self.weights_bytes / 1e9:.2f} GB, loaded in {self.load_seconds:.1f} s",
             f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = {kv_tokens} tokens "
             f"({kv_bytes / 2**30:.2f} GiB); maximum concurrency at max_model_len {self.max_model_len}: "
@@ -100,13 +116,14 @@ class Worker:
         ]
 
     def _attention_backend(self) -> TorchAttentionBackend:
-        shape = (self.model_config.num_attention_heads, self.model_config.num_key_value_heads, self.model_config.head_dim)
+        shape = (self.local_config.num_attention_heads, self.local_config.num_key_value_heads, self.local_config.head_dim)
         use_kernel = PagedDecodeKernel.supports(self.dtype, self.device, *shape) and decode_kernel_enabled()
-        return TorchAttentionBackend(load_kernel() if use_kernel else None, self.model_config.num_key_value_heads)
+        return TorchAttentionBackend(load_kernel() if use_kernel else None, self.local_config.num_key_value_heads)
 
     def _size_kv_cache(self) -> int:
-        """Blocks that fit the memory budget once a full step's activations are accounted for."""
-        block_bytes = bytes_per_block(self.model_config, self.block_size, self.dtype)
+        """Blocks that fit the memory budget once a full step's activations are accounted for
+        (on CPU the budget is each rank's)."""
+        block_bytes = bytes_per_block(self.local_config, self.block_size, self.dtype)
         if self.config.num_gpu_blocks_override is not None:
             num_blocks = self.config.num_gpu_blocks_override
         elif self.device.type == "cuda":
@@ -120,7 +137,7 @@ class Worker:
             # On CPU the KV budget is given outright, as vLLM's VLLM_CPU_KVCACHE_SPACE, and
             # activations come from the host heap: there is nothing for a profile to size.
             num_blocks = num_blocks_for_budget(
-                self.model_config, self.block_size, self.dtype, self.config.kv_cache_memory
+                self.local_config, self.block_size, self.dtype, self.config.kv_cache_memory
             )
         check_fits_one_request(num_blocks, self.block_size, self.max_model_len, block_bytes)
         return num_blocks
@@ -132,7 +149,7 @@ class Worker:
         lengths = [self.max_model_len] * (total // self.max_model_len) + [total % self.max_model_len]
         lengths = [n for n in lengths if n]
         blocks_per_seq = [-(-n // self.block_size) for n in lengths]
-        scratch = allocate_kv_cache(self.model_config, sum(blocks_per_seq), self.block_size, self.dtype, self.device)
+        scratch = allocate_kv_cache(self.local_config, sum(blocks_per_seq), self.block_size, self.dtype, self.device)
         plan = StepPlan(step_id=-1)
         first_block = 0
         for index, (length, num_blocks) in enumerate(zip(lengths, blocks_per_seq)):
@@ -145,7 +162,8 @@ class Worker:
             inputs = prepare_inputs(plan, self.requests, self.block_size, self.device)
             metadata = self.attention_backend.build_metadata(inputs.layout)
             hidden = self.model(inputs.input_ids, inputs.positions, scratch, metadata)
-            self.model.compute_logits(hidden[: self.config.max_num_seqs])
+            if self.group.shard.is_last_stage:
+                self.model.compute_logits(hidden[: self.config.max_num_seqs])
         finally:
             self.requests.clear()
 
@@ -181,11 +199,32 @@ class Worker:
         self.grammars.compile(params)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """Runs a plan of the scheduler's; a group's leader first hands it to every rank."""
+        if self.group_lost is not None:
+            raise RuntimeError(f"the worker group is down: {self.group_lost}")
         if plan.worker_instance_id and plan.worker_instance_id != self.instance_id:
             raise WrongWorkerInstance(
                 f"step {plan.step_id} was planned for worker instance {plan.worker_instance_id}, this is "
                 f"{self.instance_id} (restarted?): it holds none of that plan's state"
             )
+        self.group.broadcast(plan, source=0)
+        return self.run_plan(plan)
+
+    def follow(self) -> None:
+        """A follower rank's life: the leader's plans, until it broadcasts None (closing)."""
+        while (plan := self.group.broadcast(None, source=0)) is not None:
+            self.run_plan(plan)
+
+    def lose_group(self, reason: str) -> None:
+        """A rank died: every later step fails with `reason`."""
+        self.group_lost = reason
+
+    def close(self) -> None:
+        """The leader tells its followers to exit."""
+        self.group.broadcast(None, source=0)
+
+    def run_plan(self, plan: StepPlan) -> StepResult:
+        """Every rank runs every plan, in the same order: their collectives pair up."""
         self.last_step_at = time.monotonic()
         if plan.scheduler_instance_id != self.scheduler_instance_id:
             self.drop_scheduler_state(f"scheduler instance {plan.scheduler_instance_id} took over")
@@ -203,14 +242,41 @@ class Worker:
 
     def _execute(self, plan: StepPlan) -> StepResult:
         self._apply_deltas(plan)
-        result = StepResult(plan.step_id)
         if not plan.num_scheduled_tokens:
-            return result
+            return StepResult(plan.step_id)
         inputs = prepare_inputs(plan, self.requests, self.block_size, self.device)
         metadata = self.attention_backend.build_metadata(inputs.layout)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
-        if inputs.sample_request_ids:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        outcome: StepResult | Exception | None = None
+        shard = self.group.shard
+        if shard.is_last_stage:
+            # Every collective first (the last stage's ranks gather logits together), so a
+            # sampling error on the sampling rank cannot leave the others waiting in one.
+            logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.sample_request_ids else None
+            prompt_logits = self._prompt_logits(plan, inputs.row_starts, hidden)
+            if shard.samples:
+                try:
+                    outcome = self._sample(plan.step_id, inputs, logits, prompt_logits)
+                except Exception as exc:  # shared below, so every rank fails this step alike
+                    outcome = exc
+        shared = self.group.broadcast(
+            RuntimeError(repr(outcome)) if isinstance(outcome, Exception) else outcome, self.group.sampling_rank
+        )
+        if isinstance(outcome, Exception):
+            raise outcome
+        if isinstance(shared, Exception):
+            raise shared
+        for request_id, tokens in shared.sampled_token_ids.items():
+            self.requests[request_id].token_ids.extend(tokens)
+        for request_id, count in plan.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += count
+        return shared
+
+    def _sample(
+        self, step_id: int, inputs: StepInputs, logits: torch.Tensor | None, prompt_logits: list[PromptLogits]
+    ) -> StepResult:
+        result = StepResult(step_id)
+        if logits is not None:
             states = [self.requests[r] for r in inputs.sample_request_ids]
             for state in states:
                 if state.generator is not None:
@@ -232,20 +298,21 @@ class Worker:
             tokens = sampled.tolist()
             if any(grammars):
                 self.grammars.accept(grammars, tokens)
-            for request_id, state, token in zip(inputs.sample_request_ids, states, tokens):
-                state.token_ids.append(token)
+            for request_id, token in zip(inputs.sample_request_ids, tokens):
                 result.sampled_token_ids[request_id] = [token]
             wanted = [s.sampling_params.logprobs for s in states]
             if any(n is not None for n in wanted):
                 for row, entry in gather_logprobs(logits, sampled, wanted).items():
                     result.logprobs[inputs.sample_request_ids[row]] = [entry]
-        self._prompt_logprobs(plan, inputs.row_starts, hidden, result)
-        for request_id, count in plan.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += count
+        for request_id, scored, targets, top in prompt_logits:
+            entries = gather_logprobs(scored, targets, [top] * len(targets))
+            result.prompt_logprobs[request_id] = [entries[row] for row in range(len(targets))]
         return result
 
-    def _prompt_logprobs(self, plan: StepPlan, row_starts: list[int], hidden: torch.Tensor, result: StepResult) -> None:
-        """Logprobs of the prompt tokens this step computed, for the requests that asked."""
+    def _prompt_logits(self, plan: StepPlan, row_starts: list[int], hidden: torch.Tensor) -> list[PromptLogits]:
+        """The logits of the prompt positions this step computed, for the requests that
+        asked for prompt logprobs, with the tokens they score."""
+        found = []
         for (request_id, count), first_row in zip(plan.num_scheduled_tokens.items(), row_starts):
             state = self.requests[request_id]
             top = state.sampling_params.prompt_logprobs
@@ -255,9 +322,10 @@ class Worker:
             if top is None or start >= end:
                 continue
             logits = self.model.compute_logits(hidden[first_row : first_row + end - start])
-            targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=self.device)
-            entries = gather_logprobs(logits, targets, [top] * (end - start))
-            result.prompt_logprobs[request_id] = [entries[row] for row in range(end - start)]
+            if logits is not None:
+                targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=self.device)
+                found.append((request_id, logits, targets, top))
+        return found
 
     def _apply_deltas(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:
@@ -265,9 +333,10 @@ class Worker:
         copy_blocks(plan.blocks_to_copy, self.kv_caches, self.kv_caches)
         copy_blocks(plan.blocks_to_swap_out, self.kv_caches, self.host_kv_caches)
         copy_blocks(plan.blocks_to_swap_in, self.host_kv_caches, self.kv_caches)
+        samples = self.group.shard.samples  # sampling state lives on the rank that samples
         for new in plan.new_requests:
             generator = None
-            if new.sampling_params.seed is not None:
+            if samples and new.sampling_params.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(new.sampling_params.seed)
             constraint = new.sampling_params.structured_outputs
             self.requests[new.request_id] = RequestState(
@@ -277,7 +346,8 @@ class Worker:
                 new.num_computed_tokens,
                 new.sampling_params,
                 generator,
-                self.grammars.request_grammar(constraint, new.token_ids[new.num_prompt_tokens:]) if constraint else None,
+                self.grammars.request_grammar(constraint, new.token_ids[new.num_prompt_tokens:])
+                if constraint and samples else None,
             )
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]

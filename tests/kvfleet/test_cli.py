@@ -79,8 +79,9 @@ def _hf_dir(tmp_path: Path, model_type: str, tokenizer: bool) -> Path:
 
 # argv after `kvfleet serve` -> what the one line must say
 REFUSED = {
-    "tensor-parallel": (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: kvfleet does not split a model"),
-    "pipeline-parallel": (["-pp", "2"], "--pipeline-parallel-size 2"),
+    "tensor-parallel": (["--tensor-parallel-size", "4"], "--tensor-parallel-size 4: with fewer KV heads (3) than "
+                        "ranks"),
+    "pipeline-parallel": (["-pp", "31"], "--pipeline-parallel-size 31: the model has only 30 layers"),
     "dtype": (["--dtype", "int8"], "--dtype int8: choose one of auto, half, float16, bfloat16, float, float32"),
     "block-size": (["--block-size", "7"], "--block-size 7: choose one of 8, 16, 32, 64, 128"),
     "quantization": (["--quantization", "awq"], "--quantization awq: kvfleet cannot run these weights yet"),

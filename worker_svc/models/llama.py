@@ -1,7 +1,9 @@
 """The Llama family (Llama 2/3, SmolLM, Mistral, and Qwen2 with its QKV bias) over a paged KV cache.
 
 Weights arrive with transformers' parameter names; q/k/v and gate/up are fused at
-load time so each becomes one matmul.
+load time so each becomes one matmul. In a worker group each rank builds its shard
+(worker_svc/shard.py): its heads and MLP columns, whose o_proj and down_proj sums
+the stage's ranks all-reduce, its vocabulary rows, and its stage's layers.
 """
 from __future__ import annotations
 
@@ -14,14 +16,16 @@ from worker_svc.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from worker_svc.model_config import ModelConfig
 from worker_svc.q4_weights import Q4Blocks
 from worker_svc.quantized_linear import DequantScratch, QuantizedLinear
+from worker_svc.rank_group import RankGroup
 from worker_svc.weights import Weights
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # the step's cos and sin tables
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, group: RankGroup) -> None:
         super().__init__()
+        self.group = group
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -39,27 +43,46 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(rope, q, k)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.group.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, group: RankGroup) -> None:
         super().__init__()
+        self.group = group
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.group.all_reduce(self.down_proj(F.silu(gate) * up))
+
+
+class VocabEmbedding(nn.Embedding):
+    """The embedding rows of this rank's vocabulary slice: the ranks' lookups sum to the
+    whole one, each contributing zeros for the tokens it does not hold."""
+
+    def __init__(self, rows: int, hidden_size: int, first_row: int, group: RankGroup) -> None:
+        super().__init__(rows, hidden_size)
+        self.first_row = first_row
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group.shard.tp_size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.first_row
+        outside = (local < 0) | (local >= self.num_embeddings)
+        hidden = super().forward(local.masked_fill(outside, 0)).masked_fill_(outside.unsqueeze(-1), 0)
+        return self.group.all_reduce(hidden)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, group: RankGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, backend, group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, group)
 
     def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: object) -> torch.Tensor:
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
@@ -68,38 +91,63 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, max_positions: int, device: torch.device
+        self, config: ModelConfig, backend: AttentionBackend, max_positions: int, device: torch.device,
+        group: RankGroup,
     ) -> None:
         """Build under `torch.device("meta")` and call load_weights: parameters are
-        assigned, never allocated twice; the rope tables live on `device` regardless."""
+        assigned, never allocated twice; the rope tables live on `device` regardless.
+        `config` is the whole model's; this rank builds `group.shard`'s part of it."""
         super().__init__()
+        shard = group.shard
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.group = group
+        local = shard.local_config(config)
+        vocab_rows = shard.vocab_per_rank(config.vocab_size)
+        if shard.is_first_stage:
+            self.embed_tokens = VocabEmbedding(vocab_rows, config.hidden_size, shard.vocab_rows(config.vocab_size)[0],
+                                               group)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, device)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(local, backend, group) for _ in range(local.num_hidden_layers))
+        if shard.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = Linear(config.hidden_size, vocab_rows, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's compute dtype: its norms' weights are kept in it, whatever else is quantized."""
+        return self.layers[0].input_layernorm.weight.dtype
 
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], metadata: object
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        """The hidden states after this stage's layers; a later stage receives its input
+        from the one before, and every stage but the last sends its output on."""
+        shard = self.group.shard
+        if shard.is_first_stage:
+            hidden = self.embed_tokens(input_ids)
+        else:
+            hidden = self.group.receive_hidden(len(input_ids), self.config.hidden_size, self.dtype, positions.device)
         rope = self.rotary.tables(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(rope, hidden, kv_cache, metadata)
+        if not shard.is_last_stage:
+            self.group.send_hidden(hidden)
         return hidden
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) for the rows that sample; the final norm is per row, so only they need it."""
-        return self.lm_head(self.norm(hidden)).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits (float32) for the rows that sample; the final norm is per row, so only
+        they need it. On the last stage only; None on its ranks that do not sample."""
+        logits = self.group.gather_vocab(self.lm_head(self.norm(hidden)))
+        return logits[:, : self.config.vocab_size].float() if logits is not None else None
 
     def load_weights(self, weights: Weights) -> None:
         """Copy transformers-named weights in, fusing q/k/v and gate/up; projections
-        given as 4-bit blocks become QuantizedLinear layers."""
+        given as 4-bit blocks become QuantizedLinear layers. A rank's vocabulary slice
+        is padded with zero rows to the size every rank's is."""
         fused: Weights = {}
-        for i in range(self.config.num_hidden_layers):
+        for i in range(len(self.layers)):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             for kind in ("weight", "bias"):
                 parts = [weights.pop(f"{src}self_attn.{p}_proj.{kind}", None) for p in "qkv"]
@@ -109,8 +157,16 @@ class LlamaForCausalLM(nn.Module):
             fused[f"{dst}mlp.gate_up_proj.weight"] = _cat(gate_up)
         for name, tensor in weights.items():
             fused[name.removeprefix("model.")] = tensor
-        if self.config.tie_word_embeddings:
-            fused["lm_head.weight"] = fused["embed_tokens.weight"]
+        shard = self.group.shard
+        if self.config.tie_word_embeddings and shard.is_last_stage:
+            embedding = fused["embed_tokens.weight"] if shard.is_first_stage else fused.pop("embed_tokens.weight")
+            fused["lm_head.weight"] = embedding
+        vocab_rows = shard.vocab_per_rank(self.config.vocab_size)
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            if name in fused and fused[name].shape[0] < vocab_rows:
+                fused[name] = F.pad(fused[name], (0, 0, 0, vocab_rows - fused[name].shape[0]))
+        if self.config.tie_word_embeddings and "embed_tokens.weight" in fused and "lm_head.weight" in fused:
+            fused["lm_head.weight"] = fused["embed_tokens.weight"]  # one tensor again after padding
         self._install_quantized(fused)
         # assign=True keeps tied embeddings one tensor and skips a copy.
         missing, unexpected = self.load_state_dict(fused, strict=False, assign=True)
@@ -125,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         quantized = [name for name, value in fused.items() if isinstance(value, Q4Blocks)]
         if not quantized:
             return
-        scratch = DequantScratch(fused["embed_tokens.weight"].dtype)  # the model's dtype
+        scratch = DequantScratch(fused["layers.0.input_layernorm.weight"].dtype)  # the model's dtype
         for name in quantized:
             module_name = name.removesuffix(".weight")
             parent, _, child = module_name.rpartition(".")

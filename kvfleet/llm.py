@@ -22,7 +22,7 @@ from tokenizer_svc.text_output import OutputProcessor
 from tokenizer_svc.tokenizer import Tokenizer
 from worker_svc.preflight import check_device, check_model
 from worker_svc.threads import configure_torch_threads
-from worker_svc.worker import Worker
+from worker_svc.worker_group import start_worker
 
 logger = logging.getLogger(__name__)
 # Every package whose lines the SDK shows: load progress, the start-up summary, notes.
@@ -49,7 +49,7 @@ class LLM:
         check_model(self.config)  # before the tokenizer loads, so a bad setting fails at once
         check_device(self.config)
         self.tokenizer = Tokenizer.for_engine(self.config)
-        self.engine = EngineCore(self.config, Worker(self.config))
+        self.engine = EngineCore(self.config, start_worker(self.config))
         self._request_ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

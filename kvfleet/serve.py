@@ -30,11 +30,11 @@ def serve_embedded(args: argparse.Namespace) -> None:
     from tokenizer_svc.in_process import InProcessEncoder
     from tokenizer_svc.tokenizer import Tokenizer
     from worker_svc.threads import configure_torch_threads
-    from worker_svc.worker import Worker
+    from worker_svc.worker_group import start_worker
 
     configure_torch_threads()
     encoder = InProcessEncoder(Tokenizer.for_engine(config, args.chat_template))
-    engine = AsyncEngine(EngineCore(config, Worker(config)))
+    engine = AsyncEngine(EngineCore(config, start_worker(config)))
     app = build_app(engine, encoder, args.served_model_name or [config.model], args.api_key,
                     RequestLimits.from_args(args), ChatOptions.from_args(args))
     engine.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("KVFLEET_NUM_THREADS", "1")  # for the processes tests spawn, such as a worker group's ranks
 
 import torch  # noqa: E402
 
@@ -79,6 +80,7 @@ def make_llm() -> Iterator[Callable[..., LLM]]:
     yield build
     for llm in built:
         assert_no_leaks(llm)
+        llm.engine.worker.close()  # a worker group's other ranks exit
 
 
 @pytest.hookimpl(wrapper=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 
 from services.cli_args import (
     add_engine_args,
@@ -26,11 +27,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 def run_worker(args: argparse.Namespace) -> int:
     from worker_svc.server import start_worker_server
     from worker_svc.threads import configure_torch_threads
-    from worker_svc.worker import Worker
+    from worker_svc.worker_group import start_worker
 
     configure_logging()
     configure_torch_threads()
-    worker = Worker(EngineConfig(**engine_args(args)))
+    # A rank of its group that dies ends this process: its scheduler sees one lost worker,
+    # and whoever supervises the worker starts the group again.
+    worker = start_worker(EngineConfig(**engine_args(args)), on_lost=lambda reason: os._exit(1))
     # The model's objects live as long as the process: kept out of every collection,
     # they cost no GC pass while serving, and exit skips ~1 s of collecting them.
     gc.freeze()

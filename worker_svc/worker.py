@@ -55,6 +55,7 @@ class Worker:
         self.group = group = group or RankGroup()
         self.instance_id = uuid.uuid4().hex
         self.group_lost: str | None = None  # why the group is down, once a rank died
+        self.closed = False
         checked = check_model(config)  # before any loading: a bad flag fails in milliseconds
         self.source = checked.source
         self.max_model_len = checked.max_model_len
@@ -200,8 +201,8 @@ class Worker:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs a plan of the scheduler's; a group's leader first hands it to every rank."""
-        if self.group_lost is not None:
-            raise RuntimeError(f"the worker group is down: {self.group_lost}")
+        if self.group_lost is not None or self.closed:
+            raise RuntimeError(f"the worker group is down: {self.group_lost or 'closed'}")
         if plan.worker_instance_id and plan.worker_instance_id != self.instance_id:
             raise WrongWorkerInstance(
                 f"step {plan.step_id} was planned for worker instance {plan.worker_instance_id}, this is "
@@ -220,8 +221,16 @@ class Worker:
         self.group_lost = reason
 
     def close(self) -> None:
-        """The leader tells its followers to exit."""
-        self.group.broadcast(None, source=0)
+        """A group's leader tells its followers to exit, once; then it takes no more plans."""
+        if self.closed or not self.group.distributed:
+            return
+        self.closed = True
+        if self.group_lost is None:
+            try:
+                self.group.broadcast(None, source=0)
+            except RuntimeError as exc:  # a rank died meanwhile: nothing left to tell
+                logger.warning("closing the worker group: %s", exc)
+        self.group.close()
 
     def run_plan(self, plan: StepPlan) -> StepResult:
         """Every rank runs every plan, in the same order: their collectives pair up."""

@@ -56,8 +56,8 @@ def start_worker(config: EngineConfig, on_lost: Callable[[str], None] | None = N
     watch.start()
     shard = Shard.of_rank(0, config.tensor_parallel_size, config.pipeline_parallel_size)
     worker = Worker(config, RankGroup.join(shard, store, torch_device(config, 0)))
-    watch.on_lost = on_lost or worker.lose_group
-    atexit.register(_close, worker, watch)
+    watch.worker, watch.on_lost = worker, on_lost or worker.lose_group
+    atexit.register(_close, worker, followers)
     return worker
 
 
@@ -67,34 +67,30 @@ class _RankWatch(threading.Thread):
     def __init__(self, followers: list[multiprocessing.Process]) -> None:
         super().__init__(name="kvfleet-rank-watch", daemon=True)
         self.followers = followers
-        self.closing = False
         # None while the group forms: a rank that dies then ends this process (nothing to fail over yet).
+        self.worker: Worker | None = None
         self.on_lost: Callable[[str], None] | None = None
 
     def run(self) -> None:
         by_sentinel = {process.sentinel: process for process in self.followers}
         ended = by_sentinel[multiprocessing.connection.wait(list(by_sentinel))[0]]
-        if self.closing:
+        if self.worker is not None and self.worker.closed:
             return
         reason = f"rank {ended.name.rsplit('-', 1)[-1]} of the worker group exited (code {ended.exitcode})"
         logger.error("%s: the worker group is down", reason)
         for process in self.followers:
             process.kill()
         if self.on_lost is None:
+            logger.error("a rank failed while the group was forming: exiting")
             os._exit(1)
         self.on_lost(reason)
 
 
-def _close(worker: Worker, watch: _RankWatch) -> None:
+def _close(worker: Worker, followers: list[multiprocessing.Process]) -> None:
     """At exit: the followers leave their loop and exit; any still there after the timeout are killed."""
-    watch.closing = True
-    if worker.group_lost is None:
-        try:
-            worker.close()
-        except Exception:  # a rank died meanwhile: killed below
-            pass
+    worker.close()
     deadline = time.monotonic() + _CLOSE_TIMEOUT_S
-    for process in watch.followers:
+    for process in followers:
         process.join(max(0.0, deadline - time.monotonic()))
         process.kill()
 

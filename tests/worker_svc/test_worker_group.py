@@ -1,0 +1,115 @@
+"""Worker groups on this CPU (gloo, 2 processes): TP=2 and PP=2 give the greedy tokens of
+TP=1, on the default model (3 KV heads: split 2 + 1) and on a tiny random Llama with
+fewer KV heads than ranks (replicated), with prefix caching, chunked prefill and
+preemption in play; the collectives per step are the ones the design says."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfleet import SamplingParams
+
+from conftest import hf_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+# Small enough to preempt and to chunk: 12 prompts of up to ~150 tokens in 48 blocks of 16.
+PRESSURE = dict(dtype="float32", block_size=16, num_gpu_blocks_override=48, max_model_len=512,
+                max_num_batched_tokens=96, enable_prefix_caching=True, enable_chunked_prefill=True)
+LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2)}
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    """12 prompts, half of them on one shared 64-token prefix, so the prefix cache hits."""
+    generator = torch.Generator().manual_seed(3)
+    shared = torch.randint(100, vocab_size, (64,), generator=generator).tolist()
+    prompts = []
+    for i, length in enumerate((5, 20, 33, 47, 70, 90, 12, 28, 51, 66, 100, 140)):
+        own = torch.randint(100, vocab_size, (length,), generator=generator).tolist()
+        prompts.append(shared + own if i % 2 else own)
+    return prompts
+
+
+def _generate(llm, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """4 query heads on 1 KV head, 3 layers (an uneven PP split), an odd vocabulary (padded TP slices)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.model_source import resolve_model
+    from tokenizer_svc.tokenizer import Tokenizer
+
+    config = LlamaConfig(vocab_size=49151, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=False, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    Tokenizer.load(resolve_model("smollm2")).save_pretrained(path)
+    model.generation_config.eos_token_id = None
+    return path, model
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_default_model_split_gives_the_tokens_of_one_rank(layout, make_llm, capfd):
+    prompts = _prompts(49152)
+    single = make_llm("smollm2", **PRESSURE)
+    expected = _generate(single, prompts)
+    assert single.engine.scheduler.num_preemptions > 0, "the test must preempt"
+    assert single.engine.scheduler.prefix_cache_hits > 0, "the test must hit the prefix cache"
+    del single
+    split = make_llm("smollm2", **PRESSURE, **LAYOUTS[layout])
+    assert _generate(split, prompts) == expected
+    scheduler = split.engine.scheduler
+    assert scheduler.num_preemptions > 0 and scheduler.prefix_cache_hits > 0
+    # The same block ids on every rank; each rank's blocks hold its own heads and layers.
+    worker = split.engine.worker
+    assert scheduler.block_pool.num_blocks == worker.num_blocks == 48
+    layers, kv_heads = len(worker.kv_caches), worker.kv_caches[0].shape[3]
+    if layout == "tp2":
+        assert (layers, kv_heads) == (30, 2)  # rank 0 holds KV heads 0-1, rank 1 head 2
+        assert "rank 1 of 2 TP x 1 PP: 30 layers, 3 heads, 1 KV heads" in capfd.readouterr().err
+    else:
+        assert (layers, kv_heads) == (15, 3)
+        assert "rank 1 of 1 TP x 2 PP: 15 layers, 9 heads, 3 KV heads" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_fewer_kv_heads_than_ranks_replicate_and_match_transformers(layout, tiny_llama, make_llm):
+    path, hf_model = tiny_llama
+    prompts = _prompts(49151)
+    expected = [hf_greedy(hf_model, prompt, GREEDY.max_tokens) for prompt in prompts]
+    llm = make_llm(str(path), **PRESSURE, **LAYOUTS[layout])
+    assert _generate(llm, prompts) == expected
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.scheduler.prefix_cache_hits > 0
+
+
+def test_tp2_collectives_per_step_are_what_the_design_says(make_llm):
+    """Per decode step of B requests on a model of L layers and hidden size H (float32):
+    2L + 1 all-reduces of B x H (o_proj, down_proj, the embedding), one gather of the
+    logits to the sampling rank, one plan and one outcome broadcast."""
+    llm = make_llm("smollm2", dtype="float32", tensor_parallel_size=2)
+    prompts = [[1, 504, 3458, 314, 260, 2379, 30 + i] for i in range(4)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    counts = llm.engine.worker.group.counts
+    counts.calls.clear()
+    counts.bytes.clear()
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):  # prefill them, then count one decode step alone
+        engine.add_request(f"decode-{i}", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    engine.step()
+    counts.calls.clear()
+    counts.bytes.clear()
+    engine.step()
+    layers, hidden, vocab, batch = 30, 576, 49152, 4
+    assert counts.calls["all_reduce"] == 2 * layers + 1
+    assert counts.bytes["all_reduce"] == (2 * layers + 1) * batch * hidden * 4
+    assert counts.calls["gather"] == 1 and counts.bytes["gather"] == batch * vocab // 2 * 4
+    assert counts.calls["broadcast"] == 2  # the plan, then the outcome
+    assert counts.bytes["broadcast"] < 4096  # a decode plan is a delta: no prompts, no block tables
+    while engine.has_work:
+        engine.step()

@@ -36,6 +36,7 @@ bench: setup
 	$(PY) benchmarks/offline_throughput.py
 	$(PY) benchmarks/quantized_weights.py
 	$(PY) benchmarks/step_overhead.py
+	$(PY) benchmarks/parallel_step.py
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/structured_outputs.py
 	$(PY) benchmarks/fleet_sim.py

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,14 +32,28 @@ _STARTUP_TIMEOUT = datetime.timedelta(minutes=10)
 
 @dataclass
 class CommCounts:
-    """Collectives this rank took part in, and the payload bytes it sent or received, by kind."""
+    """Collectives this rank took part in, by kind: how many, their payload bytes, and
+    the seconds it spent in them (waiting for slower ranks included)."""
 
     calls: Counter[str] = field(default_factory=Counter)
     bytes: Counter[str] = field(default_factory=Counter)
+    seconds: Counter[str] = field(default_factory=Counter)
 
-    def add(self, kind: str, num_bytes: int) -> None:
+    @contextmanager
+    def timed(self, kind: str, num_bytes: int) -> Iterator[None]:
+        started = time.perf_counter()
+        yield
+        self.record(kind, num_bytes, started)
+
+    def record(self, kind: str, num_bytes: int, started: float) -> None:
+        """One `kind` of `num_bytes` that began at perf_counter() `started` and has just ended."""
         self.calls[kind] += 1
         self.bytes[kind] += num_bytes
+        self.seconds[kind] += time.perf_counter() - started
+
+    def clear(self) -> None:
+        for counter in (self.calls, self.bytes, self.seconds):
+            counter.clear()
 
 
 class RankGroup:
@@ -81,45 +98,47 @@ class RankGroup:
         """The sum over this stage's TP ranks (in place)."""
         if self.shard.tp_size == 1:
             return partial_sums
-        self.counts.add("all_reduce", partial_sums.nbytes)
-        dist.all_reduce(partial_sums, group=self._tp_group)
+        with self.counts.timed("all_reduce", partial_sums.nbytes):
+            dist.all_reduce(partial_sums, group=self._tp_group)
         return partial_sums
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor | None:
         """The TP ranks' vocabulary slices of the logits, joined on the sampling rank; None elsewhere."""
         if self.shard.tp_size == 1:
             return logits
-        self.counts.add("gather", logits.nbytes)
         logits = logits.contiguous()
         first = self._tp_ranks[0]
         parts = [torch.empty_like(logits) for _ in self._tp_ranks] if self.shard.rank == first else None
-        dist.gather(logits, parts, dst=first, group=self._tp_group)
+        with self.counts.timed("gather", logits.nbytes):
+            dist.gather(logits, parts, dst=first, group=self._tp_group)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
         """To the same TP rank of the next stage."""
-        self.counts.add("send", hidden.nbytes)
-        dist.send(hidden.contiguous(), self.shard.rank + self.shard.tp_size)
+        with self.counts.timed("send", hidden.nbytes):
+            dist.send(hidden.contiguous(), self.shard.rank + self.shard.tp_size)
 
     def receive_hidden(self, num_tokens: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         hidden = torch.empty(num_tokens, width, dtype=dtype, device=device)
-        dist.recv(hidden, self.shard.rank - self.shard.tp_size)
-        self.counts.add("receive", hidden.nbytes)
+        with self.counts.timed("receive", hidden.nbytes):
+            dist.recv(hidden, self.shard.rank - self.shard.tp_size)
         return hidden
 
     # -- around the step ------------------------------------------------------------------
 
-    def broadcast(self, value: Any, source: int) -> Any:
-        """`value` pickled from rank `source` to every rank (only the source's matters)."""
+    def broadcast(self, value: Any, source: int, kind: str) -> Any:
+        """`value` pickled from rank `source` to every rank (only the source's matters);
+        `kind` names it in the counts."""
         if not self.distributed:
             return value
+        started = time.perf_counter()
         payload = pickle.dumps(value) if self.shard.rank == source else b""
         size = torch.tensor([len(payload)], dtype=torch.long)
         dist.broadcast(size, source)
         buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.shard.rank == source
                   else torch.empty(int(size), dtype=torch.uint8))
         dist.broadcast(buffer, source)
-        self.counts.add("broadcast", int(size))
+        self.counts.record(kind, int(size), started)  # the pickling and both broadcasts
         return value if self.shard.rank == source else pickle.loads(buffer.numpy().tobytes())
 
     def minimum(self, value: int) -> int:

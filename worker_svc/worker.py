@@ -208,12 +208,12 @@ class Worker:
                 f"step {plan.step_id} was planned for worker instance {plan.worker_instance_id}, this is "
                 f"{self.instance_id} (restarted?): it holds none of that plan's state"
             )
-        self.group.broadcast(plan, source=0)
+        self.group.broadcast(plan, 0, "plan")
         return self.run_plan(plan)
 
     def follow(self) -> None:
         """A follower rank's life: the leader's plans, until it broadcasts None (closing)."""
-        while (plan := self.group.broadcast(None, source=0)) is not None:
+        while (plan := self.group.broadcast(None, 0, "plan")) is not None:
             self.run_plan(plan)
 
     def lose_group(self, reason: str) -> None:
@@ -227,7 +227,7 @@ class Worker:
         self.closed = True
         if self.group_lost is None:
             try:
-                self.group.broadcast(None, source=0)
+                self.group.broadcast(None, 0, "plan")
             except RuntimeError as exc:  # a rank died meanwhile: nothing left to tell
                 logger.warning("closing the worker group: %s", exc)
         self.group.close()
@@ -269,7 +269,8 @@ class Worker:
                 except Exception as exc:  # shared below, so every rank fails this step alike
                     outcome = exc
         shared = self.group.broadcast(
-            RuntimeError(repr(outcome)) if isinstance(outcome, Exception) else outcome, self.group.sampling_rank
+            RuntimeError(repr(outcome)) if isinstance(outcome, Exception) else outcome, self.group.sampling_rank,
+            "outcome",
         )
         if isinstance(outcome, Exception):
             raise outcome

@@ -96,20 +96,18 @@ def test_tp2_collectives_per_step_are_what_the_design_says(make_llm):
     prompts = [[1, 504, 3458, 314, 260, 2379, 30 + i] for i in range(4)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     counts = llm.engine.worker.group.counts
-    counts.calls.clear()
-    counts.bytes.clear()
+    counts.clear()
     engine = llm.engine
     for i, prompt in enumerate(prompts):  # prefill them, then count one decode step alone
         engine.add_request(f"decode-{i}", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     engine.step()
-    counts.calls.clear()
-    counts.bytes.clear()
+    counts.clear()
     engine.step()
     layers, hidden, vocab, batch = 30, 576, 49152, 4
     assert counts.calls["all_reduce"] == 2 * layers + 1
     assert counts.bytes["all_reduce"] == (2 * layers + 1) * batch * hidden * 4
     assert counts.calls["gather"] == 1 and counts.bytes["gather"] == batch * vocab // 2 * 4
-    assert counts.calls["broadcast"] == 2  # the plan, then the outcome
-    assert counts.bytes["broadcast"] < 4096  # a decode plan is a delta: no prompts, no block tables
+    assert counts.calls["plan"] == 1 and counts.calls["outcome"] == 1
+    assert counts.bytes["plan"] < 2048  # a decode plan is a delta: no prompts, no block tables
     while engine.has_work:
         engine.step()

@@ -54,9 +54,21 @@ ROLES = ("gateway", "tokenizer", "scheduler", "worker", "serve")
 # them, so tests below check what the chart relies on in them.
 CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
 
+def merge_values(base: dict, override: dict) -> dict:
+    """Values files merged as helm merges its -f files: maps deeply, anything else replaced."""
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        merged[key] = (merge_values(merged[key], value) if isinstance(value, dict)
+                       and isinstance(merged.get(key), dict) else value)
+    return merged
+
+
 VALUE_SETS = {
     "default": {},
     "gpu-example": yaml.safe_load((CHART / "values-gpu-example.yaml").read_text()),
+    # helm install -f values-gpu-example.yaml -f values-gpu-tp-example.yaml
+    "gpu-tp-example": merge_values(yaml.safe_load((CHART / "values-gpu-example.yaml").read_text()),
+                                   yaml.safe_load((CHART / "values-gpu-tp-example.yaml").read_text())),
     "external-nats-redis": {
         "nats": {"bundled": False, "url": "nats://nats.messaging.svc:4222"},
         "redis": {"bundled": False, "url": "redis://redis.cache.svc:6379/0"},
@@ -255,6 +267,17 @@ def test_gpu_example_requests_a_gpu_on_gpu_nodes():
     assert "--gpu-memory-utilization=0.9" in argv and "--enable-prefix-caching" in argv
 
 
+def test_gpu_tp_example_gives_the_worker_one_gpu_per_rank():
+    rendered = render("gpu-tp-example")
+    pod = rendered.one("Deployment", f"{RELEASE}-replica")["spec"]["template"]["spec"]
+    worker = next(c for c in pod["containers"] if c["name"] == "worker")
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert {"name": "NCCL_DEBUG", "value": "WARN"} in worker["env"]
+    assert {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "16Gi"
+    argv = container_argv(worker, {m["metadata"]["name"]: m["data"] for m in rendered.find("ConfigMap")})
+    assert "--tensor-parallel-size=4" in argv
+
+
 def test_external_nats_redis_and_api_key_secret():
     rendered = render("external-nats-redis")
     names = {m["metadata"]["name"] for m in rendered.manifests}
@@ -315,7 +338,9 @@ def test_chart_refuses_contradictory_values():
     with helm.Chart.load(CHART) as chart:
         for values in ({"autoscaling": {"keda": {"enabled": True}, "hpa": {"enabled": True}}},
                        {"nats": {"bundled": False}},
-                       {"engine": {"model": "smollm2"}}):
+                       {"engine": {"model": "smollm2"}},
+                       # one GPU per rank of the worker group
+                       {"engine": {"tensor-parallel-size": 2}, "replica": {"worker": {"gpus": 1}}}):
             with pytest.raises(helm.HelmRenderError):
                 chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
 

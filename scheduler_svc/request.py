@@ -37,6 +37,7 @@ class Request:
     stop_reason: int | str | None = None
     # Set when the worker has this request's state: later steps send only deltas.
     known_to_worker: bool = False
+    num_outputs_on_worker: int = 0  # output tokens the worker has been sent
     cache_salt: str | None = None
     # Prefix caching: hashes of the full blocks of all_token_ids, and how many of
     # this request's blocks are indexed in the pool already.

@@ -247,12 +247,14 @@ class Scheduler:
 
     def _add_to_plan(self, plan: StepPlan, request: Request, num_tokens: int, new_blocks: list[int]) -> None:
         plan.num_scheduled_tokens[request.request_id] = num_tokens
+        outputs = request.output_token_ids
         if request.known_to_worker:
-            plan.cached_requests.append(
-                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
-            )
+            plan.cached_requests.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens,
+                                                          outputs[request.num_outputs_on_worker :]))
+            request.num_outputs_on_worker = len(outputs)
             return
         request.known_to_worker = True
+        request.num_outputs_on_worker = len(outputs)
         plan.new_requests.append(
             NewRequestData(
                 request_id=request.request_id,

@@ -29,6 +29,8 @@ class CachedRequestData:
     new_block_ids: list[int]
     # Tokens whose KV the worker already holds; lets the worker check it is in sync.
     num_computed_tokens: int
+    # Tokens sampled since the worker last heard of the request (its next inputs).
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -1,18 +1,20 @@
 """What the ranks of one TP x PP worker group exchange, over torch.distributed (gloo on
 CPU, NCCL for a GPU's tensors), and a count of it: each collective a step runs is here.
 
-Per step: the leader broadcasts the plan; each layer's row-parallel projections
-all-reduce their partial sums over the stage's TP ranks (and so does the vocab-parallel
-embedding); a stage sends its hidden states to the next; the sampling rank gathers the
-vocab-parallel logits and broadcasts the step's outcome, which carries the sampled
-tokens every rank appends. A group of one rank does none of it.
+Per step: the leader sends the plan to every rank; each layer's row-parallel
+projections all-reduce their partial sums over the stage's TP ranks (and so does the
+vocab-parallel embedding); a stage sends its hidden states to the next; the sampling
+rank gathers the vocab-parallel logits, samples, and (when it is not the leader) sends
+the outcome to the leader. The tokens sampled reach every rank in the next plans.
+Plans and hidden states are sent without waiting for their receiver, so a pipeline's
+stages work on different steps at once. A group of one rank does none of it.
 """
 from __future__ import annotations
 
 import datetime
 import pickle
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +28,10 @@ from worker_svc.shard import SINGLE, Shard
 # Idle followers wait in a collective for the next plan: no timeout may end that. A dead
 # rank is seen at once anyway (its sockets close), and a hung one by the scheduler's deadline.
 _NO_TIMEOUT = datetime.timedelta(days=365)
+# Tags of the point-to-point messages, one per kind, so that each pairs with its own kind.
+_PLAN, _HIDDEN, _OUTCOME = 1, 2, 3
+# Posted sends held at most: past it the oldest is waited for (a receiver that far behind is stuck anyway).
+_MAX_SENDING = 64
 # How long the ranks may take to meet: a spawned rank imports torch first (seconds; more on a loaded machine).
 _STARTUP_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -62,6 +68,7 @@ class RankGroup:
         self.counts = CommCounts()
         self._tp_group: dist.ProcessGroup | None = None
         self._tp_ranks: list[int] = [shard.rank]
+        self._sending: deque[tuple[dist.Work, torch.Tensor]] = deque()  # posted sends, oldest first
 
     @staticmethod
     def open_store(host: str, port: int, world_size: int, leader: bool) -> dist.TCPStore:
@@ -114,32 +121,58 @@ class RankGroup:
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
-        """To the same TP rank of the next stage."""
+        """To the same TP rank of the next stage, without waiting for it to take them."""
         with self.counts.timed("send", hidden.nbytes):
-            dist.send(hidden.contiguous(), self.shard.rank + self.shard.tp_size)
+            self._post(hidden.contiguous(), self.shard.rank + self.shard.tp_size, _HIDDEN)
 
     def receive_hidden(self, num_tokens: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         hidden = torch.empty(num_tokens, width, dtype=dtype, device=device)
         with self.counts.timed("receive", hidden.nbytes):
-            dist.recv(hidden, self.shard.rank - self.shard.tp_size)
+            dist.recv(hidden, self.shard.rank - self.shard.tp_size, tag=_HIDDEN)
         return hidden
 
     # -- around the step ------------------------------------------------------------------
 
-    def broadcast(self, value: Any, source: int, kind: str) -> Any:
-        """`value` pickled from rank `source` to every rank (only the source's matters);
-        `kind` names it in the counts."""
+    def send_plan(self, plan: Any) -> None:
+        """From the leader to every other rank, without waiting for them: a pipeline's
+        later stages take plan N+1 once they are done with plan N."""
         if not self.distributed:
-            return value
+            return
         started = time.perf_counter()
-        payload = pickle.dumps(value) if self.shard.rank == source else b""
-        size = torch.tensor([len(payload)], dtype=torch.long)
-        dist.broadcast(size, source)
-        buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.shard.rank == source
-                  else torch.empty(int(size), dtype=torch.uint8))
-        dist.broadcast(buffer, source)
-        self.counts.record(kind, int(size), started)  # the pickling and both broadcasts
-        return value if self.shard.rank == source else pickle.loads(buffer.numpy().tobytes())
+        payload = _payload(plan)
+        for rank in range(1, self.shard.world_size):
+            for tensor in payload:
+                self._post(tensor, rank, _PLAN)
+        self.counts.record("plan", payload[1].nbytes, started)
+
+    def receive_plan(self) -> Any:
+        return self._receive_object(0, _PLAN, "plan")
+
+    def send_outcome(self, outcome: Any) -> None:
+        """From the sampling rank to the leader (nothing to send when they are one rank)."""
+        started = time.perf_counter()
+        size, data = _payload(outcome)
+        dist.send(size, 0, tag=_OUTCOME)
+        dist.send(data, 0, tag=_OUTCOME)
+        self.counts.record("outcome", data.nbytes, started)
+
+    def receive_outcome(self) -> Any:
+        return self._receive_object(self.sampling_rank, _OUTCOME, "outcome")
+
+    def _receive_object(self, source: int, tag: int, kind: str) -> Any:
+        size = torch.empty(1, dtype=torch.long)
+        dist.recv(size, source, tag=tag)
+        started = time.perf_counter()  # from the moment it is coming: waiting for it is idle time
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(data, source, tag=tag)
+        self.counts.record(kind, data.nbytes, started)
+        return pickle.loads(data.numpy().tobytes())
+
+    def _post(self, tensor: torch.Tensor, destination: int, tag: int) -> None:
+        """Sends without waiting for the receiver; the tensor is kept until the send is done."""
+        self._sending.append((dist.isend(tensor, destination, tag=tag), tensor))
+        while self._sending and (len(self._sending) > _MAX_SENDING or self._sending[0][0].is_completed()):
+            self._sending.popleft()[0].wait()
 
     def minimum(self, value: int) -> int:
         """The smallest of every rank's `value`."""
@@ -153,3 +186,9 @@ class RankGroup:
     def sampling_rank(self) -> int:
         """The last stage's first TP rank."""
         return (self.shard.pp_size - 1) * self.shard.tp_size
+
+
+def _payload(value: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`value` pickled, as its size and its bytes, the two messages an object travels in."""
+    data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+    return torch.tensor([data.numel()], dtype=torch.long), data

@@ -208,12 +208,13 @@ class Worker:
                 f"step {plan.step_id} was planned for worker instance {plan.worker_instance_id}, this is "
                 f"{self.instance_id} (restarted?): it holds none of that plan's state"
             )
-        self.group.broadcast(plan, 0, "plan")
-        return self.run_plan(plan)
+        self.group.send_plan(plan)
+        result = self.run_plan(plan)
+        return result if result is not None else self._outcome()
 
     def follow(self) -> None:
         """A follower rank's life: the leader's plans, until it broadcasts None (closing)."""
-        while (plan := self.group.broadcast(None, 0, "plan")) is not None:
+        while (plan := self.group.receive_plan()) is not None:
             self.run_plan(plan)
 
     def lose_group(self, reason: str) -> None:
@@ -227,13 +228,14 @@ class Worker:
         self.closed = True
         if self.group_lost is None:
             try:
-                self.group.broadcast(None, 0, "plan")
+                self.group.send_plan(None)
             except RuntimeError as exc:  # a rank died meanwhile: nothing left to tell
                 logger.warning("closing the worker group: %s", exc)
         self.group.close()
 
-    def run_plan(self, plan: StepPlan) -> StepResult:
-        """Every rank runs every plan, in the same order: their collectives pair up."""
+    def run_plan(self, plan: StepPlan) -> StepResult | None:
+        """Every rank runs every plan, in the same order: their collectives pair up. The
+        sampling rank returns the outcome; the others None."""
         self.last_step_at = time.monotonic()
         if plan.scheduler_instance_id != self.scheduler_instance_id:
             self.drop_scheduler_state(f"scheduler instance {plan.scheduler_instance_id} took over")
@@ -249,15 +251,25 @@ class Worker:
             logger.warning("dropping the state of %d requests: %s", len(self.requests), reason)
             self.requests.clear()
 
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def _execute(self, plan: StepPlan) -> StepResult | None:
         self._apply_deltas(plan)
-        if not plan.num_scheduled_tokens:
-            return StepResult(plan.step_id)
+        shard = self.group.shard
+        outcome = self._compute(plan) if plan.num_scheduled_tokens else StepResult(plan.step_id)
+        if not shard.samples:
+            return None
+        if shard.rank != 0:
+            self.group.send_outcome(RuntimeError(repr(outcome)) if isinstance(outcome, Exception) else outcome)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def _compute(self, plan: StepPlan) -> StepResult | Exception | None:
+        """The step's forward; on the sampling rank, its outcome (an exception when sampling failed)."""
+        shard = self.group.shard
         inputs = prepare_inputs(plan, self.requests, self.block_size, self.device)
         metadata = self.attention_backend.build_metadata(inputs.layout)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
         outcome: StepResult | Exception | None = None
-        shard = self.group.shard
         if shard.is_last_stage:
             # Every collective first (the last stage's ranks gather logits together), so a
             # sampling error on the sampling rank cannot leave the others waiting in one.
@@ -266,21 +278,18 @@ class Worker:
             if shard.samples:
                 try:
                     outcome = self._sample(plan.step_id, inputs, logits, prompt_logits)
-                except Exception as exc:  # shared below, so every rank fails this step alike
+                except Exception as exc:  # this step fails on every rank alike
                     outcome = exc
-        shared = self.group.broadcast(
-            RuntimeError(repr(outcome)) if isinstance(outcome, Exception) else outcome, self.group.sampling_rank,
-            "outcome",
-        )
-        if isinstance(outcome, Exception):
-            raise outcome
-        if isinstance(shared, Exception):
-            raise shared
-        for request_id, tokens in shared.sampled_token_ids.items():
-            self.requests[request_id].token_ids.extend(tokens)
         for request_id, count in plan.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += count
-        return shared
+        return outcome
+
+    def _outcome(self) -> StepResult:
+        """The leader's: the step's outcome, from the sampling rank."""
+        outcome = self.group.receive_outcome()
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
     def _sample(
         self, step_id: int, inputs: StepInputs, logits: torch.Tensor | None, prompt_logits: list[PromptLogits]
@@ -367,3 +376,4 @@ class Worker:
                     f"computed tokens, the scheduler says {cached.num_computed_tokens}"
                 )
             state.block_ids.extend(cached.new_block_ids)
+            state.token_ids.extend(cached.new_token_ids)

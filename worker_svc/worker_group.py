@@ -76,6 +76,7 @@ class _RankWatch(threading.Thread):
         ended = by_sentinel[multiprocessing.connection.wait(list(by_sentinel))[0]]
         if self.worker is not None and self.worker.closed:
             return
+        ended.join(1.0)  # reaps it, so its exit code is known
         reason = f"rank {ended.name.rsplit('-', 1)[-1]} of the worker group exited (code {ended.exitcode})"
         logger.error("%s: the worker group is down", reason)
         for process in self.followers:

@@ -234,6 +234,7 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
                 request_id=cached.request_id,
                 new_block_ids=cached.new_block_ids,
                 num_computed_tokens=cached.num_computed_tokens,
+                new_token_ids=cached.new_token_ids,
             )
             for cached in plan.cached_requests
         ],
@@ -269,6 +270,7 @@ def plan_from_proto(message: worker_pb2.StepPlan) -> StepPlan:
                 request_id=cached.request_id,
                 new_block_ids=list(cached.new_block_ids),
                 num_computed_tokens=cached.num_computed_tokens,
+                new_token_ids=list(cached.new_token_ids),
             )
             for cached in message.cached_requests
         ],

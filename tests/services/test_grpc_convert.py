@@ -110,7 +110,7 @@ def test_step_plan_round_trip_keeps_batch_order() -> None:
     plan = StepPlan(
         step_id=41,
         new_requests=[NewRequestData("b", [5, 6, 7, 8], 3, [3, 4], 2, FULL_PARAMS)],
-        cached_requests=[CachedRequestData("z", [9], 17), CachedRequestData("a", [], 3)],
+        cached_requests=[CachedRequestData("z", [9], 17, [42, 7]), CachedRequestData("a", [], 3)],
         num_scheduled_tokens={"z": 1, "b": 2, "a": 1},
         finished_request_ids=["gone", "preempted"],
         blocks_to_copy=[(1, 2)],

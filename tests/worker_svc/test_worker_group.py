@@ -91,7 +91,7 @@ def test_fewer_kv_heads_than_ranks_replicate_and_match_transformers(layout, tiny
 def test_tp2_collectives_per_step_are_what_the_design_says(make_llm):
     """Per decode step of B requests on a model of L layers and hidden size H (float32):
     2L + 1 all-reduces of B x H (o_proj, down_proj, the embedding), one gather of the
-    logits to the sampling rank, one plan and one outcome broadcast."""
+    logits to the sampling rank (the leader, which needs no outcome sent), one plan sent."""
     llm = make_llm("smollm2", dtype="float32", tensor_parallel_size=2)
     prompts = [[1, 504, 3458, 314, 260, 2379, 30 + i] for i in range(4)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
@@ -107,7 +107,7 @@ def test_tp2_collectives_per_step_are_what_the_design_says(make_llm):
     assert counts.calls["all_reduce"] == 2 * layers + 1
     assert counts.bytes["all_reduce"] == (2 * layers + 1) * batch * hidden * 4
     assert counts.calls["gather"] == 1 and counts.bytes["gather"] == batch * vocab // 2 * 4
-    assert counts.calls["plan"] == 1 and counts.calls["outcome"] == 1
+    assert counts.calls["plan"] == 1 and "outcome" not in counts.calls  # the leader samples
     assert counts.bytes["plan"] < 2048  # a decode plan is a delta: no prompts, no block tables
     while engine.has_work:
         engine.step()

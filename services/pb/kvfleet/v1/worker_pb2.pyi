@@ -50,14 +50,16 @@ class NewRequestData(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class CachedRequestData(_message.Message):
-    __slots__ = ("request_id", "new_block_ids", "num_computed_tokens")
+    __slots__ = ("request_id", "new_block_ids", "num_computed_tokens", "new_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledTokens(_message.Message):
     __slots__ = ("request_id", "num_tokens")

@@ -7,7 +7,9 @@ StepResult travel either way; nothing else changes.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Protocol
 
@@ -48,6 +50,10 @@ class WorkerHandle(Protocol):
     def execute(self, plan: StepPlan) -> StepResult:
         """Raises WorkerLost when the worker holds none of the state the plan builds on."""
 
+    def submit(self, plan: StepPlan) -> Future[StepResult]:
+        """execute() without waiting for the result, for a group that works on several
+        plans at once (its pipeline stages); plans run in the order submitted."""
+
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compiles a constraint into the worker's grammar cache; InvalidParameter when invalid."""
 
@@ -59,6 +65,8 @@ class EngineCore:
         self.instance_id = uuid.uuid4().hex  # its worker drops what a previous instance left there
         self.description = described = worker.describe()
         self._worker_lost = False
+        # Plans handed to a pipelined group whose results are still to come, oldest first.
+        self._in_flight: deque[tuple[StepPlan, Future[StepResult]]] = deque()
         self.max_model_len = described.max_model_len
         self.eos_token_ids = described.eos_token_ids
         self.scheduler = Scheduler(
@@ -133,16 +141,43 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         # A lost worker is tried again by the next add_request, not by spinning on steps.
-        return self.scheduler.has_work and not self._worker_lost
+        return (self.scheduler.has_work or bool(self._in_flight)) and not self._worker_lost
 
     def step(self) -> list[TokenDelta]:
-        plan = self.scheduler.schedule()
+        """One plan's worth of progress. With a pipelined group (description.max_plans_in_flight
+        > 1) it first fills the pipeline with plans of the requests not already in flight
+        (vLLM's virtual engines: the stages each work on another plan), then waits for the
+        oldest plan's result."""
+        if self.description.max_plans_in_flight == 1:
+            plan = self._plan()
+            return self._finish(plan, lambda: self.worker.execute(plan))
+        depth = self.description.max_plans_in_flight
+        while len(self._in_flight) < depth and (self.scheduler.num_schedulable or self.scheduler.has_drops):
+            # An even share for each plan the pipeline has room for.
+            plan = self._plan(-(-self.scheduler.num_schedulable // (depth - len(self._in_flight))))
+            try:
+                self._in_flight.append((plan, self.worker.submit(plan)))
+            except Exception as exc:  # never handed over: fails as an executed plan would
+                return self._finish(plan, lambda: _raise(exc))
+            if not plan.num_scheduled_tokens:
+                break  # nothing could be scheduled: wait for a result before trying again
+        if not self._in_flight:
+            return []
+        plan, result = self._in_flight.popleft()
+        return self._finish(plan, result.result)
+
+    def _plan(self, max_requests: int | None = None) -> StepPlan:
+        plan = self.scheduler.schedule(max_requests)
         plan.worker_instance_id = self.description.instance_id
         plan.scheduler_instance_id = self.instance_id
+        return plan
+
+    def _finish(self, plan: StepPlan, result_of: Callable[[], StepResult]) -> list[TokenDelta]:
         try:
-            result = self.worker.execute(plan)
+            result = result_of()
         except WorkerLost as exc:
             self._worker_lost = True
+            self._in_flight.clear()  # their requests end with the rest
             raise StepFailed(self.scheduler.forget_worker(), exc) from exc
         except Exception as exc:
             # Only the requests in this step are in doubt: end them (freeing their
@@ -201,3 +236,7 @@ class EngineCore:
             iteration_tokens=scheduler.iteration_tokens.snapshot(),
             cache_config=self.cache_config,
         )
+
+
+def _raise(exc: Exception) -> StepResult:
+    raise exc

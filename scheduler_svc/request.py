@@ -38,6 +38,7 @@ class Request:
     # Set when the worker has this request's state: later steps send only deltas.
     known_to_worker: bool = False
     num_outputs_on_worker: int = 0  # output tokens the worker has been sent
+    in_flight: bool = False  # in a plan whose result has not come back: not scheduled again until it has
     cache_salt: str | None = None
     # Prefix caching: hashes of the full blocks of all_token_ids, and how many of
     # this request's blocks are indexed in the pool already.

@@ -137,28 +137,46 @@ class Scheduler:
         """Requests to run, or ended ones the worker has not been told to drop yet."""
         return bool(self.requests or self._dropped_ids)
 
+    @property
+    def has_drops(self) -> bool:
+        """Ended requests or block copies that the next plan must tell the worker."""
+        return bool(self._dropped_ids or self._pending_copies)
+
+    @property
+    def num_schedulable(self) -> int:
+        """Requests a plan now could take: with plans in flight (a pipeline), their
+        requests wait for their results."""
+        return len(self.waiting) + sum(not request.in_flight for request in self.running)
+
     # -- one step --------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, max_requests: int | None = None) -> StepPlan:
+        """The next plan; `max_requests` caps the requests in it, so that a pipeline's
+        plans in flight share the requests (each stage busy with its own micro-batch)."""
         plan = StepPlan(step_id=next(self._step_ids))
         budget = self.config.max_num_batched_tokens
         preemptions_before = self.num_preemptions
-        budget = self._schedule_running(plan, budget)
+        budget = self._schedule_running(plan, budget, max_requests)
         # After a preemption memory is short: admitting new work would only thrash.
         if self.num_preemptions == preemptions_before:
-            self._schedule_waiting(plan, budget)
+            self._schedule_waiting(plan, budget, max_requests)
         plan.finished_request_ids, self._dropped_ids = self._dropped_ids, []
         plan.blocks_to_copy, self._pending_copies = self._pending_copies, []
         return plan
 
-    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+    def _schedule_running(self, plan: StepPlan, budget: int, max_requests: int | None) -> int:
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(plan.num_scheduled_tokens) != max_requests:
             request = self.running[index]
+            if request.in_flight:
+                index += 1
+                continue
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             new_blocks = self._allocate_slots(request, num_tokens)
             while new_blocks is None:
-                victim = self.running.pop()
+                # The newest request not in flight: one in flight is computing into its blocks.
+                victim = next(r for r in reversed(self.running) if not r.in_flight)
+                self.running.remove(victim)
                 self._preempt(victim, plan)
                 if victim is request:
                     return budget
@@ -168,8 +186,9 @@ class Scheduler:
             index += 1
         return budget
 
-    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
-        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+    def _schedule_waiting(self, plan: StepPlan, budget: int, max_requests: int | None) -> None:
+        while (self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0
+               and len(plan.num_scheduled_tokens) != max_requests):
             request = self.waiting[0]
             if request.status is RequestStatus.SWAPPED:
                 admitted = self._swap_in(request, plan, budget)
@@ -247,6 +266,7 @@ class Scheduler:
 
     def _add_to_plan(self, plan: StepPlan, request: Request, num_tokens: int, new_blocks: list[int]) -> None:
         plan.num_scheduled_tokens[request.request_id] = num_tokens
+        request.in_flight = True
         outputs = request.output_token_ids
         if request.known_to_worker:
             plan.cached_requests.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens,
@@ -327,6 +347,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            request.in_flight = False
             request.num_computed_tokens += num_tokens
             if request_id in result.prompt_logprobs:
                 request.prompt_logprobs += result.prompt_logprobs[request_id]

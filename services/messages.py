@@ -85,6 +85,8 @@ class WorkerDescription:
     eos_token_ids: tuple[int, ...]
     # New for every worker process: tells a restarted worker (empty KV cache) from the old one.
     instance_id: str
+    # Plans the group works on at once (its pipeline stages): the scheduler keeps this many in flight.
+    max_plans_in_flight: int = 1
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,8 @@ class RankGroup:
         self._tp_group: dist.ProcessGroup | None = None
         self._tp_ranks: list[int] = [shard.rank]
         self._sending: deque[tuple[dist.Work, torch.Tensor]] = deque()  # posted sends, oldest first
+        # Outcomes travel apart from plans and hidden states: the leader receives them on a thread of their own.
+        self._outcome_group: dist.ProcessGroup | None = None
 
     @staticmethod
     def open_store(host: str, port: int, world_size: int, leader: bool) -> dist.TCPStore:
@@ -89,6 +91,8 @@ class RankGroup:
             tp_group = dist.new_group(ranks)
             if stage == shard.pp_rank:
                 group._tp_group, group._tp_ranks = tp_group, ranks
+        if shard.pp_size > 1:
+            group._outcome_group = dist.new_group([0, group.sampling_rank])
         return group
 
     @property
@@ -152,19 +156,19 @@ class RankGroup:
         """From the sampling rank to the leader (nothing to send when they are one rank)."""
         started = time.perf_counter()
         size, data = _payload(outcome)
-        dist.send(size, 0, tag=_OUTCOME)
-        dist.send(data, 0, tag=_OUTCOME)
+        dist.send(size, 0, group=self._outcome_group, tag=_OUTCOME)
+        dist.send(data, 0, group=self._outcome_group, tag=_OUTCOME)
         self.counts.record("outcome", data.nbytes, started)
 
     def receive_outcome(self) -> Any:
-        return self._receive_object(self.sampling_rank, _OUTCOME, "outcome")
+        return self._receive_object(self.sampling_rank, _OUTCOME, "outcome", self._outcome_group)
 
-    def _receive_object(self, source: int, tag: int, kind: str) -> Any:
+    def _receive_object(self, source: int, tag: int, kind: str, group: dist.ProcessGroup | None = None) -> Any:
         size = torch.empty(1, dtype=torch.long)
-        dist.recv(size, source, tag=tag)
+        dist.recv(size, source, group=group, tag=tag)
         started = time.perf_counter()  # from the moment it is coming: waiting for it is idle time
         data = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(data, source, tag=tag)
+        dist.recv(data, source, group=group, tag=tag)
         self.counts.record(kind, data.nbytes, started)
         return pickle.loads(data.numpy().tobytes())
 

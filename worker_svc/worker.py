@@ -5,6 +5,8 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +32,7 @@ from worker_svc.kv_cache import (
 )
 from worker_svc.logits_processors import LogitsAdjustments
 from worker_svc.models.llama import LlamaForCausalLM
+from worker_svc.outcomes import Outcomes
 from worker_svc.preflight import check_model
 from worker_svc.rank_group import RankGroup
 from worker_svc.sampler import SamplingBatch, gather_logprobs, position_seed, sample
@@ -91,6 +94,8 @@ class Worker:
             if self.num_host_blocks
             else []
         )
+        # A pipeline's leader gets each plan's outcome later, from the last stage.
+        self._outcomes = Outcomes(group) if group.shard.rank == 0 and not group.shard.samples else None
         for line in self.summary():
             logger.info("%s", line)
 
@@ -182,6 +187,7 @@ class Worker:
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=self.model_config.eos_token_ids,
             instance_id=self.instance_id,
+            max_plans_in_flight=self.group.shard.pp_size,
         )
 
     @property
@@ -201,6 +207,26 @@ class Worker:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs a plan of the scheduler's; a group's leader first hands it to every rank."""
+        if self._outcomes is not None:
+            return self.submit(plan).result()
+        self._check(plan)
+        self.group.send_plan(plan)
+        return self.run_plan(plan)
+
+    def submit(self, plan: StepPlan) -> Future[StepResult]:
+        """Runs a plan as execute() does, but a pipeline's leader returns once its own
+        stage is done with it: the later stages work on, and the next plan can follow."""
+        if self._outcomes is None:
+            return _settled(self.execute, plan)
+        self._check(plan)
+        self.group.send_plan(plan)
+        try:
+            self.run_plan(plan)
+        except Exception as exc:
+            return self._outcomes.expect(exc)
+        return self._outcomes.expect(None)
+
+    def _check(self, plan: StepPlan) -> None:
         if self.group_lost is not None or self.closed:
             raise RuntimeError(f"the worker group is down: {self.group_lost or 'closed'}")
         if plan.worker_instance_id and plan.worker_instance_id != self.instance_id:
@@ -208,9 +234,6 @@ class Worker:
                 f"step {plan.step_id} was planned for worker instance {plan.worker_instance_id}, this is "
                 f"{self.instance_id} (restarted?): it holds none of that plan's state"
             )
-        self.group.send_plan(plan)
-        result = self.run_plan(plan)
-        return result if result is not None else self._outcome()
 
     def follow(self) -> None:
         """A follower rank's life: the leader's plans, until it broadcasts None (closing)."""
@@ -226,6 +249,8 @@ class Worker:
         if self.closed or not self.group.distributed:
             return
         self.closed = True
+        if self._outcomes is not None:
+            self._outcomes.close()
         if self.group_lost is None:
             try:
                 self.group.send_plan(None)
@@ -282,13 +307,6 @@ class Worker:
                     outcome = exc
         for request_id, count in plan.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += count
-        return outcome
-
-    def _outcome(self) -> StepResult:
-        """The leader's: the step's outcome, from the sampling rank."""
-        outcome = self.group.receive_outcome()
-        if isinstance(outcome, Exception):
-            raise outcome
         return outcome
 
     def _sample(
@@ -377,3 +395,12 @@ class Worker:
                 )
             state.block_ids.extend(cached.new_block_ids)
             state.token_ids.extend(cached.new_token_ids)
+
+
+def _settled(run: Callable[[StepPlan], StepResult], plan: StepPlan) -> Future[StepResult]:
+    future: Future[StepResult] = Future()
+    try:
+        future.set_result(run(plan))
+    except Exception as exc:
+        future.set_exception(exc)
+    return future

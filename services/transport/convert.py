@@ -204,6 +204,7 @@ def description_from_proto(message: worker_pb2.WorkerDescription) -> WorkerDescr
         vocab_size=message.vocab_size,
         eos_token_ids=tuple(message.eos_token_ids),
         instance_id=message.instance_id,
+        max_plans_in_flight=max(1, message.max_plans_in_flight),
     )
 
 

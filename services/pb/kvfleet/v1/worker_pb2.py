@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.pb.kvfleet.v1 import common_pb2 as kvfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/worker.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\x17\n\x15\x44\x65scribeWorkerRequest\"\x18\n\x16\x43ompileGrammarResponse\"\xae\x01\n\x11WorkerDescription\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_host_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\"\xb7\x01\n\x0eNewRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x33\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParams\"r\n\x11\x43\x61\x63hedRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x15\n\rnew_token_ids\x18\x04 \x03(\r\"9\n\x0fScheduledTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"7\n\tBlockCopy\x12\x14\n\x0csrc_block_id\x18\x01 \x01(\r\x12\x14\n\x0c\x64st_block_id\x18\x02 \x01(\r\"\xad\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x30\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1a.kvfleet.v1.NewRequestData\x12\x36\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1d.kvfleet.v1.CachedRequestData\x12\x39\n\x14num_scheduled_tokens\x18\x04 \x03(\x0b\x32\x1b.kvfleet.v1.ScheduledTokens\x12\x1c\n\x14\x66inished_request_ids\x18\x05 \x03(\t\x12-\n\x0e\x62locks_to_copy\x18\x06 \x03(\x0b\x32\x15.kvfleet.v1.BlockCopy\x12\x31\n\x12\x62locks_to_swap_out\x18\x07 \x03(\x0b\x32\x15.kvfleet.v1.BlockCopy\x12\x30\n\x11\x62locks_to_swap_in\x18\x08 \x03(\x0b\x32\x15.kvfleet.v1.BlockCopy\x12\x1a\n\x12worker_instance_id\x18\t \x01(\t\x12\x1d\n\x15scheduler_instance_id\x18\n \x01(\t\"\xc4\x03\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x46\n\x11sampled_token_ids\x18\x02 \x03(\x0b\x32+.kvfleet.v1.StepResult.SampledTokenIdsEntry\x12\x36\n\x08logprobs\x18\x03 \x03(\x0b\x32$.kvfleet.v1.StepResult.LogprobsEntry\x12\x43\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32*.kvfleet.v1.StepResult.PromptLogprobsEntry\x1aL\n\x14SampledTokenIdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.kvfleet.v1.TokenIds:\x02\x38\x01\x1a\x45\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.kvfleet.v1.Logprobs:\x02\x38\x01\x1aK\n\x13PromptLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.kvfleet.v1.Logprobs:\x02\x38\x01\x32\xe8\x01\n\x06Worker\x12L\n\x08\x44\x65scribe\x12!.kvfleet.v1.DescribeWorkerRequest\x1a\x1d.kvfleet.v1.WorkerDescription\x12;\n\x0b\x45xecuteStep\x12\x14.kvfleet.v1.StepPlan\x1a\x16.kvfleet.v1.StepResult\x12S\n\x0e\x43ompileGrammar\x12\x1d.kvfleet.v1.StructuredOutputs\x1a\".kvfleet.v1.CompileGrammarResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/worker.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\x17\n\x15\x44\x65scribeWorkerRequest\"\x18\n\x16\x43ompileGrammarResponse\"\xcb\x01\n\x11WorkerDescription\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_host_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\x12\x1b\n\x13max_plans_in_flight\x18\x08 \x01(\r\"\xb7\x01\n\x0eNewRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x33\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParams\"r\n\x11\x43\x61\x63hedRequestData\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x15\n\rnew_token_ids\x18\x04 \x03(\r\"9\n\x0fScheduledTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"7\n\tBlockCopy\x12\x14\n\x0csrc_block_id\x18\x01 \x01(\r\x12\x14\n\x0c\x64st_block_id\x18\x02 \x01(\r\"\xad\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x30\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1a.kvfleet.v1.NewRequestData\x12\x36\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32\x1d.kvfleet.v1.CachedRequestData\x12\x39\n\x14num_scheduled_tokens\x18\x04 \x03(\x0b\x32\x1b.kvfleet.v1.ScheduledTokens\x12\x1c\n\x14\x66inished_request_ids\x18\x05 \x03(\t\x12-\n\x0e\x62locks_to_copy\x18\x06 \x03(\x0b\x32\x15.kvfleet.v1.BlockCopy\x12\x31\n\x12\x62locks_to_swap_out\x18\x07 \x03(\x0b\x32\x15.kvfleet.v1.BlockCopy\x12\x30\n\x11\x62locks_to_swap_in\x18\x08 \x03(\x0b\x32\x15.kvfleet.v1.BlockCopy\x12\x1a\n\x12worker_instance_id\x18\t \x01(\t\x12\x1d\n\x15scheduler_instance_id\x18\n \x01(\t\"\xc4\x03\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x46\n\x11sampled_token_ids\x18\x02 \x03(\x0b\x32+.kvfleet.v1.StepResult.SampledTokenIdsEntry\x12\x36\n\x08logprobs\x18\x03 \x03(\x0b\x32$.kvfleet.v1.StepResult.LogprobsEntry\x12\x43\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32*.kvfleet.v1.StepResult.PromptLogprobsEntry\x1aL\n\x14SampledTokenIdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.kvfleet.v1.TokenIds:\x02\x38\x01\x1a\x45\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.kvfleet.v1.Logprobs:\x02\x38\x01\x1aK\n\x13PromptLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.kvfleet.v1.Logprobs:\x02\x38\x01\x32\xe8\x01\n\x06Worker\x12L\n\x08\x44\x65scribe\x12!.kvfleet.v1.DescribeWorkerRequest\x1a\x1d.kvfleet.v1.WorkerDescription\x12;\n\x0b\x45xecuteStep\x12\x14.kvfleet.v1.StepPlan\x1a\x16.kvfleet.v1.StepResult\x12S\n\x0e\x43ompileGrammar\x12\x1d.kvfleet.v1.StructuredOutputs\x1a\".kvfleet.v1.CompileGrammarResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,25 +43,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPILEGRAMMARRESPONSE']._serialized_start=89
   _globals['_COMPILEGRAMMARRESPONSE']._serialized_end=113
   _globals['_WORKERDESCRIPTION']._serialized_start=116
-  _globals['_WORKERDESCRIPTION']._serialized_end=290
-  _globals['_NEWREQUESTDATA']._serialized_start=293
-  _globals['_NEWREQUESTDATA']._serialized_end=476
-  _globals['_CACHEDREQUESTDATA']._serialized_start=478
-  _globals['_CACHEDREQUESTDATA']._serialized_end=592
-  _globals['_SCHEDULEDTOKENS']._serialized_start=594
-  _globals['_SCHEDULEDTOKENS']._serialized_end=651
-  _globals['_BLOCKCOPY']._serialized_start=653
-  _globals['_BLOCKCOPY']._serialized_end=708
-  _globals['_STEPPLAN']._serialized_start=711
-  _globals['_STEPPLAN']._serialized_end=1140
-  _globals['_STEPRESULT']._serialized_start=1143
-  _globals['_STEPRESULT']._serialized_end=1595
-  _globals['_STEPRESULT_SAMPLEDTOKENIDSENTRY']._serialized_start=1371
-  _globals['_STEPRESULT_SAMPLEDTOKENIDSENTRY']._serialized_end=1447
-  _globals['_STEPRESULT_LOGPROBSENTRY']._serialized_start=1449
-  _globals['_STEPRESULT_LOGPROBSENTRY']._serialized_end=1518
-  _globals['_STEPRESULT_PROMPTLOGPROBSENTRY']._serialized_start=1520
-  _globals['_STEPRESULT_PROMPTLOGPROBSENTRY']._serialized_end=1595
-  _globals['_WORKER']._serialized_start=1598
-  _globals['_WORKER']._serialized_end=1830
+  _globals['_WORKERDESCRIPTION']._serialized_end=319
+  _globals['_NEWREQUESTDATA']._serialized_start=322
+  _globals['_NEWREQUESTDATA']._serialized_end=505
+  _globals['_CACHEDREQUESTDATA']._serialized_start=507
+  _globals['_CACHEDREQUESTDATA']._serialized_end=621
+  _globals['_SCHEDULEDTOKENS']._serialized_start=623
+  _globals['_SCHEDULEDTOKENS']._serialized_end=680
+  _globals['_BLOCKCOPY']._serialized_start=682
+  _globals['_BLOCKCOPY']._serialized_end=737
+  _globals['_STEPPLAN']._serialized_start=740
+  _globals['_STEPPLAN']._serialized_end=1169
+  _globals['_STEPRESULT']._serialized_start=1172
+  _globals['_STEPRESULT']._serialized_end=1624
+  _globals['_STEPRESULT_SAMPLEDTOKENIDSENTRY']._serialized_start=1400
+  _globals['_STEPRESULT_SAMPLEDTOKENIDSENTRY']._serialized_end=1476
+  _globals['_STEPRESULT_LOGPROBSENTRY']._serialized_start=1478
+  _globals['_STEPRESULT_LOGPROBSENTRY']._serialized_end=1547
+  _globals['_STEPRESULT_PROMPTLOGPROBSENTRY']._serialized_start=1549
+  _globals['_STEPRESULT_PROMPTLOGPROBSENTRY']._serialized_end=1624
+  _globals['_WORKER']._serialized_start=1627
+  _globals['_WORKER']._serialized_end=1859
 # @@protoc_insertion_point(module_scope)

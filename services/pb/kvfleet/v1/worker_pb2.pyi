@@ -16,7 +16,7 @@ class CompileGrammarResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerDescription(_message.Message):
-    __slots__ = ("num_kv_blocks", "num_host_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "instance_id")
+    __slots__ = ("num_kv_blocks", "num_host_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "instance_id", "max_plans_in_flight")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class WorkerDescription(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_PLANS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     num_host_blocks: int
     block_size: int
@@ -31,7 +32,8 @@ class WorkerDescription(_message.Message):
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     instance_id: str
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    max_plans_in_flight: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., max_plans_in_flight: _Optional[int] = ...) -> None: ...
 
 class NewRequestData(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "sampling_params")

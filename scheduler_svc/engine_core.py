@@ -158,7 +158,9 @@ class EngineCore:
             try:
                 self._in_flight.append((plan, self.worker.submit(plan)))
             except Exception as exc:  # never handed over: fails as an executed plan would
-                return self._finish(plan, lambda: _raise(exc))
+                failed: Future[StepResult] = Future()
+                failed.set_exception(exc)
+                return self._finish(plan, failed.result)
             if not plan.num_scheduled_tokens:
                 break  # nothing could be scheduled: wait for a result before trying again
         if not self._in_flight:
@@ -236,7 +238,3 @@ class EngineCore:
             iteration_tokens=scheduler.iteration_tokens.snapshot(),
             cache_config=self.cache_config,
         )
-
-
-def _raise(exc: Exception) -> StepResult:
-    raise exc

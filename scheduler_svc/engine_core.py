@@ -168,6 +168,10 @@ class EngineCore:
         plan, result = self._in_flight.popleft()
         return self._finish(plan, result.result)
 
+    @property
+    def num_plans_in_flight(self) -> int:
+        return len(self._in_flight)
+
     def _plan(self, max_requests: int | None = None) -> StepPlan:
         plan = self.scheduler.schedule(max_requests)
         plan.worker_instance_id = self.description.instance_id

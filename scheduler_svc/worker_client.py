@@ -2,6 +2,7 @@
 process exactly as it drives an in-process one. Synchronous, like EngineCore's loop."""
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
@@ -51,6 +52,7 @@ class RemoteWorker:
         self._ready_timeout_s = ready_timeout_s
         self._step_timeout_s = step_timeout_s
         self._described = False
+        self._plans_in_flight = 1  # as the worker describes itself
         self._channel = open_channel(address)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
@@ -63,13 +65,31 @@ class RemoteWorker:
         else:
             reply = self._call(self._stub.Describe, request, wait_for_ready=True, timeout=self._ready_timeout_s)
             self._described = True
-        return description_from_proto(reply)
+        described = description_from_proto(reply)
+        self._plans_in_flight = described.max_plans_in_flight
+        return described
 
     def execute(self, plan: StepPlan) -> StepResult:
         # No waiting for a lost worker: every request's KV is gone with it, so the
         # step fails at once and the scheduler ends them all with this error.
         deadline_s = step_deadline_s(self._step_timeout_s, sum(plan.num_scheduled_tokens.values()))
         return result_from_proto(self._call(self._stub.ExecuteStep, plan_to_proto(plan), timeout=deadline_s))
+
+    def submit(self, plan: StepPlan) -> Future[StepResult]:
+        """For a pipelined group: the worker takes plans in step order, whatever order
+        its server threads see them in. A plan's deadline covers the ones ahead of it."""
+        deadline_s = step_deadline_s(self._step_timeout_s, sum(plan.num_scheduled_tokens.values()))
+        call = self._stub.ExecuteStep.future(plan_to_proto(plan), timeout=deadline_s * self._plans_in_flight)
+        result: Future[StepResult] = Future()
+
+        def settle(done: grpc.Future) -> None:
+            try:
+                result.set_result(result_from_proto(done.result()))
+            except grpc.RpcError as exc:
+                result.set_exception(self._error(exc))
+
+        call.add_done_callback(settle)
+        return result
 
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
         try:
@@ -87,9 +107,15 @@ class RemoteWorker:
         try:
             return method(request, **kwargs)
         except grpc.RpcError as exc:
-            code = exc.code()
-            if code in _LOST:
-                raise WorkerLost(f"worker at {self.address} is unreachable: {code.name}: {exc.details()}") from exc
-            if code is grpc.StatusCode.FAILED_PRECONDITION:  # a restarted worker refusing an old plan
-                raise WorkerLost(f"worker at {self.address} restarted: {exc.details()}") from exc
-            raise WorkerError(f"worker at {self.address} failed: {code.name}: {exc.details()}") from exc
+            raise self._error(exc) from exc
+
+    def _error(self, exc: grpc.RpcError) -> Exception:
+        code = exc.code()
+        if code in _LOST:
+            error: Exception = WorkerLost(f"worker at {self.address} is unreachable: {code.name}: {exc.details()}")
+        elif code is grpc.StatusCode.FAILED_PRECONDITION:  # a restarted worker refusing an old plan
+            error = WorkerLost(f"worker at {self.address} restarted: {exc.details()}")
+        else:
+            error = WorkerError(f"worker at {self.address} failed: {code.name}: {exc.details()}")
+        error.__cause__ = exc
+        return error

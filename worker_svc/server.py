@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 
+from services.messages import StepPlan
 from services.pb.kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.transport.convert import (
     description_to_proto,
@@ -22,13 +25,44 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 SCHEDULER_GONE_S = 1.0
+TURN_TIMEOUT_S = 2.0
+
+
+class StepOrder:
+    """Hands a pipelined worker its plans in step order: a scheduler keeps several in
+    flight, and the server's threads may see them in any order. A plan whose turn has
+    not come waits (up to TURN_TIMEOUT_S, in case the one before it never arrives); the
+    first plan of a scheduler instance starts its sequence."""
+
+    def __init__(self) -> None:
+        self._turns = threading.Condition()
+        self._scheduler_instance_id = ""
+        self._next_step_id = 0
+
+    @contextmanager
+    def turn(self, plan: StepPlan) -> Iterator[None]:
+        """Holds the plan's turn while it is handed over; the next plan's comes after."""
+        with self._turns:
+            if plan.scheduler_instance_id == self._scheduler_instance_id and not self._turns.wait_for(
+                    lambda: plan.step_id <= self._next_step_id, TURN_TIMEOUT_S):
+                logger.warning("step %d ran without step %d before it", plan.step_id, self._next_step_id)
+        try:
+            yield
+        finally:
+            with self._turns:
+                if plan.scheduler_instance_id != self._scheduler_instance_id:
+                    self._scheduler_instance_id, self._next_step_id = plan.scheduler_instance_id, 0
+                self._next_step_id = max(self._next_step_id, plan.step_id + 1)
+                self._turns.notify_all()
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, worker: Worker) -> None:
         self._worker = worker
-        # The worker's per-request state assumes one step at a time.
+        # The worker's per-request state assumes one step at a time (a pipeline's leader
+        # holds it while its own stage runs the plan).
         self.lock = threading.Lock()
+        self._order = StepOrder()
 
     def Describe(
         self, request: worker_pb2.DescribeWorkerRequest, context: grpc.ServicerContext
@@ -40,14 +74,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             plan = plan_from_proto(request)
         except ValueError as exc:  # sampling params the scheduler should have rejected
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        with self.lock:
-            try:
-                result = self._worker.execute(plan)
-            except WrongWorkerInstance as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            except Exception as exc:
-                logger.exception("step %d failed", plan.step_id)
-                context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {exc!r}")
+        try:
+            with self._order.turn(plan), self.lock:
+                outcome = self._worker.submit(plan)
+            result = outcome.result()
+        except WrongWorkerInstance as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Exception as exc:
+            logger.exception("step %d failed", plan.step_id)
+            context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {exc!r}")
         return result_to_proto(result)
 
     def CompileGrammar(

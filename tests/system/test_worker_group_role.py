@@ -1,6 +1,8 @@
-"""A TP=2 worker group (the worker role, gloo) losing a rank to SIGKILL: the group goes
-down as one worker within seconds (the leader's process exits, so its scheduler's
-steps fail explicitly and the worker can be restarted), and no rank is left behind."""
+"""Worker groups as the worker role (gloo, 2 processes) driven over gRPC. A PP=2 group
+takes plans in flight, two at a time, and gives the tokens of one rank. A TP=2 group
+losing a rank to SIGKILL goes down as one worker within seconds (the leader's process
+exits, so its scheduler's steps fail explicitly and the worker can be restarted), and
+no rank is left behind."""
 from __future__ import annotations
 
 import os
@@ -61,6 +63,33 @@ def group() -> Iterator[tuple[RoleProcess, EngineCore, list[int]]]:
         worker.kill()
         for pid in _followers(worker.process.pid) if worker.process.poll() is None else []:
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_pipelined_worker_role_runs_two_plans_at_once_with_the_tokens_of_one_rank(make_llm) -> None:
+    prompts = [[1, 504, 3458, 314, 260, 2379, 30 + i, 17 * i] for i in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    single = make_llm("smollm2", dtype="float32", max_model_len=512)
+    expected = [output.outputs[0].token_ids for output in single.generate(prompts, greedy, use_tqdm=False)]
+    port = free_port()
+    worker = RoleProcess("worker", "--dtype", "float32", "--pipeline-parallel-size", "2", "--max-model-len", "512",
+                         "--port", str(port))
+    try:
+        config = EngineConfig(dtype="float32", pipeline_parallel_size=2, max_model_len=512)
+        core = EngineCore(config, RemoteWorker(f"127.0.0.1:{port}", ready_timeout_s=120))
+        assert core.description.max_plans_in_flight == 2
+        for i, prompt in enumerate(prompts):
+            core.add_request(str(i), prompt, greedy)
+        outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        most_in_flight = 0
+        while core.has_work:
+            for delta in core.step():
+                outputs[delta.request_id] += delta.new_token_ids
+            most_in_flight = max(most_in_flight, core.num_plans_in_flight)
+        assert [outputs[str(i)] for i in range(len(prompts))] == expected
+        # A step waits for its oldest plan with the pipeline full: one plan is still in flight after it.
+        assert most_in_flight == 1
+    finally:
+        worker.kill()
 
 
 def _steps_until_failed(core: EngineCore) -> float:

@@ -171,3 +171,40 @@ def test_a_preempted_request_reports_its_first_scheduling_and_first_token_only()
         times += [d.first_token_times for d in deltas]
     assert scheduler.num_preemptions > 0 and new.scheduled_time == scheduled and times == [None] * len(times)
     assert old.is_finished and new.is_finished
+
+
+def _sampled(scheduler: Scheduler, plan) -> StepResult:
+    return StepResult(plan.step_id, {rid: [7] for rid, n in plan.num_scheduled_tokens.items()
+                                     if scheduler.requests[rid].num_computed_tokens + n
+                                     == scheduler.requests[rid].num_tokens})
+
+
+def test_plans_in_flight_share_the_requests_and_never_schedule_one_twice():
+    """A pipeline's plans: each takes its share, a request in flight waits for its
+    result, and the tokens it sampled reach the worker with its next plan."""
+    scheduler = make_scheduler()
+    for i in range(4):
+        add(scheduler, f"r{i}", 5)
+    first = scheduler.schedule(max_requests=2)
+    second = scheduler.schedule(max_requests=2)
+    assert list(first.num_scheduled_tokens) == ["r0", "r1"] and list(second.num_scheduled_tokens) == ["r2", "r3"]
+    assert scheduler.num_schedulable == 0 and not scheduler.schedule().num_scheduled_tokens
+    scheduler.update(first, _sampled(scheduler, first))
+    third = scheduler.schedule()
+    assert list(third.num_scheduled_tokens) == ["r0", "r1"]
+    assert [(c.request_id, c.new_token_ids) for c in third.cached_requests] == [("r0", [7]), ("r1", [7])]
+
+
+def test_a_request_in_flight_is_never_preempted():
+    """Its step is computing into its blocks: the newest request not in flight goes instead."""
+    scheduler = make_scheduler(num_blocks=2)
+    add(scheduler, "old", 4)
+    add(scheduler, "new", 4)
+    first = scheduler.schedule(max_requests=1)
+    second = scheduler.schedule(max_requests=1)
+    assert list(first.num_scheduled_tokens) == ["old"] and list(second.num_scheduled_tokens) == ["new"]
+    scheduler.update(first, _sampled(scheduler, first))
+    third = scheduler.schedule()  # "old" needs a second block; "new", the newest, is in flight
+    assert not third.num_scheduled_tokens
+    assert scheduler.requests["old"].status.name == "PREEMPTED"
+    assert scheduler.requests["new"].status.name == "RUNNING" and scheduler.requests["new"].in_flight

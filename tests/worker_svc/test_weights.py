@@ -23,6 +23,8 @@ from transformers import (  # noqa: E402
 )
 
 from services.model_source import ModelFormat, ModelSource, resolve_model  # noqa: E402
+from worker_svc.q4_weights import Q4Blocks  # noqa: E402
+from worker_svc.shard import Shard  # noqa: E402
 from worker_svc.weights import load_weights  # noqa: E402
 
 needs_smollm2 = pytest.mark.skipif(
@@ -97,20 +99,20 @@ def _tiny_model(architecture: str, tied: bool, **overrides) -> PreTrainedModel:
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "llama": (LlamaConfig, LlamaForCausalLM),
     }[architecture]
-    config = config_class(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-        bos_token_id=1,
-        eos_token_id=[2, 3],
+    config = config_class(**{
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": tied,
+        "bos_token_id": 1,
+        "eos_token_id": [2, 3],
         **overrides,
-    )
+    })
     model = model_class(config)
     # Initialisation zeroes the biases and sets norms to one; random values catch swaps.
     with torch.no_grad():
@@ -280,3 +282,56 @@ def test_dequantized_gguf_weights_are_cached_and_keyed_by_the_file(
     os.utime(gguf_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     load_weights(source, torch.float32)
     assert len(list((tmp_path / "cache" / "weights").iterdir())) == 2
+
+
+# --- A worker group's rank reads its shard only ---------------------------------------
+
+
+def _cut(full: torch.Tensor, piece: tuple[int, int, int] | None) -> torch.Tensor:
+    if piece is None:
+        return full
+    dim, start, length = piece
+    return full.narrow(dim, start, length)
+
+
+def _assert_shard_of(whole: dict, part: dict, config, shard: Shard) -> None:
+    """Each tensor of the rank's shard is its slice of the whole model's (by the shard's
+    own layer numbering); tensors of other stages are absent."""
+    held = {shard.local_name(name, config): name for name in whole if shard.holds(name, config)}
+    assert set(part) == set(held)
+    for local, name in held.items():
+        piece = shard.slice_of(name, config)
+        if isinstance(whole[name], Q4Blocks):
+            for field in ("codes", "scales", "offsets"):
+                cut = piece
+                if field != "codes" and piece is not None and piece[0] == 1:  # a scale per 32 columns
+                    cut = (1, piece[1] // 32, piece[2] // 32)
+                assert torch.equal(getattr(part[local], field), _cut(getattr(whole[name], field), cut)), name
+        else:
+            assert torch.equal(part[local], _cut(whole[name], piece)), name
+
+
+@needs_smollm2
+@pytest.mark.parametrize("keep_q4", [False, True])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_gguf_shards_are_slices_of_the_whole(smollm2: ModelSource, keep_q4: bool, rank: int) -> None:
+    """Cut from the file's rows and quantization blocks before dequantizing, and the
+    rotary unpermute per head: the same numbers as cutting the whole model."""
+    config, whole = load_weights(smollm2, torch.float32, keep_q4=keep_q4)
+    for shard in (Shard(rank, 2, 0, 1), Shard(0, 1, rank, 2)):
+        _, part = load_weights(smollm2, torch.float32, keep_q4=keep_q4, shard=shard)
+        _assert_shard_of(whole, part, config, shard)
+
+
+def test_safetensors_shards_are_slices_of_the_whole(tmp_path: Path) -> None:
+    """One KV head on two ranks (replicated), qkv biases, untied head, 3 layers over 2 stages."""
+    model = _tiny_model("qwen2", tied=False, num_key_value_heads=1, num_hidden_layers=3)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    source = ModelSource(ModelFormat.HF_DIR, tmp_path)
+    config, whole = load_weights(source, torch.float32)
+    for shard in (Shard(0, 2, 0, 1), Shard(1, 2, 0, 1), Shard(0, 1, 0, 2), Shard(1, 2, 1, 2)):
+        _, part = load_weights(source, torch.float32, shard=shard)
+        _assert_shard_of(whole, part, config, shard)
+        if shard.tp_size == 2 and shard.pp_size == 1:  # both ranks hold the one KV head
+            assert torch.equal(part["model.layers.0.self_attn.k_proj.weight"],
+                               whole["model.layers.0.self_attn.k_proj.weight"])

@@ -18,6 +18,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -103,6 +104,10 @@ def _follow(config: EngineConfig, rank: int, port: int, leader_pid: int) -> None
 
     configure_logging()
     configure_torch_threads()
+    # Ctrl-C reaches the terminal's whole process group, and some supervisors signal a
+    # group too: the leader decides when the group stops (it drains first), not the signal.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     threading.Thread(target=_exit_without, args=(leader_pid,), name="kvfleet-leader-watch", daemon=True).start()
     shard = Shard.of_rank(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
     group = RankGroup.join(shard, RankGroup.open_store(_HOST, port, shard.world_size, leader=False),

@@ -1,5 +1,6 @@
-"""What the ranks of one TP x PP worker group exchange, over torch.distributed (gloo on
-CPU, NCCL for a GPU's tensors), and a count of it: each collective a step runs is here.
+"""What the ranks of one TP x PP worker group exchange, over torch.distributed process
+groups of their own (gloo on CPU, NCCL for a GPU's tensors), and a count of it: each
+collective a step runs is here.
 
 Per step: the leader sends the plan to every rank; each layer's row-parallel
 projections all-reduce their partial sums over the stage's TP ranks (and so does the
@@ -8,6 +9,10 @@ rank gathers the vocab-parallel logits, samples, and (when it is not the leader)
 the outcome to the leader. The tokens sampled reach every rank in the next plans.
 Plans and hidden states are sent without waiting for their receiver, so a pipeline's
 stages work on different steps at once. A group of one rank does none of it.
+
+The groups are built from the rendezvous store directly, not as torch.distributed's
+global default group: a process can hold several worker groups (two LLM objects),
+one after another or at once.
 """
 from __future__ import annotations
 
@@ -25,8 +30,8 @@ import torch.distributed as dist
 
 from worker_svc.shard import SINGLE, Shard
 
-# Idle followers wait in a collective for the next plan: no timeout may end that. A dead
-# rank is seen at once anyway (its sockets close), and a hung one by the scheduler's deadline.
+# Idle followers wait for the next plan: no timeout may end that. A dead rank is seen at
+# once anyway (its sockets close), and a hung one by the scheduler's step deadline.
 _NO_TIMEOUT = datetime.timedelta(days=365)
 # Tags of the point-to-point messages, one per kind, so that each pairs with its own kind.
 _PLAN, _HIDDEN, _OUTCOME = 1, 2, 3
@@ -66,11 +71,15 @@ class RankGroup:
     def __init__(self, shard: Shard = SINGLE) -> None:
         self.shard = shard
         self.counts = CommCounts()
-        self._tp_group: dist.ProcessGroup | None = None
-        self._tp_ranks: list[int] = [shard.rank]
+        # Every rank, over gloo: plans, and the KV pool size the ranks agree on.
+        self._control: dist.ProcessGroup | None = None
+        # Every rank, on the device's backend: hidden states from stage to stage.
+        self._pipe: dist.ProcessGroup | None = None
+        # This stage's TP ranks, on the device's backend (ranks in it are TP ranks).
+        self._tp: dist.ProcessGroup | None = None
+        # The leader (0) and the sampling rank (1): the leader takes outcomes on a thread of its own.
+        self._outcomes: dist.ProcessGroup | None = None
         self._sending: deque[tuple[dist.Work, torch.Tensor]] = deque()  # posted sends, oldest first
-        # Outcomes travel apart from plans and hidden states: the leader receives them on a thread of their own.
-        self._outcome_group: dist.ProcessGroup | None = None
 
     @staticmethod
     def open_store(host: str, port: int, world_size: int, leader: bool) -> dist.TCPStore:
@@ -82,17 +91,13 @@ class RankGroup:
     def join(cls, shard: Shard, store: dist.TCPStore, device: torch.device) -> RankGroup:
         """Joins the group; returns once every rank has."""
         group = cls(shard)
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=shard.rank, world_size=shard.world_size,
-                                timeout=_NO_TIMEOUT)
-        # Every rank creates every stage's TP group, in the same order, as new_group requires.
-        for stage in range(shard.pp_size):
-            ranks = [stage * shard.tp_size + tp_rank for tp_rank in range(shard.tp_size)]
-            tp_group = dist.new_group(ranks)
-            if stage == shard.pp_rank:
-                group._tp_group, group._tp_ranks = tp_group, ranks
-        if shard.pp_size > 1:
-            group._outcome_group = dist.new_group([0, group.sampling_rank])
+        on_device = device.type == "cuda"
+        group._control = _process_group(store, "control", shard.rank, shard.world_size, cuda=False)
+        group._pipe = (_process_group(store, "pipe", shard.rank, shard.world_size, cuda=True) if on_device
+                       else group._control)
+        group._tp = _process_group(store, f"tp{shard.pp_rank}", shard.tp_rank, shard.tp_size, on_device)
+        if shard.pp_size > 1 and shard.rank in (0, group.sampling_rank):
+            group._outcomes = _process_group(store, "outcomes", int(shard.rank != 0), 2, cuda=False)
         return group
 
     @property
@@ -100,8 +105,9 @@ class RankGroup:
         return self.shard.world_size > 1
 
     def close(self) -> None:
-        if self.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+        """Lets go of the groups (their connections close with them)."""
+        self._control = self._pipe = self._tp = self._outcomes = None
+        self._sending.clear()
 
     # -- inside the forward ---------------------------------------------------------------
 
@@ -110,7 +116,7 @@ class RankGroup:
         if self.shard.tp_size == 1:
             return partial_sums
         with self.counts.timed("all_reduce", partial_sums.nbytes):
-            dist.all_reduce(partial_sums, group=self._tp_group)
+            self._tp.allreduce([partial_sums]).wait()
         return partial_sums
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor | None:
@@ -118,21 +124,23 @@ class RankGroup:
         if self.shard.tp_size == 1:
             return logits
         logits = logits.contiguous()
-        first = self._tp_ranks[0]
-        parts = [torch.empty_like(logits) for _ in self._tp_ranks] if self.shard.rank == first else None
+        first = self.shard.tp_rank == 0
+        parts = [torch.empty_like(logits) for _ in range(self.shard.tp_size)] if first else None
+        options = dist.GatherOptions()
+        options.rootRank = 0
         with self.counts.timed("gather", logits.nbytes):
-            dist.gather(logits, parts, dst=first, group=self._tp_group)
+            self._tp.gather([parts] if first else [], [logits], options).wait()
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
         """To the same TP rank of the next stage, without waiting for it to take them."""
         with self.counts.timed("send", hidden.nbytes):
-            self._post(hidden.contiguous(), self.shard.rank + self.shard.tp_size, _HIDDEN)
+            self._post(self._pipe, hidden.contiguous(), self.shard.rank + self.shard.tp_size, _HIDDEN)
 
     def receive_hidden(self, num_tokens: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         hidden = torch.empty(num_tokens, width, dtype=dtype, device=device)
         with self.counts.timed("receive", hidden.nbytes):
-            dist.recv(hidden, self.shard.rank - self.shard.tp_size, tag=_HIDDEN)
+            self._pipe.recv([hidden], self.shard.rank - self.shard.tp_size, _HIDDEN).wait()
         return hidden
 
     # -- around the step ------------------------------------------------------------------
@@ -146,35 +154,34 @@ class RankGroup:
         payload = _payload(plan)
         for rank in range(1, self.shard.world_size):
             for tensor in payload:
-                self._post(tensor, rank, _PLAN)
+                self._post(self._control, tensor, rank, _PLAN)
         self.counts.record("plan", payload[1].nbytes, started)
 
     def receive_plan(self) -> Any:
-        return self._receive_object(0, _PLAN, "plan")
+        return self._receive_object(self._control, 0, _PLAN, "plan")
 
     def send_outcome(self, outcome: Any) -> None:
         """From the sampling rank to the leader (nothing to send when they are one rank)."""
         started = time.perf_counter()
-        size, data = _payload(outcome)
-        dist.send(size, 0, group=self._outcome_group, tag=_OUTCOME)
-        dist.send(data, 0, group=self._outcome_group, tag=_OUTCOME)
-        self.counts.record("outcome", data.nbytes, started)
+        for tensor in _payload(outcome):
+            self._outcomes.send([tensor], 0, _OUTCOME).wait()
+        self.counts.record("outcome", tensor.nbytes, started)
 
     def receive_outcome(self) -> Any:
-        return self._receive_object(self.sampling_rank, _OUTCOME, "outcome", self._outcome_group)
+        return self._receive_object(self._outcomes, 1, _OUTCOME, "outcome")
 
-    def _receive_object(self, source: int, tag: int, kind: str, group: dist.ProcessGroup | None = None) -> Any:
+    def _receive_object(self, group: dist.ProcessGroup, source: int, tag: int, kind: str) -> Any:
         size = torch.empty(1, dtype=torch.long)
-        dist.recv(size, source, group=group, tag=tag)
+        group.recv([size], source, tag).wait()
         started = time.perf_counter()  # from the moment it is coming: waiting for it is idle time
         data = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(data, source, group=group, tag=tag)
+        group.recv([data], source, tag).wait()
         self.counts.record(kind, data.nbytes, started)
         return pickle.loads(data.numpy().tobytes())
 
-    def _post(self, tensor: torch.Tensor, destination: int, tag: int) -> None:
+    def _post(self, group: dist.ProcessGroup, tensor: torch.Tensor, destination: int, tag: int) -> None:
         """Sends without waiting for the receiver; the tensor is kept until the send is done."""
-        self._sending.append((dist.isend(tensor, destination, tag=tag), tensor))
+        self._sending.append((group.send([tensor], destination, tag), tensor))
         while self._sending and (len(self._sending) > _MAX_SENDING or self._sending[0][0].is_completed()):
             self._sending.popleft()[0].wait()
 
@@ -183,13 +190,23 @@ class RankGroup:
         if not self.distributed:
             return value
         tensor = torch.tensor([value], dtype=torch.long)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self._control.allreduce([tensor], options).wait()
         return int(tensor)
 
     @property
     def sampling_rank(self) -> int:
         """The last stage's first TP rank."""
         return (self.shard.pp_size - 1) * self.shard.tp_size
+
+
+def _process_group(store: dist.Store, name: str, rank: int, size: int, cuda: bool) -> dist.ProcessGroup:
+    """A group of `size` ranks (this one `rank` in it), met through `store` under `name`."""
+    store = dist.PrefixStore(name, store)
+    if cuda:
+        return dist.ProcessGroupNCCL(store, rank, size)
+    return dist.ProcessGroupGloo(store, rank, size, _NO_TIMEOUT)
 
 
 def _payload(value: Any) -> tuple[torch.Tensor, torch.Tensor]:

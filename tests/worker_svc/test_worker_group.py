@@ -111,3 +111,46 @@ def test_tp2_collectives_per_step_are_what_the_design_says(make_llm):
     assert counts.bytes["plan"] < 2048  # a decode plan is a delta: no prompts, no block tables
     while engine.has_work:
         engine.step()
+
+
+def test_sampling_features_survive_the_split(make_llm):
+    """What lives on the sampling rank (seeded generators, grammars, logprobs, prompt
+    logprobs, parallel samples forking blocks) gives one rank's results under TP=2 and
+    PP=2 alike: the pipeline's sampling rank is not the leader that compiled the grammar."""
+    from services.structured_outputs import StructuredOutputsParams
+
+    prompt = [1, 504, 3458, 314, 260, 2379, 30, 9, 4471, 1036, 28, 1115]
+    requests = [
+        SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2),
+        SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=5,
+                       structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"])),
+    ]
+
+    def run(llm) -> list:
+        outputs = llm.generate([prompt] * len(requests), requests, use_tqdm=False)
+        return [([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs], o.prompt_logprobs)
+                for o in outputs]
+
+    expected = run(make_llm("smollm2", dtype="float32", max_model_len=512))
+    for layout in LAYOUTS.values():
+        got = run(make_llm("smollm2", dtype="float32", max_model_len=512, **layout))
+        for (tokens, logprobs, prompt_logprobs), (want_tokens, want_logprobs, want_prompt) in zip(got, expected):
+            assert tokens == want_tokens
+            for ours, theirs in [(logprobs, want_logprobs), ([prompt_logprobs], [want_prompt])]:
+                assert _close(ours, theirs), (ours, theirs)
+
+
+def _close(ours, theirs, tolerance: float = 1e-3) -> bool:
+    """Nested logprob structures equal in shape and token ids, values within `tolerance`
+    (the split sums in another order)."""
+    if isinstance(theirs, dict):
+        return ours.keys() == theirs.keys() and all(_close(ours[k], theirs[k], tolerance) for k in theirs)
+    if isinstance(theirs, (list, tuple)):
+        return len(ours) == len(theirs) and all(_close(a, b, tolerance) for a, b in zip(ours, theirs))
+    if isinstance(theirs, float):
+        return abs(ours - theirs) <= tolerance
+    if hasattr(theirs, "logprob"):
+        return ours.rank == theirs.rank and abs(ours.logprob - theirs.logprob) <= tolerance
+    return ours == theirs

@@ -28,6 +28,7 @@ from worker_svc.device import torch_device
 from worker_svc.preflight import check_model
 from worker_svc.rank_group import RankGroup
 from worker_svc.shard import Shard
+from worker_svc.threads import configure_torch_threads
 from worker_svc.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ def start_worker(config: EngineConfig, on_lost: Callable[[str], None] | None = N
     if world_size == 1:
         return Worker(config)
     check_model(config)  # a flag that cannot work fails before any rank starts
+    if torch_device(config).type == "cpu":
+        configure_torch_threads(world_size)  # the ranks share this machine's cores
     store = RankGroup.open_store(_HOST, 0, world_size, leader=True)
     context = multiprocessing.get_context("spawn")  # a forked rank would inherit this process's threads
     followers = [
@@ -100,10 +103,10 @@ def _close(worker: Worker, followers: list[multiprocessing.Process]) -> None:
 def _follow(config: EngineConfig, rank: int, port: int, leader_pid: int) -> None:
     """A follower rank's process."""
     from services.telemetry import configure_logging
-    from worker_svc.threads import configure_torch_threads
 
     configure_logging()
-    configure_torch_threads()
+    if torch_device(config, rank).type == "cpu":
+        configure_torch_threads(config.tensor_parallel_size * config.pipeline_parallel_size)
     # Ctrl-C reaches the terminal's whole process group, and some supervisors signal a
     # group too: the leader decides when the group stops (it drains first), not the signal.
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -154,3 +154,17 @@ def _close(ours, theirs, tolerance: float = 1e-3) -> bool:
     if hasattr(theirs, "logprob"):
         return ours.rank == theirs.rank and abs(ours.logprob - theirs.logprob) <= tolerance
     return ours == theirs
+
+
+def test_pp2_sends_each_plan_s_hidden_states_once_and_one_outcome_per_plan(make_llm):
+    """Per plan: the plan to the other stage, its tokens' hidden states (T x H floats)
+    handed on once, one outcome back to the leader; no all-reduce."""
+    llm = make_llm("smollm2", dtype="float32", pipeline_parallel_size=2)
+    prompts = [[1, 504, 3458, 314, 260, 2379, 30 + i] for i in range(4)]
+    max_tokens, hidden = 5, 576
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    counts = llm.engine.worker.group.counts
+    computed = sum(len(p) for p in prompts) + len(prompts) * (max_tokens - 1)  # the last token is never fed
+    assert counts.bytes["send"] == computed * hidden * 4
+    assert counts.calls["outcome"] == counts.calls["plan"] >= counts.calls["send"] > max_tokens
+    assert "all_reduce" not in counts.calls

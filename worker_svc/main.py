@@ -25,6 +25,11 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    from worker_svc.preflight import check_model
+
+    config = EngineConfig(**engine_args(args))
+    check_model(config)  # a model the flags cannot fit (or split) fails before torch loads
+
     from worker_svc.server import start_worker_server
     from worker_svc.threads import configure_torch_threads
     from worker_svc.worker_group import start_worker
@@ -33,7 +38,7 @@ def run_worker(args: argparse.Namespace) -> int:
     configure_torch_threads()
     # A rank of its group that dies ends this process: its scheduler sees one lost worker,
     # and whoever supervises the worker starts the group again.
-    worker = start_worker(EngineConfig(**engine_args(args)), on_lost=lambda reason: os._exit(1))
+    worker = start_worker(config, on_lost=lambda reason: os._exit(1))
     # The model's objects live as long as the process: kept out of every collection,
     # they cost no GC pass while serving, and exit skips ~1 s of collecting them.
     gc.freeze()

@@ -4,12 +4,18 @@ fewer KV heads than ranks (replicated), with prefix caching, chunked prefill and
 preemption in play; the collectives per step are the ones the design says."""
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import pytest
 import torch
 
-from kvfleet import SamplingParams
+from kvfleet import LLM, SamplingParams
 
-from conftest import hf_greedy
+from conftest import assert_no_leaks, hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 # Small enough to preempt and to chunk: 12 prompts of up to ~150 tokens in 48 blocks of 16.
@@ -54,28 +60,64 @@ def tiny_llama(tmp_path_factory):
     return path, model
 
 
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> Iterator[dict[str, tuple[LLM, str]]]:
+    """The default model on one rank, TP=2 and PP=2, each with what its ranks logged at
+    start (a follower's lines included): built once for this module's tests."""
+    built = {}
+    for name, layout in {"tp1": {}, **LAYOUTS}.items():
+        log = tmp_path_factory.mktemp("logs") / f"{name}.log"
+        with _stderr_to(log):
+            built[name] = LLM("smollm2", **PRESSURE, **layout)
+        built[name] = (built[name], log.read_text())
+    yield built
+    for llm, _ in built.values():
+        assert_no_leaks(llm)
+        llm.engine.worker.close()
+
+
+@contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    """File descriptor 2 into `path`: spawned ranks inherit it, so their logs land there too."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with path.open("w") as file:
+        os.dup2(file.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+@pytest.fixture(scope="module")
+def default_expected(engines) -> list[list[int]]:
+    single = engines["tp1"][0].engine.scheduler
+    preemptions, hits = single.num_preemptions, single.prefix_cache_hits
+    expected = _generate(engines["tp1"][0], _prompts(49152))
+    assert single.num_preemptions > preemptions, "the test must preempt"
+    assert single.prefix_cache_hits > hits, "the test must hit the prefix cache"
+    return expected
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_default_model_split_gives_the_tokens_of_one_rank(layout, make_llm, capfd):
-    prompts = _prompts(49152)
-    single = make_llm("smollm2", **PRESSURE)
-    expected = _generate(single, prompts)
-    assert single.engine.scheduler.num_preemptions > 0, "the test must preempt"
-    assert single.engine.scheduler.prefix_cache_hits > 0, "the test must hit the prefix cache"
-    del single
-    split = make_llm("smollm2", **PRESSURE, **LAYOUTS[layout])
-    assert _generate(split, prompts) == expected
+def test_default_model_split_gives_the_tokens_of_one_rank(layout, engines, default_expected):
+    split, log = engines[layout]
     scheduler = split.engine.scheduler
-    assert scheduler.num_preemptions > 0 and scheduler.prefix_cache_hits > 0
+    preemptions, hits = scheduler.num_preemptions, scheduler.prefix_cache_hits
+    assert _generate(split, _prompts(49152)) == default_expected
+    assert scheduler.num_preemptions > preemptions and scheduler.prefix_cache_hits > hits
     # The same block ids on every rank; each rank's blocks hold its own heads and layers.
     worker = split.engine.worker
     assert scheduler.block_pool.num_blocks == worker.num_blocks == 48
     layers, kv_heads = len(worker.kv_caches), worker.kv_caches[0].shape[3]
     if layout == "tp2":
         assert (layers, kv_heads) == (30, 2)  # rank 0 holds KV heads 0-1, rank 1 head 2
-        assert "rank 1 of 2 TP x 1 PP: 30 layers, 3 heads, 1 KV heads" in capfd.readouterr().err
+        assert "rank 1 of 2 TP x 1 PP: 30 layers, 3 heads, 1 KV heads" in log
     else:
         assert (layers, kv_heads) == (15, 3)
-        assert "rank 1 of 1 TP x 2 PP: 15 layers, 9 heads, 3 KV heads" in capfd.readouterr().err
+        assert "rank 1 of 1 TP x 2 PP: 15 layers, 9 heads, 3 KV heads" in log
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -88,13 +130,12 @@ def test_fewer_kv_heads_than_ranks_replicate_and_match_transformers(layout, tiny
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.scheduler.prefix_cache_hits > 0
 
 
-def test_tp2_collectives_per_step_are_what_the_design_says(make_llm):
+def test_tp2_collectives_per_step_are_what_the_design_says(engines):
     """Per decode step of B requests on a model of L layers and hidden size H (float32):
     2L + 1 all-reduces of B x H (o_proj, down_proj, the embedding), one gather of the
     logits to the sampling rank (the leader, which needs no outcome sent), one plan sent."""
-    llm = make_llm("smollm2", dtype="float32", tensor_parallel_size=2)
+    llm = engines["tp2"][0]
     prompts = [[1, 504, 3458, 314, 260, 2379, 30 + i] for i in range(4)]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     counts = llm.engine.worker.group.counts
     counts.clear()
     engine = llm.engine
@@ -113,7 +154,7 @@ def test_tp2_collectives_per_step_are_what_the_design_says(make_llm):
         engine.step()
 
 
-def test_sampling_features_survive_the_split(make_llm):
+def test_sampling_features_survive_the_split(engines):
     """What lives on the sampling rank (seeded generators, grammars, logprobs, prompt
     logprobs, parallel samples forking blocks) gives one rank's results under TP=2 and
     PP=2 alike: the pipeline's sampling rank is not the leader that compiled the grammar."""
@@ -133,9 +174,9 @@ def test_sampling_features_survive_the_split(make_llm):
         return [([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs], o.prompt_logprobs)
                 for o in outputs]
 
-    expected = run(make_llm("smollm2", dtype="float32", max_model_len=512))
-    for layout in LAYOUTS.values():
-        got = run(make_llm("smollm2", dtype="float32", max_model_len=512, **layout))
+    expected = run(engines["tp1"][0])
+    for layout in LAYOUTS:
+        got = run(engines[layout][0])
         for (tokens, logprobs, prompt_logprobs), (want_tokens, want_logprobs, want_prompt) in zip(got, expected):
             assert tokens == want_tokens
             for ours, theirs in [(logprobs, want_logprobs), ([prompt_logprobs], [want_prompt])]:
@@ -156,14 +197,15 @@ def _close(ours, theirs, tolerance: float = 1e-3) -> bool:
     return ours == theirs
 
 
-def test_pp2_sends_each_plan_s_hidden_states_once_and_one_outcome_per_plan(make_llm):
+def test_pp2_sends_each_plan_s_hidden_states_once_and_one_outcome_per_plan(engines):
     """Per plan: the plan to the other stage, its tokens' hidden states (T x H floats)
     handed on once, one outcome back to the leader; no all-reduce."""
-    llm = make_llm("smollm2", dtype="float32", pipeline_parallel_size=2)
+    llm = engines["pp2"][0]
     prompts = [[1, 504, 3458, 314, 260, 2379, 30 + i] for i in range(4)]
     max_tokens, hidden = 5, 576
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     counts = llm.engine.worker.group.counts
+    counts.clear()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     computed = sum(len(p) for p in prompts) + len(prompts) * (max_tokens - 1)  # the last token is never fed
     assert counts.bytes["send"] == computed * hidden * 4
     assert counts.calls["outcome"] == counts.calls["plan"] >= counts.calls["send"] > max_tokens

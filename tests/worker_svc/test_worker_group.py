@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,15 +62,14 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory) -> Iterator[dict[str, tuple[LLM, str]]]:
-    """The default model on one rank, TP=2 and PP=2, each with what its ranks logged at
-    start (a follower's lines included): built once for this module's tests."""
+def engines(tmp_path_factory) -> Iterator[dict[str, tuple[LLM, Path]]]:
+    """The default model on one rank, TP=2 and PP=2, each with the file its followers
+    log into (their stderr, from their start on): built once for this module's tests."""
     built = {}
     for name, layout in {"tp1": {}, **LAYOUTS}.items():
         log = tmp_path_factory.mktemp("logs") / f"{name}.log"
         with _stderr_to(log):
-            built[name] = LLM("smollm2", **PRESSURE, **layout)
-        built[name] = (built[name], log.read_text())
+            built[name] = (LLM("smollm2", **PRESSURE, **layout), log)
     yield built
     for llm, _ in built.values():
         assert_no_leaks(llm)
@@ -114,10 +114,20 @@ def test_default_model_split_gives_the_tokens_of_one_rank(layout, engines, defau
     layers, kv_heads = len(worker.kv_caches), worker.kv_caches[0].shape[3]
     if layout == "tp2":
         assert (layers, kv_heads) == (30, 2)  # rank 0 holds KV heads 0-1, rank 1 head 2
-        assert "rank 1 of 2 TP x 1 PP: 30 layers, 3 heads, 1 KV heads" in log
+        assert _logged(log, "rank 1 of 2 TP x 1 PP: 30 layers, 3 heads, 1 KV heads")
     else:
         assert (layers, kv_heads) == (15, 3)
-        assert "rank 1 of 1 TP x 2 PP: 15 layers, 9 heads, 3 KV heads" in log
+        assert _logged(log, "rank 1 of 1 TP x 2 PP: 15 layers, 9 heads, 3 KV heads")
+
+
+def _logged(log: Path, line: str, timeout_s: float = 10.0) -> bool:
+    """Whether the follower wrote `line` (it may still be on its way: the leader can be up first)."""
+    deadline = time.monotonic() + timeout_s
+    while line not in log.read_text():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -109,12 +109,11 @@ class Worker:
         kv_tokens = self.num_blocks * self.block_size
         kv_bytes = self.num_blocks * bytes_per_block(self.local_config, self.block_size, self.dtype)
         shard, local = self.group.shard, self.local_config
-        rank = (f"rank {shard.rank} of {shard.tp_size} TP x {shard.pp_size} PP: {local.num_hidden_layers} layers, "
-                f"{local.num_attention_heads} heads, {local.num_key_value_heads} KV heads; " if self.group.distributed
-                else "")
+        rank = [f"rank {shard.rank} of {shard.tp_size} TP x {shard.pp_size} PP: {local.num_hidden_layers} layers, "
+                f"{local.num_attention_heads} heads, {local.num_key_value_heads} KV heads"] if self.group.distributed else []
         return [
             f"model {self.config.model}: {self.source.path} ({model.architecture}, {model.num_hidden_layers} layers)",
-            *([rank.removesuffix("; ")] if rank else []),
+            *rank,
             f"weights: {stored} on {self.device}, {self.weights_bytes / 1e9:.2f} GB, loaded in {self.load_seconds:.1f} s",
             f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = {kv_tokens} tokens "
             f"({kv_bytes / 2**30:.2f} GiB); maximum concurrency at max_model_len {self.max_model_len}: "

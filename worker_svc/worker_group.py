@@ -25,7 +25,6 @@ from collections.abc import Callable
 
 from services.config import EngineConfig
 from worker_svc.device import torch_device
-from worker_svc.preflight import check_model
 from worker_svc.rank_group import RankGroup
 from worker_svc.shard import Shard
 from worker_svc.threads import configure_torch_threads
@@ -40,11 +39,12 @@ _CLOSE_TIMEOUT_S = 10.0
 def start_worker(config: EngineConfig, on_lost: Callable[[str], None] | None = None) -> Worker:
     """The worker `config` asks for: a single one, or the leader of a group whose other
     ranks run in spawned processes. `on_lost(reason)` is called once if a rank dies;
-    by default the leader's later steps fail with that reason."""
+    by default the leader's later steps fail with that reason. Every caller has checked
+    the model against the flags already (worker_svc.preflight), so no rank starts for a
+    split the model cannot take."""
     world_size = config.tensor_parallel_size * config.pipeline_parallel_size
     if world_size == 1:
         return Worker(config)
-    check_model(config)  # a flag that cannot work fails before any rank starts
     if torch_device(config).type == "cpu":
         configure_torch_threads(world_size)  # the ranks share this machine's cores
     store = RankGroup.open_store(_HOST, 0, world_size, leader=True)

@@ -4,6 +4,12 @@ Weights arrive with transformers' parameter names; q/k/v and gate/up are fused a
 load time so each becomes one matmul. In a worker group each rank builds its shard
 (worker_svc/shard.py): its heads and MLP columns, whose o_proj and down_proj sums
 the stage's ranks all-reduce, its vocabulary rows, and its stage's layers.
+
+The elementwise work between the matmuls (norms, rotary embedding, the MLP's activation)
+runs through an ops object chosen at construction: plain torch (the default, and the
+CPU path), or fused Triton kernels (worker_svc/triton_ops.py). Either way the layers
+pass the residual stream beside each sublayer's output, so that the Triton norm can add
+the two in the same pass; a stage's output is the complete hidden state on both paths.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_svc import triton_ops
 from worker_svc.attention.backend import AttentionBackend
 from worker_svc.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from worker_svc.model_config import ModelConfig
@@ -19,13 +26,62 @@ from worker_svc.quantized_linear import DequantScratch, QuantizedLinear
 from worker_svc.rank_group import RankGroup
 from worker_svc.weights import Weights
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # the step's cos and sin tables
+# The step's rotary inputs, made once for all layers: its cos and sin tables (TorchOps),
+# or its positions and the whole tables, which the kernel indexes itself (TritonOps).
+Rope = tuple[torch.Tensor, ...]
+
+
+class TorchOps:
+    """The decoder's elementwise work in torch, operator by operator: the reference."""
+
+    def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        return rotary.tables(positions, dtype)
+
+    def rotate(self, rope: Rope, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary(rope, query, key)
+
+    def norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x)
+
+    def add_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm of residual + x, and that sum: the residual stream from here on."""
+        hidden = residual + x
+        return norm(hidden), hidden
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class TritonOps:
+    """The same work in fused Triton kernels: one launch for each, where torch needs several."""
+
+    def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        return positions, rotary.cos, rotary.sin
+
+    def rotate(self, rope: Rope, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions, cos, sin = rope
+        triton_ops.rotary_(query, key, positions, cos, sin)
+        return query, key
+
+    def norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return triton_ops.rms_norm(x, norm.weight, norm.eps)
+
+    def add_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return triton_ops.rms_norm(x, norm.weight, norm.eps, residual)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return triton_ops.silu_and_mul(gate_up)
+
+
+Ops = TorchOps | TritonOps
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, group: RankGroup) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, group: RankGroup, ops: Ops) -> None:
         super().__init__()
         self.group = group
+        self.ops = ops
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -41,21 +97,21 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(rope, q, k)
+        q, k = self.ops.rotate(rope, q, k)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return self.group.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, group: RankGroup) -> None:
+    def __init__(self, config: ModelConfig, group: RankGroup, ops: Ops) -> None:
         super().__init__()
         self.group = group
+        self.ops = ops
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.group.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.group.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class VocabEmbedding(nn.Embedding):
@@ -77,37 +133,50 @@ class VocabEmbedding(nn.Embedding):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, group: RankGroup) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, group: RankGroup, ops: Ops) -> None:
         super().__init__()
+        self.ops = ops
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend, group)
+        self.self_attn = Attention(config, backend, group, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, group)
+        self.mlp = MLP(config, group, ops)
 
-    def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: object) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor, metadata: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP's output and the residual stream it is yet to be added to. `hidden` is the
+        previous layer's MLP output, not yet in `residual`; or, in a stage's first layer
+        (residual None), the whole hidden state."""
+        if residual is None:
+            hidden, residual = self.ops.norm(self.input_layernorm, hidden), hidden
+        else:
+            hidden, residual = self.ops.add_norm(self.input_layernorm, hidden, residual)
+        attn = self.self_attn(rope, hidden, kv_cache, metadata)
+        hidden, residual = self.ops.add_norm(self.post_attention_layernorm, attn, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend, max_positions: int, device: torch.device,
-        group: RankGroup,
+        group: RankGroup, triton_ops: bool = False,
     ) -> None:
         """Build under `torch.device("meta")` and call load_weights: parameters are
         assigned, never allocated twice; the rope tables live on `device` regardless.
-        `config` is the whole model's; this rank builds `group.shard`'s part of it."""
+        `config` is the whole model's; this rank builds `group.shard`'s part of it.
+        `triton_ops`: run the norms, rotary embedding and activation as fused Triton kernels."""
         super().__init__()
         shard = group.shard
         self.config = config
         self.group = group
+        self.ops: Ops = TritonOps() if triton_ops else TorchOps()
         local = shard.local_config(config)
         vocab_rows = shard.vocab_per_rank(config.vocab_size)
         if shard.is_first_stage:
             self.embed_tokens = VocabEmbedding(vocab_rows, config.hidden_size, shard.vocab_rows(config.vocab_size)[0],
                                                group)
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, device)
-        self.layers = nn.ModuleList(DecoderLayer(local, backend, group) for _ in range(local.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(local, backend, group, self.ops) for _ in range(local.num_hidden_layers))
         if shard.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = Linear(config.hidden_size, vocab_rows, bias=False)
@@ -128,9 +197,13 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.embed_tokens(input_ids)
         else:
             hidden = self.group.receive_hidden(len(input_ids), self.config.hidden_size, self.dtype, positions.device)
-        rope = self.rotary.tables(positions, hidden.dtype)
+        rope = self.ops.rope(self.rotary, positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(rope, hidden, kv_cache, metadata)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
+        # The last MLP's output joins the stream here, not in a fused final norm: compute_logits
+        # norms only the rows that sample, and the next stage expects the whole hidden state.
+        hidden = residual + hidden
         if not shard.is_last_stage:
             self.group.send_hidden(hidden)
         return hidden
@@ -139,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits (float32) for the rows that sample; the final norm is per row, so only
         they need it. On the last stage only; None on its ranks that do not sample."""
-        logits = self.group.gather_vocab(self.lm_head(self.norm(hidden)))
+        logits = self.group.gather_vocab(self.lm_head(self.ops.norm(self.norm, hidden)))
         return logits[:, : self.config.vocab_size].float() if logits is not None else None
 
     def load_weights(self, weights: Weights) -> None:

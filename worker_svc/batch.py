@@ -1,4 +1,14 @@
-"""Per-request state the worker keeps between steps, and the step's input tensors."""
+"""Per-request state the worker keeps between steps, and the persistent batch that turns
+a step plan into the model's input tensors.
+
+The batch gives every request it holds a row, kept on the worker's device from step to
+step: the row's block table and sampling settings are written once, when the request
+arrives, and a plan's deltas then only append the new block ids. A step uploads what is
+new in it (its token ids and, per scheduled request, the row, start and count); positions,
+slots and block tables are computed on the device from the rows. Rebuilding every
+request's whole block table each step cost a decode step time and bytes in proportion to
+the context held, not to the work done.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,20 +19,23 @@ import torch
 from services.messages import StepPlan
 from services.sampling_params import SamplingParams
 from worker_svc.attention.backend import BatchLayout
+from worker_svc.sampler import SamplingBatch
 
 if TYPE_CHECKING:  # xgrammar loads transformers: only workers that meet a constraint import it
     from worker_svc.grammar import RequestGrammar
+
+_INITIAL_ROWS = 64
 
 
 @dataclass
 class RequestState:
     token_ids: list[int]  # prompt and every token sampled so far
     num_prompt_tokens: int
-    block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
     grammar: RequestGrammar | None = None  # for a request with structured outputs
+    row: int = -1  # its row in the InputBatch, once added
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -34,55 +47,115 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     layout: BatchLayout
-    sample_rows: torch.Tensor  # [S] rows whose logits are sampled
+    sample_rows: torch.Tensor  # [S] rows (of the flattened batch) whose logits are sampled
     sample_request_ids: list[str]
+    sampling: SamplingBatch | None  # for the sampled rows; None when nothing samples
     row_starts: list[int]  # each scheduled request's first row, in plan order
 
 
-def prepare_inputs(
-    plan: StepPlan, requests: dict[str, RequestState], block_size: int, device: torch.device
-) -> StepInputs:
-    """Gather the scheduled tokens in plan order; index math runs on the CPU, then moves once."""
-    request_ids = list(plan.num_scheduled_tokens)
-    counts = list(plan.num_scheduled_tokens.values())
-    input_ids: list[int] = []
-    starts: list[int] = []
-    block_tables: list[list[int]] = []
-    sample_rows: list[int] = []
-    sample_request_ids: list[str] = []
-    row_starts: list[int] = []
-    for request_id, count in zip(request_ids, counts):
-        state = requests[request_id]
-        start = state.num_computed_tokens
-        row_starts.append(len(input_ids))
-        input_ids += state.token_ids[start : start + count]
-        starts.append(start)
-        block_tables.append(state.block_ids)
-        # Only a chunk that reaches the last known token yields a new token.
-        if start + count == len(state.token_ids):
-            sample_rows.append(len(input_ids) - 1)
-            sample_request_ids.append(request_id)
+class InputBatch:
+    def __init__(self, max_blocks_per_request: int, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.max_blocks = max_blocks_per_request
+        self.block_table = torch.zeros((0, max_blocks_per_request), dtype=torch.int32, device=device)
+        self.temperature = torch.zeros(0, dtype=torch.float32, device=device)
+        self.top_p = torch.zeros(0, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(0, dtype=torch.long, device=device)
+        self.min_p = torch.zeros(0, dtype=torch.float32, device=device)
+        self.num_blocks: list[int] = []  # per row: block ids written so far
+        self.free_rows: list[int] = []
+        self.uploaded_bytes = 0  # host-to-device bytes since the last reset, for tests and benchmarks
+        self._grow(_INITIAL_ROWS)
 
-    query_lens = torch.tensor(counts, dtype=torch.long)
-    start_positions = torch.tensor(starts, dtype=torch.long)
-    request_of_token = torch.repeat_interleave(torch.arange(len(counts)), query_lens)
-    offsets = torch.cumsum(query_lens, 0) - query_lens
-    positions = torch.arange(len(input_ids)) - offsets[request_of_token] + start_positions[request_of_token]
-    width = max(len(blocks) for blocks in block_tables)
-    table = torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in block_tables], dtype=torch.long)
-    slot_mapping = table[request_of_token, positions // block_size] * block_size + positions % block_size
-    layout = BatchLayout(
-        query_lens=query_lens.to(device),
-        seq_lens=(start_positions + query_lens).to(device),
-        block_tables=table.to(device),
-        slot_mapping=slot_mapping.to(device),
-        block_size=block_size,
-    )
-    return StepInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=positions.to(device),
-        layout=layout,
-        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
-        sample_request_ids=sample_request_ids,
-        row_starts=row_starts,
-    )
+    def _grow(self, rows: int) -> None:
+        """Room for `rows` more requests: the columns are reallocated, their contents kept."""
+        old = len(self.num_blocks)
+        self.block_table = torch.cat([self.block_table, self.block_table.new_zeros((rows, self.max_blocks))])
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            column = getattr(self, name)
+            setattr(self, name, torch.cat([column, column.new_zeros(rows)]))
+        self.num_blocks += [0] * rows
+        self.free_rows += range(old + rows - 1, old - 1, -1)  # lowest row first
+
+    def add(self, state: RequestState, block_ids: list[int]) -> None:
+        """Gives a new request a row and writes its block table and sampling settings."""
+        if not self.free_rows:
+            self._grow(len(self.num_blocks))
+        row = state.row = self.free_rows.pop()
+        params = state.sampling_params
+        self.num_blocks[row] = 0
+        self.append_blocks(row, block_ids)
+        self.temperature[row], self.top_p[row] = params.temperature, params.top_p
+        self.top_k[row], self.min_p[row] = params.top_k, params.min_p
+        self.uploaded_bytes += 4 * 4
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        first = self.num_blocks[row]
+        if first + len(block_ids) > self.max_blocks:
+            raise RuntimeError(f"a request holds {first + len(block_ids)} blocks, more than max_model_len's "
+                               f"{self.max_blocks}: the scheduler's plan is wrong")
+        ids = torch.tensor(block_ids, dtype=torch.int32)
+        self.block_table[row, first : first + len(block_ids)] = ids.to(self.device, non_blocking=True)
+        self.num_blocks[row] = first + len(block_ids)
+        self.uploaded_bytes += ids.nbytes
+
+    def remove(self, state: RequestState) -> None:
+        self.free_rows.append(state.row)
+        state.row = -1
+
+    def prepare(self, plan: StepPlan, requests: dict[str, RequestState]) -> StepInputs:
+        """The step's inputs in plan order: the scheduled tokens, and where each sits."""
+        counts = list(plan.num_scheduled_tokens.values())
+        states = [requests[request_id] for request_id in plan.num_scheduled_tokens]
+        input_ids: list[int] = []
+        row_starts: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[tuple[str, RequestState]] = []
+        for (request_id, state), count in zip(zip(plan.num_scheduled_tokens, states), counts):
+            start = state.num_computed_tokens
+            row_starts.append(len(input_ids))
+            input_ids += state.token_ids[start : start + count]
+            # Only a chunk that reaches the last known token yields a new token.
+            if start + count == len(state.token_ids):
+                sample_rows.append(len(input_ids) - 1)
+                sampled.append((request_id, state))
+        per_request = self._upload([[s.row for s in states], [s.num_computed_tokens for s in states], counts])
+        rows, starts, query_lens = per_request
+        request_of_token = torch.repeat_interleave(torch.arange(len(counts), device=self.device), query_lens,
+                                                   output_size=len(input_ids))  # no device sync to learn it
+        offsets = torch.cumsum(query_lens, 0) - query_lens
+        positions = torch.arange(len(input_ids), device=self.device) - offsets[request_of_token] + starts[request_of_token]
+        seq_lens = starts + query_lens
+        width = -(-max(s.num_computed_tokens + n for s, n in zip(states, counts)) // self.block_size)
+        block_tables = self.block_table[rows, :width]
+        slot_mapping = (block_tables[request_of_token, positions // self.block_size].long() * self.block_size
+                        + positions % self.block_size)
+        tokens, sample_index, sample_batch_rows = self._upload([input_ids, sample_rows, [s.row for _, s in sampled]])
+        return StepInputs(
+            input_ids=tokens,
+            positions=positions,
+            layout=BatchLayout(query_lens, seq_lens, block_tables, slot_mapping, self.block_size, max(counts)),
+            sample_rows=sample_index,
+            sample_request_ids=[request_id for request_id, _ in sampled],
+            sampling=self._sampling(sample_batch_rows, [s for _, s in sampled]) if sampled else None,
+            row_starts=row_starts,
+        )
+
+    def _sampling(self, rows: torch.Tensor, states: list[RequestState]) -> SamplingBatch:
+        return SamplingBatch(
+            temperature=self.temperature[rows],
+            top_p=self.top_p[rows],
+            top_k=self.top_k[rows],
+            min_p=self.min_p[rows],
+            generators=[s.generator for s in states],
+            all_greedy=all(s.sampling_params.greedy for s in states),
+        )
+
+    def _upload(self, columns: list[list[int]]) -> list[torch.Tensor]:
+        """Several int lists in one host-to-device copy, as int64 tensors on the device."""
+        packed = torch.tensor([value for column in columns for value in column], dtype=torch.long)
+        self.uploaded_bytes += packed.nbytes
+        return list(packed.to(self.device, non_blocking=True).split([len(column) for column in columns]))

@@ -15,13 +15,14 @@ from services.config import EngineConfig
 from services.messages import StepPlan, StepResult, WorkerDescription
 from services.sampling_params import SamplingParams
 from services.structured_outputs import StructuredOutputsParams
+from worker_svc.attention.backend import AttentionBackend
 from worker_svc.attention.paged_decode import (
     PagedDecodeKernel,
     decode_kernel_enabled,
     load_kernel,
 )
 from worker_svc.attention.torch_backend import TorchAttentionBackend
-from worker_svc.batch import RequestState, StepInputs, prepare_inputs
+from worker_svc.batch import InputBatch, RequestState, StepInputs
 from worker_svc.device import runs_q4_as_stored, torch_device, torch_dtype
 from worker_svc.kv_cache import (
     allocate_kv_cache,
@@ -35,10 +36,11 @@ from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.outcomes import Outcomes
 from worker_svc.preflight import check_model
 from worker_svc.rank_group import RankGroup
-from worker_svc.sampler import SamplingBatch, gather_logprobs, position_seed, sample
+from worker_svc.sampler import gather_logprobs, position_seed, sample
 from worker_svc.weights import load_weights
 
 if TYPE_CHECKING:
+    from worker_svc.cuda_graphs import DecodeGraphs
     from worker_svc.grammar import Grammars
 
 logger = logging.getLogger(__name__)
@@ -76,11 +78,12 @@ class Worker:
         self.attention_backend = self._attention_backend()
         with torch.device("meta"):
             self.model = LlamaForCausalLM(self.model_config, self.attention_backend, self.max_model_len, self.device,
-                                          group)
+                                          group, triton_ops=self.uses_triton)
         self.model.load_weights({name: t.to(self.device) for name, t in weights.items()})
         self.model.eval()
         self.block_size = config.block_size
         self.requests: dict[str, RequestState] = {}
+        self.batch = InputBatch(-(-self.max_model_len // self.block_size), self.block_size, self.device)
         self.scheduler_instance_id = ""  # whose requests those are
         self.last_step_at = time.monotonic()  # when a step last began or ended
         # Block ids are the group's: every rank holds the same number, its own heads' and layers' share of each.
@@ -94,6 +97,7 @@ class Worker:
             if self.num_host_blocks
             else []
         )
+        self.graphs = self._capture_graphs()
         # A pipeline's leader gets each plan's outcome later, from the last stage.
         self._outcomes = Outcomes(group) if group.shard.rank == 0 and not group.shard.samples else None
         for line in self.summary():
@@ -120,10 +124,37 @@ class Worker:
             f"{kv_tokens / self.max_model_len:.1f}x",
         ]
 
-    def _attention_backend(self) -> TorchAttentionBackend:
+    @property
+    def uses_triton(self) -> bool:
+        """Whether attention and the decoder's elementwise work run as Triton kernels."""
+        choice = self.config.attention_backend
+        return choice == "triton" or (choice == "auto" and self.device.type == "cuda")
+
+    def _attention_backend(self) -> AttentionBackend:
+        if self.uses_triton:
+            from worker_svc.attention.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend()
         shape = (self.local_config.num_attention_heads, self.local_config.num_key_value_heads, self.local_config.head_dim)
         use_kernel = PagedDecodeKernel.supports(self.dtype, self.device, *shape) and decode_kernel_enabled()
         return TorchAttentionBackend(load_kernel() if use_kernel else None, self.local_config.num_key_value_heads)
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps, on a GPU running the Triton kernels, unless --enforce-eager."""
+        sizes = self.config.graph_sizes()
+        if self.device.type != "cuda":
+            if self.config.enforce_eager:
+                logger.info("--enforce-eager has no effect on %s: only CUDA steps replay graphs", self.device)
+            return None
+        if not sizes or not self.uses_triton:
+            return None
+        if self.group.distributed:
+            logger.info("worker groups run eagerly: their collectives are not captured in CUDA graphs yet")
+            return None
+        from worker_svc.cuda_graphs import DecodeGraphs
+
+        return DecodeGraphs(self.model, self.attention_backend, self.kv_caches, sizes, self.batch.max_blocks,
+                            self.block_size, self.device)
 
     def _size_kv_cache(self) -> int:
         """Blocks that fit the memory budget once a full step's activations are accounted for
@@ -161,16 +192,16 @@ class Worker:
             request_id = f"profile-{index}"
             block_ids = list(range(first_block, first_block + num_blocks))
             first_block += num_blocks
-            self.requests[request_id] = RequestState([0] * length, length, block_ids, 0, SamplingParams(), None)
+            self._add_request(request_id, RequestState([0] * length, length, 0, SamplingParams(), None), block_ids)
             plan.num_scheduled_tokens[request_id] = length
         try:
-            inputs = prepare_inputs(plan, self.requests, self.block_size, self.device)
+            inputs = self.batch.prepare(plan, self.requests)
             metadata = self.attention_backend.build_metadata(inputs.layout)
             hidden = self.model(inputs.input_ids, inputs.positions, scratch, metadata)
             if self.group.shard.is_last_stage:
                 self.model.compute_logits(hidden[: self.config.max_num_seqs])
         finally:
-            self.requests.clear()
+            self._drop_requests()
 
     @property
     def num_requests(self) -> int:
@@ -273,7 +304,7 @@ class Worker:
         """Forgets the requests of a scheduler that is gone: nobody will ever end them."""
         if self.requests:
             logger.warning("dropping the state of %d requests: %s", len(self.requests), reason)
-            self.requests.clear()
+            self._drop_requests()
 
     def _execute(self, plan: StepPlan) -> StepResult | None:
         self._apply_deltas(plan)
@@ -290,9 +321,11 @@ class Worker:
     def _compute(self, plan: StepPlan) -> StepResult | Exception | None:
         """The step's forward; on the sampling rank, its outcome (an exception when sampling failed)."""
         shard = self.group.shard
-        inputs = prepare_inputs(plan, self.requests, self.block_size, self.device)
-        metadata = self.attention_backend.build_metadata(inputs.layout)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
+        inputs = self.batch.prepare(plan, self.requests)
+        hidden = self.graphs.forward(inputs.input_ids, inputs.positions, inputs.layout) if self.graphs else None
+        if hidden is None:
+            metadata = self.attention_backend.build_metadata(inputs.layout)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
         outcome: StepResult | Exception | None = None
         if shard.is_last_stage:
             # Every collective first (the last stage's ranks gather logits together), so a
@@ -312,15 +345,12 @@ class Worker:
         self, step_id: int, inputs: StepInputs, logits: torch.Tensor | None, prompt_logits: list[PromptLogits]
     ) -> StepResult:
         result = StepResult(step_id)
-        if logits is not None:
+        if logits is not None and inputs.sampling is not None:
             states = [self.requests[r] for r in inputs.sample_request_ids]
             for state in states:
                 if state.generator is not None:
                     position = len(state.token_ids) - state.num_prompt_tokens
                     state.generator.manual_seed(position_seed(state.sampling_params.seed, position))
-            batch = SamplingBatch.from_params(
-                [s.sampling_params for s in states], [s.generator for s in states], self.device
-            )
             adjustments = LogitsAdjustments.build(
                 states, self.model_config.vocab_size, self.model_config.eos_token_ids, self.device
             )
@@ -330,7 +360,7 @@ class Worker:
                 # Masked in place on a copy: logprobs report the model's raw distribution.
                 processed = processed.clone() if processed is logits else processed
                 self.grammars.mask(processed, grammars)
-            sampled = sample(processed, batch)
+            sampled = sample(processed, inputs.sampling)
             tokens = sampled.tolist()
             if any(grammars):
                 self.grammars.accept(grammars, tokens)
@@ -365,7 +395,8 @@ class Worker:
 
     def _apply_deltas(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:
-            self.requests.pop(request_id, None)
+            if (state := self.requests.pop(request_id, None)) is not None:
+                self.batch.remove(state)
         copy_blocks(plan.blocks_to_copy, self.kv_caches, self.kv_caches)
         copy_blocks(plan.blocks_to_swap_out, self.kv_caches, self.host_kv_caches)
         copy_blocks(plan.blocks_to_swap_in, self.host_kv_caches, self.kv_caches)
@@ -375,16 +406,16 @@ class Worker:
             if samples and new.sampling_params.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(new.sampling_params.seed)
             constraint = new.sampling_params.structured_outputs
-            self.requests[new.request_id] = RequestState(
+            state = RequestState(
                 list(new.token_ids),
                 new.num_prompt_tokens,
-                list(new.block_ids),
                 new.num_computed_tokens,
                 new.sampling_params,
                 generator,
                 self.grammars.request_grammar(constraint, new.token_ids[new.num_prompt_tokens:])
                 if constraint and samples else None,
             )
+            self._add_request(new.request_id, state, list(new.block_ids))
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]
             if state.num_computed_tokens != cached.num_computed_tokens:
@@ -392,8 +423,20 @@ class Worker:
                     f"worker out of sync on {cached.request_id}: has {state.num_computed_tokens} "
                     f"computed tokens, the scheduler says {cached.num_computed_tokens}"
                 )
-            state.block_ids.extend(cached.new_block_ids)
+            self.batch.append_blocks(state.row, list(cached.new_block_ids))
             state.token_ids.extend(cached.new_token_ids)
+
+    def _add_request(self, request_id: str, state: RequestState, block_ids: list[int]) -> None:
+        """A request the plan brings (again, after a preemption by recompute: its old row is freed)."""
+        if (old := self.requests.pop(request_id, None)) is not None:
+            self.batch.remove(old)
+        self.requests[request_id] = state
+        self.batch.add(state, block_ids)
+
+    def _drop_requests(self) -> None:
+        for state in self.requests.values():
+            self.batch.remove(state)
+        self.requests.clear()
 
 
 def _settled(run: Callable[[StepPlan], StepResult], plan: StepPlan) -> Future[StepResult]:

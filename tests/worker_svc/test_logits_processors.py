@@ -23,7 +23,7 @@ EOS = (2,)
 
 
 def state(prompt: list[int], output: list[int], **params) -> RequestState:
-    return RequestState(prompt + output, len(prompt), [], 0, SamplingParams(**params), None)
+    return RequestState(prompt + output, len(prompt), 0, SamplingParams(**params), None)
 
 
 def adjust(states: list[RequestState], logits: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,8 @@ def random_layout(query_lens: list[int], seq_lens: list[int], block_size: int, n
     slots = []
     for table, queries, length in zip(tables.tolist(), query_lens, seq_lens):
         slots += [table[pos // block_size] * block_size + pos % block_size for pos in range(length - queries, length)]
-    return BatchLayout(torch.tensor(query_lens), torch.tensor(seq_lens), tables, torch.tensor(slots), block_size)
+    return BatchLayout(torch.tensor(query_lens), torch.tensor(seq_lens), tables, torch.tensor(slots), block_size,
+                       max(query_lens))
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])

@@ -31,7 +31,8 @@ def random_layout(query_lens: list[int], seq_lens: list[int], block_size: int, n
     slots = []
     for table, queries, length in zip(tables.tolist(), query_lens, seq_lens):
         slots += [table[pos // block_size] * block_size + pos % block_size for pos in range(length - queries, length)]
-    return BatchLayout(torch.tensor(query_lens), torch.tensor(seq_lens), tables, torch.tensor(slots), block_size)
+    return BatchLayout(torch.tensor(query_lens), torch.tensor(seq_lens), tables, torch.tensor(slots), block_size,
+                       max(query_lens))
 
 
 def reference(
@@ -122,7 +123,7 @@ def test_decode_of_a_padding_row_is_zero() -> None:
 
 def layout_rows(layout: BatchLayout, rows: list[int]) -> BatchLayout:
     return BatchLayout(layout.query_lens[rows], layout.seq_lens[rows], layout.block_tables[rows],
-                       layout.slot_mapping, layout.block_size)
+                       layout.slot_mapping, layout.block_size, int(layout.query_lens[rows].max()))
 
 
 @pytest.mark.parametrize(
@@ -169,7 +170,7 @@ def test_backend_equals_torch_backend(query_lens: list[int], seq_lens: list[int]
     padded = BatchLayout(
         torch.tensor(query_lens + [1]), torch.tensor(seq_lens + [0]),
         torch.cat([layout.block_tables, torch.zeros_like(layout.block_tables[:1])]),
-        torch.cat([layout.slot_mapping, torch.tensor([-1])]), layout.block_size,
+        torch.cat([layout.slot_mapping, torch.tensor([-1])]), layout.block_size, layout.max_query_len,
     )
     query, key, value = (torch.cat([x, torch.randn_like(x[:1])]) for x in (query, key, value))
     backend = TritonAttentionBackend(num_splits=2)

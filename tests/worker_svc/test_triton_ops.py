@@ -118,7 +118,7 @@ def _run(config: ModelConfig, weights: dict[str, torch.Tensor], triton: bool) ->
         positions = torch.cat([torch.arange(s - n, s) for n, s in zip(query_lens, seq_lens)])
         slots = torch.cat([tables[i][positions_i // block_size] * block_size + positions_i % block_size
                            for i, positions_i in enumerate(positions.split(query_lens))])
-        layout = BatchLayout(torch.tensor(query_lens), torch.tensor(seq_lens), tables, slots, block_size)
+        layout = BatchLayout(torch.tensor(query_lens), torch.tensor(seq_lens), tables, slots, block_size, max(query_lens))
         input_ids = torch.randint(0, config.vocab_size, (len(positions),), generator=generator)
         hidden = model(input_ids, positions, caches, backend.build_metadata(layout))
         outputs += [hidden, model.compute_logits(hidden[torch.tensor(query_lens).cumsum(0) - 1])]

@@ -21,6 +21,7 @@ class BatchLayout:
     block_tables: torch.Tensor  # [B, max_blocks] block ids, padded with 0
     slot_mapping: torch.Tensor  # [T] where each new token's K and V are written
     block_size: int
+    max_query_len: int  # known on the host, so no backend syncs with the device to learn it
 
 
 class AttentionBackend(ABC):

@@ -43,7 +43,7 @@ class TritonAttentionBackend(AttentionBackend):
             block_tables=block_tables.contiguous(),
             seq_lens=layout.seq_lens.to(torch.int32),
             query_start_loc=query_start_loc,
-            max_query_len=int(query_lens.max()),
+            max_query_len=layout.max_query_len,
             num_splits=num_splits,
         )
 

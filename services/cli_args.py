@@ -44,7 +44,11 @@ _ENGINE_HELP = {
     "seed": "seeds the sampling of requests that bring no seed of their own",
     "tensor_parallel_size": "ranks each layer is split over (one process and device each; gloo on CPU, NCCL on GPU)",
     "pipeline_parallel_size": "pipeline stages the layers are split into (one process and device each)",
-    "enforce_eager": "accepted for vLLM's sake: kvfleet captures no CUDA graphs, steps always run eagerly",
+    "attention_backend": "auto (triton on CUDA, torch on CPU), triton (paged Triton kernels; interpreted on CPU, "
+                         "for tests) or torch",
+    "enforce_eager": "run every step eagerly: capture no CUDA graphs for decode (CPU steps always run eagerly)",
+    "cuda_graph_sizes": "decode batch sizes captured as CUDA graphs; a batch runs in the smallest that holds it "
+                        "(default: 1 2 4 8 16 24 32 48 64 ... up to --max-num-seqs)",
     "trust_remote_code": "accepted for vLLM's sake: kvfleet never runs a model repository's code",
 }
 # vLLM's short spellings.
@@ -80,6 +84,8 @@ def add_engine_args(parser: argparse.ArgumentParser, only: Sequence[str] | None 
         kind = str(f.type).split(" ")[0]
         if kind == "bool":  # --enable-x / --no-enable-x, as in vLLM
             parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif kind == "tuple[int,":  # a list of ints, space separated, as in vLLM
+            parser.add_argument(*names, type=int, nargs="+", default=f.default, help=help_text)
         else:
             parser.add_argument(*names, type={"int": int, "float": float, "str": str}[kind], default=f.default,
                                 help=help_text)
@@ -99,6 +105,8 @@ def engine_argv(namespace: argparse.Namespace, only: Sequence[str] | None = None
         name, value = flag(f.name), getattr(namespace, f.name)
         if isinstance(value, bool):
             argv.append(name if value else f"--no-{name[2:]}")
+        elif isinstance(value, (tuple, list)):
+            argv += [name, *map(str, value)]
         elif value is not None:
             argv += [name, str(value)]
     return argv

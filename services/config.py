@@ -22,6 +22,9 @@ DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "
 QUANTIZATIONS = ("gguf", "none")
 GENERATION_CONFIGS = ("auto", "vllm")  # or a directory holding generation_config.json
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+# Decode batch sizes captured as CUDA graphs when --cuda-graph-sizes is not given (cut at --max-num-seqs).
+DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 def flag(name: str) -> str:
@@ -56,7 +59,10 @@ class EngineConfig:
     seed: int = 0  # seeds the sampling of requests that bring no seed of their own
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    enforce_eager: bool = False
+    # auto: Triton kernels on CUDA, torch (with the C decode kernel) on CPU; triton on CPU runs interpreted (tests)
+    attention_backend: str = "auto"
+    enforce_eager: bool = False  # no CUDA graphs
+    cuda_graph_sizes: tuple[int, ...] | None = None  # None: DEFAULT_CUDA_GRAPH_SIZES up to max_num_seqs
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
@@ -87,8 +93,25 @@ class EngineConfig:
                 "(--quantization gguf runs their 4-bit weights as stored, none dequantizes them) and unquantized "
                 "safetensors"
             )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"--attention-backend {self.attention_backend}: choose one of "
+                              f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.cuda_graph_sizes is not None:
+            self.cuda_graph_sizes = tuple(sorted(set(self.cuda_graph_sizes)))
+            if not self.cuda_graph_sizes or self.cuda_graph_sizes[0] < 1:
+                raise ConfigError(f"--cuda-graph-sizes {' '.join(map(str, self.cuda_graph_sizes))}: give positive "
+                                  "batch sizes")
         if self.kv_cache_dtype != "auto":
             raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: only auto (the model's dtype) is supported")
+
+    def graph_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes to capture as CUDA graphs (none with --enforce-eager)."""
+        if self.enforce_eager:
+            return ()
+        if self.cuda_graph_sizes is not None:
+            return self.cuda_graph_sizes
+        sizes = tuple(size for size in DEFAULT_CUDA_GRAPH_SIZES if size < self.max_num_seqs)
+        return (*sizes, self.max_num_seqs)
 
     def ignored(self) -> list[str]:
         """A line for each setting accepted for vLLM's sake that changes nothing here."""
@@ -96,6 +119,4 @@ class EngineConfig:
         if self.trust_remote_code:
             notes.append("--trust-remote-code has no effect: kvfleet implements each architecture itself and "
                          "never runs a model repository's code")
-        if self.enforce_eager:
-            notes.append("--enforce-eager has no effect: kvfleet captures no CUDA graphs yet, so steps run eagerly")
         return notes

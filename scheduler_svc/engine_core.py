@@ -64,6 +64,11 @@ class EngineCore:
         self.worker = worker
         self.instance_id = uuid.uuid4().hex  # its worker drops what a previous instance left there
         self.description = described = worker.describe()
+        # Async scheduling: step N+1 is planned and handed over while step N runs. A worker
+        # group's followers would need the leader's sampled tokens: not yet.
+        self.runs_ahead = config.async_scheduling and described.max_plans_in_flight == 1 and (
+            config.tensor_parallel_size * config.pipeline_parallel_size == 1)
+        self._depth = 2 if self.runs_ahead else described.max_plans_in_flight
         self._worker_lost = False
         # Plans handed to a pipelined group whose results are still to come, oldest first.
         self._in_flight: deque[tuple[StepPlan, Future[StepResult]]] = deque()
@@ -81,6 +86,7 @@ class EngineCore:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
                 num_host_blocks=described.num_host_blocks,
+                async_scheduling=self.runs_ahead,
             )
         )
         # Built once: every stats() shares it.
@@ -147,14 +153,16 @@ class EngineCore:
         """One plan's worth of progress. With a pipelined group (description.max_plans_in_flight
         > 1) it first fills the pipeline with plans of the requests not already in flight
         (vLLM's virtual engines: the stages each work on another plan), then waits for the
-        oldest plan's result."""
-        if self.description.max_plans_in_flight == 1:
+        oldest plan's result. With async scheduling it keeps the next plan handed over
+        while the worker runs the current one."""
+        depth = self._depth
+        if depth == 1:
             plan = self._plan()
             return self._finish(plan, lambda: self.worker.execute(plan))
-        depth = self.description.max_plans_in_flight
         while len(self._in_flight) < depth and (self.scheduler.num_schedulable or self.scheduler.has_drops):
-            # An even share for each plan the pipeline has room for.
-            plan = self._plan(-(-self.scheduler.num_schedulable // (depth - len(self._in_flight))))
+            # A pipeline gives each plan it has room for an even share; a plan ahead takes all.
+            share = None if self.runs_ahead else -(-self.scheduler.num_schedulable // (depth - len(self._in_flight)))
+            plan = self._plan(share)
             try:
                 self._in_flight.append((plan, self.worker.submit(plan)))
             except Exception as exc:  # never handed over: fails as an executed plan would

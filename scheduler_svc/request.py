@@ -38,7 +38,9 @@ class Request:
     # Set when the worker has this request's state: later steps send only deltas.
     known_to_worker: bool = False
     num_outputs_on_worker: int = 0  # output tokens the worker has been sent
-    in_flight: bool = False  # in a plan whose result has not come back: not scheduled again until it has
+    # In plans whose results have not come back: their tokens, and the tokens they will sample.
+    num_in_flight_tokens: int = 0
+    num_ahead_samples: int = 0
     cache_salt: str | None = None
     # Prefix caching: hashes of the full blocks of all_token_ids, and how many of
     # this request's blocks are indexed in the pool already.
@@ -60,6 +62,10 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def in_flight(self) -> bool:
+        return self.num_in_flight_tokens > 0
 
     @property
     def is_finished(self) -> bool:

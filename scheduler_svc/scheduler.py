@@ -42,6 +42,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap"
     num_host_blocks: int = 0  # the swap pool
+    # A request whose step is in flight may be planned into the next step, its input the
+    # token that step will sample (vLLM's async scheduling; the worker fills it in).
+    async_scheduling: bool = False
 
 
 class Scheduler:
@@ -146,7 +149,17 @@ class Scheduler:
     def num_schedulable(self) -> int:
         """Requests a plan now could take: with plans in flight (a pipeline), their
         requests wait for their results."""
-        return len(self.waiting) + sum(not request.in_flight for request in self.running)
+        return len(self.waiting) + sum(not r.in_flight or self._runs_ahead(r) for r in self.running)
+
+    def _runs_ahead(self, request: Request) -> bool:
+        """Whether a request in flight may be planned into the next step too: only one step
+        ahead, a decode of the token its step in flight samples, when it will not certainly
+        have finished by then and its sampling does not read its last token."""
+        params = request.sampling_params
+        return (self.config.async_scheduling and request.num_ahead_samples == 1
+                and request.num_in_flight_tokens + request.num_computed_tokens == request.num_tokens
+                and (params.max_tokens is None or len(request.output_token_ids) + 1 < params.max_tokens)
+                and request.num_tokens + 1 < self.config.max_model_len and not params.reads_output_tokens)
 
     # -- one step --------------------------------------------------------------------
 
@@ -168,11 +181,15 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0 and len(plan.num_scheduled_tokens) != max_requests:
             request = self.running[index]
-            if request.in_flight:
-                index += 1
+            index += 1
+            ahead = request.in_flight
+            if ahead and not self._runs_ahead(request):
                 continue
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_blocks = self._allocate_slots(request, num_tokens)
+            computed = request.num_computed_tokens + request.num_in_flight_tokens
+            num_tokens = min(request.num_tokens + request.num_ahead_samples - computed, budget)
+            new_blocks = self._allocate_slots(request, computed + num_tokens)
+            if new_blocks is None and ahead:
+                continue  # no preempting for a step ahead: it runs once its result is back
             while new_blocks is None:
                 # The newest request not in flight: one in flight is computing into its blocks.
                 victim = next(r for r in reversed(self.running) if not r.in_flight)
@@ -180,10 +197,9 @@ class Scheduler:
                 self._preempt(victim, plan)
                 if victim is request:
                     return budget
-                new_blocks = self._allocate_slots(request, num_tokens)
+                new_blocks = self._allocate_slots(request, computed + num_tokens)
             self._add_to_plan(plan, request, num_tokens, new_blocks)
             budget -= num_tokens
-            index += 1
         return budget
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, max_requests: int | None) -> None:
@@ -253,8 +269,8 @@ class Scheduler:
         return num_tokens, request.block_ids
 
     def _allocate_slots(self, request: Request, num_tokens: int) -> list[int] | None:
-        """Blocks for `num_tokens` more tokens of KV, or None when the pool is short."""
-        needed = -(-(request.num_computed_tokens + num_tokens) // self.config.block_size)
+        """Blocks for KV of `num_tokens` tokens in all (the new blocks), or None when the pool is short."""
+        needed = -(-num_tokens // self.config.block_size)
         missing = needed - len(request.block_ids)
         if missing <= 0:
             return []
@@ -266,10 +282,13 @@ class Scheduler:
 
     def _add_to_plan(self, plan: StepPlan, request: Request, num_tokens: int, new_blocks: list[int]) -> None:
         plan.num_scheduled_tokens[request.request_id] = num_tokens
-        request.in_flight = True
+        computed = request.num_computed_tokens + request.num_in_flight_tokens  # once the steps in flight are done
+        if computed + num_tokens == request.num_tokens + request.num_ahead_samples:
+            request.num_ahead_samples += 1  # the step reaches the last token: it samples the next
+        request.num_in_flight_tokens += num_tokens
         outputs = request.output_token_ids
         if request.known_to_worker:
-            plan.cached_requests.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens,
+            plan.cached_requests.append(CachedRequestData(request.request_id, new_blocks, computed,
                                                           outputs[request.num_outputs_on_worker :]))
             request.num_outputs_on_worker = len(outputs)
             return
@@ -347,12 +366,13 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.in_flight = False
+            request.num_in_flight_tokens -= num_tokens
             request.num_computed_tokens += num_tokens
             if request_id in result.prompt_logprobs:
                 request.prompt_logprobs += result.prompt_logprobs[request_id]
             sampled = result.sampled_token_ids.get(request_id)
             if sampled:
+                request.num_ahead_samples -= 1
                 delta = self._accept(request, sampled, result.logprobs.get(request_id), now)
                 deltas.append(delta)
                 step_tokens += len(delta.new_token_ids)

@@ -47,6 +47,8 @@ _ENGINE_HELP = {
     "attention_backend": "auto (triton on CUDA, torch on CPU), triton (paged Triton kernels; interpreted on CPU, "
                          "for tests) or torch",
     "enforce_eager": "run every step eagerly: capture no CUDA graphs for decode (CPU steps always run eagerly)",
+    "async_scheduling": "plan each step while the one before runs (vLLM's async scheduling): hides the "
+                        "scheduler's time behind the GPU's; a request that stops computes one token in vain",
     "cuda_graph_sizes": "decode batch sizes captured as CUDA graphs; a batch runs in the smallest that holds it "
                         "(default: 1 2 4 8 16 24 32 48 64 ... up to --max-num-seqs)",
     "trust_remote_code": "accepted for vLLM's sake: kvfleet never runs a model repository's code",

@@ -62,6 +62,7 @@ class EngineConfig:
     # auto: Triton kernels on CUDA, torch (with the C decode kernel) on CPU; triton on CPU runs interpreted (tests)
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs
+    async_scheduling: bool = False  # plan step N+1 while step N runs (one rank only, for now)
     cuda_graph_sizes: tuple[int, ...] | None = None  # None: DEFAULT_CUDA_GRAPH_SIZES up to max_num_seqs
     trust_remote_code: bool = False
 
@@ -116,6 +117,9 @@ class EngineConfig:
     def ignored(self) -> list[str]:
         """A line for each setting accepted for vLLM's sake that changes nothing here."""
         notes = []
+        if self.async_scheduling and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            notes.append("--async-scheduling has no effect on a worker group yet: its followers would need the "
+                         "leader's sampled tokens; a pipeline keeps its stages busy with micro-batches instead")
         if self.trust_remote_code:
             notes.append("--trust-remote-code has no effect: kvfleet implements each architecture itself and "
                          "never runs a model repository's code")

@@ -110,3 +110,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def reads_output_tokens(self) -> bool:
+        """Whether sampling the next token reads the ones generated so far (penalties, bad
+        words, min_tokens' count, a grammar's state): such a request never runs a step ahead."""
+        return bool(self.repetition_penalty != 1 or self.frequency_penalty or self.presence_penalty
+                    or self.bad_words_token_ids or self.min_tokens or self.structured_outputs)

@@ -36,6 +36,10 @@ class RequestState:
     generator: torch.Generator | None
     grammar: RequestGrammar | None = None  # for a request with structured outputs
     row: int = -1  # its row in the InputBatch, once added
+    # Tokens this worker sampled that token_ids does not hold yet: the plans bring them
+    # one step later, or (async scheduling) two, and a step ahead reads its input from
+    # the InputBatch's last_sampled on the device meanwhile.
+    num_sampled_ahead: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -49,6 +53,7 @@ class StepInputs:
     layout: BatchLayout
     sample_rows: torch.Tensor  # [S] rows (of the flattened batch) whose logits are sampled
     sample_request_ids: list[str]
+    sample_batch_rows: torch.Tensor  # [S] their rows in the InputBatch
     sampling: SamplingBatch | None  # for the sampled rows; None when nothing samples
     row_starts: list[int]  # each scheduled request's first row, in plan order
 
@@ -63,6 +68,7 @@ class InputBatch:
         self.top_p = torch.zeros(0, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(0, dtype=torch.long, device=device)
         self.min_p = torch.zeros(0, dtype=torch.float32, device=device)
+        self.last_sampled = torch.zeros(0, dtype=torch.long, device=device)  # per row: its newest sampled token
         self.num_blocks: list[int] = []  # per row: block ids written so far
         self.free_rows: list[int] = []
         self.uploaded_bytes = 0  # host-to-device bytes since the last reset, for tests and benchmarks
@@ -72,7 +78,7 @@ class InputBatch:
         """Room for `rows` more requests: the columns are reallocated, their contents kept."""
         old = len(self.num_blocks)
         self.block_table = torch.cat([self.block_table, self.block_table.new_zeros((rows, self.max_blocks))])
-        for name in ("temperature", "top_p", "top_k", "min_p"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "last_sampled"):
             column = getattr(self, name)
             setattr(self, name, torch.cat([column, column.new_zeros(rows)]))
         self.num_blocks += [0] * rows
@@ -114,12 +120,23 @@ class InputBatch:
         row_starts: list[int] = []
         sample_rows: list[int] = []
         sampled: list[tuple[str, RequestState]] = []
+        pending: list[int] = []  # where a token sampled on the device goes in input_ids
+        pending_rows: list[int] = []
         for (request_id, state), count in zip(zip(plan.num_scheduled_tokens, states), counts):
             start = state.num_computed_tokens
             row_starts.append(len(input_ids))
-            input_ids += state.token_ids[start : start + count]
-            # Only a chunk that reaches the last known token yields a new token.
-            if start + count == len(state.token_ids):
+            known = state.token_ids[start : start + count]
+            if len(known) < count:
+                if count - len(known) != 1 or not state.num_sampled_ahead:
+                    raise RuntimeError(f"worker out of sync on {request_id}: {count} tokens from {start} "
+                                       f"scheduled, it knows {len(state.token_ids)} and sampled "
+                                       f"{state.num_sampled_ahead} more")
+                pending.append(len(input_ids) + len(known))
+                pending_rows.append(state.row)
+                known.append(0)
+            input_ids += known
+            # Only a chunk that reaches the last token (sampled here or not) yields a new token.
+            if start + count == len(state.token_ids) + state.num_sampled_ahead:
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append((request_id, state))
         per_request = self._upload([[s.row for s in states], [s.num_computed_tokens for s in states], counts])
@@ -133,13 +150,17 @@ class InputBatch:
         block_tables = self.block_table[rows, :width]
         slot_mapping = (block_tables[request_of_token, positions // self.block_size].long() * self.block_size
                         + positions % self.block_size)
-        tokens, sample_index, sample_batch_rows = self._upload([input_ids, sample_rows, [s.row for _, s in sampled]])
+        tokens, sample_index, sample_batch_rows, pending_index, pending_batch_rows = self._upload(
+            [input_ids, sample_rows, [s.row for _, s in sampled], pending, pending_rows])
+        if pending:
+            tokens[pending_index] = self.last_sampled[pending_batch_rows]
         return StepInputs(
             input_ids=tokens,
             positions=positions,
             layout=BatchLayout(query_lens, seq_lens, block_tables, slot_mapping, self.block_size, max(counts)),
             sample_rows=sample_index,
             sample_request_ids=[request_id for request_id, _ in sampled],
+            sample_batch_rows=sample_batch_rows,
             sampling=self._sampling(sample_batch_rows, [s for _, s in sampled]) if sampled else None,
             row_starts=row_starts,
         )

@@ -6,7 +6,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,6 +61,11 @@ class Worker:
         self.instance_id = uuid.uuid4().hex
         self.group_lost: str | None = None  # why the group is down, once a rank died
         self.closed = False
+        # With async scheduling a plan is handed over while the one before it runs: a
+        # thread of its own runs them in order, so the caller can plan the next meanwhile.
+        self._step_thread = (ThreadPoolExecutor(1, thread_name_prefix="kvfleet-step")
+                             if config.async_scheduling and not group.distributed else None)
+        self._state_lock = threading.RLock()  # a step, or dropping a gone scheduler's requests: one at a time
         checked = check_model(config)  # before any loading: a bad flag fails in milliseconds
         self.source = checked.source
         self.max_model_len = checked.max_model_len
@@ -246,6 +251,8 @@ class Worker:
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         """Runs a plan as execute() does, but a pipeline's leader returns once its own
         stage is done with it: the later stages work on, and the next plan can follow."""
+        if self._step_thread is not None:
+            return self._step_thread.submit(self.execute, plan)
         if self._outcomes is None:
             return _settled(self.execute, plan)
         self._check(plan)
@@ -292,19 +299,21 @@ class Worker:
         """Every rank runs every plan, in the same order: their collectives pair up. The
         sampling rank returns the outcome; the others None."""
         self.last_step_at = time.monotonic()
-        if plan.scheduler_instance_id != self.scheduler_instance_id:
-            self.drop_scheduler_state(f"scheduler instance {plan.scheduler_instance_id} took over")
-            self.scheduler_instance_id = plan.scheduler_instance_id
-        try:
-            return self._execute(plan)
-        finally:
-            self.last_step_at = time.monotonic()
+        with self._state_lock:
+            if plan.scheduler_instance_id != self.scheduler_instance_id:
+                self.drop_scheduler_state(f"scheduler instance {plan.scheduler_instance_id} took over")
+                self.scheduler_instance_id = plan.scheduler_instance_id
+            try:
+                return self._execute(plan)
+            finally:
+                self.last_step_at = time.monotonic()
 
     def drop_scheduler_state(self, reason: str) -> None:
         """Forgets the requests of a scheduler that is gone: nobody will ever end them."""
-        if self.requests:
-            logger.warning("dropping the state of %d requests: %s", len(self.requests), reason)
-            self._drop_requests()
+        with self._state_lock:
+            if self.requests:
+                logger.warning("dropping the state of %d requests: %s", len(self.requests), reason)
+                self._drop_requests()
 
     def _execute(self, plan: StepPlan) -> StepResult | None:
         self._apply_deltas(plan)
@@ -349,7 +358,7 @@ class Worker:
             states = [self.requests[r] for r in inputs.sample_request_ids]
             for state in states:
                 if state.generator is not None:
-                    position = len(state.token_ids) - state.num_prompt_tokens
+                    position = len(state.token_ids) + state.num_sampled_ahead - state.num_prompt_tokens
                     state.generator.manual_seed(position_seed(state.sampling_params.seed, position))
             adjustments = LogitsAdjustments.build(
                 states, self.model_config.vocab_size, self.model_config.eos_token_ids, self.device
@@ -361,6 +370,9 @@ class Worker:
                 processed = processed.clone() if processed is logits else processed
                 self.grammars.mask(processed, grammars)
             sampled = sample(processed, inputs.sampling)
+            self.batch.last_sampled[inputs.sample_batch_rows] = sampled
+            for state in states:
+                state.num_sampled_ahead += 1
             tokens = sampled.tolist()
             if any(grammars):
                 self.grammars.accept(grammars, tokens)
@@ -425,6 +437,8 @@ class Worker:
                 )
             self.batch.append_blocks(state.row, list(cached.new_block_ids))
             state.token_ids.extend(cached.new_token_ids)
+            if samples:
+                state.num_sampled_ahead -= len(cached.new_token_ids)
 
     def _add_request(self, request_id: str, state: RequestState, block_ids: list[int]) -> None:
         """A request the plan brings (again, after a preemption by recompute: its old row is freed)."""

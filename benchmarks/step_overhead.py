@@ -102,7 +102,7 @@ def main() -> None:
     engine, worker = llm.engine, llm.engine.worker
     timers.wrap(engine.scheduler, "schedule", "schedule")
     timers.wrap(engine.scheduler, "update", "scheduler_update")
-    timers.wrap(sys.modules[type(worker).__module__], "prepare_inputs", "prepare_inputs")
+    timers.wrap(worker.batch, "prepare", "prepare_inputs")
     timers.wrap(worker.attention_backend, "build_metadata", "attention_metadata")
     timers.wrap(worker.model, "forward", "forward")
     timers.wrap(worker.model, "compute_logits", "lm_head")

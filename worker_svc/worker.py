@@ -15,14 +15,8 @@ from services.config import EngineConfig
 from services.messages import StepPlan, StepResult, WorkerDescription
 from services.sampling_params import SamplingParams
 from services.structured_outputs import StructuredOutputsParams
-from worker_svc.attention.backend import AttentionBackend
-from worker_svc.attention.paged_decode import (
-    PagedDecodeKernel,
-    decode_kernel_enabled,
-    load_kernel,
-)
-from worker_svc.attention.torch_backend import TorchAttentionBackend
-from worker_svc.batch import InputBatch, RequestState, StepInputs
+from worker_svc import kernels
+from worker_svc.batch import InputBatch, RequestState
 from worker_svc.device import runs_q4_as_stored, torch_device, torch_dtype
 from worker_svc.kv_cache import (
     allocate_kv_cache,
@@ -31,23 +25,17 @@ from worker_svc.kv_cache import (
     copy_blocks,
     num_blocks_for_budget,
 )
-from worker_svc.logits_processors import LogitsAdjustments
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.outcomes import Outcomes
 from worker_svc.preflight import check_model
 from worker_svc.rank_group import RankGroup
-from worker_svc.sampler import gather_logprobs, position_seed, sample
+from worker_svc.step_outputs import StepOutputs
 from worker_svc.weights import load_weights
 
 if TYPE_CHECKING:
-    from worker_svc.cuda_graphs import DecodeGraphs
     from worker_svc.grammar import Grammars
 
 logger = logging.getLogger(__name__)
-
-# A request's prompt logits this step: (request id, logits, the tokens they score, top-k wanted).
-PromptLogits = tuple[str, torch.Tensor, torch.Tensor, int]
-
 
 class WrongWorkerInstance(RuntimeError):
     """A step plan made for another worker instance: this one holds none of its state."""
@@ -80,15 +68,16 @@ class Worker:
         self.weights_bytes = sum(tensor.nbytes for tensor in weights.values())
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()  # CompileGrammar calls come on several threads
-        self.attention_backend = self._attention_backend()
+        self.attention_backend = kernels.attention_backend(config, self.device, self.local_config, self.dtype)
         with torch.device("meta"):
             self.model = LlamaForCausalLM(self.model_config, self.attention_backend, self.max_model_len, self.device,
-                                          group, triton_ops=self.uses_triton)
+                                          group, triton_ops=kernels.uses_triton(config, self.device))
         self.model.load_weights({name: t.to(self.device) for name, t in weights.items()})
         self.model.eval()
         self.block_size = config.block_size
         self.requests: dict[str, RequestState] = {}
         self.batch = InputBatch(-(-self.max_model_len // self.block_size), self.block_size, self.device)
+        self.outputs = StepOutputs(self.model, self.model_config, self.batch, lambda: self.grammars)
         self.scheduler_instance_id = ""  # whose requests those are
         self.last_step_at = time.monotonic()  # when a step last began or ended
         # Block ids are the group's: every rank holds the same number, its own heads' and layers' share of each.
@@ -102,7 +91,8 @@ class Worker:
             if self.num_host_blocks
             else []
         )
-        self.graphs = self._capture_graphs()
+        self.graphs = kernels.decode_graphs(config, self.device, group, self.model, self.attention_backend,
+                                            self.kv_caches, self.batch)
         # A pipeline's leader gets each plan's outcome later, from the last stage.
         self._outcomes = Outcomes(group) if group.shard.rank == 0 and not group.shard.samples else None
         for line in self.summary():
@@ -128,38 +118,6 @@ class Worker:
             f"({kv_bytes / 2**30:.2f} GiB); maximum concurrency at max_model_len {self.max_model_len}: "
             f"{kv_tokens / self.max_model_len:.1f}x",
         ]
-
-    @property
-    def uses_triton(self) -> bool:
-        """Whether attention and the decoder's elementwise work run as Triton kernels."""
-        choice = self.config.attention_backend
-        return choice == "triton" or (choice == "auto" and self.device.type == "cuda")
-
-    def _attention_backend(self) -> AttentionBackend:
-        if self.uses_triton:
-            from worker_svc.attention.triton_backend import TritonAttentionBackend
-
-            return TritonAttentionBackend()
-        shape = (self.local_config.num_attention_heads, self.local_config.num_key_value_heads, self.local_config.head_dim)
-        use_kernel = PagedDecodeKernel.supports(self.dtype, self.device, *shape) and decode_kernel_enabled()
-        return TorchAttentionBackend(load_kernel() if use_kernel else None, self.local_config.num_key_value_heads)
-
-    def _capture_graphs(self) -> DecodeGraphs | None:
-        """CUDA graphs for decode steps, on a GPU running the Triton kernels, unless --enforce-eager."""
-        sizes = self.config.graph_sizes()
-        if self.device.type != "cuda":
-            if self.config.enforce_eager:
-                logger.info("--enforce-eager has no effect on %s: only CUDA steps replay graphs", self.device)
-            return None
-        if not sizes or not self.uses_triton:
-            return None
-        if self.group.distributed:
-            logger.info("worker groups run eagerly: their collectives are not captured in CUDA graphs yet")
-            return None
-        from worker_svc.cuda_graphs import DecodeGraphs
-
-        return DecodeGraphs(self.model, self.attention_backend, self.kv_caches, sizes, self.batch.max_blocks,
-                            self.block_size, self.device)
 
     def _size_kv_cache(self) -> int:
         """Blocks that fit the memory budget once a full step's activations are accounted for
@@ -340,70 +298,15 @@ class Worker:
             # Every collective first (the last stage's ranks gather logits together), so a
             # sampling error on the sampling rank cannot leave the others waiting in one.
             logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.sample_request_ids else None
-            prompt_logits = self._prompt_logits(plan, inputs.row_starts, hidden)
+            prompt_logits = self.outputs.prompt_logits(plan, self.requests, inputs.row_starts, hidden)
             if shard.samples:
                 try:
-                    outcome = self._sample(plan.step_id, inputs, logits, prompt_logits)
+                    outcome = self.outputs.sample(plan.step_id, inputs, self.requests, logits, prompt_logits)
                 except Exception as exc:  # this step fails on every rank alike
                     outcome = exc
         for request_id, count in plan.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += count
         return outcome
-
-    def _sample(
-        self, step_id: int, inputs: StepInputs, logits: torch.Tensor | None, prompt_logits: list[PromptLogits]
-    ) -> StepResult:
-        result = StepResult(step_id)
-        if logits is not None and inputs.sampling is not None:
-            states = [self.requests[r] for r in inputs.sample_request_ids]
-            for state in states:
-                if state.generator is not None:
-                    position = len(state.token_ids) + state.num_sampled_ahead - state.num_prompt_tokens
-                    state.generator.manual_seed(position_seed(state.sampling_params.seed, position))
-            adjustments = LogitsAdjustments.build(
-                states, self.model_config.vocab_size, self.model_config.eos_token_ids, self.device
-            )
-            processed = adjustments.apply(logits) if adjustments else logits
-            grammars = [s.grammar for s in states]
-            if any(grammars):
-                # Masked in place on a copy: logprobs report the model's raw distribution.
-                processed = processed.clone() if processed is logits else processed
-                self.grammars.mask(processed, grammars)
-            sampled = sample(processed, inputs.sampling)
-            self.batch.last_sampled[inputs.sample_batch_rows] = sampled
-            for state in states:
-                state.num_sampled_ahead += 1
-            tokens = sampled.tolist()
-            if any(grammars):
-                self.grammars.accept(grammars, tokens)
-            for request_id, token in zip(inputs.sample_request_ids, tokens):
-                result.sampled_token_ids[request_id] = [token]
-            wanted = [s.sampling_params.logprobs for s in states]
-            if any(n is not None for n in wanted):
-                for row, entry in gather_logprobs(logits, sampled, wanted).items():
-                    result.logprobs[inputs.sample_request_ids[row]] = [entry]
-        for request_id, scored, targets, top in prompt_logits:
-            entries = gather_logprobs(scored, targets, [top] * len(targets))
-            result.prompt_logprobs[request_id] = [entries[row] for row in range(len(targets))]
-        return result
-
-    def _prompt_logits(self, plan: StepPlan, row_starts: list[int], hidden: torch.Tensor) -> list[PromptLogits]:
-        """The logits of the prompt positions this step computed, for the requests that
-        asked for prompt logprobs, with the tokens they score."""
-        found = []
-        for (request_id, count), first_row in zip(plan.num_scheduled_tokens.items(), row_starts):
-            state = self.requests[request_id]
-            top = state.sampling_params.prompt_logprobs
-            start = state.num_computed_tokens
-            # Position p predicts prompt token p + 1, so the last prompt position has nothing to score.
-            end = min(start + count, state.num_prompt_tokens - 1)
-            if top is None or start >= end:
-                continue
-            logits = self.model.compute_logits(hidden[first_row : first_row + end - start])
-            if logits is not None:
-                targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=self.device)
-                found.append((request_id, logits, targets, top))
-        return found
 
     def _apply_deltas(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:

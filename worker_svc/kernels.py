@@ -1,0 +1,52 @@
+"""Which kernels a worker runs: on CUDA (or when asked, through the interpreter) Triton's
+paged attention and fused decoder ops, with decode steps captured as CUDA graphs; on
+CPU torch, with the C paged decode kernel where it applies."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.config import EngineConfig
+from worker_svc.attention.backend import AttentionBackend
+from worker_svc.attention.paged_decode import PagedDecodeKernel, decode_kernel_enabled, load_kernel
+from worker_svc.attention.torch_backend import TorchAttentionBackend
+from worker_svc.attention.triton_backend import TritonAttentionBackend
+from worker_svc.batch import InputBatch
+from worker_svc.cuda_graphs import DecodeGraphs
+from worker_svc.model_config import ModelConfig
+from worker_svc.models.llama import LlamaForCausalLM
+from worker_svc.rank_group import RankGroup
+
+logger = logging.getLogger(__name__)
+
+
+def uses_triton(config: EngineConfig, device: torch.device) -> bool:
+    """Whether attention and the decoder's elementwise work run as Triton kernels."""
+    return config.attention_backend == "triton" or (config.attention_backend == "auto" and device.type == "cuda")
+
+
+def attention_backend(config: EngineConfig, device: torch.device, local: ModelConfig,
+                      dtype: torch.dtype) -> AttentionBackend:
+    """`local`: the heads this rank computes."""
+    if uses_triton(config, device):
+        return TritonAttentionBackend()
+    shape = (local.num_attention_heads, local.num_key_value_heads, local.head_dim)
+    use_kernel = PagedDecodeKernel.supports(dtype, device, *shape) and decode_kernel_enabled()
+    return TorchAttentionBackend(load_kernel() if use_kernel else None, local.num_key_value_heads)
+
+
+def decode_graphs(config: EngineConfig, device: torch.device, group: RankGroup, model: LlamaForCausalLM,
+                  backend: AttentionBackend, kv_caches: list[torch.Tensor], batch: InputBatch) -> DecodeGraphs | None:
+    """CUDA graphs for decode steps, on a GPU running the Triton kernels, unless --enforce-eager."""
+    if device.type != "cuda":
+        if config.enforce_eager:
+            logger.info("--enforce-eager has no effect on %s: only CUDA steps replay graphs", device)
+        return None
+    sizes = config.graph_sizes()
+    if not sizes or not uses_triton(config, device):
+        return None
+    if group.distributed:
+        logger.info("worker groups run eagerly: their collectives are not captured in CUDA graphs yet")
+        return None
+    return DecodeGraphs(model, backend, kv_caches, sizes, batch.max_blocks, batch.block_size, device)

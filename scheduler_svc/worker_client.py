@@ -76,10 +76,11 @@ class RemoteWorker:
         return result_from_proto(self._call(self._stub.ExecuteStep, plan_to_proto(plan), timeout=deadline_s))
 
     def submit(self, plan: StepPlan) -> Future[StepResult]:
-        """For a pipelined group: the worker takes plans in step order, whatever order
-        its server threads see them in. A plan's deadline covers the ones ahead of it."""
+        """For plans in flight (a pipelined group, or async scheduling's one ahead): the
+        worker takes plans in step order, whatever order its server threads see them in. A
+        plan's deadline covers the ones ahead of it."""
         deadline_s = step_deadline_s(self._step_timeout_s, sum(plan.num_scheduled_tokens.values()))
-        call = self._stub.ExecuteStep.future(plan_to_proto(plan), timeout=deadline_s * self._plans_in_flight)
+        call = self._stub.ExecuteStep.future(plan_to_proto(plan), timeout=deadline_s * max(self._plans_in_flight, 2))
         result: Future[StepResult] = Future()
 
         def settle(done: grpc.Future) -> None:

@@ -46,6 +46,22 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def save_tiny_llama(path: Path, **config) -> tuple[Path, object]:
+    """A random transformers Llama of `config` saved in `path` with the default model's
+    tokenizer, and the model itself (the oracle; it never stops at EOS)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.model_source import resolve_model
+    from tokenizer_svc.tokenizer import Tokenizer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(initializer_range=0.2, **config)).eval()
+    model.save_pretrained(path)
+    Tokenizer.load(resolve_model("smollm2")).save_pretrained(path)
+    model.generation_config.eos_token_id = None
+    return path, model
+
+
 def assert_no_leaks(llm: LLM) -> None:
     scheduler = llm.engine.scheduler
     assert not scheduler.has_unfinished_requests, list(scheduler.requests)

@@ -166,14 +166,8 @@ class InputBatch:
         )
 
     def _sampling(self, rows: torch.Tensor, states: list[RequestState]) -> SamplingBatch:
-        return SamplingBatch(
-            temperature=self.temperature[rows],
-            top_p=self.top_p[rows],
-            top_k=self.top_k[rows],
-            min_p=self.min_p[rows],
-            generators=[s.generator for s in states],
-            all_greedy=all(s.sampling_params.greedy for s in states),
-        )
+        return SamplingBatch.of([s.sampling_params for s in states], [s.generator for s in states],
+                                (self.temperature[rows], self.top_p[rows], self.top_k[rows], self.min_p[rows]))
 
     def _upload(self, columns: list[list[int]]) -> list[torch.Tensor]:
         """Several int lists in one host-to-device copy, as int64 tensors on the device."""

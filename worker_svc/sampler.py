@@ -20,20 +20,31 @@ class SamplingBatch:
     top_k: torch.Tensor  # [S]; 0 means off
     min_p: torch.Tensor  # [S]
     generators: list[torch.Generator | None]
+    # Known on the host, so that sampling asks the device nothing before it has its tokens.
     all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+           columns: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> SamplingBatch:
+        """The rows' temperature, top_p, top_k and min_p `columns`, already on the device;
+        their `params` give the host's flags."""
+        return cls(*columns, generators=generators, all_greedy=all(p.greedy for p in params),
+                   any_top_k=any(p.top_k > 0 for p in params), any_top_p=any(p.top_p < 1 for p in params),
+                   any_min_p=any(p.min_p > 0 for p in params))
 
     @classmethod
     def from_params(
         cls, params: list[SamplingParams], generators: list[torch.Generator | None], device: torch.device
     ) -> SamplingBatch:
-        return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            generators=generators,
-            all_greedy=all(p.greedy for p in params),
-        )
+        return cls.of(params, generators, (
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+        ))
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -43,9 +54,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return greedy_tokens
     greedy = batch.temperature == 0
     logits = logits / torch.where(greedy, 1.0, batch.temperature)[:, None]
-    logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    logits = apply_top_k_top_p(logits, batch.top_k if batch.any_top_k else None,
+                               batch.top_p if batch.any_top_p else None)
     probs = logits.softmax(dim=-1)
-    if bool((batch.min_p > 0).any()):
+    if batch.any_min_p:
         threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     noise = torch.empty_like(probs).exponential_()
@@ -64,10 +76,9 @@ def position_seed(seed: int, output_position: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + output_position) % 2**63
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) the logits outside each row's top-k and top-p nucleus."""
-    use_top_k = bool((top_k > 0).any())
-    use_top_p = bool((top_p < 1.0).any())
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) the logits outside each row's top-k and top-p nucleus; None: no row filters so."""
+    use_top_k, use_top_p = top_k is not None, top_p is not None
     if not (use_top_k or use_top_p):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)

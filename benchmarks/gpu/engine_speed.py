@@ -145,6 +145,7 @@ def run(profile: Profile, workdir: Path) -> dict[str, Any]:
     # On a CPU the KV budget is given in blocks (4 GiB by default would be zeroed for nothing).
     cpu_blocks = {"num_gpu_blocks_override": 4 * -(-longest // profile.block_size)} if device.type == "cpu" else {}
     llm = LLM(str(path), dtype=str(dtype).removeprefix("torch."), device=device.type, attention_backend="triton",
+              async_scheduling=True,
               max_model_len=longest, block_size=profile.block_size, **cpu_blocks)
     timings["kvfleet_start_s"] = time.perf_counter() - started
     worker = llm.engine.worker

@@ -9,7 +9,13 @@ import pytest
 from test_scheduler import add, make_scheduler
 
 from kvfleet import LLM, SamplingParams
+from kvfleet.processes import free_port
+from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.worker_client import RemoteWorker
+from services.config import EngineConfig
 from services.messages import StepResult
+
+from servers import RoleProcess
 
 
 def test_a_decode_is_planned_a_step_ahead_once_and_its_result_lands_in_order() -> None:
@@ -103,3 +109,30 @@ def test_outputs_equal_the_synchronous_engine_s(sync_outputs, make_llm) -> None:
     assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_cache_hits > 0
     # Most plans were handed over while the one before them ran.
     assert in_flight_at_submit.count(1) > len(in_flight_at_submit) / 2, in_flight_at_submit
+
+
+def test_a_worker_role_over_grpc_takes_plans_ahead_with_the_same_outputs(sync_outputs) -> None:
+    """The scheduler hands the worker role its next plan while the current one runs; the
+    worker's server takes them in step order and its step thread runs them."""
+    workload, expected = sync_outputs
+    single = [(i, prompt, params) for i, (prompt, params) in enumerate(workload) if params.n == 1]
+    port = free_port()
+    flags = ["--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "20",
+             "--max-num-batched-tokens", "128", "--async-scheduling"]
+    worker = RoleProcess("worker", *flags, "--port", str(port))
+    try:
+        config = EngineConfig(async_scheduling=True, **{k: v for k, v in PRESSURE.items() if k != "dtype"})
+        core = EngineCore(config, RemoteWorker(f"127.0.0.1:{port}", ready_timeout_s=120))
+        assert core.runs_ahead
+        for i, prompt, params in single:
+            core.add_request(str(i), prompt, params)
+        tokens: dict[str, list[int]] = {str(i): [] for i, _, _ in single}
+        most_in_flight = 0
+        while core.has_work:
+            for delta in core.step():
+                tokens[delta.request_id] += delta.new_token_ids
+            most_in_flight = max(most_in_flight, core.num_plans_in_flight)
+        assert [tokens[str(i)] for i, _, _ in single] == [expected[i][0][0] for i, _, _ in single]
+        assert most_in_flight == 1  # after each step, the plan ahead of it is still running
+    finally:
+        worker.kill()

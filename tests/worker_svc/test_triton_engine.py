@@ -12,7 +12,7 @@ from worker_svc.attention.triton_backend import TritonAttentionBackend
 from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.models.llama import TritonOps
 
-from conftest import hf_greedy
+from conftest import hf_greedy, save_tiny_llama
 
 LADDER = (1, 2, 4, 8)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -25,21 +25,9 @@ PRESSURE = dict(dtype="float32", block_size=16, num_gpu_blocks_override=16, max_
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     """3 query heads per KV head (a group padded in the kernels), head dim 32, 2 layers."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from services.model_source import resolve_model
-    from tokenizer_svc.tokenizer import Tokenizer
-
-    config = LlamaConfig(vocab_size=49152, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, initializer_range=0.2)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    path = tmp_path_factory.mktemp("tiny-llama-triton")
-    model.save_pretrained(path)
-    Tokenizer.load(resolve_model("smollm2")).save_pretrained(path)
-    model.generation_config.eos_token_id = None
-    return path, model
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-triton"), vocab_size=49152, hidden_size=192,
+                           intermediate_size=256, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                           max_position_embeddings=256, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 
 from kvfleet import LLM, SamplingParams
 
-from conftest import assert_no_leaks, hf_greedy
+from conftest import assert_no_leaks, hf_greedy, save_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 # Small enough to preempt and to chunk: 12 prompts of up to ~150 tokens in 48 blocks of 16.
@@ -44,21 +44,9 @@ def _generate(llm, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     """4 query heads on 1 KV head, 3 layers (an uneven PP split), an odd vocabulary (padded TP slices)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from services.model_source import resolve_model
-    from tokenizer_svc.tokenizer import Tokenizer
-
-    config = LlamaConfig(vocab_size=49151, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
-                         tie_word_embeddings=False, initializer_range=0.2)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
-    Tokenizer.load(resolve_model("smollm2")).save_pretrained(path)
-    model.generation_config.eos_token_id = None
-    return path, model
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), vocab_size=49151, hidden_size=64,
+                           intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                           max_position_embeddings=512, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")

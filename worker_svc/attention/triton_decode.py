@@ -20,6 +20,8 @@ from worker_svc.triton_runtime import INTERPRETED  # before triton: it picks the
 import triton
 import triton.language as tl
 
+from worker_svc.attention.triton_tile import attend_tile
+
 TILE_KEYS = 64  # keys per loop step, gathered from as many blocks as they span
 KEYS_PER_SPLIT = 512  # below this, a split's fixed cost (partial write, merge) outweighs its parallelism
 MAX_SPLITS = 16
@@ -69,21 +71,11 @@ def _decode_split_kernel(
     keys = tl.arange(0, TILE_N)
     for tile in range(tile_begin, tile_end):
         pos = tile * TILE_N + keys
-        key_mask = pos < seq_len
-        block = tl.load(table + pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        offsets = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        kv_mask = key_mask[:, None] & (dims[None, :] < HEAD_DIM)
-        k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * qk_scale
-        scores = tl.where(key_mask[None, :], scores, float("-inf"))
-        # Every tile holds at least one key, so m_new is finite from the first tile on.
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
-        m = m_new
+        key_mask = pos < seq_len  # every tile holds at least one key: the rows' max is finite from the first
+        m, total, acc = attend_tile(
+            q, m, total, acc, table, pos, key_mask, key_mask[None, :], k_cache_ptr, v_cache_ptr, kv_head, dims,
+            qk_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, DOT_DTYPE,
+        )
 
     # `total` is 0 for a split with no keys and at least 1 otherwise (the max key adds
     # exp2(0)), so dividing by max(total, 1) gives 0 for an empty split and lse is -inf.

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from worker_svc.attention.triton_decode import dot_dtype
+from worker_svc.attention.triton_tile import attend_tile
 
 TILE_ROWS = 64  # query rows (tokens x group heads) per program
 TILE_KEYS = 64
@@ -63,21 +64,13 @@ def _prefill_kernel(
     for start in range(0, kv_end, TILE_N):
         pos = start + keys
         key_mask = pos < kv_end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        offsets = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        kv_mask = key_mask[:, None] & (dims[None, :] < HEAD_DIM)
-        k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * qk_scale
-        scores = tl.where(key_mask[None, :] & (pos[None, :] <= q_pos[:, None]), scores, float("-inf"))
         # Key 0 is visible to every row, so each row's max is finite after the first tile
         # and a later tile hidden from a row entirely only adds exp2(-inf) = 0 to it.
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        total = total * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
-        m = m_new
+        visible = key_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        m, total, acc = attend_tile(
+            q, m, total, acc, table, pos, key_mask, visible, k_cache_ptr, v_cache_ptr, kv_head, dims,
+            qk_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, DOT_DTYPE,
+        )
 
     out = acc / tl.maximum(total, 1.0)[:, None]  # total >= 1 wherever a row had keys
     o_offsets = (q_start + token).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]

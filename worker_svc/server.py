@@ -19,7 +19,8 @@ from services.transport.convert import (
     structured_outputs_from_proto,
 )
 from services.transport.server import RoleServer
-from worker_svc.worker import Worker, WrongWorkerInstance
+from worker_svc.plan_check import InvalidPlan, WrongWorkerInstance
+from worker_svc.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             result = outcome.result()
         except WrongWorkerInstance as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except InvalidPlan as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:
             logger.exception("step %d failed", plan.step_id)
             context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {exc!r}")

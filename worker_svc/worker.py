@@ -27,6 +27,7 @@ from worker_svc.kv_cache import (
 )
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.outcomes import Outcomes
+from worker_svc.plan_check import check_plan
 from worker_svc.preflight import check_model
 from worker_svc.rank_group import RankGroup
 from worker_svc.step_outputs import StepOutputs
@@ -36,10 +37,6 @@ if TYPE_CHECKING:
     from worker_svc.grammar import Grammars
 
 logger = logging.getLogger(__name__)
-
-class WrongWorkerInstance(RuntimeError):
-    """A step plan made for another worker instance: this one holds none of its state."""
-
 
 class Worker:
     def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
@@ -224,11 +221,7 @@ class Worker:
     def _check(self, plan: StepPlan) -> None:
         if self.group_lost is not None or self.closed:
             raise RuntimeError(f"the worker group is down: {self.group_lost or 'closed'}")
-        if plan.worker_instance_id and plan.worker_instance_id != self.instance_id:
-            raise WrongWorkerInstance(
-                f"step {plan.step_id} was planned for worker instance {plan.worker_instance_id}, this is "
-                f"{self.instance_id} (restarted?): it holds none of that plan's state"
-            )
+        check_plan(plan, self.instance_id, self.num_blocks, self.num_host_blocks, self.requests)
 
     def follow(self) -> None:
         """A follower rank's life: the leader's plans, until it broadcasts None (closing)."""

@@ -31,6 +31,7 @@ from services.telemetry import (
     configure_logging,
     serve_role_metrics,
 )
+from services.transport.server import FLUSH_S
 
 if TYPE_CHECKING:
     from scheduler_svc.engine_core import EngineCore
@@ -60,6 +61,9 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     add_nats_arg(parser, required=False, help_text="publish token deltas on NATS (kvfleet.out.<gateway_id>), as "
                  "`kvfleet gateway` reads them; unset: over StreamOutputs only")
     add_registry_args(parser, required=False)
+    parser.add_argument("--engine-port", type=int, default=None,
+                        help="also serve vLLM's gRPC engine protocol (vllm.grpc.engine.VllmEngine, for routers built "
+                        "for vLLM's gRPC server) on this port, at --host; 0 picks a free one (default: not served)")
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
@@ -69,6 +73,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
     from scheduler_svc.output_hub import OutputHub
     from scheduler_svc.server import start_scheduler_server
     from scheduler_svc.step_loop import StepLoop
+    from scheduler_svc.vllm_engine import VllmEngineServicer, start_vllm_engine_server
+    from scheduler_svc.vllm_kv_events import KvEventStream
     from scheduler_svc.worker_client import RemoteWorker
 
     if args.redis_url and not args.nats_url:
@@ -83,14 +89,24 @@ def run_scheduler(args: argparse.Namespace) -> int:
         hub = NatsOutputHub(args.nats_url, core.instance_id, gateways=gateways)
     else:
         hub = OutputHub()
+    kv_events = None
+    if args.engine_port is not None:  # before the loop, which takes the hub's KV event publisher as it starts
+        kv_events = hub.kv_events = KvEventStream(hub.kv_events)
     loop = StepLoop(core, hub, args.max_queued_requests)
+    engine_server = None
     try:
         serve_role_metrics(args.metrics_port, args.host, EngineStatsCollector(loop, config.model))
         server = start_scheduler_server(loop, hub, f"{args.host}:{args.port}")
+        if args.engine_port is not None:
+            servicer = VllmEngineServicer(loop, hub, kv_events, grpc_serving(args.worker_address), args.model,
+                                          args.model)
+            engine_server = start_vllm_engine_server(servicer, f"{args.host}:{args.engine_port}")
         _follow_worker(args.worker_address, server, loop)
         with registered(args, lambda: _scheduler_lease(args, server.port, loop, hub)):
             serve_until_signalled(server, args.shutdown_timeout)
     finally:
+        if engine_server is not None:  # after the drain, so its streams got their final messages
+            engine_server.stop(0, flush_s=FLUSH_S)
         worker.close()
     return 0
 

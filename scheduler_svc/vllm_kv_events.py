@@ -1,0 +1,96 @@
+"""The prefix cache's changes as vLLM's engine protocol streams them (SubscribeKvEvents):
+one KvEventBatch per step that changed the cache, numbered from 1, the latest kept so
+a subscriber that reconnects resumes from a sequence number without a gap.
+
+It stands where the step loop publishes KV events (OutputHub.kv_events) and passes
+every batch on to the publisher that was there (NATS), when there was one.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+
+from smg_grpc_proto.generated import common_pb2 as smg
+
+from scheduler_svc.block_pool import KvEvents
+from scheduler_svc.kv_event_publisher import KvEventPublisher
+from services.pb.kvfleet.v1 import scheduler_pb2
+
+# Batches kept for resuming subscribers: a few minutes of a busy engine's steps.
+REPLAY_BATCHES = 4096
+
+
+def block_hash_int64(block_hash: bytes) -> int:
+    """kvfleet's block hashes are sha256 digests; the protocol carries int64: the first
+    8 bytes, signed, as reproducible across processes as the digest itself."""
+    return int.from_bytes(block_hash[:8], "big", signed=True)
+
+
+def to_batch(seq: int, events: KvEvents) -> smg.KvEventBatch:
+    batch = smg.KvEventBatch(sequence_number=seq, timestamp=time.time(), dp_rank=0)
+    # The order a router applies them in, as KvEvents says: clear, remove, store.
+    if events.cleared:
+        batch.events.add(event_id=seq, cleared=smg.KvCacheCleared())
+    if events.removed:
+        batch.events.add(event_id=seq, removed=smg.KvBlocksRemoved(
+            block_hashes=[block_hash_int64(h) for h in events.removed], tier=smg.KV_CACHE_TIER_DEVICE))
+    if events.stored:
+        batch.events.add(event_id=seq, stored=smg.KvBlocksStored(
+            blocks=[smg.KvBlock(block_hash=block_hash_int64(h)) for h in events.stored],
+            tier=smg.KV_CACHE_TIER_DEVICE))
+    return batch
+
+
+class KvEventStream:
+    """Thread-safe: the step thread publishes, gRPC threads subscribe."""
+
+    def __init__(self, inner: KvEventPublisher | None, max_batches: int = REPLAY_BATCHES) -> None:
+        self._inner = inner
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._held: deque[smg.KvEventBatch] = deque(maxlen=max_batches)
+        self._mirror: set[bytes] = set()  # for KvSnapshot when no NATS publisher keeps one
+        self._subscribers: list[queue.SimpleQueue[smg.KvEventBatch | None]] = []
+
+    def publish(self, events: KvEvents) -> None:
+        if self._inner is not None:
+            self._inner.publish(events)
+        with self._lock:
+            self._seq += 1
+            if events.cleared:
+                self._mirror.clear()
+            self._mirror.difference_update(events.removed)
+            self._mirror.update(events.stored)
+            batch = to_batch(self._seq, events)
+            self._held.append(batch)
+            for subscriber in self._subscribers:
+                subscriber.put(batch)
+
+    def snapshot(self) -> scheduler_pb2.KvSnapshotResponse:
+        if self._inner is not None:
+            return self._inner.snapshot()
+        with self._lock:
+            return scheduler_pb2.KvSnapshotResponse(seq=self._seq, block_hashes=list(self._mirror))
+
+    def subscribe(self, start: int) -> queue.SimpleQueue[smg.KvEventBatch | None] | None:
+        """A queue with the batches numbered `start` on (0: from the next one), then
+        every later one; None when batch `start` is no longer held."""
+        subscriber: queue.SimpleQueue[smg.KvEventBatch | None] = queue.SimpleQueue()
+        with self._lock:
+            if start:
+                oldest = self._held[0].sequence_number if self._held else self._seq + 1
+                if start < oldest:
+                    return None
+                for batch in self._held:
+                    if batch.sequence_number >= start:
+                        subscriber.put(batch)
+            self._subscribers.append(subscriber)
+        return subscriber
+
+    def unsubscribe(self, subscriber: queue.SimpleQueue[smg.KvEventBatch | None]) -> None:
+        with self._lock:
+            if subscriber in self._subscribers:
+                self._subscribers.remove(subscriber)
+        subscriber.put(None)

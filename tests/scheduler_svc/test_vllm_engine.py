@@ -1,0 +1,228 @@
+"""vLLM's gRPC engine protocol (vllm.grpc.engine.VllmEngine) on the scheduler role, over
+real gRPC on 127.0.0.1 with the real smollm2 in float32, driven by a client made of
+nothing but grpc and smg-grpc-proto's generated stubs: greedy tokens equal kvfleet's
+offline LLM, n, logprobs, abort, a vanishing client, loads, KV events (resumable),
+and reflection."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from smg_grpc_proto.generated import common_pb2 as smg
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+from kvfleet import LLM
+from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.output_hub import OutputHub
+from scheduler_svc.server import start_scheduler_server
+from scheduler_svc.step_loop import StepLoop
+from scheduler_svc.vllm_engine import SERVICE_NAME, VllmEngineServicer, start_vllm_engine_server
+from scheduler_svc.vllm_kv_events import KvEventStream, block_hash_int64
+from scheduler_svc.worker_client import RemoteWorker
+from services.block_hash import extend_block_hashes
+from services.config import EngineConfig
+from services.model_source import resolve_model
+from services.role_process import grpc_serving
+from services.sampling_params import SamplingParams
+from tokenizer_svc.tokenizer import Tokenizer
+from worker_svc.server import start_worker_server
+from worker_svc.worker import Worker
+
+from corpus import TEXT
+
+# 8 blocks of 16 tokens: a long request evicts what short ones left cached.
+ENGINE = dict(dtype="float32", num_gpu_blocks_override=8, max_model_len=128)
+NEW_TOKENS = 8
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    ids = Tokenizer.load(resolve_model("smollm2")).encode(TEXT)
+    # The last two: a prompt no other test runs (its block is stored fresh), and one long
+    # enough to evict it.
+    return [ids[0:5], ids[40:60], ids[100:133], ids[300:320], ids[340:450]]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts: list[list[int]]) -> list[list[int]]:
+    """kvfleet's own offline path on the same token ids."""
+    llm = LLM("smollm2", **ENGINE)
+    try:
+        outputs = llm.generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                               use_tqdm=False)
+    finally:
+        llm.engine.worker.close()
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+class Replica:
+    """A worker server, a scheduler over it, and the engine protocol on its own port."""
+
+    def __init__(self) -> None:
+        self.worker = Worker(EngineConfig(**ENGINE))
+        self.worker_server = start_worker_server(self.worker, "127.0.0.1:0")
+        self.remote = RemoteWorker(self.worker_server.address)
+        hub = OutputHub()
+        self.kv_events = hub.kv_events = KvEventStream(None)
+        self.loop = StepLoop(EngineCore(EngineConfig(**ENGINE), self.remote), hub)
+        self.scheduler_server = start_scheduler_server(self.loop, hub, "127.0.0.1:0")
+        servicer = VllmEngineServicer(self.loop, hub, self.kv_events, grpc_serving(self.worker_server.address),
+                                      "smollm2", "smollm2")
+        self.server = start_vllm_engine_server(servicer, "127.0.0.1:0")
+        self.channel = grpc.insecure_channel(self.server.address)
+        self.stub = pb_grpc.VllmEngineStub(self.channel)
+
+    def wait_idle(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (stats := self.loop.stats()).num_requests_running or stats.num_requests_waiting \
+                or self.loop.core.has_work:
+            assert time.monotonic() < deadline, f"not idle: {stats}"
+            time.sleep(0.01)
+        pool = self.loop.core.scheduler.block_pool
+        assert pool.num_free_blocks == pool.num_blocks, f"{pool.num_used_blocks} blocks leaked"
+
+    def close(self) -> None:
+        self.channel.close()
+        self.server.stop(0)
+        self.scheduler_server.stop(0)
+        self.remote.close()
+        self.worker_server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def replica() -> Iterator[Replica]:
+    running = Replica()
+    yield running
+    running.close()
+
+
+def generate(request_id: str, prompt: list[int], stream: bool = False, **params) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(**{"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True, **params})
+    return pb.GenerateRequest(request_id=request_id, tokenized=pb.TokenizedInput(input_ids=prompt),
+                              sampling_params=sampling, stream=stream)
+
+
+def test_greedy_generate_equals_the_offline_llm(replica, prompts, reference) -> None:
+    [response] = replica.stub.Generate(generate("plain", prompts[0]))
+    complete = response.complete
+    assert list(complete.output_ids) == reference[0]
+    assert (complete.finish_reason, complete.prompt_tokens, complete.completion_tokens) == ("length", 5, NEW_TOKENS)
+
+    responses = list(replica.stub.Generate(generate("streamed", prompts[1], stream=True)))
+    chunks = [r.chunk for r in responses if r.HasField("chunk")]
+    assert [token for chunk in chunks for token in chunk.token_ids] == reference[1]
+    assert len(chunks) > 1 and chunks[-1].completion_tokens == NEW_TOKENS
+    last = responses[-1]
+    assert last.HasField("complete") and last.complete.finish_reason == "length"
+    replica.wait_idle()
+
+
+def test_n_logprobs_and_prompt_logprobs(replica, prompts, reference) -> None:
+    responses = list(replica.stub.Generate(generate("n3", prompts[2], n=3, logprobs=2, prompt_logprobs=1)))
+    completes = sorted((r.complete for r in responses), key=lambda c: c.index)
+    assert [c.index for c in completes] == [0, 1, 2]
+    for complete in completes:  # greedy: every child is the same
+        assert list(complete.output_ids) == reference[2]
+        logprobs = complete.output_logprobs
+        assert list(logprobs.token_ids) == reference[2]
+        assert all(len(top.token_ids) == 2 and top.values[0] >= top.values[1] for top in logprobs.top_logprobs)
+        # Greedy: the chosen token is the most likely one.
+        assert [top.token_ids[0] for top in logprobs.top_logprobs] == reference[2]
+        assert all(lp <= 0 for lp in logprobs.token_logprobs)
+        prompt_logprobs = complete.input_logprobs
+        assert list(prompt_logprobs.token_ids) == prompts[2]
+        assert not prompt_logprobs.token_logprobs[0].HasField("value")
+        assert all(entry.HasField("value") for entry in prompt_logprobs.token_logprobs[1:])
+    replica.wait_idle()
+
+
+@pytest.mark.parametrize(("request_", "field"), [
+    (pb.GenerateRequest(request_id="t", text="hello"), "text"),
+    (generate("s", [1, 2, 3], stop=["."]), "stop"),
+    (generate("t", [1, 2, 3], temperature=-1.0), "temperature"),
+    (generate("l", [1, 2, 3], logprobs=-1), "logprobs"),
+])
+def test_what_it_cannot_honour_is_invalid_argument_naming_the_field(replica, request_, field) -> None:
+    with pytest.raises(grpc.RpcError) as error:
+        list(replica.stub.Generate(request_))
+    assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details().startswith(field), error.value.details()
+
+
+def test_abort_ends_the_stream_and_a_vanished_client_aborts_its_request(replica, prompts) -> None:
+    long = dict(max_tokens=100)
+    stream = replica.stub.Generate(generate("to-abort", prompts[0], stream=True, **long))
+    assert next(stream).chunk.token_ids
+    replica.stub.Abort(pb.AbortRequest(request_ids=["to-abort", "unknown"]))
+    assert [r.complete.finish_reason for r in stream if r.HasField("complete")] == ["abort"]
+    replica.wait_idle()
+
+    stream = replica.stub.Generate(generate("to-cancel", prompts[0], stream=True, **long))
+    assert next(stream).chunk.token_ids
+    stream.cancel()
+    replica.wait_idle()
+
+
+def test_model_info_loads_health_and_reflection(replica) -> None:
+    info = replica.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.max_context_length, info.vocab_size, info.is_generation) == (128, 49152, True)
+    assert list(info.eos_token_ids) == list(replica.loop.core.eos_token_ids)
+    [load] = replica.stub.GetLoads(pb.GetLoadsRequest()).loads
+    assert (load.num_running_reqs, load.num_waiting_reqs, load.max_total_num_tokens) == (0, 0, 8 * BLOCK_SIZE)
+    assert replica.stub.HealthCheck(pb.HealthCheckRequest()).healthy
+
+    reflection = reflection_pb2_grpc.ServerReflectionStub(replica.channel)
+    [answer] = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    assert SERVICE_NAME in {service.name for service in answer.list_services_response.service}
+
+
+def test_kv_events_show_stores_and_evictions_and_resume_without_a_gap(replica, prompts) -> None:
+    seen: list[smg.KvEventBatch] = []
+    # From batch 1: whatever ran before is replayed, so no race with the subscription's start.
+    subscription = replica.stub.SubscribeKvEvents(smg.SubscribeKvEventsRequest(start_sequence_number=1))
+
+    def read() -> None:
+        try:
+            seen.extend(subscription)
+        except grpc.RpcError as error:  # the cancel below ends it
+            assert error.code() is grpc.StatusCode.CANCELLED
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+
+    list(replica.stub.Generate(generate("kv", prompts[3])))  # 20 tokens: one full block
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, prompts[3], BLOCK_SIZE, b"")
+    expected = block_hash_int64(hashes[0])
+    # 110 prompt tokens take 7 of the 8 blocks and then more: the cached block goes.
+    list(replica.stub.Generate(generate("evict", prompts[4], max_tokens=NEW_TOKENS)))
+    replica.wait_idle()
+    time.sleep(0.2)
+    subscription.cancel()
+    reader.join(5)
+
+    events = [event for batch in seen for event in batch.events]
+    stored = [block.block_hash for e in events if e.HasField("stored") for block in e.stored.blocks]
+    removed = [h for e in events if e.HasField("removed") for h in e.removed.block_hashes]
+    assert expected in stored and expected in removed
+    assert stored.index(expected) < len(stored)
+    numbers = [batch.sequence_number for batch in seen]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+
+    assert numbers[0] == 1
+    # A subscriber resuming midway gets every batch from there, in order, then live ones.
+    middle = len(seen) // 2
+    resumed = replica.stub.SubscribeKvEvents(
+        smg.SubscribeKvEventsRequest(start_sequence_number=seen[middle].sequence_number))
+    again = [next(resumed) for _ in seen[middle:]]
+    list(replica.stub.Generate(generate("after", prompts[3])))  # its block is cached again: a live batch
+    live = next(resumed)
+    resumed.cancel()
+    assert again == seen[middle:]
+    assert live.sequence_number == numbers[-1] + 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -63,6 +64,7 @@ def add_cluster_up_args(parser: argparse.ArgumentParser) -> None:
 def run_cluster_up(args: argparse.Namespace) -> int:
     # Here, not at the top: `kvfleet --help` builds this command's parser and must not pay for them.
     from gateway.drain import bind
+    from services.transport.cluster_token import TOKEN_ENV, cluster_token
     from worker_svc.preflight import check_device, check_model
 
     configure_logging()
@@ -104,11 +106,14 @@ def run_cluster_up(args: argparse.Namespace) -> int:
             ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port), *nats, *cluster,
              *gateway_argv(args)],
         ]
-        # The API key travels in the environment, never on a command line others can read.
+        # The API key and the cluster token travel in the environment, never on a command
+        # line others can read; a token of this cluster's own when none is given.
         env = {key: value for key, value in os.environ.items() if key != "KVFLEET_API_KEY"}
         env["PYTHONUNBUFFERED"] = "1"  # each line shows when written, in order with the others'
         if args.api_key:
             env["KVFLEET_API_KEY"] = args.api_key
+        if cluster_token() is None:
+            env[TOKEN_ENV] = secrets.token_urlsafe(32)
         for command in commands:
             argv = [sys.executable, "-m", "kvfleet.cli", *command]
             role = Supervised(command[0], lambda name=command[0], argv=argv: spawn_labelled(name, argv, env))

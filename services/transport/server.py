@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.transport.channel import MESSAGE_OPTIONS
+from services.transport.cluster_token import TokenCheck, cluster_token
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,9 @@ class RoleServer:
         self._health_executor = futures.ThreadPoolExecutor(HEALTH_THREADS, thread_name_prefix="health")
         self._health.Check = _run_on(self._health_executor, self._health.Check)
         self._executor = futures.ThreadPoolExecutor(max_workers, thread_name_prefix=service_name)
-        self._server = grpc.server(self._executor, options=MESSAGE_OPTIONS)
+        token = cluster_token()
+        self._server = grpc.server(self._executor, options=MESSAGE_OPTIONS,
+                                   interceptors=[TokenCheck(token)] if token else None)
         register(self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         # Port 0 picks a free port; the bound one is in self.port.

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -52,6 +53,7 @@ from openai_servers import (
 
 from kvfleet import LLM, SamplingParams
 from services.outputs import CompletionOutput
+from services.pb.kvfleet.v1 import scheduler_pb2, tokenizer_pb2, worker_pb2
 
 from corpus import CHAT, PROMPTS
 
@@ -520,6 +522,33 @@ def test_cluster_up_restarts_a_killed_worker_and_serves_again(server: Server, cl
     assert reply.usage.completion_tokens == 4
     assert server.process.poll() is None and role_pid(server, "worker") != killed
     assert "worker exited with code -9; restarting it" in server.log_tail()
+
+
+def test_cluster_roles_take_calls_with_the_cluster_token_only(server: Server) -> None:
+    """cluster up gives its roles a token of their own, through the environment (never
+    the command line); without it each role's gRPC port refuses every call."""
+    if server.mode != "cluster" or not PROC:
+        pytest.skip("cluster up's roles, seen through /proc")
+    calls = {"tokenizer": ("/kvfleet.v1.Tokenizer/Describe", tokenizer_pb2.DescribeTokenizerRequest()),
+             "worker": ("/kvfleet.v1.Worker/Describe", worker_pb2.DescribeWorkerRequest()),
+             "scheduler": ("/kvfleet.v1.Scheduler/Stats", scheduler_pb2.StatsRequest())}
+    tokens = set()
+    for role, (method, request) in calls.items():
+        pid = role_pid(server, role)
+        environment = dict(entry.split("=", 1) for entry in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                           if "=" in entry)
+        token = environment["KVFLEET_CLUSTER_TOKEN"]
+        argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+        assert len(token) >= 32 and not any(token in arg for arg in argv)
+        tokens.add(token)
+        port = argv[argv.index("--port") + 1]
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary(method, request_serializer=type(request).SerializeToString)
+            with pytest.raises(grpc.RpcError) as refused:
+                call(request, timeout=10)
+            assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED, role
+            call(request, timeout=10, metadata=[("x-kvfleet-cluster-token", token)])
+    assert len(tokens) == 1  # one cluster, one token
 
 
 # -- across the modes ---------------------------------------------------------------------------

@@ -21,8 +21,10 @@ from scheduler_svc.output_hub import OutputHub
 from scheduler_svc.step_loop import StepLoop, Submission
 from scheduler_svc.vllm_convert import Completion, prompt_from_request, sampling_params_from_proto
 from scheduler_svc.vllm_kv_events import KvEventStream
+from scheduler_svc.vllm_tokenizer import NoTokenizerFiles, tokenizer_archive
 from services.engine_client import EngineOverloaded, EngineUnavailable
 from services.parallel_sampling import num_children
+from services.tokenizer_archive import chunks
 from services.transport.server import RoleServer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
@@ -45,6 +47,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         self._model = model
         self._served_model_name = served_model_name
         self._started = time.time()
+        self._tokenizer_archive: bytes | None = None  # zipped on the first GetTokenizer: files do not change
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         if not request.request_id:
@@ -146,6 +149,16 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             cache_hit_rate=stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0)
         return pb.GetLoadsResponse(timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    dp_rank_count=1, loads=[load])
+
+    def GetTokenizer(self, request: smg.GetTokenizerRequest, context: grpc.ServicerContext
+                     ) -> Iterator[smg.GetTokenizerChunk]:
+        if self._tokenizer_archive is None:
+            try:
+                self._tokenizer_archive = tokenizer_archive(self._loop.core.config)
+            except NoTokenizerFiles as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        for data, sha256 in chunks(self._tokenizer_archive):
+            yield smg.GetTokenizerChunk(data=data, sha256=sha256)
 
     def SubscribeKvEvents(self, request: smg.SubscribeKvEventsRequest, context: grpc.ServicerContext
                           ) -> Iterator[smg.KvEventBatch]:

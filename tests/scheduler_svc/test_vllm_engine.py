@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -17,6 +18,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from kvfleet import LLM
+from kvfleet.processes import free_port
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.output_hub import OutputHub
 from scheduler_svc.server import start_scheduler_server
@@ -29,11 +31,13 @@ from services.config import EngineConfig
 from services.model_source import resolve_model
 from services.role_process import grpc_serving
 from services.sampling_params import SamplingParams
+from services.tokenizer_archive import unpack
 from tokenizer_svc.tokenizer import Tokenizer
 from worker_svc.server import start_worker_server
 from worker_svc.worker import Worker
 
 from corpus import TEXT
+from servers import RoleProcess
 
 # 8 blocks of 16 tokens: a long request evicts what short ones left cached.
 ENGINE = dict(dtype="float32", num_gpu_blocks_override=8, max_model_len=128)
@@ -226,3 +230,53 @@ def test_kv_events_show_stores_and_evictions_and_resume_without_a_gap(replica, p
     resumed.cancel()
     assert again == seen[middle:]
     assert live.sequence_number == numbers[-1] + 1
+
+
+def test_get_tokenizer_streams_the_tokenizer_files(replica, tmp_path) -> None:
+    # A GGUF keeps its tokenizer inside the weights: the tokenizer role serves those as files.
+    with pytest.raises(grpc.RpcError) as error:
+        list(replica.stub.GetTokenizer(smg.GetTokenizerRequest()))
+    assert error.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "GGUF" in error.value.details()
+
+    # A HF tokenizer directory: its files, and nothing else, zipped with a checksum on the last chunk.
+    source = tmp_path / "tokenizer"
+    source.mkdir()
+    Tokenizer.load(resolve_model("smollm2")).save_pretrained(source)
+    (source / "model.safetensors").write_bytes(b"weights")
+    config = EngineConfig(**ENGINE, tokenizer=str(source))
+    loop = SimpleNamespace(core=SimpleNamespace(config=config))  # GetTokenizer reads the engine config only
+    server = start_vllm_engine_server(
+        VllmEngineServicer(loop, OutputHub(), None, lambda: True, "smollm2", "smollm2"), "127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            received = list(pb_grpc.VllmEngineStub(channel).GetTokenizer(smg.GetTokenizerRequest()))
+    finally:
+        server.stop(0)
+    assert received[-1].sha256 and not any(chunk.sha256 for chunk in received[:-1])
+    unpacked = tmp_path / "unpacked"
+    unpacked.mkdir()
+    unpack(((chunk.data, chunk.sha256) for chunk in received), unpacked)
+    sent = {path.name for path in unpacked.iterdir()}
+    assert "tokenizer.json" in sent and "model.safetensors" not in sent
+    assert all((unpacked / name).read_bytes() == (source / name).read_bytes() for name in sent)
+
+
+def test_scheduler_role_serves_the_engine_protocol_on_its_engine_port(prompts, reference) -> None:
+    """`kvfleet scheduler --engine-port` as a process, over a worker role process."""
+    flags = ["--dtype", "float32", "--max-model-len", "128", "--num-gpu-blocks-override", "8"]
+    worker_port, engine_port = free_port(), free_port()
+    worker = RoleProcess("worker", *flags, "--port", str(worker_port))
+    scheduler = RoleProcess("scheduler", *flags, "--port", "0", "--worker-address", f"127.0.0.1:{worker_port}",
+                            "--engine-port", str(engine_port))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{engine_port}") as channel:
+            stub = pb_grpc.VllmEngineStub(channel)
+            grpc.channel_ready_future(channel).result(timeout=120)
+            assert stub.HealthCheck(pb.HealthCheckRequest()).healthy, scheduler.log_tail()
+            [response] = stub.Generate(generate("process", prompts[0]))
+            assert list(response.complete.output_ids) == reference[0]
+        assert scheduler.stop() == 0, scheduler.log_tail()
+        assert not scheduler.imported_torch()  # the protocol's stubs are protobuf alone
+    finally:
+        scheduler.kill()
+        worker.kill()

@@ -58,8 +58,13 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             self._loop.core.compile_grammar(params)  # on this thread: never on the step loop
         except ValueError as exc:  # InvalidParameter's message starts with the field
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # the worker is away: the request may well succeed later
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the worker could not compile the constraint: {exc}")
         gateway_id = f"vllm-engine-{uuid.uuid4().hex}"
-        subscription = self._hub.subscribe(gateway_id)
+        try:
+            subscription = self._hub.subscribe(gateway_id)
+        except EngineUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         # Wakes the reader below when the client cancels or disconnects.
         if not context.add_callback(subscription.close):
             subscription.close()

@@ -73,6 +73,7 @@ VALUE_SETS = {
         "nats": {"bundled": False, "url": "nats://nats.messaging.svc:4222"},
         "redis": {"bundled": False, "url": "redis://redis.cache.svc:6379/0"},
         "auth": {"existingSecret": "team-llm-api-key"},
+        "clusterToken": {"existingSecret": "team-llm-cluster-token"},
     },
     # Every optional object on, so that each template is rendered and checked.
     "ingress-keda-servicemonitor": {
@@ -162,7 +163,8 @@ def test_rendered_objects_reference_each_other(value_set):
     pods = [(w["metadata"]["name"], t) for w, t in pod_templates(rendered)]
     config_maps = {m["metadata"]["name"]: m["data"] for m in rendered.find("ConfigMap")}
     secrets = {m["metadata"]["name"]: m["data"] for m in rendered.find("Secret")}
-    existing_secret = VALUE_SETS[value_set].get("auth", {}).get("existingSecret")  # the user's, not rendered
+    values = VALUE_SETS[value_set]
+    existing_secrets = {values.get(part, {}).get("existingSecret") for part in ("auth", "clusterToken")}  # the user's
 
     def matching_pods(selector: dict) -> list[tuple[str, dict]]:
         return [(n, t) for n, t in pods if selector.items() <= t["metadata"]["labels"].items()]
@@ -180,7 +182,7 @@ def test_rendered_objects_reference_each_other(value_set):
                     problems.append(f"{where}: envFrom names a ConfigMap the release lacks")
             for var in c.get("env", []):
                 ref = var.get("valueFrom", {}).get("secretKeyRef")
-                if ref and ref["name"] != existing_secret and ref["key"] not in secrets.get(ref["name"], {}):
+                if ref and ref["name"] not in existing_secrets and ref["key"] not in secrets.get(ref["name"], {}):
                     problems.append(f"{where}: env {var['name']} names a Secret key the release lacks")
             try:
                 container_argv(c, config_maps)
@@ -232,7 +234,10 @@ def test_default_values_run_on_cpu_with_bundled_nats_and_redis():
     gateway = rendered.one("Deployment", f"{RELEASE}-gateway")["spec"]["template"]["spec"]["containers"][0]
     assert f"--nats-url=nats://{RELEASE}-nats:4222" in gateway["args"]
     assert f"--redis-url=redis://{RELEASE}-redis:6379/0" in gateway["args"]
-    assert "--api-key=$(KVFLEET_API_KEY)" in gateway["args"]
+    # Secrets reach processes through the environment only: arguments show in /proc/<pid>/cmdline.
+    assert not any(arg.startswith("--api-key") for arg in gateway["args"])
+    assert {"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": f"{RELEASE}-api-key", "key": "api-key"}}} \
+        in gateway["env"]
     assert rendered.one("Secret", f"{RELEASE}-api-key")["data"]["api-key"]
     assert rendered.find("ScaledObject") == rendered.find("HorizontalPodAutoscaler") == []
     assert rendered.one("Deployment", f"{RELEASE}-replica")["spec"]["replicas"] == 1
@@ -248,7 +253,7 @@ def test_gpu_example_requests_a_gpu_on_gpu_nodes():
     assert "nvidia.com/gpu" not in json.dumps(scheduler)
     # The CUDA image would otherwise show the scheduler every GPU of the node.
     assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in scheduler["env"]
-    assert "env" not in worker
+    assert not any(entry["name"] == "NVIDIA_VISIBLE_DEVICES" for entry in worker["env"])  # its own GPU stays seen
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -282,7 +287,10 @@ def test_external_nats_redis_and_api_key_secret():
     rendered = render("external-nats-redis")
     names = {m["metadata"]["name"] for m in rendered.manifests}
     assert not {f"{RELEASE}-nats", f"{RELEASE}-redis"} & names
-    assert rendered.find("Secret") == []  # the API key comes from the user's Secret
+    assert rendered.find("Secret") == []  # the API key and the cluster token come from the user's Secrets
+    replica = rendered.one("Deployment", f"{RELEASE}-replica")["spec"]["template"]["spec"]["containers"]
+    assert all({"name": "KVFLEET_CLUSTER_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": "team-llm-cluster-token", "key": "cluster-token"}}} in container["env"] for container in replica)
     gateway = rendered.one("Deployment", f"{RELEASE}-gateway")["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": "team-llm-api-key", "key": "api-key"}}} \
         in gateway["env"]
@@ -324,12 +332,26 @@ def test_optional_ingress_keda_and_servicemonitor():
                        (f"{RELEASE}-scheduler", "metrics"), (f"{RELEASE}-scheduler", "worker-metrics")}
 
 
+def test_every_role_gets_the_cluster_token_from_its_secret_through_the_environment():
+    rendered = render("default")
+    token_env = {"name": "KVFLEET_CLUSTER_TOKEN",
+                 "valueFrom": {"secretKeyRef": {"name": f"{RELEASE}-cluster-token", "key": "cluster-token"}}}
+    containers = {container["name"]: container for name in ("gateway", "tokenizer", "replica")
+                  for container in rendered.one("Deployment", f"{RELEASE}-{name}")["spec"]["template"]["spec"]["containers"]}
+    assert set(containers) == {"gateway", "tokenizer", "scheduler", "worker"}
+    for container in containers.values():
+        assert token_env in container["env"], container["name"]
+        assert not any("TOKEN" in arg or "API_KEY" in arg for arg in container.get("args", [])), container["name"]
+    assert len(rendered.one("Secret", f"{RELEASE}-cluster-token")["data"]["cluster-token"]) >= 48
+
+
 def test_hpa_alternative_and_switches_off():
     rendered = render("hpa-no-auth-no-pdb")
     hpa = rendered.one("HorizontalPodAutoscaler", f"{RELEASE}-replica")["spec"]
     assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{RELEASE}-replica"}
     assert hpa["metrics"][0]["pods"]["metric"]["name"] == "vllm_num_requests_waiting"
-    assert rendered.find("Secret") == rendered.find("PodDisruptionBudget") == []
+    assert [s["metadata"]["name"] for s in rendered.find("Secret")] == [f"{RELEASE}-cluster-token"]
+    assert rendered.find("PodDisruptionBudget") == []
     assert "--api-key" not in json.dumps(rendered.manifests)
     assert "WARNING" in rendered.notes
 

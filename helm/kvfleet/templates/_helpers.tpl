@@ -75,6 +75,20 @@ Service port is a value.
 {{- end }}
 {{- end }}
 
+{{- define "kvfleet.clusterTokenSecretName" -}}
+{{- default (include "kvfleet.componentName" (list . "cluster-token")) .Values.clusterToken.existingSecret }}
+{{- end }}
+
+{{/* The cluster token every role's gRPC server asks of its callers (and its channels
+present): from the Secret, through the environment, never an argument. */}}
+{{- define "kvfleet.clusterTokenEnv" -}}
+- name: KVFLEET_CLUSTER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvfleet.clusterTokenSecretName" . }}
+      key: cluster-token
+{{- end }}
+
 {{- define "kvfleet.apiKeySecretName" -}}
 {{- default (include "kvfleet.componentName" (list . "api-key")) .Values.auth.existingSecret }}
 {{- end }}

@@ -33,6 +33,7 @@ from kvfleet.processes import (
     start_redis,
     stop,
     wait_for_port,
+    write_secret_file,
 )
 from kvfleet.supervisor import CONFIG_ERROR_EXIT, Supervised
 from services.cli_args import (
@@ -64,6 +65,8 @@ def add_cluster_up_args(parser: argparse.ArgumentParser) -> None:
 def run_cluster_up(args: argparse.Namespace) -> int:
     # Here, not at the top: `kvfleet --help` builds this command's parser and must not pay for them.
     from gateway.drain import bind
+    from services.nats_link import NATS_PASSWORD_ENV, NATS_USER_ENV
+    from services.registry import REDIS_PASSWORD_ENV
     from services.transport.cluster_token import TOKEN_ENV, cluster_token
     from worker_svc.preflight import check_device, check_model
 
@@ -80,8 +83,15 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     ports = {name: free_port(local) for name in ("nats", "redis", "tokenizer", "worker", "scheduler")}
     # NATS and Redis say little worth reading next to the roles: their lines go to files.
     log_dir = Path(tempfile.mkdtemp(prefix="kvfleet-cluster-"))
-    infra = [Supervised("nats", lambda: _logged(start_nats, local, ports["nats"], log_dir / "nats.log")),
-             Supervised("redis", lambda: _logged(start_redis, local, ports["redis"], log_dir / "redis.log"))]
+    # NATS and Redis take clients with this cluster's credentials only; the servers read
+    # them from files only their owner can read, the roles from their environment.
+    nats_password, redis_password = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    nats_config = write_secret_file(log_dir / "nats.conf",
+                                    f'authorization {{ user: kvfleet, password: "{nats_password}" }}\n')
+    redis_config = write_secret_file(log_dir / "redis.conf", f"requirepass {redis_password}\n")
+    infra = [Supervised("nats", lambda: _logged(start_nats, local, ports["nats"], log_dir / "nats.log", nats_config)),
+             Supervised("redis", lambda: _logged(start_redis, local, ports["redis"], log_dir / "redis.log",
+                                                 redis_config))]
     roles: list[Supervised] = []  # in start order; stopped in reverse
     exit_code = 0
     try:
@@ -114,6 +124,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
             env["KVFLEET_API_KEY"] = args.api_key
         if cluster_token() is None:
             env[TOKEN_ENV] = secrets.token_urlsafe(32)
+        env.update({NATS_USER_ENV: "kvfleet", NATS_PASSWORD_ENV: nats_password, REDIS_PASSWORD_ENV: redis_password})
         for command in commands:
             argv = [sys.executable, "-m", "kvfleet.cli", *command]
             role = Supervised(command[0], lambda name=command[0], argv=argv: spawn_labelled(name, argv, env))
@@ -135,10 +146,10 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     return exit_code
 
 
-def _logged(start: Callable[..., subprocess.Popen], host: str, port: int, path: Path) -> subprocess.Popen:
-    """`start` with the process's output appended to `path`."""
+def _logged(start: Callable[..., subprocess.Popen], host: str, port: int, path: Path, config: Path) -> subprocess.Popen:
+    """`start` with its `config` file, the process's output appended to `path`."""
     with path.open("ab") as log:  # the child holds its own copy once started; each restart opens anew
-        return start(host, port, stdout=log, stderr=subprocess.STDOUT)
+        return start(host, port, config, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _supervise(args: argparse.Namespace, parts: list[Supervised], stopping: threading.Event) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+import os
 import random
 import shutil
 import signal
@@ -104,15 +105,26 @@ def _copy_lines(name: str, lines: Iterable[str]) -> None:
         sys.stdout.flush()
 
 
-def start_nats(host: str, port: int, **kwargs: object) -> subprocess.Popen:
-    return spawn([nats_server_binary(), "-a", host, "-p", str(port)], **kwargs)
+def start_nats(host: str, port: int, config: Path | None = None, **kwargs: object) -> subprocess.Popen:
+    """`config`: a nats-server configuration file (credentials live there, not in argv)."""
+    return spawn([nats_server_binary(), *(["-c", str(config)] if config else []), "-a", host, "-p", str(port)],
+                 **kwargs)
 
 
-def start_redis(host: str, port: int, **kwargs: object) -> subprocess.Popen:
+def start_redis(host: str, port: int, config: Path | None = None, **kwargs: object) -> subprocess.Popen:
+    """`config`: a redis.conf to read first (e.g. its requirepass: not in argv)."""
     # A registry, not a store: nothing to persist.
-    argv = [redis_server_binary(), "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no",
-            "--loglevel", "warning"]
+    argv = [redis_server_binary(), *([str(config)] if config else []), "--bind", host, "--port", str(port),
+            "--save", "", "--appendonly", "no", "--loglevel", "warning"]
     return spawn(argv, **kwargs)
+
+
+def write_secret_file(path: Path, text: str) -> Path:
+    """A file only its owner can read, for a server's credentials."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(text)
+    return path
 
 
 def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: float = 30.0) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,7 @@ from nats.aio.client import Client
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+NATS_USER_ENV, NATS_PASSWORD_ENV = "KVFLEET_NATS_USER", "KVFLEET_NATS_PASSWORD"
 Callback = Callable[[], Awaitable[None]]
 
 
@@ -52,7 +54,9 @@ class NatsThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
         # Reconnect forever: a NATS restart must not end a long-lived role.
+        # Credentials come from the environment: in a --nats-url they would show on the command line.
         connect = nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                               user=os.environ.get(NATS_USER_ENV), password=os.environ.get(NATS_PASSWORD_ENV),
                                disconnected_cb=self._disconnected, reconnected_cb=self._reconnected, **callbacks)
         try:
             self.nc: Client = self.run(connect, connect_timeout_s)

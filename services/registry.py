@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "kvfleet:role"
 DEFAULT_TTL_S = 10.0
+REDIS_PASSWORD_ENV = "KVFLEET_REDIS_PASSWORD"
 
 
 def new_member_id() -> str:
@@ -47,8 +49,10 @@ class Registry:
 
     def __init__(self, url: str, timeout_s: float = 2.0) -> None:
         self.url = url
+        # The password comes from the environment: in a --redis-url it would show on the command line.
+        password = {"password": os.environ[REDIS_PASSWORD_ENV]} if os.environ.get(REDIS_PASSWORD_ENV) else {}
         self._redis = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True, **password
         )
 
     def put(self, member: Member, ttl_s: float) -> None:

@@ -551,6 +551,44 @@ def test_cluster_roles_take_calls_with_the_cluster_token_only(server: Server) ->
     assert len(tokens) == 1  # one cluster, one token
 
 
+def test_cluster_nats_and_redis_take_this_cluster_s_credentials_only(server: Server) -> None:
+    """A client without them can neither subscribe to NATS (every gateway's token stream
+    passes there) nor write a lease into Redis (a fake scheduler); the roles got them
+    through the environment, and no process's command line shows them."""
+    if server.mode != "cluster" or not PROC:
+        pytest.skip("cluster up's processes, seen through /proc")
+    import nats
+    import redis
+    from nats.errors import NoServersError
+
+    pid = role_pid(server, "scheduler")
+    argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    nats_url, redis_url = argv[argv.index("--nats-url") + 1], argv[argv.index("--redis-url") + 1]
+    environment = dict(entry.split("=", 1) for entry in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                       if "=" in entry)
+    secrets = [environment[name] for name in ("KVFLEET_NATS_PASSWORD", "KVFLEET_REDIS_PASSWORD")]
+    for process in descendants(server.process.pid) | {server.process.pid}:
+        try:
+            cmdline = Path(f"/proc/{process}/cmdline").read_text()
+        except OSError:
+            continue
+        assert not any(secret in cmdline for secret in secrets), cmdline
+
+    async def subscribe(**credentials: str) -> None:
+        client = await nats.connect(nats_url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0,
+                                    **credentials)
+        await client.subscribe("kvfleet.out.>")
+        await client.flush(timeout=2)
+        await client.close()
+
+    with pytest.raises((NoServersError, nats.errors.Error, OSError)):
+        asyncio.run(subscribe())
+    asyncio.run(subscribe(user=environment["KVFLEET_NATS_USER"], password=secrets[0]))
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(redis_url).set("kvfleet:role:scheduler:fake", "{}")
+    assert redis.Redis.from_url(redis_url, password=secrets[1]).ping()
+
+
 # -- across the modes ---------------------------------------------------------------------------
 
 

@@ -58,7 +58,15 @@ class _CheckWorker:
     answered: Future[bool]  # whether the worker answered the engine's own client
 
 
-class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
+@dataclass
+class _FlushCache:
+    """Forget the prefix cache (vLLM's reset_prefix_cache), only while no request is in
+    the engine: a live request's blocks are in use."""
+
+    flushed: Future[bool]
+
+
+class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker | _FlushCache, str]):
     def __init__(self, core: EngineCore, hub: OutputHub, max_queued_requests: int | None = None) -> None:
         """`max_queued_requests`: past this many waiting requests, new ones are refused
         (EngineOverloaded) and running ones go on; None: no bound."""
@@ -122,11 +130,22 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker, str]):
         self._send(command, "the scheduler is shutting down")
         return command.answered
 
+    def flush_cache(self) -> Future[bool]:
+        """The future says whether the prefix cache was emptied (no request was in the engine)."""
+        command = _FlushCache(Future())
+        self._send(command, "the scheduler is shutting down")
+        return command.flushed
+
     # -- the loop thread -----------------------------------------------------------------
 
-    def _handle(self, command: _Submit | _Drain | _CheckWorker) -> None:
+    def _handle(self, command: _Submit | _Drain | _CheckWorker | _FlushCache) -> None:
         if isinstance(command, _Drain):
             self._idle_event = command.idle
+        elif isinstance(command, _FlushCache):
+            idle = not self.core.scheduler.has_unfinished_requests
+            if idle:
+                self.core.scheduler.block_pool.reset_prefix_cache()
+            command.flushed.set_result(idle)
         elif isinstance(command, _CheckWorker):
             ended = self.core.check_worker()
             if ended:

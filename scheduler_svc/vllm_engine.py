@@ -30,6 +30,7 @@ from services.transport.server import RoleServer
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 # Each Generate and SubscribeKvEvents holds a server thread for its lifetime.
 MAX_WORKERS = 128
+FLUSH_POLL_S = 0.05  # how often FlushCache looks again for an idle engine
 
 
 def _index(request_id: str, engine_id: str) -> int:
@@ -154,6 +155,15 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             cache_hit_rate=stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0)
         return pb.GetLoadsResponse(timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    dp_rank_count=1, loads=[load])
+
+    def FlushCache(self, request: smg.FlushCacheRequest, context: grpc.ServicerContext) -> smg.FlushCacheResponse:
+        """Empties the prefix cache once no request is in the engine, waiting up to `timeout_s` for that."""
+        deadline = time.monotonic() + max(0.0, request.timeout_s)
+        while not self._loop.flush_cache().result():
+            if time.monotonic() >= deadline:
+                return smg.FlushCacheResponse(success=False, message="requests are in flight: their blocks are in use")
+            time.sleep(FLUSH_POLL_S)
+        return smg.FlushCacheResponse(success=True, message="prefix cache emptied")
 
     def GetTokenizer(self, request: smg.GetTokenizerRequest, context: grpc.ServicerContext
                      ) -> Iterator[smg.GetTokenizerChunk]:

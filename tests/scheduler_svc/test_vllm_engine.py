@@ -308,3 +308,20 @@ def test_a_regex_constraint_shapes_the_output(replica, prompts) -> None:
     text = Tokenizer.load(resolve_model("smollm2")).decode(list(response.complete.output_ids))
     assert len(text) == 3 and text.isdigit(), text
     replica.wait_idle()
+
+
+def test_flush_cache_empties_the_prefix_cache_only_when_idle(replica, prompts) -> None:
+    list(replica.stub.Generate(generate("cached", prompts[3])))  # a full block enters the prefix cache
+    replica.wait_idle()
+    pool = replica.loop.core.scheduler.block_pool
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, prompts[3], BLOCK_SIZE, b"")
+    assert pool.lookup(hashes[:1])
+    busy = replica.stub.Generate(generate("busy", prompts[0], stream=True, max_tokens=60))
+    next(busy)  # running now
+    refused = replica.stub.FlushCache(smg.FlushCacheRequest(timeout_s=0))
+    assert not refused.success and "in flight" in refused.message
+    waited = replica.stub.FlushCache(smg.FlushCacheRequest(timeout_s=30))  # once "busy" is done
+    assert waited.success
+    list(busy)
+    assert pool.lookup(hashes[:1]) == []

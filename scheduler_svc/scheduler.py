@@ -390,13 +390,15 @@ class Scheduler:
         """Start each follower from the leader's prompt KV: the full blocks of all but
         the last prompt token are shared; the partly filled one is copied, since both
         will write into it. Each follower then computes the last prompt token itself
-        and samples its own first token. Without a free block for the copy, a follower
-        is admitted like any request (its prefix still comes from the cache)."""
+        and samples its own first token. Without a free block for the copy, or past
+        max_num_seqs, a follower is admitted like any request (its prefix still comes
+        from the cache)."""
         fork_len = len(leader.prompt_token_ids) - 1
         num_shared, partial = divmod(fork_len, self.config.block_size)
         shared = leader.block_ids[:num_shared]
         for follower in leader.followers:
-            if partial and self.block_pool.num_free_blocks == 0:
+            # Each parallel sample is a sequence of its own: max_num_seqs counts it.
+            if len(self.running) >= self.config.max_num_seqs or (partial and self.block_pool.num_free_blocks == 0):
                 follower.status = RequestStatus.WAITING
                 self.waiting.appendleft(follower)
                 continue

@@ -12,6 +12,18 @@ if TYPE_CHECKING:
     from services.structured_outputs import StructuredOutputsParams
 
 MAX_PARALLEL_SAMPLES = 128
+# Bounds on the work one request may ask for, checked by every front door (HTTP, both
+# gRPC services, the SDK) through this class. MAX_LOGPROBS is vLLM's max_logprobs
+# default; the others keep a request's per-step cost (masks, string matching) small
+# next to its forward pass, far above what real clients send.
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ALLOWED_TOKEN_IDS = 262_144
+MAX_BAD_WORDS = 256
+MAX_BAD_WORD_CHARS = 256
 
 
 class InvalidParameter(ValueError):
@@ -81,8 +93,21 @@ class SamplingParams:
              f"must be in (0, 2], got {self.repetition_penalty}"),
             ("logit_bias", all(-100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()),
              "biases must be in [-100, 100]"),
+            ("logit_bias", len(self.logit_bias or {}) <= MAX_LOGIT_BIAS_ENTRIES,
+             f"at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(self.logit_bias or {})}"),
             ("allowed_token_ids", self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
              "must not be empty"),
+            ("allowed_token_ids", len(self.allowed_token_ids or []) <= MAX_ALLOWED_TOKEN_IDS,
+             f"at most {MAX_ALLOWED_TOKEN_IDS} tokens, got {len(self.allowed_token_ids or [])}"),
+            ("bad_words", len(self.bad_words or []) <= MAX_BAD_WORDS,
+             f"at most {MAX_BAD_WORDS} words, got {len(self.bad_words or [])}"),
+            ("bad_words", all(len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words or []),
+             f"each at most {MAX_BAD_WORD_CHARS} characters"),
+            ("stop", len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"),
+            ("stop", all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+             f"each at most {MAX_STOP_STRING_CHARS} characters"),
+            ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+             f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(self.stop_token_ids)}"),
             ("temperature", self.temperature >= 0.0, f"must be >= 0, got {self.temperature}"),
             ("top_p", 0.0 < self.top_p <= 1.0, f"must be in (0, 1], got {self.top_p}"),
             ("top_k", 0 <= self.top_k <= 2**63 - 1, f"must be -1 (disable) or >= 1, got {self.top_k}"),
@@ -95,9 +120,10 @@ class SamplingParams:
             ("min_tokens", self.min_tokens >= 0, f"must be >= 0, got {self.min_tokens}"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"),
-            ("logprobs", self.logprobs is None or self.logprobs >= 0, f"must be >= 0, got {self.logprobs}"),
-            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-             f"must be >= 0, got {self.prompt_logprobs}"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
              or self.truncate_prompt_tokens >= 1, f"must be -1 or >= 1, got {self.truncate_prompt_tokens}"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "token ids must be >= 0"),

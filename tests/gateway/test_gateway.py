@@ -273,3 +273,53 @@ def test_fan_out_past_the_bound_is_a_400(server: ServerThread) -> None:
     best_of = httpx.post(f"{server.url}/v1/completions", json={**body, "n": 1, "best_of": 5}, timeout=30)
     assert best_of.status_code == 400 and best_of.json()["error"]["param"] == "best_of"
 
+
+
+def _oversized() -> list[tuple[str, dict, str]]:
+    """One body per bound of SamplingParams (and the gateway's own), on both routes."""
+    bounds = [
+        ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"stop": [f"s{i}" for i in range(65)]}, "stop"),
+        ({"stop": ["x" * 1025]}, "stop"),
+        ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
+        ({"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
+        ({"allowed_token_ids": [1] * 262_145}, "allowed_token_ids"),
+        ({"bad_words": [f"w{i}" for i in range(257)]}, "bad_words"),
+        ({"bad_words": ["w" * 257]}, "bad_words"),
+        ({"n": 129}, "n"),
+        ({"best_of": 129}, "best_of"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 0}, "top_p"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty"),
+    ]
+    chat_only = [({"top_logprobs": 21, "logprobs": True}, "top_logprobs")]
+    cases = [("/v1/completions", {"model": MODEL, "prompt": "Hi", **extra}, param) for extra, param in bounds]
+    cases += [("/v1/chat/completions", {"model": MODEL, "messages": CHAT, **extra}, param)
+              for extra, param in bounds + chat_only if param != "prompt_logprobs"]
+    return cases
+
+
+def test_requests_past_a_bound_are_400s_naming_the_field_and_a_witness_finishes(server: ServerThread) -> None:
+    cases = _oversized()
+    assert len(cases) >= 30
+    witness_body = {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 24, "ignore_eos": True, "stream": True}
+    witness: list[str] = []
+
+    def stream_witness() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=witness_body, timeout=120) as response:
+            witness.extend(line for line in response.iter_lines() if line.startswith("data:"))
+
+    thread = threading.Thread(target=stream_witness)
+    thread.start()
+    refused = {}
+    with httpx.Client(base_url=server.url, timeout=60) as connection:
+        for path, body, param in cases:
+            response = connection.post(path, json=body)
+            refused[(path, param, json.dumps(body)[:60])] = (response.status_code, response.json()["error"]["param"])
+    thread.join(120)
+    wrong = {case: got for case, got in refused.items() if got != (400, case[1])}
+    assert not wrong, wrong
+    assert witness[-1] == "data: [DONE]" and len(witness) >= 24  # 24 tokens, then the end
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200

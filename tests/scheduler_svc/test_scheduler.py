@@ -208,3 +208,14 @@ def test_a_request_in_flight_is_never_preempted():
     assert not third.num_scheduled_tokens
     assert scheduler.requests["old"].status.name == "PREEMPTED"
     assert scheduler.requests["new"].status.name == "RUNNING" and scheduler.requests["new"].in_flight
+
+
+def test_parallel_samples_count_against_max_num_seqs():
+    scheduler = make_scheduler(max_num_seqs=3)
+    leader = Request("p", list(range(10, 16)), SamplingParams(max_tokens=8), (EOS,))
+    followers = [Request(f"p-{i}", list(range(10, 16)), SamplingParams(max_tokens=8), (EOS,)) for i in range(1, 4)]
+    scheduler.add_request(leader, followers)
+    for _ in range(3):
+        run_step(scheduler)
+        assert len(scheduler.running) <= 3
+    assert len(scheduler.running) == 3 and len(scheduler.waiting) == 1  # the fourth sample waits its turn

@@ -153,6 +153,10 @@ def test_n_logprobs_and_prompt_logprobs(replica, prompts, reference) -> None:
     (generate("s", [1, 2, 3], stop=["."]), "stop"),
     (generate("t", [1, 2, 3], temperature=-1.0), "temperature"),
     (generate("l", [1, 2, 3], logprobs=-1), "logprobs"),
+    # The bounds every front door shares (SamplingParams'):
+    (generate("l", [1, 2, 3], logprobs=21), "logprobs"),
+    (generate("i", [1, 2, 3], stop_token_ids=list(range(257))), "stop_token_ids"),
+    (generate("b", [1, 2, 3], logit_bias={i: 1.0 for i in range(1025)}), "logit_bias"),
 ])
 def test_what_it_cannot_honour_is_invalid_argument_naming_the_field(replica, request_, field) -> None:
     with pytest.raises(grpc.RpcError) as error:

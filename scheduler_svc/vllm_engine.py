@@ -200,6 +200,8 @@ def start_vllm_engine_server(servicer: VllmEngineServicer, address: str) -> Role
         pb_grpc.add_VllmEngineServicer_to_server(servicer, server)
         reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
 
-    server = RoleServer(address, SERVICE_NAME, register, max_workers=MAX_WORKERS)
+    # A public door, not the cluster's plane: external routers (smg) hold no cluster token;
+    # the port is opt-in, like the gateway's HTTP port, and NetworkPolicies/TLS guard it.
+    server = RoleServer(address, SERVICE_NAME, register, max_workers=MAX_WORKERS, internal=False)
     server.start()
     return server

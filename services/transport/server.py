@@ -49,18 +49,21 @@ class RoleServer:
         register: Callable[[grpc.Server], None],
         max_workers: int,
         drain: Callable[[float], object] | None = None,
+        internal: bool = True,
     ) -> None:
         """`register` adds the role's servicer. `drain(timeout_s)` runs once health says
         NOT_SERVING, while the server still takes calls: it lets the role's work in
         flight finish (the role refuses new work meanwhile), within `timeout_s`, and ends
-        what is left explicitly (e.g. streams get their final messages)."""
+        what is left explicitly (e.g. streams get their final messages). An `internal`
+        server (the cluster's own plane) checks the cluster token when one is set; a
+        public door (internal=False) takes calls without it."""
         self.service_name = service_name
         self._drain = drain
         self._health = health.HealthServicer()
         self._health_executor = futures.ThreadPoolExecutor(HEALTH_THREADS, thread_name_prefix="health")
         self._health.Check = _run_on(self._health_executor, self._health.Check)
         self._executor = futures.ThreadPoolExecutor(max_workers, thread_name_prefix=service_name)
-        token = cluster_token()
+        token = cluster_token() if internal else None
         self._server = grpc.server(self._executor, options=MESSAGE_OPTIONS,
                                    interceptors=[TokenCheck(token)] if token else None)
         register(self._server)

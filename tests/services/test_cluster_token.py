@@ -72,3 +72,14 @@ def test_the_token_may_come_from_a_file(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.setenv(TOKEN_FILE_ENV, str(path))
     monkeypatch.setenv(TOKEN_ENV, "ignored when a file is named")
     assert cluster_token() == TOKEN
+
+
+def test_a_public_server_takes_calls_without_the_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    role = RoleServer("127.0.0.1:0", "test.Echo", _register, max_workers=2, internal=False)
+    role.start()
+    try:
+        with grpc.insecure_channel(role.address) as channel:
+            assert _calls(channel) == (b"x", [b"y", b"y"])
+    finally:
+        role.stop(0)

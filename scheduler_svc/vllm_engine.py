@@ -185,6 +185,9 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                           f"start_sequence_number: batch {request.start_sequence_number} is no longer held")
         if not context.add_callback(lambda: self._kv_events.unsubscribe(subscriber)):
             self._kv_events.unsubscribe(subscriber)
+        # Headers now, not with the first batch (which may be long in coming): smg takes a
+        # subscription that answers nothing within 2 s for an unreachable worker.
+        context.send_initial_metadata(())
         try:
             while (batch := subscriber.get()) is not None:
                 yield batch

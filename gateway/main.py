@@ -12,7 +12,7 @@ import argparse
 
 from gateway.migration import DEFAULT_MIGRATION_LIMIT
 from gateway.routing import ROUTING_POLICIES
-from services.cli_args import add_http_args, add_nats_arg, add_registry_args, at_least
+from services.cli_args import add_http_args, add_nats_arg, add_registry_args, add_tls_args, at_least
 from services.registry import Lease, Member, Registry
 from services.role_process import advertised
 from services.telemetry import configure_logging
@@ -24,6 +24,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
                         help="the model the cluster serves: its name for clients (default: %(default)s)")
     add_http_args(parser, DEFAULT_PORT)
+    add_tls_args(parser)  # for its channels to the tokenizers and schedulers
     add_nats_arg(parser, required=True, help_text="where token deltas arrive, e.g. nats://127.0.0.1:4222")
     add_registry_args(parser, required=True)
     parser.add_argument("--migration-limit", type=at_least(0), default=DEFAULT_MIGRATION_LIMIT,
@@ -41,8 +42,10 @@ def run_gateway(args: argparse.Namespace) -> int:
     from gateway.limits import RequestLimits
     from gateway.tokenizer_client import RemoteTokenizer
     from gateway.tool_calls import ChatOptions
+    from services.transport.tls import configure_tls
 
     configure_logging()
+    configure_tls(args)  # before any server or channel opens
     listener = bind(args.host, args.port)
     registry = Registry(args.redis_url)
     client = ClusterEngineClient(args.redis_url, args.nats_url, lease_ttl_s=args.lease_ttl,

@@ -76,10 +76,12 @@ def run_scheduler(args: argparse.Namespace) -> int:
     from scheduler_svc.vllm_engine import VllmEngineServicer, start_vllm_engine_server
     from scheduler_svc.vllm_kv_events import KvEventStream
     from scheduler_svc.worker_client import RemoteWorker
+    from services.transport.tls import configure_tls
 
     if args.redis_url and not args.nats_url:
         raise SystemExit("--redis-url needs --nats-url: gateways that find this scheduler read its tokens from NATS")
     configure_logging()
+    configure_tls(args)  # before any server or channel opens
     config = EngineConfig(**engine_args(args))
     worker = RemoteWorker(args.worker_address, step_timeout_s=args.worker_step_timeout)
     logger.info("waiting for the worker at %s", args.worker_address)

@@ -8,6 +8,7 @@ import argparse
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import fields
+from pathlib import Path
 
 from services.config import EngineConfig, flag
 from services.registry import DEFAULT_TTL_S
@@ -210,6 +211,17 @@ def add_listen_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus /metrics on this port; 0 turns it off (default: %(default)s)")
     add_shutdown_arg(parser)
+    add_tls_args(parser)
+
+
+def add_tls_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-cert-file", type=Path, help="PEM certificate this process serves gRPC with, and "
+                        "presents to servers that ask for a client certificate (default: plain gRPC)")
+    parser.add_argument("--tls-key-file", type=Path, help="PEM private key of --tls-cert-file")
+    parser.add_argument("--tls-ca-file", type=Path, help="PEM CA bundle the other roles' certificates chain to: "
+                        "this process dials them over TLS verified by it (default: plain gRPC)")
+    parser.add_argument("--tls-require-client-cert", action="store_true",
+                        help="serve only callers whose certificate chains to --tls-ca-file (mutual TLS)")
 
 
 def add_lease_ttl_arg(parser: argparse.ArgumentParser) -> None:

@@ -27,10 +27,12 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_tokenizer(args: argparse.Namespace) -> int:
+    from services.transport.tls import configure_tls
     from tokenizer_svc.server import start_tokenizer_server
     from tokenizer_svc.tokenizer import Tokenizer
 
     configure_logging()
+    configure_tls(args)  # before any server or channel opens
     tokenizer = Tokenizer.for_engine(EngineConfig(**engine_args(args)), args.chat_template)
     serve_role_metrics(args.metrics_port, args.host)
     server = start_tokenizer_server(tokenizer, f"{args.host}:{args.port}")

@@ -25,6 +25,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    from services.transport.tls import configure_tls
     from worker_svc.preflight import check_model
 
     config = EngineConfig(**engine_args(args))
@@ -35,6 +36,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker_svc.worker_group import start_worker
 
     configure_logging()
+    configure_tls(args)  # before any server or channel opens
     configure_torch_threads()
     # A rank of its group that dies ends this process: its scheduler sees one lost worker,
     # and whoever supervises the worker starts the group again.

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.transport.channel import MESSAGE_OPTIONS
 from services.transport.cluster_token import TokenCheck, cluster_token
+from services.transport.tls import server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,9 @@ class RoleServer:
         register(self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         # Port 0 picks a free port; the bound one is in self.port.
-        self.port = self._server.add_insecure_port(address)
+        credentials = server_credentials()
+        self.port = (self._server.add_secure_port(address, credentials) if credentials
+                     else self._server.add_insecure_port(address))
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
 
     def start(self) -> None:

@@ -393,7 +393,7 @@ def test_no_secret_in_arguments_or_config_maps(value_set):
             where = f"{workload['metadata']['name']}/{c['name']}"
             from_secrets = secret_env(c)
             argv = " ".join(c.get("command", []) + c.get("args", []))
-            for what, exec_argv in exec_commands(c):
+            for _, exec_argv in exec_commands(c):
                 argv += " " + " ".join(exec_argv)
             problems += [f"{where}: a Secret's value in its command line" for v in secret_values if v in argv]
             problems += [f"{where}: $({name}) in its command line" for name in from_secrets if f"$({name})" in argv]

@@ -131,6 +131,8 @@ def block_env() -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key != "KVFLEET_API_KEY"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(KVFLEET_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+    # As the README says to export it: the roles it starts and the programs that call them share it.
+    env["KVFLEET_CLUSTER_TOKEN"] = "readme-cluster-token"
     return env
 
 

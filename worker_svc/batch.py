@@ -92,8 +92,10 @@ class InputBatch:
         params = state.sampling_params
         self.num_blocks[row] = 0
         self.append_blocks(row, block_ids)
-        self.temperature[row], self.top_p[row] = params.temperature, params.top_p
-        self.top_k[row], self.min_p[row] = params.top_k, params.min_p
+        # Through a float32 tensor: a temperature past float32's range becomes inf, as it
+        # would in any tensor of the batch, where assigning the Python float would raise.
+        self.temperature[row] = torch.tensor(params.temperature, dtype=torch.float32)
+        self.top_p[row], self.top_k[row], self.min_p[row] = params.top_p, params.top_k, params.min_p
         self.uploaded_bytes += 4 * 4
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:

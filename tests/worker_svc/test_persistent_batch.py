@@ -52,6 +52,13 @@ def test_a_decode_step_uploads_its_tokens_and_rows_not_the_block_tables() -> Non
     assert batch.block_table[requests["r1"].row, :4].tolist() == tables["r1"] + [555]
 
 
+def test_a_temperature_past_float32_is_inf_not_an_error() -> None:
+    batch = InputBatch(max_blocks_per_request=4, block_size=BLOCK, device=torch.device("cpu"))
+    state = _state(5, 0, temperature=1e308)  # valid JSON, valid SamplingParams: no step may fail on it
+    batch.add(state, [0])
+    assert batch.temperature[state.row] == float("inf")
+
+
 def test_rows_are_reused_and_the_batch_grows_past_its_first_rows() -> None:
     batch = InputBatch(max_blocks_per_request=4, block_size=BLOCK, device=torch.device("cpu"))
     states = [_state(5, 0) for _ in range(100)]

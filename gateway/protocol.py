@@ -25,11 +25,13 @@ from pydantic import (
     model_validator,
 )
 
+from services.sampling_params import MAX_LOGPROBS
+
 logger = logging.getLogger(__name__)
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
-NumLogprobs = Annotated[int, Field(le=20)]
+NumLogprobs = Annotated[int, Field(le=MAX_LOGPROBS)]
 
 
 def _valid_unicode(value: Any) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from services.pb.kvfleet.v1 import common_pb2
-from services.sampling_params import InvalidParameter, SamplingParams
+from services.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from services.structured_outputs import StructuredOutputsParams
 
 FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
@@ -62,6 +62,8 @@ def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     for name in ("logprobs", "prompt_logprobs"):
         if message.HasField(name) and getattr(message, name) < 0:
             raise InvalidParameter(name, "-1 (the whole vocabulary) is not supported: ask for k >= 0")
+        if message.HasField(name) and getattr(message, name) > MAX_LOGPROBS:
+            raise InvalidParameter(name, f"at most {MAX_LOGPROBS} (vLLM's max_logprobs), got {getattr(message, name)}")
     return SamplingParams(
         n=message.n or 1,
         temperature=message.temperature if message.HasField("temperature") else 1.0,

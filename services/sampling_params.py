@@ -13,9 +13,10 @@ if TYPE_CHECKING:
 
 MAX_PARALLEL_SAMPLES = 128
 # Bounds on the work one request may ask for, checked by every front door (HTTP, both
-# gRPC services, the SDK) through this class. MAX_LOGPROBS is vLLM's max_logprobs
-# default; the others keep a request's per-step cost (masks, string matching) small
-# next to its forward pass, far above what real clients send.
+# gRPC services, the SDK) through this class: they keep a request's per-step cost
+# (masks, string matching) small next to its forward pass, far above what real clients
+# send. MAX_LOGPROBS, vLLM's max_logprobs, is the public doors' own (the HTTP gateway's
+# and VllmEngine's): beam search asks the scheduler for 2 x beam_width per step.
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
@@ -120,10 +121,9 @@ class SamplingParams:
             ("min_tokens", self.min_tokens >= 0, f"must be >= 0, got {self.min_tokens}"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-             f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
-            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-             f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, f"must be >= 0, got {self.logprobs}"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             f"must be >= 0, got {self.prompt_logprobs}"),
             ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
              or self.truncate_prompt_tokens >= 1, f"must be -1 or >= 1, got {self.truncate_prompt_tokens}"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "token ids must be >= 0"),

@@ -3,15 +3,15 @@ changed the prefix cache, what it stored and evicted, numbered from 1, so router
 an index of which replica holds which prefix (gateway/kv_index.py).
 
 Core NATS may lose a message; a router that sees a gap (or starts late) asks for a
-snapshot (Scheduler.KvSnapshot), which comes from a mirror kept here: the hashes as of
-the last numbered message, so snapshot and events always agree.
+snapshot (Scheduler.KvSnapshot), which comes from the KvMirror kept here: the hashes as
+of the last numbered message, so snapshot and events always agree.
 """
 from __future__ import annotations
 
 import logging
-import threading
 
 from scheduler_svc.block_pool import KvEvents
+from scheduler_svc.kv_mirror import KvMirror
 from services.nats_link import NatsThread, kv_subject
 from services.pb.kvfleet.v1 import scheduler_pb2
 
@@ -22,27 +22,20 @@ class KvEventPublisher:
     def __init__(self, nats: NatsThread, instance_id: str) -> None:
         self._nats = nats
         self._instance_id = instance_id
-        self._lock = threading.Lock()  # the step thread publishes, gRPC threads snapshot
-        self._seq = 0
-        self._mirror: set[bytes] = set()
+        self._mirror = KvMirror()
 
-    def publish(self, events: KvEvents) -> None:
+    def publish(self, events: KvEvents) -> int:
         """From the step thread; never waits on the network."""
-        with self._lock:
-            self._seq += 1
-            if events.cleared:
-                self._mirror.clear()
-            self._mirror.difference_update(events.removed)
-            self._mirror.update(events.stored)
-            payload = scheduler_pb2.KvEvents(scheduler_instance_id=self._instance_id, seq=self._seq,
-                                             cleared=events.cleared, removed=events.removed,
-                                             stored=events.stored).SerializeToString()
-        # FIFO on the NATS loop: messages leave in number order.
+        seq = self._mirror.apply(events)
+        payload = scheduler_pb2.KvEvents(scheduler_instance_id=self._instance_id, seq=seq,
+                                         cleared=events.cleared, removed=events.removed,
+                                         stored=events.stored).SerializeToString()
+        # FIFO on the NATS loop: messages leave in number order (one step thread publishes).
         self._nats.loop.call_soon_threadsafe(self._nats.loop.create_task, self._send(payload))
+        return seq
 
     def snapshot(self) -> scheduler_pb2.KvSnapshotResponse:
-        with self._lock:
-            return scheduler_pb2.KvSnapshotResponse(seq=self._seq, block_hashes=list(self._mirror))
+        return self._mirror.snapshot()
 
     async def _send(self, payload: bytes) -> None:
         try:

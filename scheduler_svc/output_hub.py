@@ -10,7 +10,7 @@ import queue
 import threading
 from collections import defaultdict
 
-from scheduler_svc.kv_event_publisher import KvEventPublisher
+from scheduler_svc.kv_mirror import KvEventSink
 from scheduler_svc.replay_window import ReplayWindow
 from services.engine_client import EngineUnavailable
 from services.pb.kvfleet.v1 import common_pb2
@@ -53,8 +53,9 @@ class OutputHub:
     # What was published on NATS, for gateways that missed some (NatsOutputHub's);
     # StreamOutputs needs none: gRPC keeps a stream in order and whole.
     replay_window: ReplayWindow | None = None
-    # Where the prefix cache's changes go for routers (NatsOutputHub's); none in-process.
-    kv_events: KvEventPublisher | None = None
+    # Where the prefix cache's changes go for routers: NatsOutputHub's KvEventPublisher,
+    # the engine protocol's KvEventStream (wrapping that one, if any); none in-process.
+    kv_events: KvEventSink | None = None
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -3,7 +3,8 @@ one KvEventBatch per step that changed the cache, numbered from 1, the latest ke
 a subscriber that reconnects resumes from a sequence number without a gap.
 
 It stands where the step loop publishes KV events (OutputHub.kv_events) and passes
-every batch on to the publisher that was there (NATS), when there was one.
+every batch on to the publisher that was there (NATS), when there was one: that one
+numbers the batches and keeps the mirror for snapshots, else a KvMirror of its own does.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from collections import deque
 from smg_grpc_proto.generated import common_pb2 as smg
 
 from scheduler_svc.block_pool import KvEvents
-from scheduler_svc.kv_event_publisher import KvEventPublisher
+from scheduler_svc.kv_mirror import KvEventSink, KvMirror
 from services.pb.kvfleet.v1 import scheduler_pb2
 
 # Batches kept for resuming subscribers: a few minutes of a busy engine's steps.
@@ -46,33 +47,26 @@ def to_batch(seq: int, events: KvEvents) -> smg.KvEventBatch:
 class KvEventStream:
     """Thread-safe: the step thread publishes, gRPC threads subscribe."""
 
-    def __init__(self, inner: KvEventPublisher | None, max_batches: int = REPLAY_BATCHES) -> None:
-        self._inner = inner
+    def __init__(self, inner: KvEventSink | None, max_batches: int = REPLAY_BATCHES) -> None:
+        # Numbers the batches and keeps the mirror for KvSnapshot.
+        self._inner: KvEventSink = inner if inner is not None else KvMirror()
         self._lock = threading.Lock()
-        self._seq = 0
+        self._seq = 0  # the last batch held
         self._held: deque[smg.KvEventBatch] = deque(maxlen=max_batches)
-        self._mirror: set[bytes] = set()  # for KvSnapshot when no NATS publisher keeps one
         self._subscribers: list[queue.SimpleQueue[smg.KvEventBatch | None]] = []
 
-    def publish(self, events: KvEvents) -> None:
-        if self._inner is not None:
-            self._inner.publish(events)
+    def publish(self, events: KvEvents) -> int:
+        seq = self._inner.publish(events)
+        batch = to_batch(seq, events)
         with self._lock:
-            self._seq += 1
-            if events.cleared:
-                self._mirror.clear()
-            self._mirror.difference_update(events.removed)
-            self._mirror.update(events.stored)
-            batch = to_batch(self._seq, events)
+            self._seq = seq
             self._held.append(batch)
             for subscriber in self._subscribers:
                 subscriber.put(batch)
+        return seq
 
     def snapshot(self) -> scheduler_pb2.KvSnapshotResponse:
-        if self._inner is not None:
-            return self._inner.snapshot()
-        with self._lock:
-            return scheduler_pb2.KvSnapshotResponse(seq=self._seq, block_hashes=list(self._mirror))
+        return self._inner.snapshot()
 
     def subscribe(self, start: int) -> queue.SimpleQueue[smg.KvEventBatch | None] | None:
         """A queue with the batches numbered `start` on (0: from the next one), then

@@ -1,0 +1,51 @@
+"""What the step loop publishes the prefix cache's changes to (OutputHub.kv_events), and
+the mirror every such publisher keeps: the batches numbered from 1 and the block hashes
+indexed as of the last number, so a snapshot (Scheduler.KvSnapshot) always agrees with
+the numbers a router has seen.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+from scheduler_svc.block_pool import KvEvents
+from services.pb.kvfleet.v1 import scheduler_pb2
+
+
+class KvEventSink(Protocol):
+    def publish(self, events: KvEvents) -> int:
+        """Numbers one step's changes and passes them on; returns their number. From
+        the step thread; never waits on the network."""
+        ...
+
+    def snapshot(self) -> scheduler_pb2.KvSnapshotResponse:
+        """The hashes indexed as of the last number, with that number."""
+        ...
+
+
+class KvMirror:
+    """The index rebuilt from the numbered batches. Thread-safe: the step thread
+    applies, gRPC threads take snapshots."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._hashes: set[bytes] = set()
+
+    def apply(self, events: KvEvents) -> int:
+        """Applies the next batch in the order KvEvents documents; returns its number."""
+        with self._lock:
+            self._seq += 1
+            if events.cleared:
+                self._hashes.clear()
+            self._hashes.difference_update(events.removed)
+            self._hashes.update(events.stored)
+            return self._seq
+
+    def publish(self, events: KvEvents) -> int:
+        """A KvEventSink that only keeps the mirror."""
+        return self.apply(events)
+
+    def snapshot(self) -> scheduler_pb2.KvSnapshotResponse:
+        with self._lock:
+            return scheduler_pb2.KvSnapshotResponse(seq=self._seq, block_hashes=list(self._hashes))

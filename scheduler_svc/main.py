@@ -75,6 +75,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     from scheduler_svc.step_loop import StepLoop
     from scheduler_svc.vllm_engine import VllmEngineServicer, start_vllm_engine_server
     from scheduler_svc.vllm_kv_events import KvEventStream
+    from scheduler_svc.vllm_text import EngineText
     from scheduler_svc.worker_client import RemoteWorker
     from services.transport.tls import configure_tls
 
@@ -100,8 +101,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
         serve_role_metrics(args.metrics_port, args.host, EngineStatsCollector(loop, config.model))
         server = start_scheduler_server(loop, hub, f"{args.host}:{args.port}")
         if args.engine_port is not None:
-            servicer = VllmEngineServicer(loop, hub, kv_events, grpc_serving(args.worker_address), args.model,
-                                          args.model)
+            servicer = VllmEngineServicer(loop, hub, kv_events, EngineText.for_engine(config),
+                                          grpc_serving(args.worker_address), args.model, args.model)
             engine_server = start_vllm_engine_server(servicer, f"{args.host}:{args.engine_port}")
         _follow_worker(args.worker_address, server, loop)
         with registered(args, lambda: _scheduler_lease(args, server.port, loop, hub)):

@@ -2,15 +2,17 @@
 types and back: a GenerateRequest's prompt and sampling, and token deltas as
 GenerateResponse chunks and completions.
 
-The scheduler speaks token ids only: what needs a tokenizer (text prompts, stop
-strings) or media is refused with INVALID_ARGUMENT naming the field, never ignored.
+What kvfleet lacks (media, KV transfer) is refused with INVALID_ARGUMENT naming the
+field, never ignored.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
+from scheduler_svc.vllm_text import StopStrings
 from services.pb.kvfleet.v1 import common_pb2
 from services.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from services.structured_outputs import StructuredOutputsParams
@@ -19,11 +21,12 @@ FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASO
                   common_pb2.FINISH_REASON_ABORT: "abort"}
 
 
-def prompt_from_request(request: pb.GenerateRequest) -> list[int]:
-    """The prompt's token ids; raises InvalidParameter for what this engine cannot take."""
-    if request.WhichOneof("input") == "text":
-        raise InvalidParameter("text", "this engine has no tokenizer: send the prompt as tokenized.input_ids")
-    if not request.tokenized.input_ids:
+def prompt_from_request(request: pb.GenerateRequest, encode: Callable[[str], list[int]]) -> list[int]:
+    """The prompt's token ids (`encode` tokenizes a text prompt); raises InvalidParameter
+    for what this engine cannot take."""
+    if request.WhichOneof("input") is None:
+        raise InvalidParameter("input", "send the prompt as tokenized.input_ids or as text")
+    if request.WhichOneof("input") == "tokenized" and not request.tokenized.input_ids:
         raise InvalidParameter("tokenized", "input_ids must not be empty")
     # Media and KV transfer (disaggregated prefill) are features this engine lacks.
     for name in ("kv_transfer_params", "mm_inputs", "media_refs"):
@@ -35,6 +38,8 @@ def prompt_from_request(request: pb.GenerateRequest) -> list[int]:
         raise InvalidParameter("kv_transfer_params_json", "not supported by kvfleet")
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
         raise InvalidParameter("data_parallel_rank", "this replica has one rank, 0")
+    if request.WhichOneof("input") == "text":
+        return encode(request.text)
     return list(request.tokenized.input_ids)
 
 
@@ -54,11 +59,6 @@ def _constraint(message: pb.SamplingParams) -> StructuredOutputsParams | None:
 def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     """vLLM's servicer reads proto3 zeros as "unset": top_p 0 is 1, repetition_penalty 0 is
     1, n 0 is 1. Raises InvalidParameter (a ValueError) naming the offending field."""
-    if message.stop:
-        # kvfleet matches stop strings on detokenized text, in the gateway; this engine
-        # returns token ids and never sees text, so it cannot honour them.
-        raise InvalidParameter("stop", "stop strings need detokenized text, which this engine does not produce; "
-                               "match them in the router or send stop_token_ids")
     for name in ("logprobs", "prompt_logprobs"):
         if message.HasField(name) and getattr(message, name) < 0:
             raise InvalidParameter(name, "-1 (the whole vocabulary) is not supported: ask for k >= 0")
@@ -75,6 +75,7 @@ def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
         repetition_penalty=message.repetition_penalty or 1.0,
         max_tokens=message.max_tokens if message.HasField("max_tokens") else None,
         min_tokens=message.min_tokens,
+        stop=list(message.stop),
         stop_token_ids=list(message.stop_token_ids),
         include_stop_str_in_output=message.include_stop_str_in_output,
         ignore_eos=message.ignore_eos,
@@ -83,7 +84,7 @@ def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
         seed=message.seed if message.HasField("seed") else None,
         logit_bias=dict(message.logit_bias) or None,
         truncate_prompt_tokens=message.truncate_prompt_tokens if message.HasField("truncate_prompt_tokens") else None,
-        # Detokenization options: the client detokenizes; kept for parity with vLLM.
+        # How stop strings are matched: on text detokenized with these.
         skip_special_tokens=message.skip_special_tokens,
         spaces_between_special_tokens=message.spaces_between_special_tokens,
         structured_outputs=_constraint(message),
@@ -122,6 +123,7 @@ class Completion:
     index: int
     prompt: list[int]
     params: SamplingParams
+    stop_strings: StopStrings | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: pb.OutputLogProbs = field(default_factory=pb.OutputLogProbs)
     prompt_logprobs: pb.InputLogProbs | None = None
@@ -149,6 +151,8 @@ class Completion:
                                        index=self.index)
         if last.WhichOneof("stop_reason") == "stop_token_id":
             complete.matched_token_id = last.stop_token_id
+        elif last.WhichOneof("stop_reason") == "stop_string":
+            complete.matched_stop_str = last.stop_string
         if with_outputs:
             complete.output_ids.extend(self.token_ids)
             if self.params.logprobs is not None:

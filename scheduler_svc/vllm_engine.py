@@ -21,7 +21,7 @@ from scheduler_svc.output_hub import OutputHub
 from scheduler_svc.step_loop import StepLoop, Submission
 from scheduler_svc.vllm_convert import Completion, prompt_from_request, sampling_params_from_proto
 from scheduler_svc.vllm_kv_events import KvEventStream
-from scheduler_svc.vllm_tokenizer import NoTokenizerFiles, tokenizer_archive
+from scheduler_svc.vllm_text import EngineText
 from services.engine_client import EngineOverloaded, EngineUnavailable
 from services.parallel_sampling import num_children
 from services.tokenizer_archive import chunks
@@ -39,22 +39,22 @@ def _index(request_id: str, engine_id: str) -> int:
 
 
 class VllmEngineServicer(pb_grpc.VllmEngineServicer):
-    def __init__(self, loop: StepLoop, hub: OutputHub, kv_events: KvEventStream | None,
+    def __init__(self, loop: StepLoop, hub: OutputHub, kv_events: KvEventStream | None, text: EngineText,
                  worker_up: Callable[[], bool], model: str, served_model_name: str) -> None:
         self._loop = loop
+        self._text = text
         self._hub = hub
         self._kv_events = kv_events
         self._worker_up = worker_up
         self._model = model
         self._served_model_name = served_model_name
         self._started = time.time()
-        self._tokenizer_archive: bytes | None = None  # zipped on the first GetTokenizer: files do not change
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         if not request.request_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         try:
-            prompt = prompt_from_request(request)
+            prompt = prompt_from_request(request, self._text.encode)
             params = sampling_params_from_proto(request.sampling_params)
             self._loop.core.compile_grammar(params)  # on this thread: never on the step loop
         except ValueError as exc:  # InvalidParameter's message starts with the field
@@ -72,7 +72,8 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
         finished = False
         try:
             self._submit(Submission(request.request_id, prompt, params, None, gateway_id), context)
-            completions = [Completion(index, prompt, params) for index in range(num_children(params))]
+            completions = [Completion(index, prompt, params, self._text.stop_strings(prompt, params))
+                           for index in range(num_children(params))]
             live = len(completions)
             while live and (batch := subscription.next_batch()) is not None:
                 for delta in batch:
@@ -80,15 +81,18 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                         code = grpc.StatusCode.UNAVAILABLE if delta.lost else grpc.StatusCode.INTERNAL
                         context.abort(code, delta.error)
                     completion = completions[_index(request.request_id, delta.request_id)]
+                    if completion.last is not None:  # in flight when a stop string ended it
+                        continue
+                    if completion.stop_strings is not None and completion.stop_strings.check(delta):
+                        self._loop.abort(delta.request_id)
                     chunk = completion.add(delta)
                     if request.stream and (delta.new_token_ids or delta.HasField("prompt_logprobs")):
                         yield pb.GenerateResponse(chunk=chunk)
                     if delta.finish_reason:
                         live -= 1
+                        completion.last = delta
                         if request.stream:
                             yield pb.GenerateResponse(complete=completion.complete(delta, with_outputs=False))
-                        else:
-                            completion.last = delta
             finished = live == 0
             if finished and not request.stream:
                 for completion in completions:
@@ -167,12 +171,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
 
     def GetTokenizer(self, request: smg.GetTokenizerRequest, context: grpc.ServicerContext
                      ) -> Iterator[smg.GetTokenizerChunk]:
-        if self._tokenizer_archive is None:
-            try:
-                self._tokenizer_archive = tokenizer_archive(self._loop.core.config)
-            except NoTokenizerFiles as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        for data, sha256 in chunks(self._tokenizer_archive):
+        for data, sha256 in chunks(self._text.archive):
             yield smg.GetTokenizerChunk(data=data, sha256=sha256)
 
     def SubscribeKvEvents(self, request: smg.SubscribeKvEventsRequest, context: grpc.ServicerContext

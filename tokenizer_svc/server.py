@@ -2,10 +2,8 @@
 batches), detokenize, describe, and hand out the tokenizer's files (GetTokenizer)."""
 from __future__ import annotations
 
-import tempfile
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 
@@ -13,7 +11,7 @@ from services.packed_token_ids import pack_token_ids
 from services.pb.kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.sampling_params import InvalidParameter
 from services.tokenizer_api import EncodedPrompt
-from services.tokenizer_archive import chunks, pack
+from services.tokenizer_archive import chunks
 from services.transport.convert import chat_from_proto
 from services.transport.server import RoleServer
 from tokenizer_svc.in_process import encode_chat
@@ -37,9 +35,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         # A fast tokenizer resets its truncation state on every call, and concurrent
         # calls then fail with "Already borrowed": one call at a time.
         self._lock = threading.Lock()
-        with tempfile.TemporaryDirectory() as directory:
-            tokenizer.save_pretrained(Path(directory))
-            self._archive = pack(Path(directory))
+        self._archive = tokenizer.archive()
 
     def Tokenize(
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.ServicerContext

@@ -28,6 +28,7 @@ from services.file_cache import derived_path
 from services.generation_config import sampling_defaults
 from services.model_source import ModelFormat, ModelSource, resolve_model, resolve_tokenizer
 from services.prompt import bad_word_spellings, bad_words_token_ids
+from services.tokenizer_archive import pack
 from tokenizer_svc.encode_process import HUGE_TEXT_CHARS, EncodeProcess
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,13 @@ class Tokenizer:
         self._hf.save_pretrained(directory)
         if self.sampling_defaults:
             (directory / SAMPLING_DEFAULTS_FILE).write_text(json.dumps(self.sampling_defaults))
+
+    def archive(self) -> bytes:
+        """Its files zipped (services/tokenizer_archive.py), as GetTokenizer ships them: a
+        GGUF's tokenizer too, which lives inside the weights file."""
+        with tempfile.TemporaryDirectory(prefix="kvfleet-tokenizer-") as directory:
+            self.save_pretrained(Path(directory))
+            return pack(Path(directory))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The Rust tokenizer itself, in its batch form: it lets go of the GIL while it

@@ -1,8 +1,8 @@
 """vLLM's gRPC engine protocol (vllm.grpc.engine.VllmEngine) on the scheduler role, over
 real gRPC on 127.0.0.1 with the real smollm2 in float32, driven by a client made of
 nothing but grpc and smg-grpc-proto's generated stubs: greedy tokens equal kvfleet's
-offline LLM, n, logprobs, abort, a vanishing client, loads, KV events (resumable),
-and reflection."""
+offline LLM, text prompts and stop strings, n, logprobs, abort, a vanishing client,
+loads, KV events (resumable), the tokenizer's files, and reflection."""
 from __future__ import annotations
 
 import threading
@@ -26,6 +26,7 @@ from scheduler_svc.step_loop import StepLoop
 from scheduler_svc.vllm_convert import sampling_params_from_proto
 from scheduler_svc.vllm_engine import SERVICE_NAME, VllmEngineServicer, start_vllm_engine_server
 from scheduler_svc.vllm_kv_events import KvEventStream, block_hash_int64
+from scheduler_svc.vllm_text import EngineText
 from scheduler_svc.worker_client import RemoteWorker
 from services.block_hash import extend_block_hashes
 from services.config import EngineConfig
@@ -48,8 +49,13 @@ BLOCK_SIZE = 16
 
 
 @pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    ids = Tokenizer.load(resolve_model("smollm2")).encode(TEXT)
+def tokenizer() -> Tokenizer:
+    return Tokenizer.load(resolve_model("smollm2"))
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer: Tokenizer) -> list[list[int]]:
+    ids = tokenizer.encode(TEXT)
     # The last two: a prompt no other test runs (its block is stored fresh), and one long
     # enough to evict it.
     return [ids[0:5], ids[40:60], ids[100:133], ids[300:320], ids[340:450]]
@@ -78,8 +84,8 @@ class Replica:
         self.kv_events = hub.kv_events = KvEventStream(None)
         self.loop = StepLoop(EngineCore(EngineConfig(**ENGINE), self.remote), hub)
         self.scheduler_server = start_scheduler_server(self.loop, hub, "127.0.0.1:0")
-        servicer = VllmEngineServicer(self.loop, hub, self.kv_events, grpc_serving(self.worker_server.address),
-                                      "smollm2", "smollm2")
+        servicer = VllmEngineServicer(self.loop, hub, self.kv_events, EngineText.for_engine(EngineConfig(**ENGINE)),
+                                      grpc_serving(self.worker_server.address), "smollm2", "smollm2")
         self.server = start_vllm_engine_server(servicer, "127.0.0.1:0")
         self.channel = grpc.insecure_channel(self.server.address)
         self.stub = pb_grpc.VllmEngineStub(self.channel)
@@ -149,8 +155,10 @@ def test_n_logprobs_and_prompt_logprobs(replica, prompts, reference) -> None:
 
 
 @pytest.mark.parametrize(("request_", "field"), [
-    (pb.GenerateRequest(request_id="t", text="hello"), "text"),
-    (generate("s", [1, 2, 3], stop=["."]), "stop"),
+    (pb.GenerateRequest(request_id="t"), "input"),
+    (pb.GenerateRequest(request_id="t", text=""), "text"),
+    (pb.GenerateRequest(request_id="t", tokenized=pb.TokenizedInput(input_ids=[])), "tokenized"),
+    (generate("s", [1, 2, 3], stop=["x" * 1025]), "stop"),
     (generate("t", [1, 2, 3], temperature=-1.0), "temperature"),
     (generate("l", [1, 2, 3], logprobs=-1), "logprobs"),
     # The bounds every front door shares (SamplingParams'):
@@ -238,33 +246,78 @@ def test_kv_events_show_stores_and_evictions_and_resume_without_a_gap(replica, p
     assert live.sequence_number == numbers[-1] + 1
 
 
-def test_get_tokenizer_streams_the_tokenizer_files(replica, tmp_path) -> None:
-    # A GGUF keeps its tokenizer inside the weights: the tokenizer role serves those as files.
-    with pytest.raises(grpc.RpcError) as error:
-        list(replica.stub.GetTokenizer(smg.GetTokenizerRequest()))
-    assert error.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "GGUF" in error.value.details()
+def _received_tokenizer(stub: pb_grpc.VllmEngineStub, directory) -> set[str]:
+    received = list(stub.GetTokenizer(smg.GetTokenizerRequest()))
+    assert received[-1].sha256 and not any(chunk.sha256 for chunk in received[:-1])
+    directory.mkdir()
+    unpack(((chunk.data, chunk.sha256) for chunk in received), directory)
+    return {path.name for path in directory.iterdir()}
 
-    # A HF tokenizer directory: its files, and nothing else, zipped with a checksum on the last chunk.
+
+def test_get_tokenizer_streams_the_tokenizer_files(replica, tokenizer, tmp_path) -> None:
+    # A GGUF keeps its tokenizer inside the weights: it is sent as HF files, chat template included.
+    sent = _received_tokenizer(replica.stub, tmp_path / "from-gguf")
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= sent
+    received = Tokenizer.from_files(tmp_path / "from-gguf", "smollm2")
+    assert received.encode(TEXT[:2000]) == tokenizer.encode(TEXT[:2000])
+    chat = [{"role": "user", "content": "Hi"}]
+    assert received.apply_chat_template(chat) == tokenizer.apply_chat_template(chat)
+
+    # --tokenizer names a HF directory: its tokenizer is sent, never the weights beside it.
     source = tmp_path / "tokenizer"
     source.mkdir()
-    Tokenizer.load(resolve_model("smollm2")).save_pretrained(source)
+    tokenizer.save_pretrained(source)
     (source / "model.safetensors").write_bytes(b"weights")
     config = EngineConfig(**ENGINE, tokenizer=str(source))
-    loop = SimpleNamespace(core=SimpleNamespace(config=config))  # GetTokenizer reads the engine config only
+    loop = SimpleNamespace(core=SimpleNamespace(config=config))  # GetTokenizer reads no engine state
     server = start_vllm_engine_server(
-        VllmEngineServicer(loop, OutputHub(), None, lambda: True, "smollm2", "smollm2"), "127.0.0.1:0")
+        VllmEngineServicer(loop, OutputHub(), None, EngineText.for_engine(config), lambda: True, "smollm2",
+                           "smollm2"), "127.0.0.1:0")
     try:
         with grpc.insecure_channel(server.address) as channel:
-            received = list(pb_grpc.VllmEngineStub(channel).GetTokenizer(smg.GetTokenizerRequest()))
+            sent = _received_tokenizer(pb_grpc.VllmEngineStub(channel), tmp_path / "unpacked")
     finally:
         server.stop(0)
-    assert received[-1].sha256 and not any(chunk.sha256 for chunk in received[:-1])
-    unpacked = tmp_path / "unpacked"
-    unpacked.mkdir()
-    unpack(((chunk.data, chunk.sha256) for chunk in received), unpacked)
-    sent = {path.name for path in unpacked.iterdir()}
     assert "tokenizer.json" in sent and "model.safetensors" not in sent
-    assert all((unpacked / name).read_bytes() == (source / name).read_bytes() for name in sent)
+    assert Tokenizer.from_files(tmp_path / "unpacked", "x").encode(TEXT[:2000]) == tokenizer.encode(TEXT[:2000])
+
+
+def test_a_text_prompt_is_tokenized_as_a_completion_prompt(replica, tokenizer, prompts) -> None:
+    text = tokenizer.decode(prompts[1])
+    request = generate("text", [])
+    request.text = text  # the input oneof: text instead of tokenized
+    [by_text] = replica.stub.Generate(request)
+    [by_ids] = replica.stub.Generate(generate("ids", tokenizer.encode(text)))
+    assert list(by_text.complete.output_ids) == list(by_ids.complete.output_ids)
+    assert by_text.complete.prompt_tokens == len(tokenizer.encode(text))
+    replica.wait_idle()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_output_and_frees_the_request(replica, tokenizer, prompts, stream) -> None:
+    """The stop string is chosen from what greedy decoding says after a few tokens; the
+    output ends at the token that completes it, and the engine stops running it."""
+    [full] = replica.stub.Generate(generate("full", prompts[3], max_tokens=24))
+    full_ids = list(full.complete.output_ids)
+    text = tokenizer.decode(full_ids)
+    stop = text[len(tokenizer.decode(full_ids[:6])):][:3]
+    assert stop.strip(), text
+    ends = next(i for i in range(1, len(full_ids) + 1) if stop in tokenizer.decode(full_ids[:i]))
+    responses = list(replica.stub.Generate(generate(f"stop-{stream}", prompts[3], stream=stream, max_tokens=24,
+                                                    n=2, stop=["never said", stop])))
+    completes = sorted((r.complete for r in responses if r.HasField("complete")), key=lambda c: c.index)
+    assert len(completes) == 2
+    for complete in completes:
+        assert (complete.finish_reason, complete.matched_stop_str) == ("stop", stop)
+        assert complete.completion_tokens == ends
+        if not stream:
+            assert list(complete.output_ids) == full_ids[:ends]
+    if stream:
+        for index in (0, 1):
+            streamed = [t for r in responses if r.HasField("chunk") and r.chunk.index == index
+                        for t in r.chunk.token_ids]
+            assert streamed == full_ids[:ends]
+    replica.wait_idle()  # aborted at the stop string, not run to max_tokens
 
 
 def test_scheduler_role_serves_the_engine_protocol_on_its_engine_port(prompts, reference) -> None:

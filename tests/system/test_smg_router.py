@@ -2,10 +2,10 @@
 serves the OpenAI API itself) in front of a kvfleet replica: worker and scheduler role
 processes, the scheduler serving vLLM's gRPC engine protocol on --engine-port, smg
 pointed at it with `--worker-urls grpc://...`. smg takes the tokenizer from the replica
-(GetTokenizer: the scheduler's --tokenizer names a directory of HF files, the GGUF's
-own tokenizer saved out). Driven by the official openai client: greedy chat and
-completion equal kvfleet's offline LLM, streaming, a cancelled stream aborted on the
-replica, health and the model list, and smg holding its KV event subscription."""
+(GetTokenizer: the GGUF's own tokenizer, sent as HF files). Driven by the official
+openai client: greedy chat and completion equal kvfleet's offline LLM, stop strings,
+streaming, a cancelled stream aborted on the replica, health and the model list, and
+smg holding its KV event subscription."""
 from __future__ import annotations
 
 import os
@@ -25,9 +25,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from kvfleet import LLM
 from kvfleet.processes import free_port, stop
-from services.model_source import resolve_model
 from services.sampling_params import SamplingParams
-from tokenizer_svc.tokenizer import Tokenizer
 
 from servers import RoleProcess
 
@@ -38,6 +36,7 @@ FLAGS = ["--dtype", "float32", "--num-gpu-blocks-override", "64", "--max-model-l
 NEW_TOKENS = 12
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The three primary colors are"
+STOP = " color"  # what greedy decoding of PROMPT says within NEW_TOKENS
 # smg gives up on a KV event subscription that has answered nothing (not even headers) by then.
 KV_SUBSCRIBE_TIMEOUT_S = 2.0
 # Far more tokens than a cancelled stream lets the replica make before it is idle again.
@@ -60,16 +59,19 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def reference() -> tuple[str, str]:
-    """kvfleet's own offline path: the chat (its template, as smg renders it) and the completion."""
+def reference() -> tuple[str, str, str]:
+    """kvfleet's own offline path: the chat (its template, as smg renders it), the
+    completion, and the completion cut at STOP."""
     llm = LLM(MODEL, **ENGINE)
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     try:
         [chat] = llm.chat(CHAT, greedy, use_tqdm=False)
-        [completion] = llm.generate([PROMPT], greedy, use_tqdm=False)
+        [completion, stopped] = llm.generate([PROMPT, PROMPT], [greedy, SamplingParams(
+            temperature=0.0, max_tokens=NEW_TOKENS, stop=[STOP])], use_tqdm=False)
     finally:
         llm.engine.worker.close()
-    return chat.outputs[0].text, completion.outputs[0].text
+    assert stopped.outputs[0].finish_reason == "stop", "STOP must be something the model says"
+    return chat.outputs[0].text, completion.outputs[0].text, stopped.outputs[0].text
 
 
 def _wait_ready(base_url: str, router: subprocess.Popen, log: Path) -> None:
@@ -89,13 +91,10 @@ def _wait_ready(base_url: str, router: subprocess.Popen, log: Path) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tokenizer = tmp_path_factory.mktemp("tokenizer")
-    Tokenizer.load(resolve_model(MODEL)).save_pretrained(tokenizer)
-    assert (tokenizer / "chat_template.jinja").is_file()  # smg renders chats with it
     worker_port, engine_port, http_port, metrics_port = (free_port() for _ in range(4))
     worker = RoleProcess("worker", *FLAGS, "--port", str(worker_port))
     scheduler = RoleProcess("scheduler", *FLAGS, "--port", "0", "--worker-address", f"127.0.0.1:{worker_port}",
-                            "--engine-port", str(engine_port), "--tokenizer", str(tokenizer))
+                            "--engine-port", str(engine_port))
     log = tmp_path_factory.mktemp("smg") / "smg.log"
     router = None
     channel = grpc.insecure_channel(f"127.0.0.1:{engine_port}")
@@ -134,8 +133,8 @@ def test_health_and_the_model_list(stack: Stack) -> None:
     assert [model.id for model in stack.client.models.list()] == [MODEL]
 
 
-def test_greedy_chat_and_completion_equal_the_offline_llm(stack: Stack, reference: tuple[str, str]) -> None:
-    chat_text, completion_text = reference
+def test_greedy_chat_and_completion_equal_the_offline_llm(stack: Stack, reference: tuple[str, str, str]) -> None:
+    chat_text, completion_text, _ = reference
     chat = stack.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=NEW_TOKENS)
     assert chat.choices[0].message.content == chat_text
     completion = stack.client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=NEW_TOKENS)
@@ -143,7 +142,14 @@ def test_greedy_chat_and_completion_equal_the_offline_llm(stack: Stack, referenc
     assert completion.usage.completion_tokens == NEW_TOKENS
 
 
-def test_streamed_chat_equals_the_offline_llm(stack: Stack, reference: tuple[str, str]) -> None:
+def test_a_stop_string_cuts_the_completion_as_the_offline_llm_does(stack: Stack, reference) -> None:
+    completion = stack.client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=NEW_TOKENS,
+                                                 stop=[STOP])
+    assert (completion.choices[0].text, completion.choices[0].finish_reason) == (reference[2], "stop")
+    _wait_idle(stack, timeout_s=5.0)
+
+
+def test_streamed_chat_equals_the_offline_llm(stack: Stack, reference: tuple[str, str, str]) -> None:
     stream = stack.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=NEW_TOKENS,
                                                   stream=True)
     chunks = list(stream)

@@ -12,7 +12,8 @@ routers that place requests where their prefix is cached (KV events).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 
 class NoFreeBlocks(RuntimeError):
@@ -20,13 +21,25 @@ class NoFreeBlocks(RuntimeError):
 
 
 @dataclass(frozen=True)
+class StoredBlock:
+    """What a stored hash stands for (services/block_hash.py): the hash of the block
+    before it (None for a request's first block), its tokens and the request's salt."""
+
+    parent: bytes | None
+    token_ids: list[int]
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
 class KvEvents:
     """The index's net change over some steps: clear first if `cleared`, then drop
-    `removed`, then add `stored`."""
+    `removed`, then add `stored`, in the order they were stored (a parent before its
+    child). `blocks` describes the stored hashes the pool was told about."""
 
     cleared: bool
     removed: list[bytes]
     stored: list[bytes]
+    blocks: Mapping[bytes, StoredBlock] = field(default_factory=dict)
 
 
 class KvEventLog:
@@ -34,22 +47,28 @@ class KvEventLog:
     step is one removal, which a router applies as a no-op."""
 
     def __init__(self) -> None:
-        self._changes: dict[bytes, bool] = {}  # hash -> indexed now
+        self._changes: dict[bytes, bool] = {}  # hash -> indexed now, in the order of last changes
+        self._blocks: dict[bytes, StoredBlock] = {}
         self._cleared = False
 
-    def changed(self, block_hash: bytes, indexed: bool) -> None:
+    def changed(self, block_hash: bytes, indexed: bool, stored: StoredBlock | None = None) -> None:
+        self._changes.pop(block_hash, None)
         self._changes[block_hash] = indexed
+        if stored is not None:
+            self._blocks[block_hash] = stored
 
     def clear(self) -> None:
         self._changes.clear()
+        self._blocks.clear()
         self._cleared = True
 
     def take(self) -> KvEvents | None:
         if not self._changes and not self._cleared:
             return None
-        events = KvEvents(self._cleared, [h for h, indexed in self._changes.items() if not indexed],
-                          [h for h, indexed in self._changes.items() if indexed])
-        self._changes, self._cleared = {}, False
+        stored = [h for h, indexed in self._changes.items() if indexed]
+        blocks = {h: self._blocks[h] for h in stored if h in self._blocks}
+        events = KvEvents(self._cleared, [h for h, indexed in self._changes.items() if not indexed], stored, blocks)
+        self._changes, self._blocks, self._cleared = {}, {}, False
         return events
 
 
@@ -121,13 +140,14 @@ class BlockPool:
         """How many of these blocks sit in the free queue (sharing them uses up free space)."""
         return sum(1 for block in block_ids if self._ref_counts[block] == 0)
 
-    def cache(self, block: int, block_hash: bytes) -> None:
-        """Index a block that now holds the full block of tokens `block_hash` stands for."""
+    def cache(self, block: int, block_hash: bytes, stored: StoredBlock | None = None) -> None:
+        """Index a block that now holds the full block of tokens `block_hash` stands for
+        (`stored` says which, for the KV events)."""
         if block_hash not in self._cached and self._block_hash[block] is None:
             self._cached[block_hash] = block
             self._block_hash[block] = block_hash
             if self.events is not None:
-                self.events.changed(block_hash, True)
+                self.events.changed(block_hash, True, stored)
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):

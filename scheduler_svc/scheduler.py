@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.block_pool import BlockPool, StoredBlock
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.histogram_counts import BucketCounter
@@ -449,8 +449,12 @@ class Scheduler:
         if num_full <= request.num_cached_blocks:
             return
         self._hash_full_blocks(request)
+        size, hashes = self.config.block_size, request.block_hashes
+        tokens = request.all_token_ids if self.block_pool.events is not None else None  # for KV events only
         for index in range(request.num_cached_blocks, num_full):
-            self.block_pool.cache(request.block_ids[index], request.block_hashes[index])
+            stored = None if tokens is None else StoredBlock(
+                hashes[index - 1] if index else None, tokens[index * size:(index + 1) * size], request.cache_salt)
+            self.block_pool.cache(request.block_ids[index], hashes[index], stored)
         request.num_cached_blocks = num_full
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:

@@ -37,11 +37,34 @@ def to_batch(seq: int, events: KvEvents) -> smg.KvEventBatch:
     if events.removed:
         batch.events.add(event_id=seq, removed=smg.KvBlocksRemoved(
             block_hashes=[block_hash_int64(h) for h in events.removed], tier=smg.KV_CACHE_TIER_DEVICE))
-    if events.stored:
-        batch.events.add(event_id=seq, stored=smg.KvBlocksStored(
-            blocks=[smg.KvBlock(block_hash=block_hash_int64(h)) for h in events.stored],
-            tier=smg.KV_CACHE_TIER_DEVICE))
+    for stored in stored_chains(events):
+        batch.events.add(event_id=seq, stored=stored)
     return batch
+
+
+def stored_chains(events: KvEvents) -> list[smg.KvBlocksStored]:
+    """The stored blocks as vLLM publishes them: one event per chain, each block the
+    child of the one before it and the first the child of `parent_block_hash` (unset for
+    a request's first block), with its tokens and the request's cache salt (no LoRA in
+    kvfleet). Hashes the pool was told nothing about go together, hash only."""
+    chains: list[smg.KvBlocksStored] = []
+    last, last_known = b"", False  # the hash before, and whether what it held is known
+    for block_hash in events.stored:
+        block = events.blocks.get(block_hash)
+        follows = bool(chains) and (last_known and block.parent == last if block is not None else not last_known)
+        if not follows:
+            chains.append(smg.KvBlocksStored(tier=smg.KV_CACHE_TIER_DEVICE))
+            if block is not None and block.parent is not None:
+                chains[-1].parent_block_hash = block_hash_int64(block.parent)
+            if block is not None and block.cache_salt is not None:
+                chains[-1].cache_salt = block.cache_salt
+        if block is None:
+            chains[-1].blocks.add(block_hash=block_hash_int64(block_hash))
+        else:
+            chains[-1].blocks.add(block_hash=block_hash_int64(block_hash), token_ids=block.token_ids,
+                                  block_size=len(block.token_ids))
+        last, last_known = block_hash, block is not None
+    return chains
 
 
 class KvEventStream:

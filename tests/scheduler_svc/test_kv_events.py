@@ -6,11 +6,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Coroutine
 
+from smg_grpc_proto.generated import common_pb2 as smg
+
 from scheduler_svc.block_pool import BlockPool, KvEventLog, KvEvents
 from scheduler_svc.kv_event_publisher import KvEventPublisher
 from scheduler_svc.output_hub import OutputHub
-from scheduler_svc.vllm_kv_events import KvEventStream
+from scheduler_svc.request import Request
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.vllm_kv_events import KvEventStream, block_hash_int64, to_batch
+from services.block_hash import extend_block_hashes, extra_keys_bytes
+from services.messages import StepResult
 from services.pb.kvfleet.v1 import scheduler_pb2
+from services.sampling_params import SamplingParams
 
 
 def apply(index: set[bytes], events: KvEvents) -> None:
@@ -109,3 +116,41 @@ def test_the_engine_stream_alone_keeps_its_own_mirror() -> None:
     assert snapshot.seq == 3 and set(snapshot.block_hashes) == {b"E"}
     assert stream.subscribe(1) is None  # batch 1 is no longer held
     assert stream.subscribe(2) is not None
+
+
+def test_stored_blocks_carry_their_tokens_and_parent_on_the_engine_protocol() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                                          block_size=4, num_blocks=16, vocab_size=1000))
+    log = scheduler.block_pool.events = KvEventLog()
+    sampled = 7
+
+    def step() -> list[smg.KvBlocksStored]:
+        plan = scheduler.schedule()
+        scheduler.update(plan, StepResult(plan.step_id, {rid: [sampled] for rid in plan.num_scheduled_tokens}))
+        events = log.take()
+        return [] if events is None else [e.stored for e in to_batch(1, events).events if e.HasField("stored")]
+
+    def add(request_id: str, prompt: list[int]) -> list[bytes]:
+        scheduler.add_request(Request(request_id, prompt, SamplingParams(max_tokens=4), (2,), cache_salt="t"))
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, prompt + [sampled] * 4, 4, extra_keys_bytes(cache_salt="t"))
+        return [block_hash_int64(h) for h in hashes]
+
+    prompt = list(range(10, 20))  # two full blocks and two tokens
+    hashes = add("a", prompt)
+    [stored] = step()  # the prompt's full blocks, one chain from the root
+    assert not stored.HasField("parent_block_hash") and stored.cache_salt == "t"
+    assert [(b.block_hash, list(b.token_ids), b.block_size) for b in stored.blocks] == [
+        (hashes[0], prompt[0:4], 4), (hashes[1], prompt[4:8], 4)]
+    assert step() == []  # 11 tokens computed: no new full block
+    [stored] = step()  # the third block fills with two sampled tokens: the child of the second
+    assert stored.parent_block_hash == hashes[1]
+    assert [(b.block_hash, list(b.token_ids)) for b in stored.blocks] == [(hashes[2], prompt[8:10] + [sampled] * 2)]
+
+    # Another prompt with the first block in common: its own blocks chain on from that one.
+    other = prompt[:4] + list(range(50, 58))
+    other_hashes = add("b", other)
+    [stored] = step()
+    assert stored.parent_block_hash == hashes[0]
+    assert [(b.block_hash, list(b.token_ids)) for b in stored.blocks] == [
+        (other_hashes[1], other[4:8]), (other_hashes[2], other[8:12])]

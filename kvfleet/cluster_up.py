@@ -60,6 +60,9 @@ def add_cluster_up_args(parser: argparse.ArgumentParser) -> None:
     add_http_args(parser)
     add_chat_template_arg(parser)
     add_lease_ttl_arg(parser)
+    parser.add_argument("--engine-port", type=int, default=None,
+                        help="the scheduler also serves vLLM's gRPC engine protocol (vllm.grpc.engine.VllmEngine, "
+                        "for routers such as smg) on this port, at --host (default: not served)")
 
 
 def run_cluster_up(args: argparse.Namespace) -> int:
@@ -76,6 +79,8 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     check_model(config)
     check_device(config)
     bind(args.host, args.port).close()
+    if args.engine_port is not None:
+        bind(args.host, args.engine_port).close()
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stopping.set())
@@ -105,6 +110,9 @@ def run_cluster_up(args: argparse.Namespace) -> int:
                    "--shutdown-timeout", str(args.shutdown_timeout)]
         nats = ["--nats-url", f"nats://{local}:{ports['nats']}"]
         engine = engine_argv(args)
+        engine_door = [] if args.engine_port is None else [
+            "--engine-host", args.host, "--engine-port", str(args.engine_port),
+            *(["--served-model-name", *args.served_model_name] if args.served_model_name else [])]
         worker = f"{local}:{ports['worker']}"
         template = ["--chat-template", args.chat_template] if args.chat_template else []
         commands = [
@@ -112,7 +120,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
              str(ports["tokenizer"]), *cluster],
             ["worker", *engine, "--host", local, "--port", str(ports["worker"]), *cluster],
             ["scheduler", *engine, "--host", local, "--port", str(ports["scheduler"]), "--worker-address", worker,
-             *nats, *cluster],
+             *nats, *cluster, *engine_door],
             ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port), *nats, *cluster,
              *gateway_argv(args)],
         ]
@@ -134,6 +142,8 @@ def run_cluster_up(args: argparse.Namespace) -> int:
                            ("scheduler", ports["scheduler"])):
             logger.info("%s: gRPC on %s:%d", name, local, port)
         logger.info("gateway: http://%s:%d (OpenAI API at /v1)", args.host, args.port)
+        if args.engine_port is not None:
+            logger.info("scheduler: vLLM's gRPC engine protocol on %s:%d", args.host, args.engine_port)
         exit_code = _supervise(args, infra + roles, stopping)
     finally:
         for part in reversed(roles):  # the gateway first: it drains while the rest still serves

@@ -63,7 +63,13 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     add_registry_args(parser, required=False)
     parser.add_argument("--engine-port", type=int, default=None,
                         help="also serve vLLM's gRPC engine protocol (vllm.grpc.engine.VllmEngine, for routers built "
-                        "for vLLM's gRPC server) on this port, at --host; 0 picks a free one (default: not served)")
+                        "for vLLM's gRPC server) on this port; 0 picks a free one (default: not served)")
+    parser.add_argument("--engine-host", default=None,
+                        help="the address --engine-port binds, a public one where routers on other hosts call it "
+                        "while the scheduler's own port stays internal (default: --host)")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="the model name the engine protocol reports (GetModelInfo), the first of these "
+                        "(default: the --model value)")
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
@@ -102,8 +108,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
         server = start_scheduler_server(loop, hub, f"{args.host}:{args.port}")
         if args.engine_port is not None:
             servicer = VllmEngineServicer(loop, hub, kv_events, EngineText.for_engine(config),
-                                          grpc_serving(args.worker_address), args.model, args.model)
-            engine_server = start_vllm_engine_server(servicer, f"{args.host}:{args.engine_port}")
+                                          grpc_serving(args.worker_address), args.model,
+                                          (args.served_model_name or [args.model])[0])
+            engine_server = start_vllm_engine_server(servicer, f"{args.engine_host or args.host}:{args.engine_port}")
         _follow_worker(args.worker_address, server, loop)
         with registered(args, lambda: _scheduler_lease(args, server.port, loop, hub)):
             serve_until_signalled(server, args.shutdown_timeout)

@@ -1,11 +1,12 @@
 """The real Shepherd Model Gateway (PyPI smg: a Rust router that tokenizes, routes and
-serves the OpenAI API itself) in front of a kvfleet replica: worker and scheduler role
-processes, the scheduler serving vLLM's gRPC engine protocol on --engine-port, smg
+serves the OpenAI API itself) in front of a kvfleet replica: `kvfleet cluster up
+--engine-port`, whose scheduler serves vLLM's gRPC engine protocol there, and smg
 pointed at it with `--worker-urls grpc://...`. smg takes the tokenizer from the replica
 (GetTokenizer: the GGUF's own tokenizer, sent as HF files). Driven by the official
-openai client: greedy chat and completion equal kvfleet's offline LLM, stop strings,
-streaming, a cancelled stream aborted on the replica, health and the model list, and
-smg holding its KV event subscription."""
+openai client, the same requests to smg and to kvfleet's own gateway on the same
+replica: greedy chat and completion equal, stop strings, streaming; a cancelled stream
+aborted on the replica, health and the model list, and smg holding its KV event
+subscription."""
 from __future__ import annotations
 
 import os
@@ -20,19 +21,12 @@ import grpc
 import httpx
 import openai
 import pytest
+from openai_servers import API_KEY, SERVED, running_server
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from kvfleet import LLM
 from kvfleet.processes import free_port, stop
-from services.sampling_params import SamplingParams
 
-from servers import RoleProcess
-
-MODEL = "smollm2"
-# 64 blocks of 16 tokens: room for the long stream the cancel test starts.
-ENGINE = dict(dtype="float32", num_gpu_blocks_override=64, max_model_len=1024)
-FLAGS = ["--dtype", "float32", "--num-gpu-blocks-override", "64", "--max-model-len", "1024"]
 NEW_TOKENS = 12
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The three primary colors are"
@@ -40,14 +34,15 @@ STOP = " color"  # what greedy decoding of PROMPT says within NEW_TOKENS
 # smg gives up on a KV event subscription that has answered nothing (not even headers) by then.
 KV_SUBSCRIBE_TIMEOUT_S = 2.0
 # Far more tokens than a cancelled stream lets the replica make before it is idle again.
-LONG_STREAM_TOKENS = 900
+LONG_STREAM_TOKENS = 400
 READY_TIMEOUT_S = 120.0
 SMG = Path(sys.executable).with_name("smg")
 
 
 @dataclass
 class Stack:
-    client: openai.OpenAI
+    client: openai.OpenAI  # smg's
+    gateway: openai.OpenAI  # kvfleet's own, on the same replica
     base_url: str
     engine: pb_grpc.VllmEngineStub
     log: Path
@@ -58,26 +53,10 @@ class Stack:
         return load.num_running_reqs + load.num_waiting_reqs
 
 
-@pytest.fixture(scope="module")
-def reference() -> tuple[str, str, str]:
-    """kvfleet's own offline path: the chat (its template, as smg renders it), the
-    completion, and the completion cut at STOP."""
-    llm = LLM(MODEL, **ENGINE)
-    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-    try:
-        [chat] = llm.chat(CHAT, greedy, use_tqdm=False)
-        [completion, stopped] = llm.generate([PROMPT, PROMPT], [greedy, SamplingParams(
-            temperature=0.0, max_tokens=NEW_TOKENS, stop=[STOP])], use_tqdm=False)
-    finally:
-        llm.engine.worker.close()
-    assert stopped.outputs[0].finish_reason == "stop", "STOP must be something the model says"
-    return chat.outputs[0].text, completion.outputs[0].text, stopped.outputs[0].text
-
-
 def _wait_ready(base_url: str, router: subprocess.Popen, log: Path) -> None:
     """Until smg answers a completion: it loads the replica's tokenizer after it starts listening."""
     deadline = time.monotonic() + READY_TIMEOUT_S
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+    body = {"model": SERVED, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
     while time.monotonic() < deadline:
         assert router.poll() is None, log.read_text(errors="replace")[-4000:]
         try:
@@ -91,34 +70,31 @@ def _wait_ready(base_url: str, router: subprocess.Popen, log: Path) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    worker_port, engine_port, http_port, metrics_port = (free_port() for _ in range(4))
-    worker = RoleProcess("worker", *FLAGS, "--port", str(worker_port))
-    scheduler = RoleProcess("scheduler", *FLAGS, "--port", "0", "--worker-address", f"127.0.0.1:{worker_port}",
-                            "--engine-port", str(engine_port))
+    engine_port, http_port, metrics_port = (free_port() for _ in range(3))
     log = tmp_path_factory.mktemp("smg") / "smg.log"
-    router = None
-    channel = grpc.insecure_channel(f"127.0.0.1:{engine_port}")
-    try:
-        engine = pb_grpc.VllmEngineStub(channel)
-        grpc.channel_ready_future(channel).result(timeout=READY_TIMEOUT_S)
-        assert engine.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy, scheduler.log_tail()
-        with log.open("w") as output:
-            # Its metrics port too: the default (29000) is one port for the whole machine.
-            router = subprocess.Popen(
-                [str(SMG), "launch", "--worker-urls", f"grpc://127.0.0.1:{engine_port}", "--host", "127.0.0.1",
-                 "--port", str(http_port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-                 "--shutdown-grace-period-secs", "1", "--log-level", "warn"],
-                env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=output, stderr=subprocess.STDOUT)
-        base_url = f"http://127.0.0.1:{http_port}"
-        _wait_ready(base_url, router, log)
-        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-        yield Stack(client, base_url, engine, log, time.monotonic())
-    finally:
-        if router is not None:
-            stop(router, grace_s=10)
-        channel.close()
-        scheduler.kill()
-        worker.kill()
+    with running_server("cluster", tmp_path_factory, "--engine-port", str(engine_port)) as cluster:
+        router = None
+        channel = grpc.insecure_channel(f"127.0.0.1:{engine_port}")
+        try:
+            engine = pb_grpc.VllmEngineStub(channel)
+            grpc.channel_ready_future(channel).result(timeout=READY_TIMEOUT_S)
+            assert engine.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy, cluster.log_tail()
+            with log.open("w") as output:
+                # Its metrics port too: the default (29000) is one port for the whole machine.
+                router = subprocess.Popen(
+                    [str(SMG), "launch", "--worker-urls", f"grpc://127.0.0.1:{engine_port}", "--host", "127.0.0.1",
+                     "--port", str(http_port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                     str(metrics_port), "--shutdown-grace-period-secs", "1", "--log-level", "warn"],
+                    env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=output, stderr=subprocess.STDOUT)
+            base_url = f"http://127.0.0.1:{http_port}"
+            _wait_ready(base_url, router, log)
+            client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+            gateway = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+            yield Stack(client, gateway, base_url, engine, log, time.monotonic())
+        finally:
+            if router is not None:
+                stop(router, grace_s=10)
+            channel.close()
 
 
 def _wait_idle(stack: Stack, timeout_s: float) -> None:
@@ -130,37 +106,45 @@ def _wait_idle(stack: Stack, timeout_s: float) -> None:
 
 def test_health_and_the_model_list(stack: Stack) -> None:
     assert httpx.get(f"{stack.base_url}/health", timeout=10).status_code == 200
-    assert [model.id for model in stack.client.models.list()] == [MODEL]
+    assert [model.id for model in stack.client.models.list()] == [SERVED]
 
 
-def test_greedy_chat_and_completion_equal_the_offline_llm(stack: Stack, reference: tuple[str, str, str]) -> None:
-    chat_text, completion_text, _ = reference
-    chat = stack.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=NEW_TOKENS)
-    assert chat.choices[0].message.content == chat_text
-    completion = stack.client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=NEW_TOKENS)
-    assert completion.choices[0].text == completion_text
-    assert completion.usage.completion_tokens == NEW_TOKENS
+def _completions(stack: Stack, **request) -> list:
+    """The same greedy completion from smg and from kvfleet's gateway."""
+    return [client.completions.create(model=SERVED, prompt=PROMPT, temperature=0, max_tokens=NEW_TOKENS, **request)
+            for client in (stack.client, stack.gateway)]
 
 
-def test_a_stop_string_cuts_the_completion_as_the_offline_llm_does(stack: Stack, reference) -> None:
-    completion = stack.client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=NEW_TOKENS,
-                                                 stop=[STOP])
-    assert (completion.choices[0].text, completion.choices[0].finish_reason) == (reference[2], "stop")
+def test_greedy_chat_and_completion_equal_kvfleets_gateway(stack: Stack) -> None:
+    smg, kvfleet = (client.chat.completions.create(model=SERVED, messages=CHAT, temperature=0, max_tokens=NEW_TOKENS)
+                    for client in (stack.client, stack.gateway))
+    assert smg.choices[0].message.content == kvfleet.choices[0].message.content
+    assert smg.choices[0].message.content
+    smg, kvfleet = _completions(stack)
+    assert smg.choices[0].text == kvfleet.choices[0].text
+    assert smg.usage.completion_tokens == kvfleet.usage.completion_tokens == NEW_TOKENS
+
+
+def test_a_stop_string_cuts_the_completion_as_kvfleets_gateway_does(stack: Stack) -> None:
+    smg, kvfleet = _completions(stack, stop=[STOP])
+    assert kvfleet.choices[0].finish_reason == "stop", "STOP must be something the model says"
+    assert (smg.choices[0].text, smg.choices[0].finish_reason) == (kvfleet.choices[0].text, "stop")
     _wait_idle(stack, timeout_s=5.0)
 
 
-def test_streamed_chat_equals_the_offline_llm(stack: Stack, reference: tuple[str, str, str]) -> None:
-    stream = stack.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=NEW_TOKENS,
-                                                  stream=True)
-    chunks = list(stream)
-    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
-    assert text == reference[0]
-    assert len([chunk for chunk in chunks if chunk.choices and chunk.choices[0].delta.content]) > 1
-    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] in ("stop", "length")
+def test_streamed_chat_equals_kvfleets_gateway(stack: Stack) -> None:
+    texts, counts = [], []
+    for client in (stack.client, stack.gateway):
+        chunks = list(client.chat.completions.create(model=SERVED, messages=CHAT, temperature=0,
+                                                     max_tokens=NEW_TOKENS, stream=True))
+        texts.append("".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices))
+        counts.append(len([chunk for chunk in chunks if chunk.choices and chunk.choices[0].delta.content]))
+        assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] in ("stop", "length")
+    assert texts[0] == texts[1] and counts[0] > 1
 
 
 def test_a_cancelled_stream_is_aborted_on_the_replica(stack: Stack) -> None:
-    stream = stack.client.completions.create(model=MODEL, prompt=PROMPT, temperature=0,
+    stream = stack.client.completions.create(model=SERVED, prompt=PROMPT, temperature=0,
                                              max_tokens=LONG_STREAM_TOKENS, stream=True,
                                              extra_body={"ignore_eos": True})
     received = 0
@@ -170,7 +154,7 @@ def test_a_cancelled_stream_is_aborted_on_the_replica(stack: Stack) -> None:
             break
     assert stack.running() == 1
     stream.close()
-    # Making the other ~900 tokens would take far longer than this.
+    # Making the other ~400 tokens would take far longer than this.
     _wait_idle(stack, timeout_s=5.0)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -56,9 +57,25 @@ logger = logging.getLogger(__name__)
 # Its health says SERVING while the scheduler takes requests and its worker link is up.
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
+# A gateway's name: one NATS subject token (no ".", "*", ">" or space), and nothing a
+# registry key would split on (":").
+GATEWAY_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _NO_STATS = EngineStats(0, 0, 0.0, 0, 0, 0, 0, HistogramCounts.zero(ITERATION_TOKENS), None)
 # Submit refusals after which another replica may take the request.
 _TRY_ANOTHER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def new_gateway_id(name: str | None = None) -> str:
+    """A gateway's id, new for each process, so that a restarted gateway is a new one to
+    the schedulers. With a name (--gateway-name), `<name>.<random>`: its token stream,
+    kvfleet.out.<name>.<random>, is then within a NATS permission given to that name
+    alone (kvfleet.out.<name>.>; the Helm chart gives each gateway such a user)."""
+    if name is None:
+        return new_member_id()
+    if not GATEWAY_NAME.fullmatch(name):
+        raise ValueError(f"gateway name {name!r}: letters, digits, '-' and '_' only (one NATS subject token), "
+                         "at most 64")
+    return f"{name}.{new_member_id()}"
 
 
 @dataclass(eq=False)
@@ -112,13 +129,14 @@ class ClusterEngineClient:
         redis_url: str,
         nats_url: str,
         gateway_id: str | None = None,
+        gateway_name: str | None = None,
         poll_interval_s: float = 0.5,
         submit_timeout_s: float = 60.0,
         lease_ttl_s: float = DEFAULT_TTL_S,
         routing_policy: str = "prefix",
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
     ) -> None:
-        self.gateway_id = gateway_id or new_member_id()
+        self.gateway_id = gateway_id or new_gateway_id(gateway_name)
         self._migration_limit = migration_limit
         self._routing_policy = routing_policy
         self._turn = 0  # requests routed, for round-robin

@@ -9,6 +9,8 @@ the files that role hands out.
 from __future__ import annotations
 
 import argparse
+import os
+import re
 
 from gateway.migration import DEFAULT_MIGRATION_LIMIT
 from gateway.routing import ROUTING_POLICIES
@@ -18,6 +20,14 @@ from services.role_process import advertised
 from services.telemetry import configure_logging
 
 DEFAULT_PORT = 8000
+GATEWAY_NAME_ENV = "KVFLEET_GATEWAY_NAME"
+
+
+def gateway_name(text: str) -> str:
+    """As gateway/cluster_client.py's GATEWAY_NAME (not imported here: the CLI stays light)."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: letters, digits, '-' and '_' only, at most 64")
+    return text
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +37,10 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     add_tls_args(parser)  # for its channels to the tokenizers and schedulers
     add_nats_arg(parser, required=True, help_text="where token deltas arrive, e.g. nats://127.0.0.1:4222")
     add_registry_args(parser, required=True)
+    parser.add_argument("--gateway-name", type=gateway_name, default=os.environ.get(GATEWAY_NAME_ENV) or None,
+                        help="this gateway's name: its token stream is then kvfleet.out.<name>.<random> (random per "
+                        "process), which a NATS permission on kvfleet.out.<name>.> lets this gateway alone read "
+                        f"(default: ${GATEWAY_NAME_ENV}; none: kvfleet.out.<random>)")
     parser.add_argument("--migration-limit", type=at_least(0), default=DEFAULT_MIGRATION_LIMIT,
                         help="how many times a request whose replica dies is resubmitted to another, its stream "
                         "going on where it was (0: never; the client gets the error) (default: %(default)s)")
@@ -48,8 +62,9 @@ def run_gateway(args: argparse.Namespace) -> int:
     configure_tls(args)  # before any server or channel opens
     listener = bind(args.host, args.port)
     registry = Registry(args.redis_url)
-    client = ClusterEngineClient(args.redis_url, args.nats_url, lease_ttl_s=args.lease_ttl,
-                                 routing_policy=args.routing_policy, migration_limit=args.migration_limit)
+    client = ClusterEngineClient(args.redis_url, args.nats_url, gateway_name=args.gateway_name,
+                                 lease_ttl_s=args.lease_ttl, routing_policy=args.routing_policy,
+                                 migration_limit=args.migration_limit)
     encoder = RemoteTokenizer(lambda: [member.address for member in registry.members("tokenizer")],
                               lease_ttl_s=args.lease_ttl)
     app = build_app(client, encoder, args.served_model_name or [args.model], args.api_key,

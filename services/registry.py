@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 KEY_PREFIX = "kvfleet:role"
 DEFAULT_TTL_S = 10.0
 REDIS_PASSWORD_ENV = "KVFLEET_REDIS_PASSWORD"
+# An ACL user's name (Redis 6+), logged in with the password above; without it, the
+# password alone logs in as Redis's default user (requirepass).
+REDIS_USERNAME_ENV = "KVFLEET_REDIS_USERNAME"
 
 
 def new_member_id() -> str:
@@ -50,9 +53,11 @@ class Registry:
     def __init__(self, url: str, timeout_s: float = 2.0) -> None:
         self.url = url
         # The password comes from the environment: in a --redis-url it would show on the command line.
-        password = {"password": os.environ[REDIS_PASSWORD_ENV]} if os.environ.get(REDIS_PASSWORD_ENV) else {}
+        credentials = {"password": os.environ[REDIS_PASSWORD_ENV]} if os.environ.get(REDIS_PASSWORD_ENV) else {}
+        if credentials and os.environ.get(REDIS_USERNAME_ENV):
+            credentials["username"] = os.environ[REDIS_USERNAME_ENV]
         self._redis = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True, **password
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True, **credentials
         )
 
     def put(self, member: Member, ttl_s: float) -> None:

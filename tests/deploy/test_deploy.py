@@ -49,6 +49,8 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 DEPLOY = ROOT / "deploy"
 KUBE_VERSION = "1.30"
 RELEASE, NAMESPACE = "kvfleet", "llm"
+# Each gateway is a Deployment of one pod with a NATS user of its own: the first one.
+GATEWAY_0 = f"{RELEASE}-gateway-0"
 
 # The kvfleet commands the deploy files run; `serve` is the images' default command.
 ROLES = ("gateway", "tokenizer", "scheduler", "worker", "serve")
@@ -241,8 +243,8 @@ def test_default_values_run_on_cpu_with_bundled_nats_and_redis():
     rendered = render("default")
     assert "nvidia.com/gpu" not in json.dumps(rendered.manifests)
     assert {d["metadata"]["name"] for d in rendered.find("Deployment")} == {
-        f"{RELEASE}-{c}" for c in ("gateway", "tokenizer", "replica", "nats", "redis")}
-    gateway = rendered.one("Deployment", f"{RELEASE}-gateway")["spec"]["template"]["spec"]["containers"][0]
+        f"{RELEASE}-{c}" for c in ("gateway-0", "tokenizer", "replica", "nats", "redis")}
+    gateway = rendered.one("Deployment", GATEWAY_0)["spec"]["template"]["spec"]["containers"][0]
     assert f"--nats-url=nats://{RELEASE}-nats:4222" in gateway["args"]
     assert f"--redis-url=redis://{RELEASE}-redis:6379/0" in gateway["args"]
     # Secrets reach processes through the environment only: arguments show in /proc/<pid>/cmdline.
@@ -273,7 +275,7 @@ def test_gpu_example_requests_a_gpu_on_gpu_nodes():
     engine = rendered.one("ConfigMap", f"{RELEASE}-engine")["data"]
     assert engine["KVFLEET_MODEL"] == "/models/Meta-Llama-3-8B-Instruct"
     # The gateway needs no model files: it tokenizes through the tokenizer pods.
-    gateway = rendered.one("Deployment", f"{RELEASE}-gateway")["spec"]["template"]["spec"]
+    gateway = rendered.one("Deployment", GATEWAY_0)["spec"]["template"]["spec"]
     assert not [a for a in gateway["containers"][0]["args"] if a.startswith("--model")]
     assert "volumes" not in gateway and "volumeMounts" not in gateway["containers"][0]
     assert engine["KVFLEET_DEVICE"] == "cuda"
@@ -302,10 +304,10 @@ def test_external_nats_redis_and_api_key_secret():
     replica = rendered.one("Deployment", f"{RELEASE}-replica")["spec"]["template"]["spec"]["containers"]
     assert all({"name": "KVFLEET_CLUSTER_TOKEN", "valueFrom": {"secretKeyRef": {
         "name": "team-llm-cluster-token", "key": "cluster-token"}}} in container["env"] for container in replica)
-    gateway = rendered.one("Deployment", f"{RELEASE}-gateway")["spec"]["template"]["spec"]["containers"][0]
+    gateway = rendered.one("Deployment", GATEWAY_0)["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": "team-llm-api-key", "key": "api-key"}}} \
         in gateway["env"]
-    for deployment, container in ((f"{RELEASE}-gateway", "gateway"), (f"{RELEASE}-replica", "scheduler")):
+    for deployment, container in ((GATEWAY_0, "gateway"), (f"{RELEASE}-replica", "scheduler")):
         spec = rendered.one("Deployment", deployment)["spec"]["template"]["spec"]
         args = next(c for c in spec["containers"] if c["name"] == container)["args"]
         assert "--nats-url=nats://nats.messaging.svc:4222" in args
@@ -347,7 +349,7 @@ def test_every_role_gets_the_cluster_token_from_its_secret_through_the_environme
     rendered = render("default")
     token_env = {"name": "KVFLEET_CLUSTER_TOKEN",
                  "valueFrom": {"secretKeyRef": {"name": f"{RELEASE}-cluster-token", "key": "cluster-token"}}}
-    containers = {container["name"]: container for name in ("gateway", "tokenizer", "replica")
+    containers = {container["name"]: container for name in ("gateway-0", "tokenizer", "replica")
                   for container in rendered.one("Deployment", f"{RELEASE}-{name}")["spec"]["template"]["spec"]["containers"]}
     assert set(containers) == {"gateway", "tokenizer", "scheduler", "worker"}
     for container in containers.values():
@@ -358,7 +360,7 @@ def test_every_role_gets_the_cluster_token_from_its_secret_through_the_environme
 
 # --- Credentials of NATS and Redis; NetworkPolicies ---------------------------------
 
-KVFLEET_ROLES = {"gateway": "gateway", "tokenizer": "tokenizer", "scheduler": "replica", "worker": "replica"}
+KVFLEET_ROLES = {"gateway": "gateway-0", "tokenizer": "tokenizer", "scheduler": "replica", "worker": "replica"}
 NATS_ROLES = {"gateway", "scheduler"}  # the roles that connect to NATS (workers and tokenizers do not)
 
 
@@ -404,27 +406,37 @@ def test_no_secret_in_arguments_or_config_maps(value_set):
     assert not problems, "\n".join(problems)
 
 
+# The NATS user of each role that connects, by its Secret keys' prefix (workers and
+# tokenizers do not connect): one for the schedulers, one for each gateway.
+NATS_USERS = {"gateway": "gateway-0", "scheduler": "scheduler"}
+
+
 def test_every_role_gets_its_nats_and_redis_credentials_from_secrets():
-    for value_set, nats_secret, redis_secret in (("default", f"{RELEASE}-nats", f"{RELEASE}-redis"),
-                                                 ("external-nats-redis", "team-llm-nats", "team-llm-redis")):
+    for value_set, nats_secret, redis_secret, redis_user in (
+            ("default", f"{RELEASE}-nats", f"{RELEASE}-redis", "kvfleet"),
+            ("external-nats-redis", "team-llm-nats", "team-llm-redis", None)):
         for role, container in role_containers(render(value_set)).items():
             env = secret_env(container)
             assert env["KVFLEET_REDIS_PASSWORD"] == (redis_secret, "redis-password"), (value_set, role)
+            # The bundled Redis's ACL user; your own Redis: the password alone, unless redis.username says.
+            plain = {var["name"]: var["value"] for var in container["env"] if "value" in var}
+            assert plain.get("KVFLEET_REDIS_USERNAME") == redis_user, (value_set, role)
             if role in NATS_ROLES:  # each role its own NATS user, so its own permissions
-                assert env["KVFLEET_NATS_USER"] == (nats_secret, f"{role}-user"), (value_set, role)
-                assert env["KVFLEET_NATS_PASSWORD"] == (nats_secret, f"{role}-password"), (value_set, role)
+                user = NATS_USERS[role]
+                assert env["KVFLEET_NATS_USER"] == (nats_secret, f"{user}-user"), (value_set, role)
+                assert env["KVFLEET_NATS_PASSWORD"] == (nats_secret, f"{user}-password"), (value_set, role)
             else:
                 assert not {"KVFLEET_NATS_USER", "KVFLEET_NATS_PASSWORD"} & env.keys(), (value_set, role)
-            assert not any(var["name"].startswith(("KVFLEET_NATS", "KVFLEET_REDIS")) and "value" in var
-                           for var in container["env"]), (value_set, role)
-    # The Secrets the chart makes for the bundled servers: a user and a password per NATS role.
+            assert not {name for name in plain if name.startswith(("KVFLEET_NATS", "KVFLEET_REDIS"))} - {
+                "KVFLEET_REDIS_USERNAME"}, (value_set, role)
+    # The Secrets the chart makes for the bundled servers: a user and a password per NATS user.
     rendered = render("default")
     nats = {k: base64.b64decode(v).decode() for k, v in rendered.one("Secret", f"{RELEASE}-nats")["data"].items()}
-    assert nats.keys() == {f"{role}-{what}" for role in NATS_ROLES for what in ("user", "password")}
-    assert nats["gateway-user"] != nats["scheduler-user"] and nats["gateway-password"] != nats["scheduler-password"]
+    assert nats.keys() == {f"{user}-{what}" for user in NATS_USERS.values() for what in ("user", "password")}
+    assert nats["gateway-0-user"] != nats["scheduler-user"] and nats["gateway-0-password"] != nats["scheduler-password"]
     redis = base64.b64decode(rendered.one("Secret", f"{RELEASE}-redis")["data"]["redis-password"]).decode()
     # The bundled servers read passwords as configuration tokens (nats.conf's $VAR, redis.conf's "...").
-    for password in [*(nats[f"{role}-password"] for role in NATS_ROLES), redis]:
+    for password in [*(nats[f"{user}-password"] for user in NATS_USERS.values()), redis]:
         assert len(password) >= 32 and re.fullmatch(r"[A-Za-z0-9_-]+", password)
 
 
@@ -433,45 +445,108 @@ def test_external_nats_and_redis_without_a_secret_get_no_credentials():
         files = chart.render(values=copy.deepcopy({key: VALUE_SETS["external-nats-redis"][key] | {"existingSecret": ""}
                                                    for key in ("nats", "redis")}), name=RELEASE, namespace=NAMESPACE)
     text = "\n".join(files.values())
-    assert "KVFLEET_NATS_" not in text and "KVFLEET_REDIS_PASSWORD" not in text
+    assert "KVFLEET_NATS_" not in text and "KVFLEET_REDIS_" not in text
     assert f"name: {RELEASE}-nats" not in text and f"name: {RELEASE}-redis" not in text
 
 
-def test_bundled_nats_gives_each_role_only_its_subjects():
-    """nats.conf: one user per NATS role, its name and password $VARIABLES that
-    nats-server takes from its environment, set from the Secret; schedulers publish
-    the token streams and KV events and subscribe to nothing, gateways the reverse."""
-    from services.nats_link import kv_subject, subject
+def test_external_redis_with_an_acl_user():
+    values = copy.deepcopy(VALUE_SETS["external-nats-redis"])
+    values["redis"]["username"] = "llm-team"
+    with helm.Chart.load(CHART) as chart:
+        files = chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
+        rendered = Rendered([doc for path, text in sorted(files.items()) if path.endswith(".yaml")
+                             for doc in yaml.safe_load_all(text) if doc], "")
+        with pytest.raises(helm.HelmRenderError):  # it goes into redis.conf: one token
+            chart.render(values={"redis": {"username": "kv fleet"}}, name=RELEASE, namespace=NAMESPACE)
+    for role, container in role_containers(rendered).items():
+        assert {"name": "KVFLEET_REDIS_USERNAME", "value": "llm-team"} in container["env"], role
 
-    rendered = render("default")
-    conf = rendered.one("ConfigMap", f"{RELEASE}-nats")["data"]["nats.conf"]
-    streams = f'["{subject("*")}", "{kv_subject("*")}"]'  # the subjects the code uses, any id
+
+def nats_conf_users(conf: str) -> dict[str, tuple[str, str, list[str], str, list[str]]]:
+    """nats.conf's users: user $VARIABLE -> (password $VARIABLE, publish allow/deny,
+    its subjects, subscribe allow/deny, its subjects)."""
     users = re.findall(r"\{\s*user: \$(\w+)\s*password: \$(\w+)\s*permissions: \{\s*"
                        r"publish: \{(\w+): (\[.*?\])\}\s*subscribe: \{(\w+): (\[.*?\])\}", conf)
-    assert sorted(users) == [
-        ("GATEWAY_USER", "GATEWAY_PASSWORD", "deny", '[">"]', "allow", streams),
-        ("SCHEDULER_USER", "SCHEDULER_PASSWORD", "allow", streams, "deny", '[">"]'),
-    ]
+    return {user: (password, pub, json.loads(pub_subjects), sub, json.loads(sub_subjects))
+            for user, password, pub, pub_subjects, sub, sub_subjects in users}
+
+
+@pytest.mark.parametrize("gateways", [1, 3])
+def test_bundled_nats_gives_each_role_only_its_subjects(gateways):
+    """nats.conf: a user for the schedulers and one for each gateway, their names and
+    passwords $VARIABLES that nats-server takes from its environment, set from the
+    Secret; schedulers publish the token streams and KV events and subscribe to
+    nothing; gateway i only subscribes, to its own token streams (its --gateway-name's
+    subjects) and the KV events. tests/deploy/test_helm_acl.py runs this config."""
+    from gateway.cluster_client import new_gateway_id
+    from services.nats_link import kv_subject, subject
+
+    with helm.Chart.load(CHART) as chart:
+        files = chart.render(values={"gateway": {"replicas": gateways}}, name=RELEASE, namespace=NAMESPACE)
+    rendered = Rendered([doc for path, text in sorted(files.items()) if path.endswith(".yaml")
+                         for doc in yaml.safe_load_all(text) if doc], "")
+    conf = rendered.one("ConfigMap", f"{RELEASE}-nats")["data"]["nats.conf"]
+    names = [f"gateway-{i}" for i in range(gateways)]
+    expected = {"SCHEDULER_USER": ("SCHEDULER_PASSWORD", "allow", [subject(">"), kv_subject("*")], "deny", [">"])}
+    for name in names:
+        var = name.upper().replace("-", "_")
+        # A gateway's streams are kvfleet.out.<its id>, and its id is <its name>.<random>.
+        assert subject(new_gateway_id(name)).startswith(subject(f"{name}."))
+        with pytest.raises(ValueError):  # a name is one subject token, or the permission would cover others
+            new_gateway_id(f"{name}.x")
+        expected[f"{var}_USER"] = (f"{var}_PASSWORD", "deny", [">"], "allow", [subject(f"{name}.>"), kv_subject("*")])
+    assert nats_conf_users(conf) == expected
     assert "authorization" in conf and "no_auth_user" not in conf
     spec = rendered.one("Deployment", f"{RELEASE}-nats")["spec"]["template"]["spec"]
     (server,) = spec["containers"]
     assert server["args"] == ["--config", "/etc/nats/nats.conf"]
-    assert secret_env(server) == {f"{role.upper()}_{what.upper()}": (f"{RELEASE}-nats", f"{role}-{what}")
-                                  for role in NATS_ROLES for what in ("user", "password")}
+    assert secret_env(server) == {f"{user.upper().replace('-', '_')}_{what.upper()}": (f"{RELEASE}-nats", f"{user}-{what}")
+                                  for user in ["scheduler", *names] for what in ("user", "password")}
     assert spec["volumes"] == [{"name": "config", "configMap": {"name": f"{RELEASE}-nats"}}]
+    # Each gateway a Deployment of one pod, with its name and its own NATS user only.
+    nats_secret = rendered.one("Secret", f"{RELEASE}-nats")["data"]
+    assert nats_secret.keys() == {f"{user}-{what}" for user in ["scheduler", *names] for what in ("user", "password")}
+    assert len(set(nats_secret.values())) == len(nats_secret)
+    deployments = [d for d in rendered.find("Deployment") if d["metadata"]["labels"]["app.kubernetes.io/component"]
+                   == "gateway"]
+    assert [d["metadata"]["name"] for d in deployments] == [f"{RELEASE}-{name}" for name in names]
+    selectors = []
+    for name, deployment in zip(names, deployments):
+        assert deployment["spec"]["replicas"] == 1
+        selectors.append(deployment["spec"]["selector"]["matchLabels"])
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert f"--gateway-name={name}" in container["args"]
+        assert {k: v for k, v in secret_env(container).items() if k.startswith("KVFLEET_NATS")} == {
+            "KVFLEET_NATS_USER": (f"{RELEASE}-nats", f"{name}-user"),
+            "KVFLEET_NATS_PASSWORD": (f"{RELEASE}-nats", f"{name}-password")}
+        assert "volumes" not in deployment["spec"]["template"]["spec"]  # no other gateway's password
+    # No Deployment's selector takes another's pods; the Service and the PDB take them all.
+    for i, selector in enumerate(selectors):
+        for j, deployment in enumerate(deployments):
+            labels = deployment["spec"]["template"]["metadata"]["labels"]
+            assert (selector.items() <= labels.items()) == (i == j)
+    for selector in (rendered.one("Service", f"{RELEASE}-gateway")["spec"]["selector"],
+                     rendered.one("PodDisruptionBudget", f"{RELEASE}-gateway")["spec"]["selector"]["matchLabels"]):
+        assert all(selector.items() <= d["spec"]["template"]["metadata"]["labels"].items() for d in deployments)
 
 
-def test_bundled_redis_asks_for_its_password():
-    """requirepass reaches redis-server as configuration on stdin, from the shell's
-    environment; the readiness probe's redis-cli logs in with REDISCLI_AUTH."""
+def test_bundled_redis_has_an_acl_user_and_no_default_user():
+    """The users reach redis-server as configuration on stdin, from the shell's
+    environment: the default user off, kvfleet's ACL user with the password from the
+    Secret, on kvfleet's keys only; the readiness probe's redis-cli logs in as it with
+    REDISCLI_AUTH. tests/deploy/test_helm_acl.py runs this config."""
     rendered = render("default")
     (server,) = rendered.one("Deployment", f"{RELEASE}-redis")["spec"]["template"]["spec"]["containers"]
     assert secret_env(server) == {"REDISCLI_AUTH": (f"{RELEASE}-redis", "redis-password")}
     assert server["command"][:2] == ["sh", "-c"] and "args" not in server
     script = server["command"][2]
-    assert script.splitlines() == ['exec redis-server - --save "" --appendonly no <<EOF',
-                                   'requirepass "$REDISCLI_AUTH"', "EOF"]
-    assert server["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+    assert script.splitlines() == [
+        'exec redis-server - --save "" --appendonly no <<EOF',
+        "user default off resetkeys resetchannels -@all",
+        'user kvfleet on ">$REDISCLI_AUTH" resetkeys ~kvfleet:* resetchannels +@all -@dangerous',
+        "EOF"]
+    assert "requirepass" not in script
+    assert server["readinessProbe"]["exec"]["command"] == ["redis-cli", "--user", "kvfleet", "ping"]
 
 
 def peer_components(peer: dict) -> set[str] | None:
@@ -584,6 +659,7 @@ def test_chart_refuses_contradictory_values():
     with helm.Chart.load(CHART) as chart:
         for values in ({"autoscaling": {"keda": {"enabled": True}, "hpa": {"enabled": True}}},
                        {"nats": {"bundled": False}},
+                       {"gateway": {"replicas": 0}},
                        {"engine": {"model": "smollm2"}},
                        # one GPU per rank of the worker group
                        {"engine": {"tensor-parallel-size": 2}, "replica": {"worker": {"gpus": 1}}},
@@ -1060,7 +1136,7 @@ def test_probe_paths_exist_in_the_gateway():
     from gateway.routes.system import router
 
     paths = {route.path for route in router.routes}
-    chart = render("default").one("Deployment", f"{RELEASE}-gateway")["spec"]["template"]["spec"]["containers"][0]
+    chart = render("default").one("Deployment", GATEWAY_0)["spec"]["template"]["spec"]["containers"][0]
     probed = {chart[kind]["httpGet"]["path"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
     compose = urllib.parse.urlparse(compose_model()["services"]["gateway"]["healthcheck"]["test"][-1]).path
     scraped = {job.get("metrics_path", "/metrics")

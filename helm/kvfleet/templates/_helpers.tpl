@@ -247,13 +247,31 @@ an argument: arguments show in /proc/<pid>/cmdline and in the pod spec.
 {{- default (include "kvfleet.componentName" (list . "nats")) .Values.nats.existingSecret }}
 {{- end }}
 
+{{/* How many gateways (each a Deployment of one pod, with a NATS user of its own). */}}
+{{- define "kvfleet.gatewayCount" -}}
+{{- $count := int .Values.gateway.replicas }}
+{{- if lt $count 1 }}
+{{- fail "gateway.replicas must be at least 1" }}
+{{- end }}
+{{- $count }}
+{{- end }}
+
+{{/* The name of gateway number i (its --gateway-name, one NATS subject token): its
+token streams are kvfleet.out.<name>.<random>, and its NATS user, in the Secret under
+"<name>-user" and "<name>-password", may read only those. Usage: include "kvfleet.gatewayName" 0 */}}
+{{- define "kvfleet.gatewayName" -}}
+{{- printf "gateway-%d" (int .) }}
+{{- end }}
+
 {{/* "true" when the roles log in to NATS: a bundled server always asks for it. */}}
 {{- define "kvfleet.natsAuth" -}}
 {{- if or .Values.nats.bundled .Values.nats.existingSecret }}true{{ end }}
 {{- end }}
 
-{{/* The NATS user of a role ("scheduler" or "gateway"): each has its own, with only
-the subjects it needs. Usage: include "kvfleet.natsEnv" (list $ "gateway") */}}
+{{/* The NATS user of a role: "scheduler" (every scheduler), or a gateway's name
+("gateway-0": each gateway its own), the Secret's keys "<that>-user" and
+"<that>-password"; each user has only the subjects it needs.
+Usage: include "kvfleet.natsEnv" (list $ "scheduler") */}}
 {{- define "kvfleet.natsEnv" -}}
 {{- $root := index . 0 -}}
 {{- $role := index . 1 -}}
@@ -275,8 +293,20 @@ the subjects it needs. Usage: include "kvfleet.natsEnv" (list $ "gateway") */}}
 {{- default (include "kvfleet.componentName" (list . "redis")) .Values.redis.existingSecret }}
 {{- end }}
 
+{{/* The Redis user the roles log in as: redis.username, or with the bundled Redis
+"kvfleet", its ACL user (the default user is off there); empty: none (the password
+alone, as requirepass wants). */}}
+{{- define "kvfleet.redisUsername" -}}
+{{- $name := .Values.redis.username | default (ternary "kvfleet" "" .Values.redis.bundled) }}
+{{- if and $name (not (regexMatch "^[A-Za-z0-9_-]+$" $name)) }}
+{{- fail "redis.username: letters, digits, \"-\" and \"_\" only" }}
+{{- end }}
+{{- $name }}
+{{- end }}
+
 {{/* The Redis password under the name given, when there is one (a bundled Redis
-always has one). Usage: include "kvfleet.redisEnv" (list $ "KVFLEET_REDIS_PASSWORD") */}}
+always has one); for the roles (KVFLEET_REDIS_PASSWORD), the user's name too.
+Usage: include "kvfleet.redisEnv" (list $ "KVFLEET_REDIS_PASSWORD") */}}
 {{- define "kvfleet.redisEnv" -}}
 {{- $root := index . 0 -}}
 {{- if or $root.Values.redis.bundled $root.Values.redis.existingSecret }}
@@ -285,6 +315,11 @@ always has one). Usage: include "kvfleet.redisEnv" (list $ "KVFLEET_REDIS_PASSWO
     secretKeyRef:
       name: {{ include "kvfleet.redisSecretName" $root }}
       key: redis-password
+{{- $username := include "kvfleet.redisUsername" $root }}
+{{- if and $username (eq (index . 1) "KVFLEET_REDIS_PASSWORD") }}
+- name: KVFLEET_REDIS_USERNAME
+  value: {{ $username | quote }}
+{{- end }}
 {{- end }}
 {{- end }}
 

@@ -46,6 +46,7 @@ class Request:
     # this request's blocks are indexed in the pool already.
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache supplied when first scheduled
     host_block_ids: list[int] = field(default_factory=list)  # while SWAPPED
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # when asked for
     # Parallel samples forked from this request once its prompt is computed.

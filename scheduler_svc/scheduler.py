@@ -236,6 +236,8 @@ class Scheduler:
         request.block_ids = hits + self.block_pool.allocate(needed)
         request.num_computed_tokens = num_computed
         request.num_cached_blocks = len(hits)
+        if request.num_cached_tokens is None:  # a preempted request's later hits are its own blocks
+            request.num_cached_tokens = num_computed
         if self.config.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_computed
@@ -410,6 +412,7 @@ class Scheduler:
                 follower.block_ids.append(copy)
             follower.num_computed_tokens = fork_len
             follower.num_cached_blocks = num_shared
+            follower.num_cached_tokens = leader.num_cached_tokens
             follower.scheduled_time = time.monotonic()
             follower.status = RequestStatus.RUNNING
             self.running.append(follower)
@@ -428,7 +431,9 @@ class Scheduler:
                 self._finish(request, reason)
                 break
         prompt_logprobs = first_token_times = None
+        num_cached_tokens = 0
         if len(request.output_token_ids) == len(accepted):  # the first delta: the prompt is done
+            num_cached_tokens = request.num_cached_tokens or 0
             if request.sampling_params.prompt_logprobs is not None:
                 prompt_logprobs = request.prompt_logprobs
             first_token_times = FirstTokenTimes(request.scheduled_time - request.arrival_time,
@@ -441,6 +446,7 @@ class Scheduler:
             logprobs[: len(accepted)] if logprobs is not None else None,
             prompt_logprobs,
             first_token_times,
+            num_cached_tokens,
         )
 
     def _cache_computed_blocks(self, request: Request) -> None:

@@ -127,6 +127,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: pb.OutputLogProbs = field(default_factory=pb.OutputLogProbs)
     prompt_logprobs: pb.InputLogProbs | None = None
+    cached_tokens: int = 0  # of the prompt, from the prefix cache: told with the first token
     last: common_pb2.TokenDelta | None = None  # the final delta, once it came
 
     def add(self, delta: common_pb2.TokenDelta) -> pb.GenerateStreamChunk:
@@ -134,7 +135,8 @@ class Completion:
         chunk = pb.GenerateStreamChunk(token_ids=delta.new_token_ids, prompt_tokens=len(self.prompt),
                                        index=self.index)
         self.token_ids += delta.new_token_ids
-        chunk.completion_tokens = len(self.token_ids)
+        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+        chunk.completion_tokens, chunk.cached_tokens = len(self.token_ids), self.cached_tokens
         if self.params.logprobs is not None and delta.new_token_ids:
             chunk.output_logprobs.CopyFrom(
                 output_logprobs(list(delta.new_token_ids), delta.logprobs, self.params.logprobs))
@@ -148,7 +150,7 @@ class Completion:
         """The final message; `with_outputs`: it carries every token (not streamed: no chunk did)."""
         complete = pb.GenerateComplete(finish_reason=FINISH_REASONS[last.finish_reason],
                                        prompt_tokens=len(self.prompt), completion_tokens=len(self.token_ids),
-                                       index=self.index)
+                                       cached_tokens=self.cached_tokens, index=self.index)
         if last.WhichOneof("stop_reason") == "stop_token_id":
             complete.matched_token_id = last.stop_token_id
         elif last.WhichOneof("stop_reason") == "stop_string":

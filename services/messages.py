@@ -110,6 +110,8 @@ class TokenDelta:
     # On the first delta, when asked for: one entry per prompt token after the first.
     prompt_logprobs: list[dict[int, float]] | None = None
     first_token_times: FirstTokenTimes | None = None  # on the delta with the first token
+    # On the delta with the first token: prompt tokens the prefix cache supplied (vLLM's num_cached_tokens).
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,7 @@ def delta_to_proto(delta: TokenDelta, error: str = "", lost: bool = False) -> co
         finish_reason=_FINISH_TO_PROTO[delta.finish_reason],
         error=error,
         lost=lost,
+        num_cached_tokens=delta.num_cached_tokens,
     )
     if isinstance(delta.stop_reason, int):
         message.stop_token_id = delta.stop_reason
@@ -155,6 +156,7 @@ def delta_from_proto(message: common_pb2.TokenDelta) -> TokenDelta:
             FirstTokenTimes(message.first_token_times.queued_s, message.first_token_times.prefill_s)
             if message.HasField("first_token_times") else None
         ),
+        num_cached_tokens=message.num_cached_tokens,
     )
 
 

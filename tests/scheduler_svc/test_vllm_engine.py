@@ -382,3 +382,13 @@ def test_flush_cache_empties_the_prefix_cache_only_when_idle(replica, prompts) -
     assert waited.success
     list(busy)
     assert pool.lookup(hashes[:1]) == []
+
+
+def test_cached_tokens_count_the_prefix_cache_hit(replica, prompts) -> None:
+    assert replica.stub.FlushCache(smg.FlushCacheRequest(timeout_s=30)).success
+    prompt = prompts[4][:40]  # two full blocks, then the 8 tokens the cache cannot hold yet
+    [cold] = replica.stub.Generate(generate("cold", prompt))
+    warm = list(replica.stub.Generate(generate("warm", prompt, stream=True)))
+    assert cold.complete.cached_tokens == 0
+    assert warm[0].chunk.cached_tokens == 2 * BLOCK_SIZE and warm[-1].complete.cached_tokens == 2 * BLOCK_SIZE
+    replica.wait_idle()

@@ -116,7 +116,7 @@ class Logprobs(_message.Message):
     def __init__(self, positions: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_token_id", "stop_string", "logprobs", "prompt_logprobs", "error", "first_token_times", "lost")
+    __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_token_id", "stop_string", "logprobs", "prompt_logprobs", "error", "first_token_times", "lost", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class TokenDelta(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TIMES_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
@@ -137,7 +138,8 @@ class TokenDelta(_message.Message):
     error: str
     first_token_times: FirstTokenTimes
     lost: bool
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., error: _Optional[str] = ..., first_token_times: _Optional[_Union[FirstTokenTimes, _Mapping]] = ..., lost: _Optional[bool] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., error: _Optional[str] = ..., first_token_times: _Optional[_Union[FirstTokenTimes, _Mapping]] = ..., lost: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class FirstTokenTimes(_message.Message):
     __slots__ = ("queued_s", "prefill_s")

@@ -13,18 +13,12 @@ import torch
 
 from services.config import EngineConfig
 from services.messages import StepPlan, StepResult, WorkerDescription
-from services.sampling_params import SamplingParams
 from services.structured_outputs import StructuredOutputsParams
 from worker_svc import kernels
 from worker_svc.batch import InputBatch, RequestState
 from worker_svc.device import runs_q4_as_stored, torch_device, torch_dtype
-from worker_svc.kv_cache import (
-    allocate_kv_cache,
-    bytes_per_block,
-    check_fits_one_request,
-    copy_blocks,
-    num_blocks_for_budget,
-)
+from worker_svc.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
+from worker_svc.kv_sizing import size_kv_cache
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.outcomes import Outcomes
 from worker_svc.plan_check import check_plan
@@ -78,7 +72,7 @@ class Worker:
         self.scheduler_instance_id = ""  # whose requests those are
         self.last_step_at = time.monotonic()  # when a step last began or ended
         # Block ids are the group's: every rank holds the same number, its own heads' and layers' share of each.
-        self.num_blocks = group.minimum(self._size_kv_cache())
+        self.num_blocks = group.minimum(size_kv_cache(self))
         self.kv_caches = allocate_kv_cache(self.local_config, self.num_blocks, self.block_size, self.dtype, self.device)
         block_bytes = bytes_per_block(self.local_config, self.block_size, self.dtype)
         swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
@@ -115,53 +109,6 @@ class Worker:
             f"({kv_bytes / 2**30:.2f} GiB); maximum concurrency at max_model_len {self.max_model_len}: "
             f"{kv_tokens / self.max_model_len:.1f}x",
         ]
-
-    def _size_kv_cache(self) -> int:
-        """Blocks that fit the memory budget once a full step's activations are accounted for
-        (on CPU the budget is each rank's)."""
-        block_bytes = bytes_per_block(self.local_config, self.block_size, self.dtype)
-        if self.config.num_gpu_blocks_override is not None:
-            num_blocks = self.config.num_gpu_blocks_override
-        elif self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._profile_run()
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Weights plus the profiled step's peak, and whatever else holds memory.
-            in_use = torch.cuda.max_memory_allocated(self.device) + (total - free - torch.cuda.memory_allocated())
-            num_blocks = (int(total * self.config.gpu_memory_utilization) - in_use) // block_bytes
-        else:
-            # On CPU the KV budget is given outright, as vLLM's VLLM_CPU_KVCACHE_SPACE, and
-            # activations come from the host heap: there is nothing for a profile to size.
-            num_blocks = num_blocks_for_budget(
-                self.local_config, self.block_size, self.dtype, self.config.kv_cache_memory
-            )
-        check_fits_one_request(num_blocks, self.block_size, self.max_model_len, block_bytes)
-        return num_blocks
-
-    def _profile_run(self) -> None:
-        """Run one step of `max_num_batched_tokens` prompt tokens through a scratch
-        cache, so the activation peak is known (and any OOM happens now, not mid-serving)."""
-        total = self.config.max_num_batched_tokens
-        lengths = [self.max_model_len] * (total // self.max_model_len) + [total % self.max_model_len]
-        lengths = [n for n in lengths if n]
-        blocks_per_seq = [-(-n // self.block_size) for n in lengths]
-        scratch = allocate_kv_cache(self.local_config, sum(blocks_per_seq), self.block_size, self.dtype, self.device)
-        plan = StepPlan(step_id=-1)
-        first_block = 0
-        for index, (length, num_blocks) in enumerate(zip(lengths, blocks_per_seq)):
-            request_id = f"profile-{index}"
-            block_ids = list(range(first_block, first_block + num_blocks))
-            first_block += num_blocks
-            self._add_request(request_id, RequestState([0] * length, length, 0, SamplingParams(), None), block_ids)
-            plan.num_scheduled_tokens[request_id] = length
-        try:
-            inputs = self.batch.prepare(plan, self.requests)
-            metadata = self.attention_backend.build_metadata(inputs.layout)
-            hidden = self.model(inputs.input_ids, inputs.positions, scratch, metadata)
-            if self.group.shard.is_last_stage:
-                self.model.compute_logits(hidden[: self.config.max_num_seqs])
-        finally:
-            self._drop_requests()
 
     @property
     def num_requests(self) -> int:

@@ -18,6 +18,7 @@ from services.block_hash import (
     extra_keys_bytes,
     hash_block,
 )
+from worker_svc.kv_sizing import profile_run
 
 from conftest import assert_no_leaks
 
@@ -101,5 +102,7 @@ def test_kv_usage_and_prefix_metrics(llm):
 
 def test_profile_run_leaves_no_state(llm):
     worker = llm.engine.worker
-    worker._profile_run()
-    assert not worker.requests
+    requests = dict(worker.requests)
+    profile_run(worker)
+    assert worker.requests == requests  # the worker's own, untouched
+    assert len(worker.batch.free_rows) == len(worker.batch.num_blocks) - len(requests)  # the rest free again

@@ -35,17 +35,6 @@ class SamplingBatch:
                    any_top_k=any(p.top_k > 0 for p in params), any_top_p=any(p.top_p < 1 for p in params),
                    any_min_p=any(p.min_p > 0 for p in params))
 
-    @classmethod
-    def from_params(
-        cls, params: list[SamplingParams], generators: list[torch.Generator | None], device: torch.device
-    ) -> SamplingBatch:
-        return cls.of(params, generators, (
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-        ))
-
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Token ids [S] from float32 logits [S, V], already adjusted by the logits processors."""

@@ -13,8 +13,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from services.messages import StepPlan
 from services.sampling_params import SamplingParams
-from worker_svc.batch import RequestState
+from worker_svc.batch import InputBatch, RequestState
 from worker_svc.logits_processors import LogitsAdjustments
 from worker_svc.sampler import SamplingBatch, apply_top_k_top_p, sample
 
@@ -24,6 +25,22 @@ EOS = (2,)
 
 def state(prompt: list[int], output: list[int], **params) -> RequestState:
     return RequestState(prompt + output, len(prompt), 0, SamplingParams(**params), None)
+
+
+def sampling_batch(params: list[SamplingParams], generators: list[torch.Generator | None] | None = None
+                   ) -> SamplingBatch:
+    """The batch as the worker builds it: each request in a row of an InputBatch, its
+    one token scheduled, the sampling columns taken from the rows that sample."""
+    rows = InputBatch(1, 16, torch.device("cpu"))
+    requests: dict[str, RequestState] = {}
+    plan = StepPlan(step_id=0)
+    for index, (row_params, generator) in enumerate(zip(params, generators or [None] * len(params))):
+        requests[str(index)] = request = RequestState([0], 1, 0, row_params, generator)
+        rows.add(request, [0])
+        plan.num_scheduled_tokens[str(index)] = 1
+    sampling = rows.prepare(plan, requests).sampling
+    assert sampling is not None
+    return sampling
 
 
 def adjust(states: list[RequestState], logits: torch.Tensor) -> torch.Tensor:
@@ -83,7 +100,7 @@ def test_top_k_top_p_match_transformers(logits, top_k, top_p):
 
 
 def test_min_p_matches_transformers(logits):
-    batch = SamplingBatch.from_params([SamplingParams(min_p=0.1)] * 3, [None] * 3, torch.device("cpu"))
+    batch = sampling_batch([SamplingParams(min_p=0.1)] * 3)
     kept = MinPLogitsWarper(0.1)(None, logits.clone())
     # Sampling never leaves the min-p set.
     for _ in range(200):
@@ -99,7 +116,7 @@ def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def sampled_histogram(logits: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
-    batch = SamplingBatch.from_params([params] * draws, [None] * draws, torch.device("cpu"))
+    batch = sampling_batch([params] * draws)
     tokens = sample(logits.expand(draws, -1).contiguous(), batch)
     return torch.bincount(tokens, minlength=logits.shape[-1])
 
@@ -135,8 +152,7 @@ def test_seeded_rows_ignore_the_rest_of_the_batch():
 
     def draw(batch_size: int) -> int:
         generators = [torch.Generator().manual_seed(7)] + [None] * (batch_size - 1)
-        batch = SamplingBatch.from_params([params] + [SamplingParams()] * (batch_size - 1), generators,
-                                          torch.device("cpu"))
+        batch = sampling_batch([params] + [SamplingParams()] * (batch_size - 1), generators)
         return int(sample(logits[:batch_size], batch)[0])
 
     assert draw(1) == draw(4)

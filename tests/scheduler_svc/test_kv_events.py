@@ -1,6 +1,7 @@
 """The block pool's KV events: what the prefix-cache index gained and lost since the
 last take, each hash's last change only, a reset as `cleared`; applied in the
-documented order they rebuild exactly the index. The publishers that number them."""
+documented order they rebuild exactly the index (KvMirror). Then what the publishers
+that number them send: NATS, and the engine protocol's stream with tokens and parents."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +11,7 @@ from smg_grpc_proto.generated import common_pb2 as smg
 
 from scheduler_svc.block_pool import BlockPool, KvEventLog, KvEvents
 from scheduler_svc.kv_event_publisher import KvEventPublisher
+from scheduler_svc.kv_mirror import KvMirror
 from scheduler_svc.output_hub import OutputHub
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -20,17 +22,10 @@ from services.pb.kvfleet.v1 import scheduler_pb2
 from services.sampling_params import SamplingParams
 
 
-def apply(index: set[bytes], events: KvEvents) -> None:
-    if events.cleared:
-        index.clear()
-    index.difference_update(events.removed)
-    index.update(events.stored)
-
-
 def test_stores_evictions_and_resets_rebuild_the_index() -> None:
     pool = BlockPool(2)
     pool.events = KvEventLog()
-    mirror: set[bytes] = set()
+    mirror = KvMirror()
     assert pool.events.take() is None  # nothing changed
 
     a, b = pool.allocate(2)
@@ -38,7 +33,7 @@ def test_stores_evictions_and_resets_rebuild_the_index() -> None:
     pool.cache(b, b"B")
     events = pool.events.take()
     assert events == KvEvents(False, [], [b"A", b"B"])
-    apply(mirror, events)
+    mirror.apply(events)
 
     pool.free([a, b])  # evictable, still indexed: no event
     assert pool.events.take() is None
@@ -46,8 +41,8 @@ def test_stores_evictions_and_resets_rebuild_the_index() -> None:
     pool.cache(c, b"C")
     events = pool.events.take()
     assert events == KvEvents(False, [b"B"], [b"C"])
-    apply(mirror, events)
-    assert mirror == {b"A", b"C"}
+    mirror.apply(events)
+    assert set(mirror.snapshot().block_hashes) == {b"A", b"C"}
 
     [d] = pool.allocate(1)  # evicts A
     pool.cache(d, b"D")
@@ -57,8 +52,8 @@ def test_stores_evictions_and_resets_rebuild_the_index() -> None:
     pool.cache(e, b"E")
     events = pool.events.take()
     assert events == KvEvents(True, [], [b"E"])  # what came before the reset no longer matters
-    apply(mirror, events)
-    assert mirror == {b"E"}
+    mirror.apply(events)
+    assert mirror.snapshot() == scheduler_pb2.KvSnapshotResponse(seq=3, block_hashes=[b"E"])
 
 
 def test_a_hash_stored_and_evicted_within_one_take_is_one_removal() -> None:

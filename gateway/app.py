@@ -29,6 +29,7 @@ def build_app(
     api_key: str | None = None,
     limits: RequestLimits = RequestLimits(),
     chat_options: ChatOptions = ChatOptions(),
+    prompt_tokens_details: bool = False,
 ) -> FastAPI:
     """`encoder` does the text work: in-process, or the cluster's tokenizer role.
     Clients may name any of `served_model_names`; responses carry the first, as in vLLM."""
@@ -41,6 +42,7 @@ def build_app(
         metrics=GatewayMetrics(engine_client, names[0]),
         limits=limits,
         chat_options=chat_options,
+        prompt_tokens_details=prompt_tokens_details,
     )
     for module in (models, completions, chat, tokenize, system):
         app.include_router(module.router)

@@ -28,6 +28,7 @@ class ChoiceDelta:
     # With a choice's first delta, when prompt logprobs were asked for: one entry per
     # prompt token after the first.
     prompt_logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0  # of the prompt, from the prefix cache: told with the first token
 
 
 class _Meters:
@@ -123,7 +124,8 @@ async def _live(
         first = delta.request_id not in started
         started.add(delta.request_id)
         with_prompt = first and params.prompt_logprobs is not None
-        yield ChoiceDelta(index[delta.request_id], update, (prompt_logprobs or []) if with_prompt else None)
+        yield ChoiceDelta(index[delta.request_id], update, (prompt_logprobs or []) if with_prompt else None,
+                          delta.num_cached_tokens)
         if all(stream.finished for stream in streams.values()):
             return
 
@@ -140,7 +142,9 @@ async def _ranked(
     """best_of > n: every candidate runs to its end, then the n best come out whole."""
     processor = OutputProcessor(tokenizer)
     processor.add_request(request_id, None, prompt_token_ids, params)
+    num_cached_tokens = 0
     async for delta in deltas:
+        num_cached_tokens = max(num_cached_tokens, delta.num_cached_tokens)
         stopped: list[str] = []  # children a stop string finished: the engine must drop them
         finished = processor.process([delta], stopped.append)
         meters.record(delta, "stop" if stopped else delta.finish_reason)
@@ -153,5 +157,5 @@ async def _ranked(
             for completion in output.outputs:
                 text = TextDelta(completion.text, completion.token_ids, completion.logprobs,
                                  completion.finish_reason, completion.stop_reason)
-                yield ChoiceDelta(completion.index, text, prompt_logprobs)
+                yield ChoiceDelta(completion.index, text, prompt_logprobs, num_cached_tokens)
             return

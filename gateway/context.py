@@ -32,6 +32,7 @@ class GatewayContext:
     metrics: GatewayMetrics
     limits: RequestLimits
     chat_options: ChatOptions = field(default_factory=ChatOptions)
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
     drain: Drain = field(default_factory=Drain)  # set on SIGTERM by gateway.drain.serve
 
     @property

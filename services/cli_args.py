@@ -151,6 +151,9 @@ def add_http_args(parser: argparse.ArgumentParser, port: int = 8000) -> None:
     parser.add_argument("--max-sequences-per-request", type=int, default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
                         help="most sequences one request may fan out to: prompts x n (or best_of) "
                         "(default: %(default)s)")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="usage tells prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache "
+                        "supplied")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
@@ -175,7 +178,8 @@ def gateway_argv(namespace: argparse.Namespace) -> list[str]:
     argv = [f"--max-request-body-bytes={namespace.max_request_body_bytes}",
             f"--max-sequences-per-request={namespace.max_sequences_per_request}",
             f"--uvicorn-log-level={namespace.uvicorn_log_level}"]
-    for name in ("enable_auto_tool_choice", "disable_uvicorn_access_log", "disable_log_requests", "disable_log_stats"):
+    for name in ("enable_auto_tool_choice", "enable_prompt_tokens_details", "disable_uvicorn_access_log",
+                 "disable_log_requests", "disable_log_stats"):
         if getattr(namespace, name):
             argv.append(flag(name))
     for name in ("tool_call_parser", "reasoning_parser"):

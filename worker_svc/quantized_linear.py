@@ -1,29 +1,37 @@
 """A linear layer over 4-bit GGUF weights kept as stored (--quantization gguf, on CPU).
 
 Which kernel is fastest depends on the step's rows, measured on this 2-core AVX2 CPU
-(benchmarks/quantized_weights.py, all 120 projections of SmolLM2-135M, 2 threads):
-torch's int4 weight-only matmul with bfloat16 activations (its float32 and float16
-paths were 15-25x slower) reads 1/8 of the float32 weights and ran 2x faster than the
-float32 GEMM for one row (23 vs 45 ms), level at 8-16 rows, and its cost grows with
-every row. Bigger steps take the float32 GEMM over weights dequantized into a scratch
-buffer, one layer at a time: 1.1-2x slower than over float32 weights, its
-dequantization costing 60-90 ms a step. Where int4 stops beating it was measured at
-48 and at 256 rows in two runs; INT4_MAX_ROWS stays at the lower, more exact side.
+(benchmarks/quantized_weights.py, all 120 projections of SmolLM2-135M, 2 threads, a
+shared machine at load average 2.7-3.5, all kernels side by side in one run):
 
-Precision: the int4 kernel takes its scales and zeros in bfloat16 (rounding the GGUF
-float16 scales: about 2e-3 relative error in the weights) and returns bfloat16
-(another 2e-3): greedy tokens kept 80% of the parity prompts' positions before their
-first divergence from the float32 oracle, where --dtype bfloat16 keeps 61%. Big steps
-compute in float32 over exactly the GGUF weights."""
+  rows                          1    4    8   16   32   48   64   96  128  256
+  kvfleet's 4-bit kernel, ms   22   39   48   77  133  234  208  307  414 1152
+  torch int4 (bfloat16), ms    39   32   80   97  174  249  434  452  537 1813
+  dequantize + float32 GEMM   128  177  154  274  268  370  314  335  336  947
+
+Steps of up to KERNEL_MAX_ROWS rows take kvfleet's kernel (q4_kernel.py, csrc/q4_gemm.cpp):
+it reads the 4-bit codes and float16 scales (0.625 bytes a weight) and computes in
+float32 over exactly the GGUF weights, so its tokens are the float32 model's. Bigger
+steps take the float32 GEMM over weights dequantized into a scratch buffer, one layer at
+a time (its dequantization costs 60-90 ms a step). The crossover was between 96 and 128
+rows; KERNEL_MAX_ROWS stays on the lower side.
+
+Where the kernel cannot build (no compiler, no AVX2/FMA/F16C), steps of up to
+INT4_MAX_ROWS take torch's int4 weight-only matmul, as before the kernel: bfloat16
+activations, scales and output (about 2e-3 relative error each), which kept 80% of the
+parity prompts' greedy positions before their first divergence from the float32 oracle
+(--dtype bfloat16 keeps 61%)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from worker_svc import q4_kernel
 from worker_svc.layers import cpu_linear
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
 
-INT4_MAX_ROWS = 32  # steps of at most this many rows take the int4 kernel
+KERNEL_MAX_ROWS = 64  # steps of at most this many rows take the float32 4-bit kernel, where it built
+INT4_MAX_ROWS = 32  # without it, steps of at most this many rows take torch's int4 kernel
 
 
 class DequantScratch:
@@ -46,17 +54,39 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.scratch = scratch
         scratch.reserve(blocks.codes.numel())
+        self.kernel = q4_kernel.load()
+        self.packed = None if self.kernel is None else q4_kernel.PackedQ4.from_blocks(blocks)
+        # torch's int4 weights only where the float32 kernel cannot run: they would cost another 0.56 bytes a weight.
+        self.int4_weight: torch.Tensor | None = None
+        self.int4_scale_zeros: torch.Tensor | None = None
+        if self.packed is None:
+            self.pack_int4()
+
+    def pack_int4(self) -> None:
         # The int4 kernel's dequantization is (code - 8) * scale + zero, per group of GROUP_SIZE inputs.
+        blocks = self.blocks
         self.int4_weight = torch._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), 1)
         scale_zeros = torch.stack((blocks.scales, blocks.offsets + 8 * blocks.scales), dim=-1)  # [rows, groups, 2]
         self.int4_scale_zeros = scale_zeros.transpose(0, 1).to(torch.bfloat16).contiguous()  # [groups, rows, 2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = self.int4_matmul(rows) if rows.shape[0] <= INT4_MAX_ROWS else self.dequantized_matmul(rows)
+        if self.packed is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
+            out = self.kernel_matmul(rows)
+        elif self.packed is None and rows.shape[0] <= INT4_MAX_ROWS:
+            out = self.int4_matmul(rows)
+        else:
+            out = self.dequantized_matmul(rows)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def kernel_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        assert self.kernel is not None and self.packed is not None
+        bias = None if self.bias is None else self.bias.float()
+        return self.packed.linear(self.kernel, rows.float(), bias).to(rows.dtype)
+
     def int4_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.int4_weight is None:  # a benchmark comparing both kernels
+            self.pack_int4()
         out = torch._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self.int4_weight, GROUP_SIZE,
                                                 self.int4_scale_zeros).to(rows.dtype)
         if self.bias is not None:

@@ -117,15 +117,18 @@ def test_bfloat16_runs_close_to_float32(make_llm, prompts, reference, dtype):
 
 def test_4bit_weights_run_as_stored_stay_close_to_transformers(make_llm, prompts, reference):
     """--quantization gguf: steps of up to KERNEL_MAX_ROWS rows run kvfleet's 4-bit kernel,
-    bigger ones the float32 GEMM over the dequantized weights: both compute in float32 over
-    exactly the GGUF weights, so only summation order differs from the float32 oracle.
-    MEASURED"""
+    bigger ones the float32 GEMM over the dequantized weights. Both compute in float32 over
+    exactly the GGUF weights, so only summation order differs from the float32 oracle:
+    measured with the 12 prompts together, all 32 tokens of every prompt agreed (100% of
+    positions before the first divergence; torch's int4 kernel, with bfloat16 scales,
+    activations and outputs, kept 80%). The bound leaves room for a near-tie flipping a
+    token late in a prompt. Where the kernel cannot build, small steps take that int4
+    kernel and only its 70% bound holds."""
     llm = make_llm(dtype="float32", quantization="gguf")
     layers = [module for module in llm.engine.worker.model.modules() if isinstance(module, QuantizedLinear)]
     assert len(layers) == 4 * llm.engine.worker.model_config.num_hidden_layers  # qkv, o, gate_up, down
     tokens = generate_tokens(llm, prompts)
     agreed = [next((i for i, (t, r) in enumerate(zip(got, want)) if t != r), NEW_TOKENS)
               for got, want in zip(tokens, reference)]
-    print("agreed", agreed, sum(agreed) / (NEW_TOKENS * len(prompts)), [len(p) for p in prompts],
-          [layer.packed is not None for layer in layers][:2])
-    assert sum(agreed) >= 0.7 * NEW_TOKENS * len(prompts), agreed
+    float32_kernel = all(layer.packed is not None for layer in layers)
+    assert sum(agreed) >= (0.95 if float32_kernel else 0.7) * NEW_TOKENS * len(prompts), agreed

@@ -1,0 +1,94 @@
+"""The float32 4-bit GEMM kernel (worker_svc/csrc/q4_gemm.cpp) computes x @ W.T + bias over
+exactly the GGUF weights, for every step size it serves, and QuantizedLinear routes to it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from worker_svc import q4_kernel
+from worker_svc.q4_kernel import PackedQ4
+from worker_svc.q4_weights import Q4Blocks
+from worker_svc.quantized_linear import KERNEL_MAX_ROWS, DequantScratch, QuantizedLinear
+
+KINDS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
+
+kernel = q4_kernel.load()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no AVX2/FMA/F16C CPU or no compiler")
+
+
+def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> Q4Blocks:
+    weights = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
+    return Q4Blocks.from_gguf(quantize(weights, kind), kind)
+
+
+def reference(blocks: Q4Blocks, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    weight = blocks.dequantize(torch.empty(blocks.codes.numel())).double()
+    out = x.double() @ weight.T
+    return (out if bias is None else out + bias.double()).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 17, 32])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_kernel_equals_the_float32_product(kind, rows, with_bias):
+    # 7 blocks of 32 inputs (an odd count) and 195 outputs (odd: the last one is its own tile).
+    blocks = random_blocks(kind, 195, 7 * 32, seed=rows)
+    packed = PackedQ4.from_blocks(blocks)
+    assert packed is not None
+    x = torch.randn(rows, 7 * 32, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(195) if with_bias else None
+    out = packed.linear(kernel, x, bias)
+    assert out.dtype == torch.float32 and out.shape == (rows, 195)
+    # Against a float64 product of the same weights: only float32 summation error remains.
+    torch.testing.assert_close(out, reference(blocks, x, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_takes_model_sized_rows_and_strided_inputs():
+    blocks = random_blocks(GGMLQuantizationType.Q4_1, 576, 1536)
+    x = torch.randn(6, 3072)[:, ::2]  # not contiguous
+    out = PackedQ4.from_blocks(blocks).linear(kernel, x, None)
+    torch.testing.assert_close(out, reference(blocks, x, None), rtol=1e-5, atol=1e-5)
+
+
+def test_a_scale_float16_cannot_hold_keeps_the_layer_off_the_kernel():
+    blocks = random_blocks(GGMLQuantizationType.Q4_0, 4, 64)
+    huge = Q4Blocks(blocks.codes, blocks.scales * 1e4, blocks.offsets * 1e4)  # -8 x scale beyond float16
+    assert PackedQ4.from_blocks(huge) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, KERNEL_MAX_ROWS])
+def test_quantized_linear_routes_small_steps_to_the_kernel(rows, monkeypatch):
+    blocks = random_blocks(GGMLQuantizationType.Q4_1, 64, 96)
+    bias = torch.randn(64)
+    layer = QuantizedLinear(blocks, bias, DequantScratch(torch.float32))
+    assert layer.int4_weight is None  # torch's int4 copy is not kept beside the kernel's
+    monkeypatch.setattr(layer, "dequantized_matmul", lambda rows: pytest.fail("took the dequantized GEMM"))
+    x = torch.randn(rows, 96)
+    torch.testing.assert_close(layer(x), reference(blocks, x, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_kernel_small_steps_take_torchs_int4(monkeypatch):
+    monkeypatch.setattr(q4_kernel, "load", lambda: None)
+    blocks = random_blocks(GGMLQuantizationType.Q4_1, 64, 96)
+    layer = QuantizedLinear(blocks, None, DequantScratch(torch.float32))
+    assert layer.packed is None and layer.int4_weight is not None
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(layer(x), reference(blocks, x, None), rtol=0.02, atol=0.02)
+
+
+def test_a_failed_build_warns_and_serves_on(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def broken(**kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(q4_kernel, "cpu_supports_kernel", lambda: True)
+    assert q4_kernel._build() is None
+    assert "did not build" in caplog.text

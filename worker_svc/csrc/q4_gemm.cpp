@@ -1,0 +1,132 @@
+// y = x @ W^T + bias over 4-bit GGUF blocks (Q4_0, Q4_1) in float32, for steps of few rows.
+//
+// W is [N, K] in blocks of 32 weights along K. Each block is 16 bytes of codes (byte j holds
+// weight j in its low nibble and weight j + 16 in its high one, as GGUF stores them) and a
+// float16 (scale, offset) pair: weight = code * scale + offset. code * scale is exact in
+// float32 (4 bits times an 11-bit mantissa), so fma(code, scale, offset) rounds once, as
+// the float32 dequantizer does: the kernel multiplies exactly the dequantized weights.
+//
+// Decode steps are memory-bound (~0.6 bytes a weight): each block is unpacked once into
+// registers and used for up to 8 rows of x, so that unpacking costs less per row as rows
+// grow. Fewer than 4 rows take 2 output rows at a time, for enough independent FMA chains.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int kTileN = 2;  // output rows per tile
+
+// The block's 32 weights as 4 vectors of 8 floats, in order.
+inline void dequantize_block(const uint8_t* codes, const uint16_t* scale_offset, __m256 w[4]) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(packed, mask);                     // weights 0..15
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);  // weights 16..31
+  uint32_t pair;
+  std::memcpy(&pair, scale_offset, sizeof(pair));
+  const __m128 so = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(pair)));  // [scale, offset, 0, 0]
+  const __m256 scale = _mm256_broadcastss_ps(so);
+  const __m256 offset = _mm256_broadcastss_ps(_mm_movehdup_ps(so));
+  const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+  for (int j = 0; j < 4; ++j) {
+    const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
+    w[j] = _mm256_fmadd_ps(code, scale, offset);
+  }
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Output rows n0 .. n0 + NR of input rows m0 .. m0 + MR.
+template <int MR, int NR>
+void tile(const uint8_t* codes, const uint16_t* scale_offsets, const float* x, const float* bias, float* y,
+          int64_t K, int64_t N, int64_t n0, int64_t m0) {
+  // Fewer rows get more accumulators each, so that enough FMA chains run at once.
+  constexpr int A = MR == 1 ? 4 : (MR == 2 ? 2 : 1);
+  static_assert(NR * MR * A + 4 <= 16, "accumulators and a block's weights fit AVX2's 16 registers");
+  const int64_t blocks = K / kGroup;
+  __m256 acc[NR][MR][A];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m)
+      for (int a = 0; a < A; ++a) acc[r][m][a] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int r = 0; r < NR; ++r) {
+      const int64_t block = (n0 + r) * blocks + b;
+      __m256 w[4];
+      dequantize_block(codes + block * (kGroup / 2), scale_offsets + block * 2, w);
+      for (int m = 0; m < MR; ++m) {
+        const float* xs = x + (m0 + m) * K + b * kGroup;
+        for (int j = 0; j < 4; ++j)
+          acc[r][m][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xs + 8 * j), acc[r][m][j % A]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) {
+      __m256 sum = acc[r][m][0];
+      for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[r][m][a]);
+      y[(m0 + m) * N + n0 + r] = horizontal_sum(sum) + (bias ? bias[n0 + r] : 0.0f);
+    }
+}
+
+template <int NR>
+void rows_tile(const uint8_t* codes, const uint16_t* so, const float* x, const float* bias, float* y,
+               int64_t M, int64_t K, int64_t N, int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + 8 <= M; m0 += 8)  // 8 accumulators: one output row at a time
+    for (int r = 0; r < NR; ++r) tile<8, 1>(codes, so, x, bias, y, K, N, n0 + r, m0);
+  if (M - m0 >= 4) {
+    tile<4, NR>(codes, so, x, bias, y, K, N, n0, m0);
+    m0 += 4;
+  }
+  switch (M - m0) {
+    case 3: tile<3, NR>(codes, so, x, bias, y, K, N, n0, m0); break;
+    case 2: tile<2, NR>(codes, so, x, bias, y, K, N, n0, m0); break;
+    case 1: tile<1, NR>(codes, so, x, bias, y, K, N, n0, m0); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+// x [M, K] float32; codes [N, K / 32, 16] uint8; scale_offsets [N, K / 32, 2] float16 (as int16);
+// bias [N] float32 or None. Returns y [M, N] float32.
+torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale_offsets,
+                        const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.numel() == N * K / 2,
+              "codes: contiguous uint8 [N, K / 32, 16]");
+  TORCH_CHECK(scale_offsets.element_size() == 2 && scale_offsets.is_contiguous() &&
+                  scale_offsets.numel() == N * K / kGroup * 2, "scale_offsets: contiguous float16 [N, K / 32, 2]");
+  const float* bias_data = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+                "bias: contiguous float32 [N]");
+    bias_data = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const auto* c = codes.data_ptr<uint8_t>();
+  const auto* so = static_cast<const uint16_t*>(scale_offsets.data_ptr());
+  const float* xd = x.data_ptr<float>();
+  float* yd = y.data_ptr<float>();
+  const int64_t tiles = N / kTileN;
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rows_tile<kTileN>(c, so, xd, bias_data, yd, M, K, N, t * kTileN);
+  });
+  for (int64_t n0 = tiles * kTileN; n0 < N; ++n0) rows_tile<1>(c, so, xd, bias_data, yd, M, K, N, n0);
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4_linear", &q4_linear, "y = x @ W^T + bias over 4-bit GGUF blocks, float32");
+}

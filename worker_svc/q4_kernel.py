@@ -1,18 +1,26 @@
-"""The float32 4-bit GEMM of csrc/q4_gemm.cpp (AVX2, FMA, F16C) for steps of few rows:
-built on first use with torch's JIT extension loader into kvfleet's cache, keyed by the
-source, the flags, torch and Python, so later processes load the built library at once.
+"""The float32 4-bit GEMM of csrc/q4_gemm.cpp (AVX2, FMA, F16C) for steps of few rows.
 
-Without a compiler or AVX2 the build is skipped or fails: `load()` then returns None
-with a logged warning and callers keep torch's int4 kernel; serving never fails on it."""
+Built once per machine with the system C++ compiler (about 1.5 s) into kvfleet's cache,
+keyed by the source and flags, and called through ctypes, as attention/paged_decode.py
+does. Not torch's JIT extension loader: it compiled for 50 s (torch's headers and
+pybind11), needed ninja and Python's headers, and waits forever on a build lock that a
+killed build leaves behind; here each build writes a private file and renames it into
+place, so concurrent or interrupted builds never block one another.
+
+Without a compiler or AVX2/FMA/F16C, `load()` returns None with a logged warning and
+QuantizedLinear keeps torch's int4 kernel: serving never fails on this kernel."""
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import logging
-import sys
-import threading
+import os
+import shutil
+import subprocess
+import tempfile
 import time
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -22,12 +30,8 @@ from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "q4_gemm.cpp"
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 CPU_FLAGS = ("avx2", "fma", "f16c")
-
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_tried = False
 
 
 def cpu_supports_kernel() -> bool:
@@ -39,39 +43,57 @@ def cpu_supports_kernel() -> bool:
     return all(flag in flags.split() for flag in CPU_FLAGS)
 
 
-def build_directory() -> Path:
-    key = "|".join((SOURCE.read_text(), " ".join(CFLAGS), torch.__version__, sys.version))
-    return cache_root() / "kernels" / f"q4_gemm-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+class Q4Kernel:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._function = library.q4_linear
+        self._function.restype = None
+        self._function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+
+    def linear(self, packed: PackedQ4, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, in] float32 -> x @ W.T + bias [rows, out] float32."""
+        rows, cols = x.shape
+        assert x.dtype == torch.float32 and cols == packed.in_features
+        assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()
+                                and bias.numel() == packed.out_features)
+        x = x.contiguous()
+        out = torch.empty(rows, packed.out_features)
+        # ctypes releases the GIL for the call; the kernel splits output rows over torch's thread count.
+        self._function(x.data_ptr(), packed.codes.data_ptr(), packed.scale_offsets.data_ptr(),
+                       None if bias is None else bias.data_ptr(), out.data_ptr(), rows, cols, packed.out_features,
+                       torch.get_num_threads())
+        return out
 
 
-def load() -> ModuleType | None:
-    """The built extension, or None where it cannot run here (warned about once)."""
-    global _module, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            _module = _build()
-        return _module
-
-
-def _build() -> ModuleType | None:
+@functools.cache
+def load() -> Q4Kernel | None:
+    """The kernel, built if this machine has not built it yet; None where it cannot run (warned once)."""
     if not cpu_supports_kernel():
-        logger.warning("4-bit GEMM kernel: this CPU lacks one of %s; using torch's int4 kernel", CPU_FLAGS)
+        logger.warning("4-bit GEMM kernel: this CPU lacks one of %s; small steps use torch's int4 kernel", CPU_FLAGS)
         return None
-    from torch.utils import cpp_extension  # imports setuptools: only when building
-
-    directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    began = time.perf_counter()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    library = cache_root() / "kernels" / f"q4_gemm-{key}.so"
     try:
-        module = cpp_extension.load(name=f"kvfleet_q4_gemm_{directory.name[-16:]}", sources=[str(SOURCE)],
-                                    extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                                    build_directory=str(directory), verbose=False)
-    except Exception as error:  # noqa: BLE001 - any build failure means: keep the int4 kernel
-        logger.warning("4-bit GEMM kernel did not build (%s); using torch's int4 kernel", error)
+        if not library.exists():
+            compiler = shutil.which(os.environ.get("CXX", "c++"))
+            if compiler is None:
+                logger.warning("4-bit GEMM kernel: no C++ compiler; small steps use torch's int4 kernel")
+                return None
+            _build(compiler, library)
+        return Q4Kernel(ctypes.CDLL(str(library)))
+    except (OSError, subprocess.CalledProcessError) as exc:  # a read-only cache, a broken toolchain
+        detail = exc.stderr[-2000:] if isinstance(exc, subprocess.CalledProcessError) else exc
+        logger.warning("4-bit GEMM kernel did not build; small steps use torch's int4 kernel: %s", detail)
         return None
-    logger.info("4-bit GEMM kernel ready in %.1f s (%s)", time.perf_counter() - began, directory)
-    return module
+
+
+def _build(compiler: str, library: Path) -> None:
+    library.parent.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        built = Path(scratch) / library.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True, text=True)
+        built.replace(library)  # atomic: a concurrent build never loads a half-written file
+    logger.info("built the 4-bit GEMM kernel in %.1f s: %s", time.perf_counter() - began, library)
 
 
 class PackedQ4:
@@ -79,8 +101,9 @@ class PackedQ4:
     and a float16 (scale, offset) pair, which hold the GGUF values exactly (they were float16)."""
 
     def __init__(self, codes: torch.Tensor, scale_offsets: torch.Tensor) -> None:
-        self.codes = codes  # [rows, cols / 32, 16] uint8
-        self.scale_offsets = scale_offsets  # [rows, cols / 32, 2] float16
+        self.codes = codes  # [out, in / 32, 16] uint8
+        self.scale_offsets = scale_offsets  # [out, in / 32, 2] float16
+        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * GROUP_SIZE
 
     @classmethod
     def from_blocks(cls, blocks: Q4Blocks) -> PackedQ4 | None:
@@ -94,6 +117,5 @@ class PackedQ4:
             return None
         return cls(codes, scale_offsets)
 
-    def linear(self, module: ModuleType, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [rows, cols] float32 -> [rows, out] float32."""
-        return module.q4_linear(x.contiguous(), self.codes, self.scale_offsets, bias)
+    def linear(self, kernel: Q4Kernel, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return kernel.linear(self, x, bias)

@@ -55,10 +55,26 @@ def test_kernel_takes_model_sized_rows_and_strided_inputs():
     torch.testing.assert_close(out, reference(blocks, x, None), rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+def test_threads_split_output_rows_without_changing_a_bit():
+    blocks = random_blocks(GGMLQuantizationType.Q4_1, 301, 5 * 32)
+    packed = PackedQ4.from_blocks(blocks)
+    x = torch.randn(9, 5 * 32)
+    alone = packed.linear(kernel, x, None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        together = packed.linear(kernel, x, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, together)
+
+
 def test_a_scale_float16_cannot_hold_keeps_the_layer_off_the_kernel():
-    blocks = random_blocks(GGMLQuantizationType.Q4_0, 4, 64)
+    blocks = random_blocks(GGMLQuantizationType.Q4_0, 16, 64)
     huge = Q4Blocks(blocks.codes, blocks.scales * 1e4, blocks.offsets * 1e4)  # -8 x scale beyond float16
     assert PackedQ4.from_blocks(huge) is None
+    assert QuantizedLinear(huge, None, DequantScratch(torch.float32)).int4_weight is not None
 
 
 @needs_kernel
@@ -82,13 +98,29 @@ def test_without_the_kernel_small_steps_take_torchs_int4(monkeypatch):
     torch.testing.assert_close(layer(x), reference(blocks, x, None), rtol=0.02, atol=0.02)
 
 
-def test_a_failed_build_warns_and_serves_on(monkeypatch, caplog):
-    from torch.utils import cpp_extension
-
-    def broken(**kwargs):
-        raise RuntimeError("no compiler")
-
-    monkeypatch.setattr(cpp_extension, "load", broken)
+@pytest.mark.parametrize("compiler", ["no-such-compiler", "false"])
+def test_a_missing_or_failing_compiler_warns_and_serves_on(compiler, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CXX", compiler)
     monkeypatch.setattr(q4_kernel, "cpu_supports_kernel", lambda: True)
-    assert q4_kernel._build() is None
-    assert "did not build" in caplog.text
+    q4_kernel.load.cache_clear()
+    try:
+        assert q4_kernel.load() is None
+    finally:
+        q4_kernel.load.cache_clear()
+    assert "small steps use torch's int4 kernel" in caplog.text
+    assert not list(tmp_path.rglob("*.so"))
+
+
+@needs_kernel
+def test_the_build_is_cached_and_loads_without_compiling(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
+    q4_kernel.load.cache_clear()
+    try:
+        assert q4_kernel.load() is not None
+        (library,) = tmp_path.glob("kernels/q4_gemm-*.so")
+        monkeypatch.setenv("CXX", "no-such-compiler")  # a second process finds the library built
+        q4_kernel.load.cache_clear()
+        assert q4_kernel.load() is not None
+    finally:
+        q4_kernel.load.cache_clear()

@@ -9,10 +9,9 @@
 // Decode steps are memory-bound (~0.6 bytes a weight): each block is unpacked once into
 // registers and used for up to 8 rows of x, so that unpacking costs less per row as rows
 // grow. Fewer than 4 rows take 2 output rows at a time, for enough independent FMA chains.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cstdint>
 #include <cstring>
 
 namespace {
@@ -97,36 +96,13 @@ void rows_tile(const uint8_t* codes, const uint16_t* so, const float* x, const f
 
 }  // namespace
 
-// x [M, K] float32; codes [N, K / 32, 16] uint8; scale_offsets [N, K / 32, 2] float16 (as int16);
-// bias [N] float32 or None. Returns y [M, N] float32.
-torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale_offsets,
-                        const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.numel() == N * K / 2,
-              "codes: contiguous uint8 [N, K / 32, 16]");
-  TORCH_CHECK(scale_offsets.element_size() == 2 && scale_offsets.is_contiguous() &&
-                  scale_offsets.numel() == N * K / kGroup * 2, "scale_offsets: contiguous float16 [N, K / 32, 2]");
-  const float* bias_data = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
-                "bias: contiguous float32 [N]");
-    bias_data = bias->data_ptr<float>();
-  }
-  auto y = torch::empty({M, N}, x.options());
-  const auto* c = codes.data_ptr<uint8_t>();
-  const auto* so = static_cast<const uint16_t*>(scale_offsets.data_ptr());
-  const float* xd = x.data_ptr<float>();
-  float* yd = y.data_ptr<float>();
+// x [M, K] float32; codes [N, K / 32, 16] uint8; scale_offsets [N, K / 32, 2] float16;
+// bias [N] float32 or null; y [M, N] float32. All contiguous; K a multiple of 32. Output
+// rows are split over `threads` OpenMP threads (torch's own runtime: the same libgomp).
+extern "C" void q4_linear(const float* x, const uint8_t* codes, const uint16_t* scale_offsets, const float* bias,
+                          float* y, int64_t M, int64_t K, int64_t N, int threads) {
   const int64_t tiles = N / kTileN;
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) rows_tile<kTileN>(c, so, xd, bias_data, yd, M, K, N, t * kTileN);
-  });
-  for (int64_t n0 = tiles * kTileN; n0 < N; ++n0) rows_tile<1>(c, so, xd, bias_data, yd, M, K, N, n0);
-  return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_linear", &q4_linear, "y = x @ W^T + bias over 4-bit GGUF blocks, float32");
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t t = 0; t < tiles; ++t) rows_tile<kTileN>(codes, scale_offsets, x, bias, y, M, K, N, t * kTileN);
+  for (int64_t n0 = tiles * kTileN; n0 < N; ++n0) rows_tile<1>(codes, scale_offsets, x, bias, y, M, K, N, n0);
 }

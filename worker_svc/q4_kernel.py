@@ -32,6 +32,12 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "q4_gemm.cpp"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 CPU_FLAGS = ("avx2", "fma", "f16c")
+# kvfleet's idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE, worker_svc/threads.py), and
+# waking one cost ~0.2 ms a call on the 2-core VM measured: more than a whole 1-row
+# projection (16 ms for SmolLM2's 120 projections on one thread, 35 ms on two). Under that
+# policy a call of fewer multiply-adds runs on the calling thread alone; two threads only
+# broke even at 16 rows (about this many) and won at 64 (220 vs 358 ms).
+PASSIVE_PARALLEL_MIN_MACS = 16 << 20
 
 
 def cpu_supports_kernel() -> bool:
@@ -45,9 +51,13 @@ def cpu_supports_kernel() -> bool:
 
 class Q4Kernel:
     def __init__(self, library: ctypes.CDLL) -> None:
+        self.library = library
         self._function = library.q4_linear
         self._function.restype = None
         self._function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        # OpenMP read its wait policy when torch loaded it, so it holds for the process.
+        passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+        self.min_parallel_macs = PASSIVE_PARALLEL_MIN_MACS if passive else 0
 
     def linear(self, packed: PackedQ4, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] float32 -> x @ W.T + bias [rows, out] float32."""
@@ -57,10 +67,11 @@ class Q4Kernel:
                                 and bias.numel() == packed.out_features)
         x = x.contiguous()
         out = torch.empty(rows, packed.out_features)
-        # ctypes releases the GIL for the call; the kernel splits output rows over torch's thread count.
+        threads = torch.get_num_threads() if rows * cols * packed.out_features >= self.min_parallel_macs else 1
+        # ctypes releases the GIL for the call; the kernel splits output rows over `threads`.
         self._function(x.data_ptr(), packed.codes.data_ptr(), packed.scale_offsets.data_ptr(),
                        None if bias is None else bias.data_ptr(), out.data_ptr(), rows, cols, packed.out_features,
-                       torch.get_num_threads())
+                       threads)
         return out
 
 

@@ -2,19 +2,21 @@
 
 Which kernel is fastest depends on the step's rows, measured on this 2-core AVX2 CPU
 (benchmarks/quantized_weights.py, all 120 projections of SmolLM2-135M, 2 threads, a
-shared machine at load average 2.7-3.5, all kernels side by side in one run):
+shared machine at load average 0.9-1.2, all kernels side by side in one run):
 
   rows                          1    4    8   16   32   48   64   96  128  256
-  kvfleet's 4-bit kernel, ms   22   39   48   77  133  234  208  307  414 1152
-  torch int4 (bfloat16), ms    39   32   80   97  174  249  434  452  537 1813
-  dequantize + float32 GEMM   128  177  154  274  268  370  314  335  336  947
+  kvfleet's 4-bit kernel, ms   18   23   46   79  138  187  264  288  421  842
+  torch int4 (bfloat16), ms    24   40   53  108  220  265  416  451  573 1068
+  dequantize + float32 GEMM   106  195  164  217  282  340  440  343  435  653
 
 Steps of up to KERNEL_MAX_ROWS rows take kvfleet's kernel (q4_kernel.py, csrc/q4_gemm.cpp):
 it reads the 4-bit codes and float16 scales (0.625 bytes a weight) and computes in
 float32 over exactly the GGUF weights, so its tokens are the float32 model's. Bigger
 steps take the float32 GEMM over weights dequantized into a scratch buffer, one layer at
-a time (its dequantization costs 60-90 ms a step). The crossover was between 96 and 128
-rows; KERNEL_MAX_ROWS stays on the lower side.
+a time (its dequantization costs 60-90 ms a step). The crossover was at 128 rows (96-128
+in an earlier, busier run); KERNEL_MAX_ROWS stays on the lower side. Single-request
+decode (the benchmark's --decode) went from 15.5 to 24.0 tokens/s with the kernel
+(transformers: 9.9), in one run.
 
 Where the kernel cannot build (no compiler, no AVX2/FMA/F16C), steps of up to
 INT4_MAX_ROWS take torch's int4 weight-only matmul, as before the kernel: bfloat16

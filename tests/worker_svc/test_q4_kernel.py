@@ -56,7 +56,8 @@ def test_kernel_takes_model_sized_rows_and_strided_inputs():
 
 
 @needs_kernel
-def test_threads_split_output_rows_without_changing_a_bit():
+def test_threads_split_output_rows_without_changing_a_bit(monkeypatch):
+    monkeypatch.setattr(kernel, "min_parallel_macs", 0)  # however small the call
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 301, 5 * 32)
     packed = PackedQ4.from_blocks(blocks)
     x = torch.randn(9, 5 * 32)
@@ -68,6 +69,14 @@ def test_threads_split_output_rows_without_changing_a_bit():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(alone, together)
+
+
+@needs_kernel
+def test_under_a_passive_wait_policy_small_calls_stay_on_one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert q4_kernel.Q4Kernel(kernel.library).min_parallel_macs == q4_kernel.PASSIVE_PARALLEL_MIN_MACS
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # idle threads spin: waking them costs nothing
+    assert q4_kernel.Q4Kernel(kernel.library).min_parallel_macs == 0
 
 
 def test_a_scale_float16_cannot_hold_keeps_the_layer_off_the_kernel():

@@ -4,7 +4,8 @@ weights (--quantization none), side by side in one run.
 - Kernels by step size: every projection of SmolLM2-135M (30 layers x qkv, o, gate_up,
   down), timed at 1-1024 rows through (a) the float32 layer as served today (oneDNN-packed
   weights), (b) torch's int4 weight-only matmul with bfloat16 activations, (c) the
-  float32 GEMM over weights dequantized into a scratch buffer per layer and (d) kvfleet's
+  float32 GEMM over weights dequantized into a scratch buffer per layer (by kvfleet's
+  kernel where it built, else by torch) and (d) kvfleet's
   float32 4-bit kernel (worker_svc/csrc/q4_gemm.cpp). The rows where (d) stops beating (c)
   set worker_svc/quantized_linear.py's KERNEL_MAX_ROWS, where (b) does its INT4_MAX_ROWS.
 - Single-request decode (--decode): tokens/s of one 128-token request decoding 128
@@ -56,7 +57,7 @@ def log(message: str) -> None:
 
 
 def model_projections() -> list[Q4Blocks]:
-    _, weights = load_weights(resolve_model("smollm2"), torch.float32, keep_q4=True)
+    _, weights = load_weights(resolve_model("smollm2"), torch.float32, keep_quantized=True)
     layers = sorted({int(name.split(".")[2]) for name in weights if name.startswith("model.layers.")})
     return [Q4Blocks.cat([weights[f"model.layers.{i}.{part}.weight"] for part in parts])
             for i in layers for parts in PROJECTIONS.values()]

@@ -55,6 +55,9 @@ class Q4Kernel:
         self._function = library.q4_linear
         self._function.restype = None
         self._function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self._dequantize = library.q4_dequantize
+        self._dequantize.restype = None
+        self._dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
         # OpenMP read its wait policy when torch loaded it, so it holds for the process.
         passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
         self.min_parallel_macs = PASSIVE_PARALLEL_MIN_MACS if passive else 0
@@ -73,6 +76,15 @@ class Q4Kernel:
                        None if bias is None else bias.data_ptr(), out.data_ptr(), rows, cols, packed.out_features,
                        threads)
         return out
+
+
+    def dequantize(self, packed: PackedQ4, out: torch.Tensor) -> torch.Tensor:
+        """The float32 weights [out, in], written into `out` (at least out * in float32 elements)."""
+        rows, cols = packed.out_features, packed.in_features
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() >= rows * cols
+        self._dequantize(packed.codes.data_ptr(), packed.scale_offsets.data_ptr(), out.data_ptr(), rows, cols,
+                         torch.get_num_threads())
+        return out[: rows * cols].view(rows, cols)
 
 
 @functools.cache
@@ -130,3 +142,10 @@ class PackedQ4:
 
     def linear(self, kernel: Q4Kernel, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return kernel.linear(self, x, bias)
+
+    def to_blocks(self) -> Q4Blocks:
+        """The Q4Blocks these were packed from (for torch's int4 kernel, which a benchmark compares)."""
+        rows = self.out_features
+        codes = torch.stack((self.codes & 0x0F, self.codes >> 4), dim=2).reshape(rows, self.in_features)
+        scales, offsets = self.scale_offsets.float().unbind(-1)
+        return Q4Blocks(codes, scales.contiguous(), offsets.contiguous())

@@ -2,21 +2,22 @@
 
 Which kernel is fastest depends on the step's rows, measured on this 2-core AVX2 CPU
 (benchmarks/quantized_weights.py, all 120 projections of SmolLM2-135M, 2 threads, a
-shared machine at load average 0.9-1.2, all kernels side by side in one run):
+shared machine at load average 1.6-2.2, all kernels side by side in one run):
 
-  rows                          1    4    8   16   32   48   64   96  128  256
-  kvfleet's 4-bit kernel, ms   18   23   46   79  138  187  264  288  421  842
-  torch int4 (bfloat16), ms    24   40   53  108  220  265  416  451  573 1068
-  dequantize + float32 GEMM   106  195  164  217  282  340  440  343  435  653
+  rows                          1    8   16   32   48   64   96  128  256
+  kvfleet's 4-bit kernel, ms   17   40   92  181  271  476  534  754 1462
+  torch int4 (bfloat16), ms    29   65  105  261  366  472  849 1094 1141
+  dequantize + float32 GEMM    67  108  156  187  244  342  504  530  856
 
 Steps of up to KERNEL_MAX_ROWS rows take kvfleet's kernel (q4_kernel.py, csrc/q4_gemm.cpp):
 it reads the 4-bit codes and float16 scales (0.625 bytes a weight) and computes in
 float32 over exactly the GGUF weights, so its tokens are the float32 model's. Bigger
-steps take the float32 GEMM over weights dequantized into a scratch buffer, one layer at
-a time (its dequantization costs 60-90 ms a step). The crossover was at 128 rows (96-128
-in an earlier, busier run); KERNEL_MAX_ROWS stays on the lower side. Single-request
-decode (the benchmark's --decode) went from 15.5 to 24.0 tokens/s with the kernel
-(transformers: 9.9), in one run.
+steps take the float32 GEMM over weights the kernel dequantizes into a scratch buffer,
+one layer at a time (21 ms a step for all layers; torch's dequantization of the blocks
+took 58). Two more runs at 16-64 rows: the kernel 81 and 95 ms against 116 and 129 at
+16 rows, level at 24 and 32, behind from 48; KERNEL_MAX_ROWS takes the lower tie.
+Single-request decode (the benchmark's --decode) went from 15.5 tokens/s with torch's
+int4 kernel to 24.0 with this one (transformers: 9.9), in one run.
 
 Where the kernel cannot build (no compiler, no AVX2/FMA/F16C), steps of up to
 INT4_MAX_ROWS take torch's int4 weight-only matmul, as before the kernel: bfloat16
@@ -32,7 +33,7 @@ from worker_svc import q4_kernel
 from worker_svc.layers import cpu_linear
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
 
-KERNEL_MAX_ROWS = 64  # steps of at most this many rows take the float32 4-bit kernel, where it built
+KERNEL_MAX_ROWS = 24  # steps of at most this many rows take the float32 4-bit kernel, where it built
 INT4_MAX_ROWS = 32  # without it, steps of at most this many rows take torch's int4 kernel
 
 
@@ -52,12 +53,14 @@ class QuantizedLinear(nn.Module):
     def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None, scratch: DequantScratch) -> None:
         super().__init__()
         self.out_features, self.in_features = blocks.shape
-        self.blocks = blocks
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.scratch = scratch
         scratch.reserve(blocks.codes.numel())
         self.kernel = q4_kernel.load()
         self.packed = None if self.kernel is None else q4_kernel.PackedQ4.from_blocks(blocks)
+        # The kernel also dequantizes its packing for big steps, 2.8x faster than torch's passes over the
+        # blocks (21 vs 58 ms for SmolLM2's 120 projections), so their 1.25 bytes a weight are not kept.
+        self.blocks = None if self.packed is not None and scratch.buffer.dtype == torch.float32 else blocks
         # torch's int4 weights only where the float32 kernel cannot run: they would cost another 0.56 bytes a weight.
         self.int4_weight: torch.Tensor | None = None
         self.int4_scale_zeros: torch.Tensor | None = None
@@ -66,7 +69,7 @@ class QuantizedLinear(nn.Module):
 
     def pack_int4(self) -> None:
         # The int4 kernel's dequantization is (code - 8) * scale + zero, per group of GROUP_SIZE inputs.
-        blocks = self.blocks
+        blocks = self.blocks if self.blocks is not None else self.packed.to_blocks()
         self.int4_weight = torch._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), 1)
         scale_zeros = torch.stack((blocks.scales, blocks.offsets + 8 * blocks.scales), dim=-1)  # [rows, groups, 2]
         self.int4_scale_zeros = scale_zeros.transpose(0, 1).to(torch.bfloat16).contiguous()  # [groups, rows, 2]
@@ -96,5 +99,9 @@ class QuantizedLinear(nn.Module):
         return out
 
     def dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        weight = self.blocks.dequantize(self.scratch.reserve(self.blocks.codes.numel()))
+        buffer = self.scratch.reserve(self.out_features * self.in_features)
+        if self.blocks is None:
+            weight = self.kernel.dequantize(self.packed, buffer)
+        else:
+            weight = self.blocks.dequantize(buffer)
         return cpu_linear(rows, weight, self.bias)

@@ -48,6 +48,39 @@ def test_kernel_equals_the_float32_product(kind, rows, with_bias):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
+def test_packing_dequantizes_and_unpacks_to_exactly_the_blocks(kind):
+    blocks = random_blocks(kind, 195, 7 * 32)
+    packed = PackedQ4.from_blocks(blocks)
+    expected = blocks.dequantize(torch.empty(blocks.codes.numel()))
+    assert torch.equal(kernel.dequantize(packed, torch.empty(195 * 7 * 32 + 5)), expected)
+    unpacked = packed.to_blocks()
+    assert all(torch.equal(getattr(unpacked, field), getattr(blocks, field)) for field in ("codes", "scales", "offsets"))
+
+
+@needs_kernel
+def test_big_steps_dequantize_the_packing_and_keep_no_blocks():
+    blocks = random_blocks(GGMLQuantizationType.Q4_0, 64, 96)
+    layer = QuantizedLinear(blocks, None, DequantScratch(torch.float32))
+    assert layer.blocks is None  # only the packing holds the weights
+    x = torch.randn(KERNEL_MAX_ROWS + 1, 96)
+    torch.testing.assert_close(layer(x), reference(blocks, x, None), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.int4_matmul(x[:3]), reference(blocks, x[:3], None), rtol=0.02, atol=0.02)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [2, KERNEL_MAX_ROWS + 1])
+def test_a_bfloat16_model_keeps_its_blocks_for_big_steps(rows):
+    blocks = random_blocks(GGMLQuantizationType.Q4_1, 64, 96)
+    layer = QuantizedLinear(blocks, None, DequantScratch(torch.bfloat16))
+    assert layer.blocks is not None and layer.packed is not None  # the kernel dequantizes to float32 only
+    x = torch.randn(rows, 96)
+    out = layer(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference(blocks, x, None), rtol=0.05, atol=0.05)
+
+
+@needs_kernel
 def test_kernel_takes_model_sized_rows_and_strided_inputs():
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 576, 1536)
     x = torch.randn(6, 3072)[:, ::2]  # not contiguous

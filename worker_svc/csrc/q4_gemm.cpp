@@ -106,3 +106,16 @@ extern "C" void q4_linear(const float* x, const uint8_t* codes, const uint16_t* 
   for (int64_t t = 0; t < tiles; ++t) rows_tile<kTileN>(codes, scale_offsets, x, bias, y, M, K, N, t * kTileN);
   for (int64_t n0 = tiles * kTileN; n0 < N; ++n0) rows_tile<1>(codes, scale_offsets, x, bias, y, M, K, N, n0);
 }
+
+// The float32 weights [N, K] into w: for steps too big for q4_linear, which then run a
+// float32 GEMM over them. One pass of vector stores, rows split over `threads`.
+extern "C" void q4_dequantize(const uint8_t* codes, const uint16_t* scale_offsets, float* w, int64_t N, int64_t K,
+                              int threads) {
+  const int64_t blocks = N * (K / kGroup);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 v[4];
+    dequantize_block(codes + b * (kGroup / 2), scale_offsets + b * 2, v);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(w + b * kGroup + 8 * j, v[j]);
+  }
+}

@@ -32,6 +32,7 @@ from services.model_source import ModelFormat, ModelSource
 from worker_svc.gguf_header import GGUFTensor, read_gguf_header
 from worker_svc.model_config import ModelConfig, read_json, read_model_config
 from worker_svc.q4_weights import Q4_KINDS, Q4Blocks
+from worker_svc.q8_weights import Q8_KIND, Q8Blocks
 from worker_svc.shard import SINGLE, Shard
 
 logger = logging.getLogger(__name__)
@@ -76,22 +77,26 @@ class LoadProgress:
                         self.total_bytes / 1e9, now - self.started)
 
 
-Weights = dict[str, torch.Tensor | Q4Blocks]
+Weights = dict[str, torch.Tensor | Q4Blocks | Q8Blocks]
+# Kept 8-bit with --quantization gguf: the token embedding (and an untied LM head), which
+# every decode step reads whole as the LM head.
+_Q8_NAMES = frozenset(("model.embed_tokens.weight", "lm_head.weight"))
 
 
 def load_weights(
-    source: ModelSource, dtype: torch.dtype, keep_q4: bool = False, shard: Shard = SINGLE
+    source: ModelSource, dtype: torch.dtype, keep_quantized: bool = False, shard: Shard = SINGLE
 ) -> tuple[ModelConfig, Weights]:
     """The model's config and its HF-named state dict, every tensor contiguous in `dtype`;
-    with `keep_q4`, a GGUF file's 4-bit projection matrices stay 4-bit (Q4Blocks).
+    with `keep_quantized`, a GGUF file's 4-bit projection matrices stay 4-bit (Q4Blocks),
+    and its 8-bit embedding and LM head 8-bit (Q8Blocks).
 
     A rank of a worker group gets only its shard: the tensors of its stage, each cut to
     its slice as it is read (its rows or block-aligned columns, before any dequantizing),
     so no rank ever holds the whole model. Layers are then numbered from the stage's first."""
     config = read_model_config(source)
     part = _Part(shard, config)
-    if source.format is ModelFormat.GGUF and keep_q4:
-        tensors = _read_gguf(source.path, config, dtype, part, keep_q4=True)
+    if source.format is ModelFormat.GGUF and keep_quantized:
+        tensors = _read_gguf(source.path, config, dtype, part, keep_quantized=True)
     elif source.format is ModelFormat.GGUF:
         tensors = _load_gguf(source.path, config, dtype, part)
     else:
@@ -186,7 +191,7 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, part: _Part)
     if cached.is_file():
         logger.info("reading the dequantized weights cached in %s", cached)
         return load_file(cached) if part.whole else _read_safetensors([cached], dtype, part)
-    tensors = _read_gguf(path, config, dtype, part, keep_q4=False)
+    tensors = _read_gguf(path, config, dtype, part, keep_quantized=False)
     if not part.whole:
         return tensors
     try:
@@ -199,7 +204,7 @@ def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, part: _Part)
     return tensors
 
 
-def _read_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, part: _Part, keep_q4: bool) -> Weights:
+def _read_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, part: _Part, keep_quantized: bool) -> Weights:
     header = read_gguf_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     tensors: Weights = {}
@@ -211,9 +216,11 @@ def _read_gguf(path: Path, config: ModelConfig, dtype: torch.dtype, part: _Part,
         kind = GGMLQuantizationType(tensor.kind)
         block, block_bytes = (1, 1) if kind in _FLOAT_TYPES else GGML_QUANT_SIZES[kind]
         raw = part.cut(hf_name, _gguf_raw(data, tensor), block, block_bytes)
-        weight: torch.Tensor | Q4Blocks
-        if keep_q4 and kind in Q4_KINDS and hf_name.startswith("model.layers."):
+        weight: torch.Tensor | Q4Blocks | Q8Blocks
+        if keep_quantized and kind in Q4_KINDS and hf_name.startswith("model.layers."):
             weight = Q4Blocks.from_gguf(raw, kind)
+        elif keep_quantized and kind is Q8_KIND and hf_name in _Q8_NAMES:
+            weight = Q8Blocks.from_gguf(raw)
         else:
             # dequantize yields numpy shape (rows, cols): GGUF's dims reversed, which is
             # torch's Linear layout. torch.tensor copies out of the read-only map.

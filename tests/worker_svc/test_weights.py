@@ -2,6 +2,7 @@
 state dicts of tiny random models it saves (as safetensors, or written by us as GGUF)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -24,6 +25,7 @@ from transformers import (  # noqa: E402
 
 from services.model_source import ModelFormat, ModelSource, resolve_model  # noqa: E402
 from worker_svc.q4_weights import Q4Blocks  # noqa: E402
+from worker_svc.q8_weights import Q8Blocks  # noqa: E402
 from worker_svc.shard import Shard  # noqa: E402
 from worker_svc.weights import load_weights  # noqa: E402
 
@@ -301,8 +303,8 @@ def _assert_shard_of(whole: dict, part: dict, config, shard: Shard) -> None:
     assert set(part) == set(held)
     for local, name in held.items():
         piece = shard.slice_of(name, config)
-        if isinstance(whole[name], Q4Blocks):
-            for field in ("codes", "scales", "offsets"):
+        if isinstance(whole[name], (Q4Blocks, Q8Blocks)):
+            for field in (f.name for f in dataclasses.fields(whole[name])):
                 cut = piece
                 if field != "codes" and piece is not None and piece[0] == 1:  # a scale per 32 columns
                     cut = (1, piece[1] // 32, piece[2] // 32)
@@ -312,13 +314,15 @@ def _assert_shard_of(whole: dict, part: dict, config, shard: Shard) -> None:
 
 
 @needs_smollm2
-@pytest.mark.parametrize("keep_q4", [False, True])
-def test_gguf_shards_are_slices_of_the_whole(smollm2: ModelSource, keep_q4: bool) -> None:
+@pytest.mark.parametrize("keep_quantized", [False, True])
+def test_gguf_shards_are_slices_of_the_whole(smollm2: ModelSource, keep_quantized: bool) -> None:
     """Cut from the file's rows and quantization blocks before dequantizing, and the
     rotary unpermute per head: the same numbers as cutting the whole model."""
-    config, whole = load_weights(smollm2, torch.float32, keep_q4=keep_q4)
+    config, whole = load_weights(smollm2, torch.float32, keep_quantized=keep_quantized)
+    if keep_quantized:  # the 4-bit projections, and the 8-bit embedding the head shares
+        assert isinstance(whole["model.embed_tokens.weight"], Q8Blocks)
     for shard in (Shard(0, 2, 0, 1), Shard(1, 2, 0, 1), Shard(0, 1, 0, 2), Shard(0, 1, 1, 2)):
-        _, part = load_weights(smollm2, torch.float32, keep_q4=keep_q4, shard=shard)
+        _, part = load_weights(smollm2, torch.float32, keep_quantized=keep_quantized, shard=shard)
         _assert_shard_of(whole, part, config, shard)
 
 

@@ -22,6 +22,9 @@ from worker_svc.attention.backend import AttentionBackend
 from worker_svc.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from worker_svc.model_config import ModelConfig
 from worker_svc.q4_weights import Q4Blocks
+from worker_svc.q8_linear import Q8Linear
+from worker_svc.q8_linear import load_kernel as load_q8_kernel
+from worker_svc.q8_weights import Q8Blocks
 from worker_svc.quantized_linear import DequantScratch, QuantizedLinear
 from worker_svc.rank_group import RankGroup
 from worker_svc.weights import Weights
@@ -116,20 +119,30 @@ class MLP(nn.Module):
 
 class VocabEmbedding(nn.Embedding):
     """The embedding rows of this rank's vocabulary slice: the ranks' lookups sum to the
-    whole one, each contributing zeros for the tokens it does not hold."""
+    whole one, each contributing zeros for the tokens it does not hold. Its rows may be
+    8-bit blocks kept as stored (`keep_q8`), read as float rows for each lookup."""
+
+    q8: Q8Blocks | None = None
 
     def __init__(self, rows: int, hidden_size: int, first_row: int, group: RankGroup) -> None:
         super().__init__(rows, hidden_size)
         self.first_row = first_row
         self.group = group
 
+    def keep_q8(self, blocks: Q8Blocks, dtype: torch.dtype) -> None:
+        self.q8, self.dtype = blocks, dtype
+        self.register_parameter("weight", None)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group.shard.tp_size == 1:
-            return super().forward(input_ids)
+            return self._rows(input_ids)
         local = input_ids - self.first_row
         outside = (local < 0) | (local >= self.num_embeddings)
-        hidden = super().forward(local.masked_fill(outside, 0)).masked_fill_(outside.unsqueeze(-1), 0)
+        hidden = self._rows(local.masked_fill(outside, 0)).masked_fill_(outside.unsqueeze(-1), 0)
         return self.group.all_reduce(hidden)
+
+    def _rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) if self.q8 is None else self.q8.rows(input_ids, self.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -237,7 +250,9 @@ class LlamaForCausalLM(nn.Module):
         vocab_rows = shard.vocab_per_rank(self.config.vocab_size)
         for name in ("embed_tokens.weight", "lm_head.weight"):
             if name in fused and fused[name].shape[0] < vocab_rows:
-                fused[name] = F.pad(fused[name], (0, 0, 0, vocab_rows - fused[name].shape[0]))
+                weight = fused[name]
+                fused[name] = (weight.padded(vocab_rows) if isinstance(weight, Q8Blocks)
+                               else F.pad(weight, (0, 0, 0, vocab_rows - weight.shape[0])))
         if self.config.tie_word_embeddings and "embed_tokens.weight" in fused and "lm_head.weight" in fused:
             fused["lm_head.weight"] = fused["embed_tokens.weight"]  # one tensor again after padding
         self._install_quantized(fused)
@@ -250,15 +265,24 @@ class LlamaForCausalLM(nn.Module):
                 module.pack_for_cpu()
 
     def _install_quantized(self, fused: Weights) -> None:
-        """Replace each Linear whose weight is 4-bit blocks, taking its weight and bias out of `fused`."""
-        quantized = [name for name, value in fused.items() if isinstance(value, Q4Blocks)]
+        """Replace each Linear whose weight is 4-bit blocks, and the LM head given as 8-bit
+        blocks, taking their weights and biases out of `fused`; an 8-bit embedding keeps its blocks."""
+        quantized = [name for name, value in fused.items() if isinstance(value, (Q4Blocks, Q8Blocks))]
         if not quantized:
             return
-        scratch = DequantScratch(fused["layers.0.input_layernorm.weight"].dtype)  # the model's dtype
+        dtype = fused["layers.0.input_layernorm.weight"].dtype  # the model's
+        scratch = DequantScratch(dtype)
         for name in quantized:
+            blocks = fused.pop(name)
+            if name == "embed_tokens.weight":
+                self.embed_tokens.keep_q8(blocks, dtype)
+                continue
             module_name = name.removesuffix(".weight")
             parent, _, child = module_name.rpartition(".")
-            layer = QuantizedLinear(fused.pop(name), fused.pop(f"{module_name}.bias", None), scratch)
+            if isinstance(blocks, Q8Blocks):
+                layer = Q8Linear(blocks, scratch, load_q8_kernel())
+            else:
+                layer = QuantizedLinear(blocks, fused.pop(f"{module_name}.bias", None), scratch)
             setattr(self.get_submodule(parent), child, layer)
 
 

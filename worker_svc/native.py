@@ -1,0 +1,87 @@
+"""The worker's C and C++ kernels (attention/paged_decode.c, csrc/*.cpp): each built once
+per machine with the system compiler into kvfleet's cache, keyed by its source, flags
+and what they compile for, and loaded through ctypes, which releases the GIL for a call.
+
+Not torch's JIT extension loader: it compiled for 50 s (torch's headers and pybind11),
+needed ninja and Python's headers, and waits forever on a build lock that a killed build
+leaves behind; here each build writes a private file and renames it into place, so
+concurrent or interrupted builds never block one another. A kernel that cannot be built
+(no compiler, a read-only cache, a CPU without its instructions) is None, with a logged
+warning: every caller keeps a torch path, so serving never fails on a kernel.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from services.file_cache import cache_root
+
+logger = logging.getLogger(__name__)
+
+# For kernels written with AVX2 intrinsics (the GGUF GEMMs).
+AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+def cpu_flags() -> set[str]:
+    """The instruction set extensions /proc/cpuinfo lists (empty where it cannot be read)."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def cpu_signature() -> bytes:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine.encode()
+    wanted = ("model name", "flags")
+    return "\n".join(sorted({line for line in lines if line.startswith(wanted)})).encode()
+
+
+def load_library(source: Path, flags: Sequence[str], what: str, needs: Sequence[str] = (),
+                 libraries: Sequence[str] = ()) -> ctypes.CDLL | None:
+    """`source` built with `flags` (C++ for .cpp, else C) and loaded; None, warned, where it
+    cannot be. `needs`: CPU flags the code requires; `what` names it in the warnings."""
+    if not set(needs) <= cpu_flags():
+        logger.warning("%s: this CPU lacks one of %s; using torch instead", what, ", ".join(needs))
+        return None
+    native = "-march=native" in flags
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + (cpu_signature() if native else b""))
+    library = cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    try:
+        if not library.exists():
+            compiler = shutil.which(os.environ.get("CXX", "c++") if source.suffix == ".cpp"
+                                    else os.environ.get("CC", "cc"))
+            if compiler is None:
+                logger.warning("%s: no compiler to build it with; using torch instead", what)
+                return None
+            _build(compiler, source, flags, libraries, library, what)
+        return ctypes.CDLL(str(library))
+    except (OSError, subprocess.CalledProcessError) as exc:  # a read-only cache, a broken toolchain
+        detail = exc.stderr[-2000:] if isinstance(exc, subprocess.CalledProcessError) else exc
+        logger.warning("%s did not build; using torch instead: %s", what, detail)
+        return None
+
+
+def _build(compiler: str, source: Path, flags: Sequence[str], libraries: Sequence[str], library: Path,
+           what: str) -> None:
+    library.parent.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        built = Path(scratch) / library.name
+        subprocess.run([compiler, *flags, str(source), "-o", str(built), *libraries], check=True,
+                       capture_output=True, text=True)
+        built.replace(library)  # atomic: a concurrent build never loads a half-written file
+    logger.info("built %s in %.1f s: %s", what, time.perf_counter() - began, library)

@@ -22,8 +22,8 @@ class Linear(nn.Linear):
 
     def pack_for_cpu(self) -> None:
         """Packs the weight, if this build and dtype allow, and drops the dense one,
-        which forward() no longer reads."""
-        if _onednn_packs(self.weight):
+        which forward() no longer reads. Packing twice is a no-op."""
+        if self.packed_weight is None and _onednn_packs(self.weight):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
             del self.weight
             self.register_parameter("weight", None)

@@ -52,9 +52,8 @@ class Q8Blocks:
         grouped = codes.view(*codes.shape[:-1], -1, GROUP_SIZE).mul_(self.scales[index].to(torch.float32).unsqueeze(-1))
         return grouped.view(codes.shape).to(dtype)
 
-    def dequantize(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
-        """Rows start..stop as float weights, written into `out` (at least their count of elements)."""
-        cols = self.shape[1]
-        grouped = out[: (stop - start) * cols].view(stop - start, cols // GROUP_SIZE, GROUP_SIZE)
-        grouped.copy_(self.codes[start:stop].view(grouped.shape))
-        return grouped.mul_(self.scales[start:stop].to(torch.float32).unsqueeze(-1)).view(stop - start, cols)
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights [rows, cols]."""
+        rows, cols = self.shape
+        grouped = self.codes.view(rows, cols // GROUP_SIZE, GROUP_SIZE).to(torch.float32)
+        return grouped.mul_(self.scales.to(torch.float32).unsqueeze(-1)).view(rows, cols)

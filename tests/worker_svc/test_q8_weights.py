@@ -1,7 +1,7 @@
 """8-bit GGUF weights kept as stored (--quantization gguf): Q8Blocks read exactly what
 gguf's dequantizer reads, the embedding looks its rows up from them, and the LM head
-(csrc/q8_gemm.cpp for few rows, dequantized slices for more) computes x @ W.T over
-exactly those weights; the model holds no float32 copy of either."""
+(csrc/q8_gemm.cpp for few rows, a packed float32 copy for more) computes x @ W.T over
+exactly those weights; the model holds no float32 embedding."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +14,6 @@ from kvfleet import LLM
 from worker_svc import q8_linear
 from worker_svc.q8_linear import KERNEL_MAX_ROWS, Q8Linear
 from worker_svc.q8_weights import Q8Blocks
-from worker_svc.quantized_linear import DequantScratch
 
 kernel = q8_linear.load_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no AVX2/FMA/F16C CPU or no compiler")
@@ -35,36 +34,25 @@ def test_blocks_rows_and_slices_are_ggufs_weights():
     ids = torch.tensor([[0, 202], [17, 17]])
     assert torch.equal(blocks.rows(ids, torch.float32), weight[ids])
     assert blocks.rows(ids, torch.bfloat16).dtype == torch.bfloat16
-    assert torch.equal(blocks.dequantize(40, 113, torch.empty(100 * 5 * 32)), weight[40:113])
+    assert torch.equal(blocks.dequantize(), weight)
     padded = blocks.padded(208)
     assert padded.shape == (208, 5 * 32)
     assert torch.equal(padded.rows(torch.arange(208), torch.float32), torch.cat((weight, torch.zeros(5, 5 * 32))))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 40])
-@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "dequantized"])
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "dense"])
 def test_head_equals_the_float32_product(rows, use_kernel):
     if use_kernel and kernel is None:
         pytest.skip("no kernel here")
     # 203 outputs (not a multiple of the kernel's tiles) of 5 blocks (an odd count).
     raw = random_raw(203, 5 * 32, seed=rows)
-    head = Q8Linear(Q8Blocks.from_gguf(raw), DequantScratch(torch.float32), kernel if use_kernel else None)
+    head = Q8Linear(Q8Blocks.from_gguf(raw), torch.float32, kernel if use_kernel else None)
     x = torch.randn(rows, 5 * 32, generator=torch.Generator().manual_seed(rows))
     out = head(x)
     assert out.shape == (rows, 203) and out.dtype == torch.float32
     expected = (x.double() @ dense(raw).double().T).float()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-
-
-@needs_kernel
-def test_big_steps_dequantize_a_slice_at_a_time(monkeypatch):
-    monkeypatch.setattr(q8_linear, "DEQUANTIZED_ROWS", 64)
-    raw = random_raw(203, 64)
-    scratch = DequantScratch(torch.float32)
-    head = Q8Linear(Q8Blocks.from_gguf(raw), scratch, kernel)
-    x = torch.randn(KERNEL_MAX_ROWS + 3, 64)
-    torch.testing.assert_close(head(x), (x.double() @ dense(raw).double().T).float(), rtol=1e-5, atol=1e-5)
-    assert scratch.buffer.numel() == 64 * 64  # never the whole head
 
 
 @pytest.fixture(scope="module")
@@ -78,4 +66,5 @@ def test_the_model_keeps_its_embedding_and_head_8_bit(gguf_llm):
     model = gguf_llm.engine.worker.model
     assert model.embed_tokens.q8 is not None and model.embed_tokens.weight is None
     assert isinstance(model.lm_head, Q8Linear) and model.lm_head.blocks is model.embed_tokens.q8  # tied: one copy
+    # Big steps take the head's packed float32 copy; nothing else holds the vocabulary in float32.
     assert not any(p.numel() >= model.lm_head.blocks.codes.numel() for p in model.parameters())

@@ -280,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
             module_name = name.removesuffix(".weight")
             parent, _, child = module_name.rpartition(".")
             if isinstance(blocks, Q8Blocks):
-                layer = Q8Linear(blocks, scratch, load_q8_kernel())
+                layer = Q8Linear(blocks, dtype, load_q8_kernel())
             else:
                 layer = QuantizedLinear(blocks, fused.pop(f"{module_name}.bias", None), scratch)
             setattr(self.get_submodule(parent), child, layer)

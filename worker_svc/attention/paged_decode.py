@@ -1,7 +1,6 @@
 """The in-place paged decode attention kernel (paged_decode.c), built and loaded on demand.
 
-Built once per machine with the system C compiler into ~/.cache/kvfleet/kernels
-(keyed by the source and this CPU, since it is compiled for it) and called through
+Built once per machine (worker_svc/native.py; compiled for this CPU) and called through
 ctypes, which releases the GIL: each of torch's threads runs a share of the decodes,
 split so that each share reads about the same number of keys. Without a compiler
 (or with KVFLEET_DECODE_KERNEL=0) the torch backend keeps its gather-then-SDPA path,
@@ -11,22 +10,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from worker_svc.native import load_library
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvfleet" / "kernels"
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in the C source
 
@@ -109,37 +102,6 @@ def decode_kernel_enabled() -> bool:
 
 @functools.cache
 def load_kernel() -> PagedDecodeKernel | None:
-    """The kernel, built if this machine has not built it yet; None without a compiler."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        logger.info("no C compiler: decode attention gathers KV with torch instead")
-        return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_signature()).hexdigest()[:16]
-    library = CACHE_DIR / f"paged_decode-{key}.so"
-    try:
-        if not library.exists():
-            _build(compiler, library)
-        return PagedDecodeKernel(ctypes.CDLL(str(library)))
-    except (OSError, subprocess.CalledProcessError) as exc:  # a read-only home, a broken toolchain
-        detail = exc.stderr[-2000:] if isinstance(exc, subprocess.CalledProcessError) else exc
-        logger.warning("could not build the paged decode kernel; decode attention uses torch: %s", detail)
-        return None
-
-
-def _build(compiler: str, library: Path) -> None:
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as scratch:
-        built = Path(scratch) / library.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
-                       text=True)
-        built.replace(library)  # atomic: a concurrent build never loads a half-written file
-
-
-def _cpu_signature() -> bytes:
-    """What -march=native compiles for: the CPU's model and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return os.uname().machine.encode()
-    wanted = ("model name", "flags")
-    return "\n".join(sorted({line for line in lines if line.startswith(wanted)})).encode()
+    """The kernel, built if this machine has not built it yet; None where it cannot be."""
+    library = load_library(SOURCE, FLAGS, "the paged decode attention kernel", libraries=["-lm"])
+    return None if library is None else PagedDecodeKernel(library)

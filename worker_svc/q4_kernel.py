@@ -1,11 +1,7 @@
 """The float32 4-bit GEMM of csrc/q4_gemm.cpp (AVX2, FMA, F16C) for steps of few rows.
 
-Built once per machine with the system C++ compiler (about 1.5 s) into kvfleet's cache,
-keyed by the source and flags, and called through ctypes, as attention/paged_decode.py
-does. Not torch's JIT extension loader: it compiled for 50 s (torch's headers and
-pybind11), needed ninja and Python's headers, and waits forever on a build lock that a
-killed build leaves behind; here each build writes a private file and renames it into
-place, so concurrent or interrupted builds never block one another.
+Built once per machine with the system C++ compiler (about 1.5 s) and called through
+ctypes (worker_svc/native.py), as the other worker kernels are.
 
 Without a compiler or AVX2/FMA/F16C, `load()` returns None with a logged warning and
 QuantizedLinear keeps torch's int4 kernel: serving never fails on this kernel."""
@@ -13,40 +9,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from services.file_cache import cache_root
+from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).parent / "csrc" / "q4_gemm.cpp"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
-CPU_FLAGS = ("avx2", "fma", "f16c")
 # kvfleet's idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE, worker_svc/threads.py), and
 # waking one cost ~0.2 ms a call on the 2-core VM measured: more than a whole 1-row
 # projection (16 ms for SmolLM2's 120 projections on one thread, 35 ms on two). Under that
 # policy a call of fewer multiply-adds runs on the calling thread alone; two threads only
 # broke even at 16 rows (about this many) and won at 64 (220 vs 358 ms).
 PASSIVE_PARALLEL_MIN_MACS = 16 << 20
-
-
-def cpu_supports_kernel() -> bool:
-    """The instructions the kernel is compiled for, as /proc/cpuinfo lists them."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return all(flag in flags.split() for flag in CPU_FLAGS)
 
 
 class Q4Kernel:
@@ -90,33 +67,8 @@ class Q4Kernel:
 @functools.cache
 def load() -> Q4Kernel | None:
     """The kernel, built if this machine has not built it yet; None where it cannot run (warned once)."""
-    if not cpu_supports_kernel():
-        logger.warning("4-bit GEMM kernel: this CPU lacks one of %s; small steps use torch's int4 kernel", CPU_FLAGS)
-        return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    library = cache_root() / "kernels" / f"q4_gemm-{key}.so"
-    try:
-        if not library.exists():
-            compiler = shutil.which(os.environ.get("CXX", "c++"))
-            if compiler is None:
-                logger.warning("4-bit GEMM kernel: no C++ compiler; small steps use torch's int4 kernel")
-                return None
-            _build(compiler, library)
-        return Q4Kernel(ctypes.CDLL(str(library)))
-    except (OSError, subprocess.CalledProcessError) as exc:  # a read-only cache, a broken toolchain
-        detail = exc.stderr[-2000:] if isinstance(exc, subprocess.CalledProcessError) else exc
-        logger.warning("4-bit GEMM kernel did not build; small steps use torch's int4 kernel: %s", detail)
-        return None
-
-
-def _build(compiler: str, library: Path) -> None:
-    library.parent.mkdir(parents=True, exist_ok=True)
-    began = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-        built = Path(scratch) / library.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True, text=True)
-        built.replace(library)  # atomic: a concurrent build never loads a half-written file
-    logger.info("built the 4-bit GEMM kernel in %.1f s: %s", time.perf_counter() - began, library)
+    library = load_library(SOURCE, AVX2_FLAGS, "the 4-bit GEMM kernel", needs=AVX2_CPU_FLAGS)
+    return None if library is None else Q4Kernel(library)
 
 
 class PackedQ4:

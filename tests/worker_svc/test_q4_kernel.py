@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from worker_svc import q4_kernel
+from worker_svc import native, q4_kernel
 from worker_svc.q4_kernel import PackedQ4
 from worker_svc.q4_weights import Q4Blocks
 from worker_svc.quantized_linear import KERNEL_MAX_ROWS, DequantScratch, QuantizedLinear
@@ -144,13 +144,13 @@ def test_without_the_kernel_small_steps_take_torchs_int4(monkeypatch):
 def test_a_missing_or_failing_compiler_warns_and_serves_on(compiler, monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CXX", compiler)
-    monkeypatch.setattr(q4_kernel, "cpu_supports_kernel", lambda: True)
+    monkeypatch.setattr(native, "cpu_flags", lambda: set(native.AVX2_CPU_FLAGS))
     q4_kernel.load.cache_clear()
     try:
         assert q4_kernel.load() is None
     finally:
         q4_kernel.load.cache_clear()
-    assert "small steps use torch's int4 kernel" in caplog.text
+    assert "the 4-bit GEMM kernel" in caplog.text and "using torch instead" in caplog.text
     assert not list(tmp_path.rglob("*.so"))
 
 

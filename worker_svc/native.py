@@ -58,7 +58,9 @@ def load_library(source: Path, flags: Sequence[str], what: str, needs: Sequence[
         logger.warning("%s: this CPU lacks one of %s; using torch instead", what, ", ".join(needs))
         return None
     native = "-march=native" in flags
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + (cpu_signature() if native else b""))
+    # The headers beside it are part of what it compiles.
+    code = b"".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.h"))])
+    key = hashlib.sha256(code + " ".join(flags).encode() + (cpu_signature() if native else b""))
     library = cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
     try:
         if not library.exists():

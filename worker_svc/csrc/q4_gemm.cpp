@@ -14,9 +14,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "block_gemm.h"
+
 namespace {
 
-constexpr int64_t kGroup = 32;
+using block_gemm::kGroup;
 constexpr int kTileN = 2;  // output rows per tile
 
 // The block's 32 weights as 4 vectors of 8 floats, in order.
@@ -37,43 +39,18 @@ inline void dequantize_block(const uint8_t* codes, const uint16_t* scale_offset,
   }
 }
 
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+struct Q4Weights {
+  const uint8_t* codes;
+  const uint16_t* scale_offsets;
+  void block(int64_t i, __m256 w[4]) const { dequantize_block(codes + i * (kGroup / 2), scale_offsets + i * 2, w); }
+};
 
-// Output rows n0 .. n0 + NR of input rows m0 .. m0 + MR.
+// Fewer rows get more accumulators each, so that enough FMA chains run at once.
 template <int MR, int NR>
 void tile(const uint8_t* codes, const uint16_t* scale_offsets, const float* x, const float* bias, float* y,
           int64_t K, int64_t N, int64_t n0, int64_t m0) {
-  // Fewer rows get more accumulators each, so that enough FMA chains run at once.
   constexpr int A = MR == 1 ? 4 : (MR == 2 ? 2 : 1);
-  static_assert(NR * MR * A + 4 <= 16, "accumulators and a block's weights fit AVX2's 16 registers");
-  const int64_t blocks = K / kGroup;
-  __m256 acc[NR][MR][A];
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m)
-      for (int a = 0; a < A; ++a) acc[r][m][a] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int r = 0; r < NR; ++r) {
-      const int64_t block = (n0 + r) * blocks + b;
-      __m256 w[4];
-      dequantize_block(codes + block * (kGroup / 2), scale_offsets + block * 2, w);
-      for (int m = 0; m < MR; ++m) {
-        const float* xs = x + (m0 + m) * K + b * kGroup;
-        for (int j = 0; j < 4; ++j)
-          acc[r][m][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xs + 8 * j), acc[r][m][j % A]);
-      }
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m) {
-      __m256 sum = acc[r][m][0];
-      for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[r][m][a]);
-      y[(m0 + m) * N + n0 + r] = horizontal_sum(sum) + (bias ? bias[n0 + r] : 0.0f);
-    }
+  block_gemm::tile<MR, NR, A>(Q4Weights{codes, scale_offsets}, x, bias, y, K, N, n0, m0);
 }
 
 template <int NR>

@@ -9,9 +9,11 @@
 
 #include <cstdint>
 
+#include "block_gemm.h"
+
 namespace {
 
-constexpr int64_t kGroup = 32;
+using block_gemm::kGroup;
 constexpr int kTileN = 4;  // output rows a task takes at a time
 
 // The block's 32 weights as 4 vectors of 8 floats, in order.
@@ -23,43 +25,17 @@ inline void dequantize_block(const int8_t* codes, const uint16_t* scale, __m256 
   for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[j])), d);
 }
 
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+struct Q8Weights {
+  const int8_t* codes;
+  const uint16_t* scales;
+  void block(int64_t i, __m256 w[4]) const { dequantize_block(codes + i * kGroup, scales + i, w); }
+};
 
-// Output rows n0 .. n0 + NR of input rows m0 .. m0 + MR.
+// One row of x gets two accumulators per output row, so that enough FMA chains run at once.
 template <int MR, int NR>
 void tile(const int8_t* codes, const uint16_t* scales, const float* x, float* y, int64_t K, int64_t N, int64_t n0,
           int64_t m0) {
-  // One row of x gets two accumulators per output row, so that enough FMA chains run at once.
-  constexpr int A = MR == 1 ? 2 : 1;
-  static_assert(NR * MR * A + 4 <= 16, "accumulators and a block's weights fit AVX2's 16 registers");
-  const int64_t blocks = K / kGroup;
-  __m256 acc[NR][MR][A];
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m)
-      for (int a = 0; a < A; ++a) acc[r][m][a] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int r = 0; r < NR; ++r) {
-      const int64_t block = (n0 + r) * blocks + b;
-      __m256 w[4];
-      dequantize_block(codes + block * kGroup, scales + block, w);
-      for (int m = 0; m < MR; ++m) {
-        const float* xs = x + (m0 + m) * K + b * kGroup;
-        for (int j = 0; j < 4; ++j)
-          acc[r][m][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xs + 8 * j), acc[r][m][j % A]);
-      }
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m) {
-      __m256 sum = acc[r][m][0];
-      for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[r][m][a]);
-      y[(m0 + m) * N + n0 + r] = horizontal_sum(sum);
-    }
+  block_gemm::tile<MR, NR, MR == 1 ? 2 : 1>(Q8Weights{codes, scales}, x, nullptr, y, K, N, n0, m0);
 }
 
 // Output rows n0 .. n0 + NR for every row of x: 3 rows of x at a time (NR * 3 accumulators).

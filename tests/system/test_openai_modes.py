@@ -375,7 +375,7 @@ def test_the_api_key_guards_v1_but_not_health_or_metrics(server: Server) -> None
 
 def test_a_five_megabyte_prompt_never_stalls_health(server: Server, tmp_path: Path) -> None:
     """Parsing, checking and tokenizing a 5 MB prompt (seconds of work) happen off the
-    gateway's event loop: /health keeps answering within 100 ms all along."""
+    gateway's event loop: /health keeps answering at once all along."""
     rng = random.Random(5)
     words = [f"{rng.choice('bcdfghjklmnprstvw')}{rng.choice('aeiou')}{rng.choice('nrst')}{i}" for i in range(2000)]
     prompt = " ".join(rng.choice(words) for _ in range(5_000_000 // 7))[:5_000_000]
@@ -397,7 +397,12 @@ def test_a_five_megabyte_prompt_never_stalls_health(server: Server, tmp_path: Pa
             time.sleep(0.02)
     status, count = big.communicate()[0].split(" ", 1)
     assert status == "200" and int(count) > 500_000, count
-    assert len(latencies) > 10 and max(latencies) < 0.1, f"{server.mode}: slowest /health {max(latencies):.3f} s"
+    # A loop held by that work would hold /health for the seconds it takes. On 2 cores shared
+    # with the tokenizer and the client, a probe can still wait out a scheduler slice or two
+    # (one took 101 ms of 402 in a CI run), so the bound is on the slowest and the 90th percentile.
+    slowest, p90 = max(latencies), sorted(latencies)[len(latencies) * 9 // 10]
+    assert len(latencies) > 10 and slowest < 0.25 and p90 < 0.05, (
+        f"{server.mode}: /health slowest {slowest:.3f} s, 90th percentile {p90:.3f} s")
 
 
 # -- concurrency, disconnects, metrics ----------------------------------------------------------

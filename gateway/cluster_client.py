@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,6 +32,7 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.gateway_id import new_gateway_id
 from gateway.kv_index import KvIndex
 from gateway.migration import DEFAULT_MIGRATION_LIMIT, migrating
 from gateway.nats_subscriber import OutputSubscriber
@@ -46,7 +46,7 @@ from services.messages import CacheConfigInfo, EngineInfo, EngineStats, TokenDel
 from services.metric_buckets import ITERATION_TOKENS
 from services.parallel_sampling import engine_request_ids, num_children
 from services.pb.kvfleet.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.registry import DEFAULT_TTL_S, ClusterView, Member, Registry, new_member_id
+from services.registry import DEFAULT_TTL_S, ClusterView, Member, Registry
 from services.sampling_params import SamplingParams
 from services.transport.channel import open_channel
 from services.transport.convert import sampling_params_to_proto, stats_from_proto
@@ -57,25 +57,9 @@ logger = logging.getLogger(__name__)
 # Its health says SERVING while the scheduler takes requests and its worker link is up.
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
-# A gateway's name: one NATS subject token (no ".", "*", ">" or space), and nothing a
-# registry key would split on (":").
-GATEWAY_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _NO_STATS = EngineStats(0, 0, 0.0, 0, 0, 0, 0, HistogramCounts.zero(ITERATION_TOKENS), None)
 # Submit refusals after which another replica may take the request.
 _TRY_ANOTHER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED)
-
-
-def new_gateway_id(name: str | None = None) -> str:
-    """A gateway's id, new for each process, so that a restarted gateway is a new one to
-    the schedulers. With a name (--gateway-name), `<name>.<random>`: its token stream,
-    kvfleet.out.<name>.<random>, is then within a NATS permission given to that name
-    alone (kvfleet.out.<name>.>; the Helm chart gives each gateway such a user)."""
-    if name is None:
-        return new_member_id()
-    if not GATEWAY_NAME.fullmatch(name):
-        raise ValueError(f"gateway name {name!r}: letters, digits, '-' and '_' only (one NATS subject token), "
-                         "at most 64")
-    return f"{name}.{new_member_id()}"
 
 
 @dataclass(eq=False)

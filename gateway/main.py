@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 
+from gateway.gateway_id import checked_gateway_name
 from gateway.migration import DEFAULT_MIGRATION_LIMIT
 from gateway.routing import ROUTING_POLICIES
 from services.cli_args import add_http_args, add_nats_arg, add_registry_args, add_tls_args, at_least
@@ -24,10 +24,11 @@ GATEWAY_NAME_ENV = "KVFLEET_GATEWAY_NAME"
 
 
 def gateway_name(text: str) -> str:
-    """As gateway/cluster_client.py's GATEWAY_NAME (not imported here: the CLI stays light)."""
-    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", text):
-        raise argparse.ArgumentTypeError(f"{text!r}: letters, digits, '-' and '_' only, at most 64")
-    return text
+    """--gateway-name, checked as gateway/gateway_id.py has it; argparse shows the reason."""
+    try:
+        return checked_gateway_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:

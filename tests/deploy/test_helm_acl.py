@@ -37,7 +37,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from gateway.cluster_client import new_gateway_id
+from gateway.gateway_id import new_gateway_id
 from kvfleet.processes import free_port, redis_server_binary, spawn, start_nats, stop, wait_for_port
 from services.nats_link import kv_subject, subject
 from services.registry import REDIS_PASSWORD_ENV, REDIS_USERNAME_ENV, Lease, Member, Registry

@@ -1,6 +1,6 @@
 """Which kernels a worker runs: on CUDA (or when asked, through the interpreter) Triton's
 paged attention and fused decoder ops, with decode steps captured as CUDA graphs; on
-CPU torch, with the C paged decode kernel where it applies."""
+CPU torch, with the C paged decode kernel and the C++ decoder ops where they apply."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +14,8 @@ from worker_svc.attention.torch_backend import TorchAttentionBackend
 from worker_svc.attention.triton_backend import TritonAttentionBackend
 from worker_svc.batch import InputBatch
 from worker_svc.cuda_graphs import DecodeGraphs
+from worker_svc.decoder_kernel import load as load_decoder_kernel
+from worker_svc.decoder_ops import CpuOps, Ops, TorchOps, TritonOps
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.rank_group import RankGroup
@@ -26,6 +28,15 @@ def uses_triton(config: EngineConfig, device: torch.device) -> bool:
     return config.attention_backend == "triton" or (config.attention_backend == "auto" and device.type == "cuda")
 
 
+def decoder_ops(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Ops:
+    """How the norms, rotary embedding and activation run: Triton's kernels with Triton's
+    attention, the C++ ones for float32 on CPU where they build, else torch's operators."""
+    if uses_triton(config, device):
+        return TritonOps()
+    kernel = load_decoder_kernel() if device.type == "cpu" and dtype == torch.float32 else None
+    return TorchOps() if kernel is None else CpuOps(kernel)
+
+
 def attention_backend(config: EngineConfig, device: torch.device, local: ModelConfig,
                       dtype: torch.dtype) -> AttentionBackend:
     """`local`: the heads this rank computes."""
@@ -33,7 +44,9 @@ def attention_backend(config: EngineConfig, device: torch.device, local: ModelCo
         return TritonAttentionBackend()
     shape = (local.num_attention_heads, local.num_key_value_heads, local.head_dim)
     use_kernel = PagedDecodeKernel.supports(dtype, device, *shape) and decode_kernel_enabled()
-    return TorchAttentionBackend(load_kernel() if use_kernel else None, local.num_key_value_heads)
+    cpu_float32 = device.type == "cpu" and dtype == torch.float32
+    return TorchAttentionBackend(load_kernel() if use_kernel else None, local.num_key_value_heads,
+                                 load_decoder_kernel() if cpu_float32 else None)
 
 
 def decode_graphs(config: EngineConfig, device: torch.device, group: RankGroup, model: LlamaForCausalLM,

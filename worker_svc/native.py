@@ -1,4 +1,4 @@
-"""The worker's C and C++ kernels (attention/paged_decode.c, csrc/*.cpp): each built once
+"""The worker's C++ kernels (csrc/*.cpp): each built once
 per machine with the system compiler into kvfleet's cache, keyed by its source, flags
 and what they compile for, and loaded through ctypes, which releases the GIL for a call.
 

@@ -62,7 +62,7 @@ class Worker:
         self.attention_backend = kernels.attention_backend(config, self.device, self.local_config, self.dtype)
         with torch.device("meta"):
             self.model = LlamaForCausalLM(self.model_config, self.attention_backend, self.max_model_len, self.device,
-                                          group, triton_ops=kernels.uses_triton(config, self.device))
+                                          group, kernels.decoder_ops(config, self.device, self.dtype))
         self.model.load_weights({name: t.to(self.device) for name, t in weights.items()})
         self.model.eval()
         self.block_size = config.block_size

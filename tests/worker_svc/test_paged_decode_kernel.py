@@ -12,7 +12,7 @@ from worker_svc.attention.paged_decode import load_kernel
 from worker_svc.attention.torch_backend import TorchAttentionBackend
 
 kernel = load_kernel()
-pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler to build the kernel")
+pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler or no AVX2 to build the kernel")
 
 
 def random_layout(query_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int) -> BatchLayout:
@@ -25,7 +25,7 @@ def random_layout(query_lens: list[int], seq_lens: list[int], block_size: int, n
                        max(query_lens))
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (10, 2, 80)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_equals_the_gather_path(num_heads: int, num_kv_heads: int, head_dim: int, threads: int) -> None:
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ import torch
 from kvfleet import SamplingParams
 from worker_svc.attention.triton_backend import TritonAttentionBackend
 from worker_svc.cuda_graphs import DecodeGraphs
-from worker_svc.models.llama import TritonOps
+from worker_svc.decoder_ops import TritonOps
 
 from conftest import hf_greedy, save_tiny_llama
 

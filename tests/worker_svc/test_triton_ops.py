@@ -1,7 +1,8 @@
 """The fused Triton kernels (worker_svc/triton_ops.py) against the torch operators they
 replace, run through Triton's interpreter on this CPU: odd widths, several head layouts,
 q/k as strided views of a fused qkv projection; and a tiny random Llama that gives the
-same hidden states and logits on either path.
+same hidden states and logits with torch's operators, the Triton kernels and the CPU
+decoder kernels (worker_svc/decoder_kernel.py, whose own tests are test_decoder_kernel.py).
 
 bfloat16 is compared loosely: the interpreter rounds float32 to bfloat16 toward zero
 (a GPU rounds to nearest), so its results sit up to an ulp or two from torch's."""
@@ -11,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker_svc import triton_ops
+from worker_svc import decoder_kernel, triton_ops
 from worker_svc.attention.backend import BatchLayout
 from worker_svc.attention.torch_backend import TorchAttentionBackend
+from worker_svc.decoder_ops import CpuOps, Ops, TorchOps, TritonOps
 from worker_svc.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.llama import LlamaForCausalLM
@@ -103,11 +105,11 @@ def tiny_llama() -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, weights
 
 
-def _run(config: ModelConfig, weights: dict[str, torch.Tensor], triton: bool) -> list[torch.Tensor]:
+def _run(config: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops) -> list[torch.Tensor]:
     """Hidden states and sampled rows' logits of a two-prompt prefill, then a decode step of both."""
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(cache_writer=ops.kernel if isinstance(ops, CpuOps) else None)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, 256, torch.device("cpu"), RankGroup(), triton_ops=triton)
+        model = LlamaForCausalLM(config, backend, 256, torch.device("cpu"), RankGroup(), ops)
     model.load_weights({name: tensor.clone() for name, tensor in weights.items()})
     block_size, num_blocks = 4, 8
     caches = [torch.zeros(2, num_blocks, block_size, 1, config.head_dim) for _ in range(config.num_hidden_layers)]
@@ -125,7 +127,11 @@ def _run(config: ModelConfig, weights: dict[str, torch.Tensor], triton: bool) ->
     return outputs
 
 
-def test_llama_gives_the_same_hidden_states_with_triton_ops(tiny_llama) -> None:
+@pytest.mark.parametrize("fused", ["triton", "cpu"])
+def test_llama_gives_the_same_hidden_states_with_fused_ops(tiny_llama, fused: str) -> None:
     config, weights = tiny_llama
-    for torch_out, triton_out in zip(_run(config, weights, False), _run(config, weights, True), strict=True):
-        torch.testing.assert_close(triton_out, torch_out, atol=1e-4, rtol=1e-4)
+    if fused == "cpu" and decoder_kernel.load() is None:
+        pytest.skip("the CPU decoder kernels need a C++ compiler and AVX2")
+    ops = TritonOps() if fused == "triton" else CpuOps(decoder_kernel.load())
+    for torch_out, fused_out in zip(_run(config, weights, TorchOps()), _run(config, weights, ops), strict=True):
+        torch.testing.assert_close(fused_out, torch_out, atol=1e-4, rtol=1e-4)

@@ -1,10 +1,10 @@
-"""The in-place paged decode attention kernel (paged_decode.c), built and loaded on demand.
+"""The in-place paged decode attention kernel (csrc/paged_decode.cpp), built and loaded on demand.
 
-Built once per machine (worker_svc/native.py; compiled for this CPU) and called through
-ctypes, which releases the GIL: each of torch's threads runs a share of the decodes,
-split so that each share reads about the same number of keys. Without a compiler
-(or with KVFLEET_DECODE_KERNEL=0) the torch backend keeps its gather-then-SDPA path,
-so this is an accelerator, never a requirement.
+Built once per machine (worker_svc/native.py; AVX2 and FMA) and called through ctypes,
+which releases the GIL: each of torch's threads runs a share of the decodes, split so
+that each share reads about the same number of keys. Without a compiler or AVX2 (or
+with KVFLEET_DECODE_KERNEL=0) the torch backend keeps its gather-then-SDPA path, so
+this is an accelerator, never a requirement.
 """
 from __future__ import annotations
 
@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-from worker_svc.native import load_library
+from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
-MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in the C source
+SOURCE = Path(__file__).parents[1] / "csrc" / "paged_decode.cpp"
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in the C++ source
 
 _i64, _f32p, _i64p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int64)
 
@@ -42,7 +41,7 @@ class PagedDecodeKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._function = library.paged_decode_attention
         self._function.restype = None
-        self._function.argtypes = [_f32p, _f32p, _f32p, _f32p, _i64p, _i64, _i64p, _i64p, _i64p,
+        self._function.argtypes = [_f32p, _f32p, _f32p, _f32p, _i64p, _i64, _i64, _i64p, _i64p, _i64p,
                                    _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _i64]
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
@@ -51,7 +50,7 @@ class PagedDecodeKernel:
     def supports(dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return (
             dtype == torch.float32 and device.type == "cpu" and num_heads // num_kv_heads <= MAX_GROUP
-            and head_dim <= MAX_HEAD_DIM
+            and head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0
         )
 
     def batch(self, rows: list[int], seqs: list[int], seq_lens: list[int], block_tables: torch.Tensor,
@@ -71,12 +70,15 @@ class PagedDecodeKernel:
 
     def __call__(self, query: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch,
                  scale: float) -> None:
-        """Writes attention of every decode row of `query` [T, H, D] into the same rows of `out`."""
+        """Writes attention of every decode row of `query` [T, H, D] (rows at any stride: a view
+        of the fused QKV projection) into the same rows of `out`."""
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+        assert query.stride()[1:] == (head_dim, 1)
         pointers = (
-            _pointer(query, _f32p), _pointer(out, _f32p), _pointer(kv_cache[0], _f32p), _pointer(kv_cache[1], _f32p),
-            _pointer(batch.block_tables, _i64p), batch.block_tables.shape[1], _pointer(batch.rows, _i64p),
+            ctypes.cast(query.data_ptr(), _f32p), _pointer(out, _f32p), _pointer(kv_cache[0], _f32p),
+            _pointer(kv_cache[1], _f32p), _pointer(batch.block_tables, _i64p), batch.block_tables.shape[1],
+            query.stride(0), _pointer(batch.rows, _i64p),
             _pointer(batch.seqs, _i64p), _pointer(batch.seq_lens, _i64p), num_heads, num_kv_heads, head_dim,
             block_size, scale,
         )
@@ -103,5 +105,5 @@ def decode_kernel_enabled() -> bool:
 @functools.cache
 def load_kernel() -> PagedDecodeKernel | None:
     """The kernel, built if this machine has not built it yet; None where it cannot be."""
-    library = load_library(SOURCE, FLAGS, "the paged decode attention kernel", libraries=["-lm"])
+    library = load_library(SOURCE, AVX2_FLAGS, "the paged decode attention kernel", needs=AVX2_CPU_FLAGS)
     return None if library is None else PagedDecodeKernel(library)

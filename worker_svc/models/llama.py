@@ -6,10 +6,8 @@ load time so each becomes one matmul. In a worker group each rank builds its sha
 the stage's ranks all-reduce, its vocabulary rows, and its stage's layers.
 
 The elementwise work between the matmuls (norms, rotary embedding, the MLP's activation)
-runs through an ops object chosen at construction: plain torch (the default, and the
-CPU path), or fused Triton kernels (worker_svc/triton_ops.py). Either way the layers
-pass the residual stream beside each sublayer's output, so that the Triton norm can add
-the two in the same pass; a stage's output is the complete hidden state on both paths.
+runs through an ops object chosen at construction (worker_svc/decoder_ops.py); a stage's
+output is the complete hidden state whichever it is.
 """
 from __future__ import annotations
 
@@ -17,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc import triton_ops
 from worker_svc.attention.backend import AttentionBackend
-from worker_svc.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from worker_svc.decoder_ops import Ops, Rope, TorchOps
+from worker_svc.layers import Linear, RMSNorm, RotaryEmbedding
 from worker_svc.model_config import ModelConfig
 from worker_svc.q4_weights import Q4Blocks
 from worker_svc.q8_linear import Q8Linear
@@ -28,56 +26,6 @@ from worker_svc.q8_weights import Q8Blocks
 from worker_svc.quantized_linear import DequantScratch, QuantizedLinear
 from worker_svc.rank_group import RankGroup
 from worker_svc.weights import Weights
-
-# The step's rotary inputs, made once for all layers: its cos and sin tables (TorchOps),
-# or its positions and the whole tables, which the kernel indexes itself (TritonOps).
-Rope = tuple[torch.Tensor, ...]
-
-
-class TorchOps:
-    """The decoder's elementwise work in torch, operator by operator: the reference."""
-
-    def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        return rotary.tables(positions, dtype)
-
-    def rotate(self, rope: Rope, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary(rope, query, key)
-
-    def norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        return norm(x)
-
-    def add_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The norm of residual + x, and that sum: the residual stream from here on."""
-        hidden = residual + x
-        return norm(hidden), hidden
-
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-
-class TritonOps:
-    """The same work in fused Triton kernels: one launch for each, where torch needs several."""
-
-    def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        return positions, rotary.cos, rotary.sin
-
-    def rotate(self, rope: Rope, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        positions, cos, sin = rope
-        triton_ops.rotary_(query, key, positions, cos, sin)
-        return query, key
-
-    def norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        return triton_ops.rms_norm(x, norm.weight, norm.eps)
-
-    def add_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return triton_ops.rms_norm(x, norm.weight, norm.eps, residual)
-
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return triton_ops.silu_and_mul(gate_up)
-
-
-Ops = TorchOps | TritonOps
 
 
 class Attention(nn.Module):
@@ -172,17 +120,17 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend, max_positions: int, device: torch.device,
-        group: RankGroup, triton_ops: bool = False,
+        group: RankGroup, ops: Ops | None = None,
     ) -> None:
         """Build under `torch.device("meta")` and call load_weights: parameters are
         assigned, never allocated twice; the rope tables live on `device` regardless.
         `config` is the whole model's; this rank builds `group.shard`'s part of it.
-        `triton_ops`: run the norms, rotary embedding and activation as fused Triton kernels."""
+        `ops`: how the norms, rotary embedding and activation run (torch's operators by default)."""
         super().__init__()
         shard = group.shard
         self.config = config
         self.group = group
-        self.ops: Ops = TritonOps() if triton_ops else TorchOps()
+        self.ops: Ops = ops or TorchOps()
         local = shard.local_config(config)
         vocab_rows = shard.vocab_per_rank(config.vocab_size)
         if shard.is_first_stage:

@@ -1,0 +1,74 @@
+"""The CPU decoder kernels (worker_svc/decoder_kernel.py) against the torch operators they
+replace: the residual add, rotary embedding and cache write bit for bit; the norm and
+SiLU within float32 rounding (another summation order, another exp). Odd widths, q and k
+as strided views of a fused qkv projection, and one thread and two."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker_svc import decoder_kernel
+from worker_svc.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+kernel = decoder_kernel.load()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no AVX2/FMA CPU or no compiler")
+# Rows enough that the two-thread path runs too (PARALLEL_MIN_ELEMENTS).
+TOKENS = [1, 7, 600]
+
+
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("width", [576, 60])
+def test_add_rms_norm_matches_torch(width: int, num_tokens: int) -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(width, 1e-5).requires_grad_(False)
+    norm.weight.uniform_(0.5, 1.5)
+    x, residual = torch.randn(num_tokens, width) * 3, torch.randn(num_tokens, width)
+    normed, summed = kernel.rms_norm(x, norm.weight, norm.eps, residual)
+    assert torch.equal(summed, residual + x)
+    torch.testing.assert_close(normed, norm(residual + x), atol=1e-6, rtol=1e-6)
+    alone, same = kernel.rms_norm(x, norm.weight, norm.eps)
+    assert same is x or torch.equal(same, x)
+    torch.testing.assert_close(alone, norm(x), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("width", [1536, 20])
+def test_silu_and_mul_matches_torch(width: int, num_tokens: int) -> None:
+    torch.manual_seed(0)
+    gate_up = torch.randn(num_tokens, 2 * width) * 8
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.0])  # past exp's range either way
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernel.silu_and_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 24)])
+def test_rotary_matches_torch_on_views_of_a_fused_projection(num_tokens: int, heads: int, kv_heads: int,
+                                                             head_dim: int) -> None:
+    torch.manual_seed(0)
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None, torch.device("cpu"))
+    positions = torch.randint(0, 4096, (num_tokens,))
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim)
+    expected_q, expected_k = apply_rotary(rotary.tables(positions, torch.float32), q, k)
+    kernel.rotary_(q, k, positions, rotary.cos, rotary.sin)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+
+
+def test_write_kv_copies_rows_to_their_slots_and_refuses_slots_outside_the_cache() -> None:
+    torch.manual_seed(0)
+    kv_heads, head_dim, num_blocks, block_size = 3, 64, 4, 16
+    kv = torch.randn(5, (2 + 2 * kv_heads) * head_dim)  # [q | k | v] rows, as the projection gives them
+    _, k, v = kv.split([2 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    k, v = k.view(5, kv_heads, head_dim), v.view(5, kv_heads, head_dim)
+    slots = torch.tensor([63, 0, 17, 18, 40])
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim)
+    expected = cache.clone()
+    expected[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+    expected[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    kernel.write_kv(k, v, cache, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(IndexError, match="1 of 2 KV slots are outside the cache"):
+        kernel.write_kv(k[:2], v[:2], cache, torch.tensor([3, num_blocks * block_size]))

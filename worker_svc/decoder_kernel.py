@@ -1,0 +1,99 @@
+"""The float32 elementwise kernels of csrc/decoder_ops.cpp for a CPU decoder: residual add
+with RMSNorm, rotary embedding, SiLU-and-multiply, and the paged KV cache write.
+
+Built once per machine (worker_svc/native.py) and called through ctypes. Without a
+compiler or AVX2/FMA, `load()` is None with a logged warning and the decoder keeps torch's
+operators: serving never fails on these kernels."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
+
+SOURCE = Path(__file__).parent / "csrc" / "decoder_ops.cpp"
+# Waking kvfleet's sleeping second OpenMP thread (OMP_WAIT_POLICY=PASSIVE) costs about
+# 0.1 ms, which is what one thread takes for this many elements of these passes.
+PARALLEL_MIN_ELEMENTS = 1 << 18
+
+_i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+
+
+class DecoderKernel:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._add_rms_norm = _bind(library.add_rms_norm, [_ptr] * 5 + [_i64, _i64, _f32, _int])
+        self._silu_and_mul = _bind(library.silu_and_mul, [_ptr, _ptr, _i64, _i64, _int])
+        self._rotary = _bind(library.rotary, [_ptr] * 5 + [_i64] * 6 + [_int])
+        self._write_kv = _bind(library.write_kv, [_ptr] * 5 + [_i64] * 5)
+        self._write_kv.restype = _i64
+        passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+        self.parallel_min_elements = PARALLEL_MIN_ELEMENTS if passive else 0
+
+    def _threads(self, elements: int) -> int:
+        return torch.get_num_threads() if elements >= self.parallel_min_elements else 1
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h), h) for h = x + residual, or h = x without one; x [T, D] float32."""
+        x = _rows(x)
+        rows, hidden = x.shape
+        out = torch.empty_like(x)
+        summed = x if residual is None else torch.empty_like(x)
+        self._add_rms_norm(x.data_ptr(), None if residual is None else _rows(residual).data_ptr(),
+                           weight.data_ptr(), summed.data_ptr(), out.data_ptr(), rows, hidden, eps,
+                           self._threads(x.numel()))
+        return out, summed
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = _rows(gate_up)
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, width)
+        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, width, self._threads(gate_up.numel()))
+        return out
+
+    def rotary_(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> None:
+        """query [T, H, D] and key [T, KH, D] rotated in place at `positions` [T] (int64) of the
+        full tables [max_positions, D]; each may be a view with any token stride."""
+        tokens, heads, dim = query.shape
+        assert query.stride()[1:] == (dim, 1) and key.stride()[1:] == (dim, 1)
+        assert positions.dtype == torch.int64 and cos.is_contiguous() and sin.is_contiguous()
+        positions = positions.contiguous()
+        self._rotary(query.data_ptr(), key.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                     tokens, heads, key.shape[1], dim, query.stride(0), key.stride(0),
+                     self._threads(query.numel() + key.numel()))
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """key and value [T, KH, D] (views with any token stride) to `slots` [T] of kv_cache [2, ...]."""
+        tokens, heads, dim = key.shape
+        assert key.stride()[1:] == (dim, 1) and value.stride()[1:] == (dim, 1) and kv_cache.is_contiguous()
+        assert slots.dtype == torch.int64
+        slots = slots.contiguous()
+        width = heads * dim
+        outside = self._write_kv(key.data_ptr(), value.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                                 slots.data_ptr(), tokens, width, key.stride(0), value.stride(0),
+                                 kv_cache[0].numel() // width)
+        if outside:
+            raise IndexError(f"{outside} of {tokens} KV slots are outside the cache")
+
+
+def _bind(function: ctypes._CFuncPtr, argtypes: list) -> ctypes._CFuncPtr:
+    function.restype, function.argtypes = None, argtypes
+    return function
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    assert x.dtype == torch.float32 and x.device.type == "cpu"
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+@functools.cache
+def load() -> DecoderKernel | None:
+    """The kernels, built if this machine has not built them yet; None where they cannot run (warned once)."""
+    library = load_library(SOURCE, [*AVX2_FLAGS, "-ffp-contract=off"], "the CPU decoder kernels",
+                           needs=AVX2_CPU_FLAGS)
+    return None if library is None else DecoderKernel(library)

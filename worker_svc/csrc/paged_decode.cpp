@@ -89,12 +89,33 @@ extern "C" void paged_decode_attention(const float* query, float* out, const flo
   alignas(32) float acc[kMaxGroup][kMaxHeadDim];
   alignas(32) float scores[kMaxGroup][kChunk];
   float maxes[kMaxGroup], sums[kMaxGroup];
+  int64_t offsets[2][kChunk];  // this chunk's rows and the next one's
+  // Where a chunk's key and value rows lie (offsets into either cache), prefetched: they
+  // sit in scattered blocks, where the hardware's prefetcher loses the stream, so the next
+  // chunk's rows are requested while this one's are scored. Returns the chunk's length.
+  auto locate = [&](int64_t item, int64_t chunk, int64_t* into) -> int64_t {
+    const int64_t i = item / num_kv_heads, kv = item % num_kv_heads;
+    const int64_t* table = block_tables + seqs[i] * table_stride;
+    const int64_t n = seq_lens[i] - chunk < kChunk ? seq_lens[i] - chunk : kChunk;
+    // Stepping through the blocks: a division per key cost more than scoring it.
+    int64_t block = chunk / block_size, in_block = chunk % block_size;
+    for (int64_t j = 0; j < n; ++j) {
+      into[j] = table[block] * block_stride + in_block * token_stride + kv * head_dim;
+      for (int64_t d = 0; d < head_dim; d += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(key_cache + into[j] + d), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(value_cache + into[j] + d), _MM_HINT_T0);
+      }
+      if (++in_block == block_size) in_block = 0, ++block;
+    }
+    return n;
+  };
   const float* keys[kChunk];
   const float* values[kChunk];
+  int current = 0;
+  int64_t n_next = first < last ? locate(first, 0, offsets[0]) : 0;
   for (int64_t item = first; item < last; ++item) {
     const int64_t i = item / num_kv_heads, kv = item % num_kv_heads;
     const float* q = query + rows[i] * query_stride + kv * group * head_dim;
-    const int64_t* table = block_tables + seqs[i] * table_stride;
     const int64_t len = seq_lens[i];
     for (int64_t g = 0; g < group; ++g) {
       maxes[g] = -INFINITY;
@@ -102,22 +123,17 @@ extern "C" void paged_decode_attention(const float* query, float* out, const flo
       for (int64_t d = 0; d < head_dim; ++d) acc[g][d] = 0.0f;
     }
     for (int64_t chunk = 0; chunk < len; chunk += kChunk) {
-      const int64_t n = len - chunk < kChunk ? len - chunk : kChunk;
-      // Stepping through the blocks: a division per key cost more than scoring it.
-      int64_t block = chunk / block_size, in_block = chunk % block_size;
+      const int64_t n = n_next;
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t offset = table[block] * block_stride + in_block * token_stride + kv * head_dim;
-        keys[j] = key_cache + offset;
-        values[j] = value_cache + offset;
-        if (++in_block == block_size) in_block = 0, ++block;
+        keys[j] = key_cache + offsets[current][j];
+        values[j] = value_cache + offsets[current][j];
       }
-      // The rows lie in scattered blocks, where the hardware's prefetcher loses the stream:
-      // ask for all of the chunk's keys and values before scoring the first.
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < head_dim; d += 16) {
-          _mm_prefetch(reinterpret_cast<const char*>(keys[j] + d), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(values[j] + d), _MM_HINT_T0);
-        }
+      current ^= 1;
+      if (chunk + kChunk < len) {
+        n_next = locate(item, chunk + kChunk, offsets[current]);
+      } else if (item + 1 < last) {
+        n_next = locate(item + 1, 0, offsets[current]);
+      }
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = q + g * head_dim;
         __m256 chunk_max = _mm256_set1_ps(-INFINITY);

@@ -7,11 +7,14 @@ made decode 5-25x slower. So kvfleet asks OpenMP to sleep when idle
 `worker_svc/__init__.py`) and uses `KVFLEET_NUM_THREADS` torch threads per process,
 defaulting to torch's own choice (a thread per physical core) for a single worker, and
 to an even share of it for each rank of a CPU worker group (ranks with more threads
-than the cores would take turns on them). Tests pin one thread.
+than the cores would take turns on them). A step of few tokens runs on one of them
+(`step_threads`). Tests pin one thread.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -26,3 +29,26 @@ def configure_torch_threads(ranks_sharing_cores: int = 1) -> int:
     elif ranks_sharing_cores > 1:
         torch.set_num_threads(max(1, _TORCH_DEFAULT_THREADS // ranks_sharing_cores))
     return torch.get_num_threads()
+
+
+# Under OMP_WAIT_POLICY=PASSIVE each of a step's ~130 parallel regions (matmuls, attention)
+# wakes the sleeping threads, at 0.1-0.2 ms a time. Steps of up to this many tokens ran
+# faster on one thread (dense decode, idle machine: 72 vs 96 ms at 1 row, 86 vs 124 at 4,
+# 152 vs 154 at 16; two threads won at 32, 199 vs 239).
+SINGLE_THREAD_MAX_TOKENS = 16
+
+
+@contextmanager
+def step_threads(device: torch.device, num_tokens: int) -> Iterator[None]:
+    """A CPU step of `num_tokens` on the calling thread alone where waking the others costs
+    more than they give; OpenMP's thread count is per calling thread, so this one step's."""
+    threads = torch.get_num_threads()
+    passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+    if device.type != "cpu" or threads == 1 or not passive or num_tokens > SINGLE_THREAD_MAX_TOKENS:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -25,6 +25,7 @@ from worker_svc.plan_check import check_plan
 from worker_svc.preflight import check_model
 from worker_svc.rank_group import RankGroup
 from worker_svc.step_outputs import StepOutputs
+from worker_svc.threads import step_threads
 from worker_svc.weights import load_weights
 
 if TYPE_CHECKING:
@@ -216,7 +217,8 @@ class Worker:
     def _execute(self, plan: StepPlan) -> StepResult | None:
         self._apply_deltas(plan)
         shard = self.group.shard
-        outcome = self._compute(plan) if plan.num_scheduled_tokens else StepResult(plan.step_id)
+        with step_threads(self.device, sum(plan.num_scheduled_tokens.values())):
+            outcome = self._compute(plan) if plan.num_scheduled_tokens else StepResult(plan.step_id)
         if not shard.samples:
             return None
         if shard.rank != 0:

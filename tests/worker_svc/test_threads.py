@@ -1,0 +1,41 @@
+"""A CPU step's thread count (worker_svc/threads.py): small steps on the calling thread
+alone under OMP_WAIT_POLICY=PASSIVE, the configured count back after them, and bigger
+steps, other devices and a spinning policy untouched."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker_svc.threads import SINGLE_THREAD_MAX_TOKENS, step_threads
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def threads_during(device: torch.device, num_tokens: int) -> int:
+    with step_threads(device, num_tokens):
+        return torch.get_num_threads()
+
+
+def test_a_small_step_runs_on_one_thread_and_the_count_comes_back(two_threads) -> None:
+    assert threads_during(CPU, 1) == 1
+    assert threads_during(CPU, SINGLE_THREAD_MAX_TOKENS) == 1
+    assert torch.get_num_threads() == 2
+    with pytest.raises(RuntimeError), step_threads(CPU, 1):
+        raise RuntimeError("a failed step")
+    assert torch.get_num_threads() == 2
+
+
+def test_bigger_steps_other_devices_and_spinning_threads_keep_the_count(two_threads, monkeypatch) -> None:
+    assert threads_during(CPU, SINGLE_THREAD_MAX_TOKENS + 1) == 2
+    assert threads_during(torch.device("meta"), 1) == 2
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert threads_during(CPU, 1) == 2

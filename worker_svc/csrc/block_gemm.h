@@ -7,16 +7,11 @@
 
 #include <cstdint>
 
+#include "simd_math.h"
+
 namespace block_gemm {
 
 constexpr int64_t kGroup = 32;  // weights per GGUF block
-
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // Output rows n0 .. n0 + NR of input rows m0 .. m0 + MR, with A accumulators for each pair
 // (more FMA chains at once where there are few rows). `weights.block(i, w)` writes block i
@@ -45,7 +40,7 @@ inline void tile(const Weights& weights, const float* x, const float* bias, floa
     for (int m = 0; m < MR; ++m) {
       __m256 sum = acc[r][m][0];
       for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[r][m][a]);
-      y[(m0 + m) * N + n0 + r] = horizontal_sum(sum) + (bias ? bias[n0 + r] : 0.0f);
+      y[(m0 + m) * N + n0 + r] = simd::horizontal_sum(sum) + (bias ? bias[n0 + r] : 0.0f);
     }
 }
 

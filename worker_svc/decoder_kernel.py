@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 
 from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
+from worker_svc.threads import idle_threads_sleep
 
 SOURCE = Path(__file__).parent / "csrc" / "decoder_ops.cpp"
 # Waking kvfleet's sleeping second OpenMP thread (OMP_WAIT_POLICY=PASSIVE) costs about
@@ -30,8 +30,7 @@ class DecoderKernel:
         self._rotary = _bind(library.rotary, [_ptr] * 5 + [_i64] * 6 + [_int])
         self._write_kv = _bind(library.write_kv, [_ptr] * 5 + [_i64] * 5)
         self._write_kv.restype = _i64
-        passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-        self.parallel_min_elements = PARALLEL_MIN_ELEMENTS if passive else 0
+        self.parallel_min_elements = PARALLEL_MIN_ELEMENTS if idle_threads_sleep() else 0
 
     def _threads(self, elements: int) -> int:
         return torch.get_num_threads() if elements >= self.parallel_min_elements else 1

@@ -1,6 +1,6 @@
 """Which kernels a worker runs: on CUDA (or when asked, through the interpreter) Triton's
 paged attention and fused decoder ops, with decode steps captured as CUDA graphs; on
-CPU torch, with the C paged decode kernel and the C++ decoder ops where they apply."""
+CPU torch, with the C++ paged decode attention and decoder ops where they apply."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +14,7 @@ from worker_svc.attention.torch_backend import TorchAttentionBackend
 from worker_svc.attention.triton_backend import TritonAttentionBackend
 from worker_svc.batch import InputBatch
 from worker_svc.cuda_graphs import DecodeGraphs
+from worker_svc.decoder_kernel import DecoderKernel
 from worker_svc.decoder_kernel import load as load_decoder_kernel
 from worker_svc.decoder_ops import CpuOps, Ops, TorchOps, TritonOps
 from worker_svc.model_config import ModelConfig
@@ -33,8 +34,13 @@ def decoder_ops(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
     attention, the C++ ones for float32 on CPU where they build, else torch's operators."""
     if uses_triton(config, device):
         return TritonOps()
-    kernel = load_decoder_kernel() if device.type == "cpu" and dtype == torch.float32 else None
+    kernel = _cpu_decoder_kernel(device, dtype)
     return TorchOps() if kernel is None else CpuOps(kernel)
+
+
+def _cpu_decoder_kernel(device: torch.device, dtype: torch.dtype) -> DecoderKernel | None:
+    """The C++ decoder kernels, for a float32 model on CPU where they build."""
+    return load_decoder_kernel() if device.type == "cpu" and dtype == torch.float32 else None
 
 
 def attention_backend(config: EngineConfig, device: torch.device, local: ModelConfig,
@@ -44,9 +50,8 @@ def attention_backend(config: EngineConfig, device: torch.device, local: ModelCo
         return TritonAttentionBackend()
     shape = (local.num_attention_heads, local.num_key_value_heads, local.head_dim)
     use_kernel = PagedDecodeKernel.supports(dtype, device, *shape) and decode_kernel_enabled()
-    cpu_float32 = device.type == "cpu" and dtype == torch.float32
     return TorchAttentionBackend(load_kernel() if use_kernel else None, local.num_key_value_heads,
-                                 load_decoder_kernel() if cpu_float32 else None)
+                                 _cpu_decoder_kernel(device, dtype))
 
 
 def decode_graphs(config: EngineConfig, device: torch.device, group: RankGroup, model: LlamaForCausalLM,

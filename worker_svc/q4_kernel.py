@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 
 from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
+from worker_svc.threads import idle_threads_sleep
 
 SOURCE = Path(__file__).parent / "csrc" / "q4_gemm.cpp"
 # kvfleet's idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE, worker_svc/threads.py), and
@@ -35,9 +35,7 @@ class Q4Kernel:
         self._dequantize = library.q4_dequantize
         self._dequantize.restype = None
         self._dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-        # OpenMP read its wait policy when torch loaded it, so it holds for the process.
-        passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-        self.min_parallel_macs = PASSIVE_PARALLEL_MIN_MACS if passive else 0
+        self.min_parallel_macs = PASSIVE_PARALLEL_MIN_MACS if idle_threads_sleep() else 0
 
     def linear(self, packed: PackedQ4, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] float32 -> x @ W.T + bias [rows, out] float32."""

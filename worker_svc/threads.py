@@ -22,6 +22,13 @@ import torch
 _TORCH_DEFAULT_THREADS = torch.get_num_threads()
 
 
+def idle_threads_sleep() -> bool:
+    """Whether OpenMP's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, kvfleet's default), so
+    that each parallel region pays for waking them. OpenMP read the policy when torch
+    loaded it, so it holds for the process."""
+    return os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+
+
 def configure_torch_threads(ranks_sharing_cores: int = 1) -> int:
     requested = os.environ.get("KVFLEET_NUM_THREADS")
     if requested:
@@ -43,8 +50,7 @@ def step_threads(device: torch.device, num_tokens: int) -> Iterator[None]:
     """A CPU step of `num_tokens` on the calling thread alone where waking the others costs
     more than they give; OpenMP's thread count is per calling thread, so this one step's."""
     threads = torch.get_num_threads()
-    passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-    if device.type != "cpu" or threads == 1 or not passive or num_tokens > SINGLE_THREAD_MAX_TOKENS:
+    if device.type != "cpu" or threads == 1 or not idle_threads_sleep() or num_tokens > SINGLE_THREAD_MAX_TOKENS:
         yield
         return
     torch.set_num_threads(1)

@@ -48,30 +48,30 @@ inline __m256 partial_dot(const float* q, const float* k, int64_t head_dim) {
   return _mm256_add_ps(a, b);
 }
 
-// acc[0 .. 8 NV) += sum_j weights[j] * values[j][0 .. 8 NV), the accumulators in registers.
+// acc[0 .. 8 NV) += sum_j weights[j] * values[rows[j] .. rows[j] + 8 NV), accumulated in registers.
 template <int NV>
-inline void add_values(float* acc, const float* weights, const float* const* values, int64_t n, int64_t offset) {
+inline void add_values(float* acc, const float* weights, const float* values, const int64_t* rows, int64_t n) {
   __m256 sum[NV];
   for (int t = 0; t < NV; ++t) sum[t] = _mm256_loadu_ps(acc + 8 * t);
   for (int64_t j = 0; j < n; ++j) {
     const __m256 w = _mm256_broadcast_ss(weights + j);
-    const float* v = values[j] + offset;
+    const float* v = values + rows[j];
     for (int t = 0; t < NV; ++t) sum[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * t), sum[t]);
   }
   for (int t = 0; t < NV; ++t) _mm256_storeu_ps(acc + 8 * t, sum[t]);
 }
 
-void add_values_span(float* acc, const float* weights, const float* const* values, int64_t n, int64_t offset,
+void add_values_span(float* acc, const float* weights, const float* values, const int64_t* rows, int64_t n,
                      int64_t vectors) {
   switch (vectors) {
-    case 8: add_values<8>(acc, weights, values, n, offset); break;
-    case 7: add_values<7>(acc, weights, values, n, offset); break;
-    case 6: add_values<6>(acc, weights, values, n, offset); break;
-    case 5: add_values<5>(acc, weights, values, n, offset); break;
-    case 4: add_values<4>(acc, weights, values, n, offset); break;
-    case 3: add_values<3>(acc, weights, values, n, offset); break;
-    case 2: add_values<2>(acc, weights, values, n, offset); break;
-    default: add_values<1>(acc, weights, values, n, offset); break;
+    case 8: add_values<8>(acc, weights, values, rows, n); break;
+    case 7: add_values<7>(acc, weights, values, rows, n); break;
+    case 6: add_values<6>(acc, weights, values, rows, n); break;
+    case 5: add_values<5>(acc, weights, values, rows, n); break;
+    case 4: add_values<4>(acc, weights, values, rows, n); break;
+    case 3: add_values<3>(acc, weights, values, rows, n); break;
+    case 2: add_values<2>(acc, weights, values, rows, n); break;
+    default: add_values<1>(acc, weights, values, rows, n); break;
   }
 }
 
@@ -109,8 +109,6 @@ extern "C" void paged_decode_attention(const float* query, float* out, const flo
     }
     return n;
   };
-  const float* keys[kChunk];
-  const float* values[kChunk];
   int current = 0;
   int64_t n_next = first < last ? locate(first, 0, offsets[0]) : 0;
   for (int64_t item = first; item < last; ++item) {
@@ -124,10 +122,7 @@ extern "C" void paged_decode_attention(const float* query, float* out, const flo
     }
     for (int64_t chunk = 0; chunk < len; chunk += kChunk) {
       const int64_t n = n_next;
-      for (int64_t j = 0; j < n; ++j) {
-        keys[j] = key_cache + offsets[current][j];
-        values[j] = value_cache + offsets[current][j];
-      }
+      const int64_t* chunk_rows = offsets[current];
       current ^= 1;
       if (chunk + kChunk < len) {
         n_next = locate(item, chunk + kChunk, offsets[current]);
@@ -140,7 +135,7 @@ extern "C" void paged_decode_attention(const float* query, float* out, const flo
         for (int64_t j0 = 0; j0 < n; j0 += 8) {
           __m256 partial[8];
           for (int64_t j = 0; j < 8; ++j)
-            partial[j] = j0 + j < n ? partial_dot(qg, keys[j0 + j], head_dim) : _mm256_setzero_ps();
+            partial[j] = j0 + j < n ? partial_dot(qg, key_cache + chunk_rows[j0 + j], head_dim) : _mm256_setzero_ps();
           __m256 s = _mm256_mul_ps(simd::transpose_sum(partial), _mm256_set1_ps(scale));
           const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps(static_cast<float>(j0)), lane_indices()),
                                              _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
@@ -170,7 +165,7 @@ extern "C" void paged_decode_attention(const float* query, float* out, const flo
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < head_dim; d += kSpan) {
           const int64_t span = head_dim - d < kSpan ? head_dim - d : kSpan;
-          add_values_span(acc[g] + d, scores[g], values, n, d, span / 8);
+          add_values_span(acc[g] + d, scores[g], value_cache + d, chunk_rows, n, span / 8);
         }
     }
     float* o = out + rows[i] * num_heads * head_dim + kv * group * head_dim;

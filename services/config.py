@@ -43,7 +43,8 @@ class EngineConfig:
     # "auto" is float32 on CPU (this CPU's bf16 matmuls gain little and lose parity) and bfloat16 on GPU.
     dtype: str = "auto"
     device: str = "auto"
-    quantization: str | None = None  # gguf: GGUF weights run as stored (4- and 8-bit); None or none: dequantized
+    # gguf (a GGUF file's default, as in vLLM): its 4- and 8-bit weights run as stored on CPU; none: dequantized
+    quantization: str | None = None
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 256

@@ -8,6 +8,7 @@ import logging
 import torch
 
 from services.config import ConfigError, EngineConfig
+from services.model_source import ModelFormat, ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +47,15 @@ def torch_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, config.dtype)
 
 
-def runs_q4_as_stored(config: EngineConfig, device: torch.device) -> bool:
-    """--quantization gguf: a GGUF file's 4-bit projections run as stored, on CPU (the
-    kernels are CPU kernels; elsewhere the weights are dequantized, as without the flag)."""
-    if config.quantization == "gguf" and device.type != "cpu":
-        logger.warning("--quantization gguf: 4-bit weights run as stored on CPU only; dequantizing them on %s",
-                       device)
-    return config.quantization == "gguf" and device.type == "cpu"
+def runs_q4_as_stored(config: EngineConfig, device: torch.device, source: ModelSource) -> bool:
+    """Whether a GGUF file's 4-bit projections run as stored: with --quantization gguf, the
+    default for GGUF files as in vLLM, on CPU (the kernels are CPU kernels; elsewhere the
+    weights are dequantized, as with --quantization none)."""
+    if source.format is not ModelFormat.GGUF or config.quantization == "none":
+        return False
+    if device.type != "cpu":
+        if config.quantization == "gguf":
+            logger.warning("--quantization gguf: 4-bit weights run as stored on CPU only; dequantizing them on %s",
+                           device)
+        return False
+    return True

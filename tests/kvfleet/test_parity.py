@@ -1,22 +1,30 @@
-"""Greedy tokens equal transformers' generate() on the same weights, whatever the batch."""
+"""Greedy tokens equal transformers' generate() on the same weights, whatever the batch: the
+dense path (--quantization none) exactly, the default for GGUF files (4-bit weights run as
+stored) on at least 95% of positions."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvfleet import SamplingParams
+from kvfleet import LLM, SamplingParams
 from worker_svc.quantized_linear import QuantizedLinear
 
-from conftest import hf_greedy
+from conftest import assert_no_leaks, hf_greedy
 from corpus import TEXT, parity_prompts
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+DENSE = {"dtype": "float32", "quantization": "none"}  # the weights dequantized, as transformers loads them
 
 
 @pytest.fixture(scope="module")
-def prompts(llm) -> list[list[int]]:
-    return parity_prompts(llm.get_tokenizer().encode(TEXT))
+def dense_llm() -> LLM:
+    return LLM("smollm2", **DENSE)
+
+
+@pytest.fixture(scope="module")
+def prompts(dense_llm) -> list[list[int]]:
+    return parity_prompts(dense_llm.get_tokenizer().encode(TEXT))
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +43,14 @@ def test_prompt_shapes(prompts):
     assert len(prompts) >= 12 and min(lengths) == 5 and max(lengths) == 400
 
 
-def test_default_settings_match_transformers(llm, prompts, reference):
-    assert generate_tokens(llm, prompts) == reference
+def test_default_settings_match_transformers(dense_llm, prompts, reference):
+    assert not any(isinstance(module, QuantizedLinear) for module in dense_llm.engine.worker.model.modules())
+    assert generate_tokens(dense_llm, prompts) == reference
+    assert_no_leaks(dense_llm)
 
 
 def test_block_size_32_matches_transformers(make_llm, prompts, reference):
-    llm = make_llm(dtype="float32", block_size=32)
+    llm = make_llm(**DENSE, block_size=32)
     assert generate_tokens(llm, prompts) == reference
 
 
@@ -49,7 +59,7 @@ def test_preemption_matches_transformers(make_llm, prompts, reference, mode):
     # 40 blocks of 16 hold 640 tokens; the batch needs ~2,300, so requests are
     # preempted. max_model_len must still fit one request. 0.05 GiB of swap is
     # ~70 host blocks: swap mode swaps, and falls back to recompute when that is full.
-    llm = make_llm(dtype="float32", num_gpu_blocks_override=40, max_model_len=40 * 16, preemption_mode=mode,
+    llm = make_llm(**DENSE, num_gpu_blocks_override=40, max_model_len=40 * 16, preemption_mode=mode,
                    swap_space=0.05)
     assert generate_tokens(llm, prompts) == reference
     scheduler = llm.engine.scheduler
@@ -58,7 +68,7 @@ def test_preemption_matches_transformers(make_llm, prompts, reference, mode):
 
 
 def test_no_prefix_caching_matches_transformers(make_llm, prompts, reference):
-    llm = make_llm(dtype="float32", enable_prefix_caching=False)
+    llm = make_llm(**DENSE, enable_prefix_caching=False)
     assert generate_tokens(llm, prompts) == reference
     assert generate_tokens(llm, prompts) == reference
     assert llm.engine.scheduler.prefix_cache_hits == 0 and llm.engine.scheduler.block_pool.num_cached_blocks == 0
@@ -66,16 +76,16 @@ def test_no_prefix_caching_matches_transformers(make_llm, prompts, reference):
 
 def test_no_chunked_prefill_matches_transformers(make_llm, prompts, reference):
     # Whole prompts only: the budget must hold a max-length prompt.
-    llm = make_llm(dtype="float32", enable_chunked_prefill=False, max_model_len=512, max_num_batched_tokens=512)
+    llm = make_llm(**DENSE, enable_chunked_prefill=False, max_model_len=512, max_num_batched_tokens=512)
     assert generate_tokens(llm, prompts) == reference
 
 
-def test_prefix_cache_hits_give_the_same_tokens(make_llm, hf_smollm2, llm):
-    tokens = llm.get_tokenizer().encode(TEXT)
+def test_prefix_cache_hits_give_the_same_tokens(make_llm, hf_smollm2, dense_llm):
+    tokens = dense_llm.get_tokenizer().encode(TEXT)
     system = tokens[:150]
     shared = [system + tokens[start : start + 20] for start in (200, 260, 320, 380)]
     reference = [hf_greedy(hf_smollm2, prompt, 16) for prompt in shared]
-    llm = make_llm(dtype="float32")
+    llm = make_llm(**DENSE)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     first_outputs = llm.generate(shared, params, use_tqdm=False)
     first = [o.outputs[0].token_ids for o in first_outputs]
@@ -93,22 +103,23 @@ def test_prefix_cache_hits_give_the_same_tokens(make_llm, hf_smollm2, llm):
     assert first_outputs[0].num_cached_tokens == 0
 
 
-def test_batch_invariance(llm, prompts, reference):
-    alone = [generate_tokens(llm, [prompt])[0] for prompt in prompts]
-    together = generate_tokens(llm, prompts)
+def test_batch_invariance(dense_llm, prompts, reference):
+    alone = [generate_tokens(dense_llm, [prompt])[0] for prompt in prompts]
+    together = generate_tokens(dense_llm, prompts)
     assert alone == together == reference
+    assert_no_leaks(dense_llm)
 
 
 def test_small_token_budget_chunks_prompts(make_llm, prompts, reference):
     # A 64-token budget splits every long prompt into chunks computed across steps.
-    llm = make_llm(dtype="float32", max_num_batched_tokens=64, max_num_seqs=4)
+    llm = make_llm(**DENSE, max_num_batched_tokens=64, max_num_seqs=4)
     assert generate_tokens(llm, prompts) == reference
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_bfloat16_runs_close_to_float32(make_llm, prompts, reference, dtype):
     # bfloat16 rounds differently from the float32 oracle, so only most tokens agree.
-    llm = make_llm(dtype=dtype)
+    llm = make_llm(dtype=dtype, quantization="none")
     tokens = generate_tokens(llm, prompts[:4])
     first_tokens_equal = sum(t[0] == r[0] for t, r in zip(tokens, reference[:4]))
     assert first_tokens_equal >= 3
@@ -116,7 +127,7 @@ def test_bfloat16_runs_close_to_float32(make_llm, prompts, reference, dtype):
 
 
 def test_4bit_weights_run_as_stored_stay_close_to_transformers(make_llm, prompts, reference):
-    """--quantization gguf: steps of up to KERNEL_MAX_ROWS rows run kvfleet's 4-bit kernel,
+    """--quantization gguf, the default for GGUF files: steps of up to KERNEL_MAX_ROWS rows run kvfleet's 4-bit kernel,
     bigger ones the float32 GEMM over the dequantized weights. Both compute in float32 over
     exactly the GGUF weights, so only summation order differs from the float32 oracle:
     measured with the 12 prompts together, all 32 tokens of every prompt agreed (100% of
@@ -124,7 +135,7 @@ def test_4bit_weights_run_as_stored_stay_close_to_transformers(make_llm, prompts
     activations and outputs, kept 80%). The bound leaves room for a near-tie flipping a
     token late in a prompt. Where the kernel cannot build, small steps take that int4
     kernel and only its 70% bound holds."""
-    llm = make_llm(dtype="float32", quantization="gguf")
+    llm = make_llm(dtype="float32")
     layers = [module for module in llm.engine.worker.model.modules() if isinstance(module, QuantizedLinear)]
     assert len(layers) == 4 * llm.engine.worker.model_config.num_hidden_layers  # qkv, o, gate_up, down
     tokens = generate_tokens(llm, prompts)

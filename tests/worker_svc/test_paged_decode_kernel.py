@@ -25,7 +25,8 @@ def random_layout(query_lens: list[int], seq_lens: list[int], block_size: int, n
                        max(query_lens))
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (10, 2, 80)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim",
+                         [(9, 3, 64), (4, 4, 32), (8, 1, 128), (10, 2, 80), (4, 2, 320)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_equals_the_gather_path(num_heads: int, num_kv_heads: int, head_dim: int, threads: int) -> None:
     torch.manual_seed(0)
@@ -43,7 +44,7 @@ def test_kernel_equals_the_gather_path(num_heads: int, num_kv_heads: int, head_d
     torch.set_num_threads(threads)
     try:
         outputs = []
-        for backend in (TorchAttentionBackend(), TorchAttentionBackend(kernel, num_kv_heads)):
+        for backend in (TorchAttentionBackend(), TorchAttentionBackend(kernel)):
             written = cache.clone()
             outputs.append(backend.forward(query, key, value, written, backend.build_metadata(layout), head_dim**-0.5))
     finally:

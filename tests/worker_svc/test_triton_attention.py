@@ -164,7 +164,7 @@ def test_backend_equals_torch_backend(query_lens: list[int], seq_lens: list[int]
     key = torch.randn(len(query), num_kv_heads, head_dim)
     value = torch.randn(len(query), num_kv_heads, head_dim)
     expected_cache = kv_cache.clone()
-    torch_backend = TorchAttentionBackend(None, num_kv_heads)
+    torch_backend = TorchAttentionBackend()
     expected = torch_backend.forward(query, key, value, expected_cache, torch_backend.build_metadata(layout), 0.2)
 
     padded = BatchLayout(

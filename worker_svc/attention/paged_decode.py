@@ -20,7 +20,7 @@ import torch
 from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
 
 SOURCE = Path(__file__).parents[1] / "csrc" / "paged_decode.cpp"
-MAX_GROUP, MAX_HEAD_DIM = 16, 256  # as in the C++ source
+MAX_GROUP = 16  # as in the C++ source
 
 _i64, _f32p, _i64p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int64)
 
@@ -33,7 +33,7 @@ class DecodeBatch:
     seqs: torch.Tensor  # [n] int64: row in block_tables
     seq_lens: torch.Tensor  # [n] int64
     block_tables: torch.Tensor  # [B, max_blocks] int64, contiguous
-    # Per thread, the [first, last) range of (decode, kv head) items it computes.
+    # Per thread, the [first, last) range of decodes it computes.
     shares: list[tuple[int, int]]
 
 
@@ -50,18 +50,17 @@ class PagedDecodeKernel:
     def supports(dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return (
             dtype == torch.float32 and device.type == "cpu" and num_heads // num_kv_heads <= MAX_GROUP
-            and head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0
+            and head_dim % 8 == 0
         )
 
-    def batch(self, rows: list[int], seqs: list[int], seq_lens: list[int], block_tables: torch.Tensor,
-              num_kv_heads: int) -> DecodeBatch:
+    def batch(self, rows: list[int], seqs: list[int], seq_lens: list[int], block_tables: torch.Tensor) -> DecodeBatch:
         threads = torch.get_num_threads()
         # Contiguous ranges of decodes with about equal keys each (a range ends at a decode boundary).
         total, shares, first, done = sum(seq_lens), [], 0, 0
         for index, length in enumerate(seq_lens):
             done += length
             if done * threads >= total * (len(shares) + 1) or index == len(seq_lens) - 1:
-                shares.append((first * num_kv_heads, (index + 1) * num_kv_heads))
+                shares.append((first, index + 1))
                 first = index + 1
         return DecodeBatch(
             torch.tensor(rows, dtype=torch.int64), torch.tensor(seqs, dtype=torch.int64),

@@ -77,13 +77,12 @@ def _gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_lens: list
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, decode_kernel: PagedDecodeKernel | None = None, num_kv_heads: int = 0,
+    def __init__(self, decode_kernel: PagedDecodeKernel | None = None,
                  cache_writer: DecoderKernel | None = None) -> None:
-        """`decode_kernel`: run decodes with it (for a model with `num_kv_heads`). `cache_writer`:
+        """`decode_kernel`: run decodes with it. `cache_writer`:
         write new K and V with it, a row copy per token (index_copy_ went element by element:
         6% of a prompt's time)."""
         self.decode_kernel = decode_kernel
-        self.num_kv_heads = num_kv_heads
         self.cache_writer = cache_writer
 
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
@@ -104,7 +103,6 @@ class TorchAttentionBackend(AttentionBackend):
             decodes = [i for i, n in enumerate(query_lens) if n == 1]
             batch = self.decode_kernel.batch(
                 [starts[i] for i in decodes], decodes, [seq_lens[i] for i in decodes], layout.block_tables,
-                self.num_kv_heads,
             ) if decodes else None
             return TorchAttentionMetadata(layout.slot_mapping, [], prefills, batch)
         decodes = sorted((seq_lens[i], i) for i, n in enumerate(query_lens) if n == 1)

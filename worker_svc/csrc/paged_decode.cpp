@@ -4,10 +4,11 @@
 // attending; for decode that copy is most of the memory traffic. This reads each block
 // where it lies in the cache, once, with an online softmax over chunks of keys.
 //
-// Within a chunk, eight keys are scored at a time: each key's dot product stays a vector
-// of partial sums until one transpose-and-add finishes all eight, and their exponentials
-// are taken together; a key's value row is then added into every query head of its group
-// with the head's accumulators held in registers.
+// A decode's keys are read in chunks of whole token rows (every kv head), in cache order.
+// Within a chunk, eight keys are scored at a time for each query head: each key's dot
+// product stays a vector of partial sums until one transpose-and-add finishes all eight,
+// and their exponentials are taken together; the value rows are then added into each head
+// with its accumulators held in registers.
 //
 // Layouts:
 //   query [num_tokens, num_heads, head_dim], rows query_stride apart (a view of the fused
@@ -16,62 +17,195 @@
 //   block_tables [num_seqs_in_table, table_stride] (int64)
 //   rows, seqs, seq_lens: per decode i, its row in query/out, its row in block_tables, and
 //   its context length (keys, this step's included).
-// head_dim is a multiple of 8 and at most kMaxHeadDim; a kv head serves at most kMaxGroup
-// query heads. Work is split by (decode, kv head) pairs in [first, last), so callers can
-// run disjoint ranges on several threads.
+// head_dim is a multiple of 8; a kv head serves at most kMaxGroup
+// query heads. Work is split by decodes in [first, last), so callers can run disjoint
+// ranges on several threads.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "simd_math.h"
 
 namespace {
 
 constexpr int kMaxGroup = 16;
-constexpr int kMaxHeadDim = 256;
 constexpr int kChunk = 64;  // keys scored before their values are summed
-constexpr int kSpan = 64;   // dims of one accumulator pass: 8 registers
+constexpr int kSpan = 32;   // dims of one pass over the value rows: 4 registers a head
 
 inline __m256 lane_indices() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
 
-// One key's dot product with q, as 8 partial sums.
-inline __m256 partial_dot(const float* q, const float* k, int64_t head_dim) {
-  __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
-  __m256 b = _mm256_setzero_ps();
-  int64_t d = 8;
-  for (; d + 16 <= head_dim; d += 16) {
-    b = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), b);
-    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), a);
+// Eight keys' dot products with q, each as a vector of 8 partial sums: q's vectors are
+// loaded once for all eight, the keys' straight into the FMAs.
+inline void partial_dots(const float* q, const float* const keys[8], int64_t head_dim, __m256 partial[8]) {
+  for (int j = 0; j < 8; ++j) partial[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; ++j) partial[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[j] + d), partial[j]);
   }
-  if (d < head_dim) b = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), b);
-  return _mm256_add_ps(a, b);
 }
 
-// acc[0 .. 8 NV) += sum_j weights[j] * values[rows[j] .. rows[j] + 8 NV), accumulated in registers.
-template <int NV>
-inline void add_values(float* acc, const float* weights, const float* values, const int64_t* rows, int64_t n) {
-  __m256 sum[NV];
-  for (int t = 0; t < NV; ++t) sum[t] = _mm256_loadu_ps(acc + 8 * t);
+// For each of G heads g: acc[g][0 .. 8 NV) += sum_j weights[g][j] * values[rows[j] .. + 8 NV),
+// accumulated in registers; each value vector is loaded once for the G heads it serves.
+template <int G, int NV>
+inline void add_values(float* const acc[], const float* const weights[], const float* values, const int64_t* rows,
+                       int64_t n) {
+  static_assert(G * NV + G + 1 <= 16, "accumulators, weights and a value vector fit AVX2's 16 registers");
+  __m256 sum[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < NV; ++t) sum[g][t] = _mm256_loadu_ps(acc[g] + 8 * t);
   for (int64_t j = 0; j < n; ++j) {
-    const __m256 w = _mm256_broadcast_ss(weights + j);
+    __m256 w[G];
+    for (int g = 0; g < G; ++g) w[g] = _mm256_broadcast_ss(weights[g] + j);
     const float* v = values + rows[j];
-    for (int t = 0; t < NV; ++t) sum[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * t), sum[t]);
+    for (int t = 0; t < NV; ++t) {
+      const __m256 vt = _mm256_loadu_ps(v + 8 * t);
+      for (int g = 0; g < G; ++g) sum[g][t] = _mm256_fmadd_ps(w[g], vt, sum[g][t]);
+    }
   }
-  for (int t = 0; t < NV; ++t) _mm256_storeu_ps(acc + 8 * t, sum[t]);
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < NV; ++t) _mm256_storeu_ps(acc[g] + 8 * t, sum[g][t]);
 }
 
-void add_values_span(float* acc, const float* weights, const float* values, const int64_t* rows, int64_t n,
-                     int64_t vectors) {
+template <int G>
+void add_values_span(float* const acc[], const float* const weights[], const float* values, const int64_t* rows,
+                     int64_t n, int64_t vectors) {
   switch (vectors) {
-    case 8: add_values<8>(acc, weights, values, rows, n); break;
-    case 7: add_values<7>(acc, weights, values, rows, n); break;
-    case 6: add_values<6>(acc, weights, values, rows, n); break;
-    case 5: add_values<5>(acc, weights, values, rows, n); break;
-    case 4: add_values<4>(acc, weights, values, rows, n); break;
-    case 3: add_values<3>(acc, weights, values, rows, n); break;
-    case 2: add_values<2>(acc, weights, values, rows, n); break;
-    default: add_values<1>(acc, weights, values, rows, n); break;
+    case 4: add_values<G, 4>(acc, weights, values, rows, n); break;
+    case 3: add_values<G, 3>(acc, weights, values, rows, n); break;
+    case 2: add_values<G, 2>(acc, weights, values, rows, n); break;
+    default: add_values<G, 1>(acc, weights, values, rows, n); break;
+  }
+}
+
+// Values into the heads of one kv head's group: up to three heads share each pass over the
+// value rows, 32 dims at a time.
+void add_group_values(float* acc, const float* weights, const float* values, const int64_t* rows, int64_t n,
+                      int64_t group, int64_t head_dim) {
+  for (int64_t g0 = 0; g0 < group; g0 += 3) {
+    const int64_t heads = group - g0 < 3 ? group - g0 : 3;
+    for (int64_t d = 0; d < head_dim; d += kSpan) {
+      const int64_t vectors = (head_dim - d < kSpan ? head_dim - d : kSpan) / 8;
+      float* head_acc[3];
+      const float* head_weights[3];
+      for (int64_t g = 0; g < heads; ++g) {
+        head_acc[g] = acc + (g0 + g) * head_dim + d;
+        head_weights[g] = weights + (g0 + g) * kChunk;
+      }
+      switch (heads) {
+        case 3: add_values_span<3>(head_acc, head_weights, values + d, rows, n, vectors); break;
+        case 2: add_values_span<2>(head_acc, head_weights, values + d, rows, n, vectors); break;
+        default: add_values_span<1>(head_acc, head_weights, values + d, rows, n, vectors); break;
+      }
+    }
+  }
+}
+
+// kHeadDim: the head size as a constant, so that a key's dot product unrolls into registers
+// (0: head_dim's value, for other sizes).
+template <int64_t kHeadDim>
+void attend(const float* query, float* out, const float* key_cache, const float* value_cache,
+            const int64_t* block_tables, int64_t table_stride, int64_t query_stride, const int64_t* rows,
+            const int64_t* seqs, const int64_t* seq_lens, int64_t num_heads, int64_t num_kv_heads,
+            int64_t any_head_dim, int64_t block_size, float scale, int64_t first, int64_t last) {
+  const int64_t head_dim = kHeadDim ? kHeadDim : any_head_dim;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * token_stride;
+  // Per query head of the decode: its output so far, and its running max and sum of exponentials.
+  std::vector<float> acc(num_heads * head_dim), scores(num_heads * kChunk), maxes(num_heads), sums(num_heads);
+  int64_t offsets[2][kChunk];  // where this chunk's key and value rows start, and the next one's
+  // Where a chunk's token rows lie (offsets into either cache), prefetched: they sit in
+  // scattered blocks, where the hardware's prefetcher loses the stream, so the next chunk's
+  // rows are requested (into L2) while this one's are scored. Returns the chunk's length.
+  auto locate = [&](int64_t i, int64_t chunk, int64_t* into) -> int64_t {
+    const int64_t* table = block_tables + seqs[i] * table_stride;
+    const int64_t n = seq_lens[i] - chunk < kChunk ? seq_lens[i] - chunk : kChunk;
+    // Stepping through the blocks: a division per key cost more than scoring it.
+    int64_t block = chunk / block_size, in_block = chunk % block_size;
+    for (int64_t j = 0; j < n; ++j) {
+      into[j] = table[block] * block_stride + in_block * token_stride;
+      for (int64_t d = 0; d < token_stride; d += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(key_cache + into[j] + d), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(value_cache + into[j] + d), _MM_HINT_T1);
+      }
+      if (++in_block == block_size) in_block = 0, ++block;
+    }
+    return n;
+  };
+  int current = 0;
+  int64_t n_next = first < last ? locate(first, 0, offsets[0]) : 0;
+  for (int64_t i = first; i < last; ++i) {
+    const float* q = query + rows[i] * query_stride;
+    const int64_t len = seq_lens[i];
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(maxes.begin(), maxes.end(), -INFINITY);
+    std::fill(sums.begin(), sums.end(), 0.0f);
+    for (int64_t chunk = 0; chunk < len; chunk += kChunk) {
+      const int64_t n = n_next;
+      const int64_t* chunk_rows = offsets[current];
+      current ^= 1;
+      if (chunk + kChunk < len) {
+        n_next = locate(i, chunk + kChunk, offsets[current]);
+      } else if (i + 1 < last) {
+        n_next = locate(i + 1, 0, offsets[current]);
+      }
+      // All kv heads of a token row in one pass: the row is contiguous, so whole blocks are
+      // read in order rather than a third of each row per pass.
+      for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+        const float* keys = key_cache + kv * head_dim;
+        // Eight keys at a time for every query head of the group: their rows are read from
+        // memory once and then from L1.
+        __m256 chunk_max[kMaxGroup];
+        for (int64_t g = 0; g < group; ++g) chunk_max[g] = _mm256_set1_ps(-INFINITY);
+        for (int64_t j0 = 0; j0 < n; j0 += 8) {
+          const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps(static_cast<float>(j0)), lane_indices()),
+                                             _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
+          const float* key_rows[8];  // keys past the chunk's end read its first row; their scores are masked
+          for (int64_t j = 0; j < 8; ++j) key_rows[j] = keys + chunk_rows[j0 + j < n ? j0 + j : j0];
+          for (int64_t g = 0; g < group; ++g) {
+            __m256 partial[8];
+            partial_dots(q + (kv * group + g) * head_dim, key_rows, head_dim, partial);
+            __m256 s = _mm256_mul_ps(simd::transpose_sum(partial), _mm256_set1_ps(scale));
+            s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, valid);
+            _mm256_storeu_ps(&scores[(kv * group + g) * kChunk + j0], s);
+            chunk_max[g] = _mm256_max_ps(chunk_max[g], s);
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = kv * group + g;
+          float* head_acc = &acc[h * head_dim];
+          float* head_scores = &scores[h * kChunk];
+          const float new_max = simd::horizontal_max(chunk_max[g]);
+          if (new_max > maxes[h]) {  // rescale what was summed under the old maximum
+            const float correction = std::exp(maxes[h] - new_max);
+            sums[h] *= correction;
+            for (int64_t d = 0; d < head_dim; ++d) head_acc[d] *= correction;
+            maxes[h] = new_max;
+          }
+          const __m256 m = _mm256_set1_ps(maxes[h]);
+          __m256 total = _mm256_setzero_ps();
+          for (int64_t j0 = 0; j0 < n; j0 += 8) {
+            const __m256 s = _mm256_loadu_ps(head_scores + j0);
+            // Keys past the chunk's end scored -inf: their weight is exactly 0, not exp's floor.
+            const __m256 e = _mm256_and_ps(simd::exp(_mm256_sub_ps(s, m)),
+                                           _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ));
+            _mm256_storeu_ps(head_scores + j0, e);
+            total = _mm256_add_ps(total, e);
+          }
+          sums[h] += simd::horizontal_sum(total);
+        }
+        add_group_values(&acc[kv * group * head_dim], &scores[kv * group * kChunk], value_cache + kv * head_dim,
+                         chunk_rows, n, group, head_dim);
+      }
+    }
+    float* o = out + rows[i] * num_heads * head_dim;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float inv = 1.0f / sums[h];
+      for (int64_t d = 0; d < head_dim; ++d) o[h * head_dim + d] = acc[h * head_dim + d] * inv;
+    }
   }
 }
 
@@ -83,95 +217,7 @@ extern "C" void paged_decode_attention(const float* query, float* out, const flo
                                        const int64_t* seq_lens, int64_t num_heads, int64_t num_kv_heads,
                                        int64_t head_dim, int64_t block_size, float scale, int64_t first,
                                        int64_t last) {
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_dim;
-  const int64_t block_stride = block_size * token_stride;
-  alignas(32) float acc[kMaxGroup][kMaxHeadDim];
-  alignas(32) float scores[kMaxGroup][kChunk];
-  float maxes[kMaxGroup], sums[kMaxGroup];
-  int64_t offsets[2][kChunk];  // this chunk's rows and the next one's
-  // Where a chunk's key and value rows lie (offsets into either cache), prefetched: they
-  // sit in scattered blocks, where the hardware's prefetcher loses the stream, so the next
-  // chunk's rows are requested while this one's are scored. Returns the chunk's length.
-  auto locate = [&](int64_t item, int64_t chunk, int64_t* into) -> int64_t {
-    const int64_t i = item / num_kv_heads, kv = item % num_kv_heads;
-    const int64_t* table = block_tables + seqs[i] * table_stride;
-    const int64_t n = seq_lens[i] - chunk < kChunk ? seq_lens[i] - chunk : kChunk;
-    // Stepping through the blocks: a division per key cost more than scoring it.
-    int64_t block = chunk / block_size, in_block = chunk % block_size;
-    for (int64_t j = 0; j < n; ++j) {
-      into[j] = table[block] * block_stride + in_block * token_stride + kv * head_dim;
-      for (int64_t d = 0; d < head_dim; d += 16) {
-        _mm_prefetch(reinterpret_cast<const char*>(key_cache + into[j] + d), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(value_cache + into[j] + d), _MM_HINT_T0);
-      }
-      if (++in_block == block_size) in_block = 0, ++block;
-    }
-    return n;
-  };
-  int current = 0;
-  int64_t n_next = first < last ? locate(first, 0, offsets[0]) : 0;
-  for (int64_t item = first; item < last; ++item) {
-    const int64_t i = item / num_kv_heads, kv = item % num_kv_heads;
-    const float* q = query + rows[i] * query_stride + kv * group * head_dim;
-    const int64_t len = seq_lens[i];
-    for (int64_t g = 0; g < group; ++g) {
-      maxes[g] = -INFINITY;
-      sums[g] = 0.0f;
-      for (int64_t d = 0; d < head_dim; ++d) acc[g][d] = 0.0f;
-    }
-    for (int64_t chunk = 0; chunk < len; chunk += kChunk) {
-      const int64_t n = n_next;
-      const int64_t* chunk_rows = offsets[current];
-      current ^= 1;
-      if (chunk + kChunk < len) {
-        n_next = locate(item, chunk + kChunk, offsets[current]);
-      } else if (item + 1 < last) {
-        n_next = locate(item + 1, 0, offsets[current]);
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * head_dim;
-        __m256 chunk_max = _mm256_set1_ps(-INFINITY);
-        for (int64_t j0 = 0; j0 < n; j0 += 8) {
-          __m256 partial[8];
-          for (int64_t j = 0; j < 8; ++j)
-            partial[j] = j0 + j < n ? partial_dot(qg, key_cache + chunk_rows[j0 + j], head_dim) : _mm256_setzero_ps();
-          __m256 s = _mm256_mul_ps(simd::transpose_sum(partial), _mm256_set1_ps(scale));
-          const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps(static_cast<float>(j0)), lane_indices()),
-                                             _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
-          s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, valid);
-          _mm256_store_ps(scores[g] + j0, s);
-          chunk_max = _mm256_max_ps(chunk_max, s);
-        }
-        const float new_max = simd::horizontal_max(chunk_max);
-        if (new_max > maxes[g]) {  // rescale what was summed under the old maximum
-          const float correction = std::exp(maxes[g] - new_max);
-          sums[g] *= correction;
-          for (int64_t d = 0; d < head_dim; ++d) acc[g][d] *= correction;
-          maxes[g] = new_max;
-        }
-        const __m256 m = _mm256_set1_ps(maxes[g]);
-        __m256 total = _mm256_setzero_ps();
-        for (int64_t j0 = 0; j0 < n; j0 += 8) {
-          const __m256 s = _mm256_load_ps(scores[g] + j0);
-          // Keys past the chunk's end scored -inf: their weight is exactly 0, not exp's floor.
-          const __m256 e = _mm256_and_ps(simd::exp(_mm256_sub_ps(s, m)),
-                                         _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ));
-          _mm256_store_ps(scores[g] + j0, e);
-          total = _mm256_add_ps(total, e);
-        }
-        sums[g] += simd::horizontal_sum(total);
-      }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; d += kSpan) {
-          const int64_t span = head_dim - d < kSpan ? head_dim - d : kSpan;
-          add_values_span(acc[g] + d, scores[g], value_cache + d, chunk_rows, n, span / 8);
-        }
-    }
-    float* o = out + rows[i] * num_heads * head_dim + kv * group * head_dim;
-    for (int64_t g = 0; g < group; ++g) {
-      const float inv = 1.0f / sums[g];
-      for (int64_t d = 0; d < head_dim; ++d) o[g * head_dim + d] = acc[g][d] * inv;
-    }
-  }
+  auto attend_with = head_dim == 64 ? attend<64> : head_dim == 128 ? attend<128> : attend<0>;
+  attend_with(query, out, key_cache, value_cache, block_tables, table_stride, query_stride, rows, seqs, seq_lens,
+              num_heads, num_kv_heads, head_dim, block_size, scale, first, last);
 }

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from services.config import ConfigError, EngineConfig
-from services.model_source import ModelFormat, ModelSource
+from worker_svc.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +47,11 @@ def torch_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, config.dtype)
 
 
-def runs_q4_as_stored(config: EngineConfig, device: torch.device, source: ModelSource) -> bool:
-    """Whether a GGUF file's 4-bit projections run as stored: with --quantization gguf, the
-    default for GGUF files as in vLLM, on CPU (the kernels are CPU kernels; elsewhere the
-    weights are dequantized, as with --quantization none)."""
-    if source.format is not ModelFormat.GGUF or config.quantization == "none":
+def runs_q4_as_stored(config: EngineConfig, device: torch.device, model: ModelConfig) -> bool:
+    """Whether a quantized GGUF file's 4-bit projections run as stored: with --quantization
+    gguf, the default for GGUF files as in vLLM, on CPU (the kernels are CPU kernels;
+    elsewhere the weights are dequantized, as with --quantization none)."""
+    if model.quantization is None or config.quantization == "none":  # unquantized weights, or not GGUF
         return False
     if device.type != "cpu":
         if config.quantization == "gguf":

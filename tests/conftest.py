@@ -70,17 +70,27 @@ def assert_no_leaks(llm: LLM) -> None:
     assert not llm.engine.worker.requests, "the worker still holds request state"
 
 
+DENSE = {"dtype": "float32", "quantization": "none"}  # the weights dequantized, as transformers loads them
+
+
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     """The default model, shared by a module's tests."""
     return LLM("smollm2", dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def dense_llm() -> LLM:
+    """The default model dequantized (exactly transformers' tokens), shared by a module's tests."""
+    return LLM("smollm2", **DENSE)
+
+
 @pytest.fixture(autouse=True)
 def _shared_llm_has_no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
-    if "llm" in request.fixturenames:
-        assert_no_leaks(request.getfixturevalue("llm"))
+    for name in ("llm", "dense_llm"):
+        if name in request.fixturenames:
+            assert_no_leaks(request.getfixturevalue(name))
 
 
 @pytest.fixture

@@ -6,20 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfleet import LLM, SamplingParams
+from kvfleet import SamplingParams
 from worker_svc.quantized_linear import QuantizedLinear
 
-from conftest import assert_no_leaks, hf_greedy
+from conftest import DENSE, hf_greedy
 from corpus import TEXT, parity_prompts
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-DENSE = {"dtype": "float32", "quantization": "none"}  # the weights dequantized, as transformers loads them
-
-
-@pytest.fixture(scope="module")
-def dense_llm() -> LLM:
-    return LLM("smollm2", **DENSE)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +40,6 @@ def test_prompt_shapes(prompts):
 def test_default_settings_match_transformers(dense_llm, prompts, reference):
     assert not any(isinstance(module, QuantizedLinear) for module in dense_llm.engine.worker.model.modules())
     assert generate_tokens(dense_llm, prompts) == reference
-    assert_no_leaks(dense_llm)
 
 
 def test_block_size_32_matches_transformers(make_llm, prompts, reference):
@@ -107,7 +100,6 @@ def test_batch_invariance(dense_llm, prompts, reference):
     alone = [generate_tokens(dense_llm, [prompt])[0] for prompt in prompts]
     together = generate_tokens(dense_llm, prompts)
     assert alone == together == reference
-    assert_no_leaks(dense_llm)
 
 
 def test_small_token_budget_chunks_prompts(make_llm, prompts, reference):
@@ -127,8 +119,8 @@ def test_bfloat16_runs_close_to_float32(make_llm, prompts, reference, dtype):
 
 
 def test_4bit_weights_run_as_stored_stay_close_to_transformers(make_llm, prompts, reference):
-    """--quantization gguf, the default for GGUF files: steps of up to KERNEL_MAX_ROWS rows run kvfleet's 4-bit kernel,
-    bigger ones the float32 GEMM over the dequantized weights. Both compute in float32 over
+    """--quantization gguf, the default for GGUF files: steps of up to KERNEL_MAX_ROWS rows
+    run kvfleet's 4-bit kernel, bigger ones the float32 GEMM over the dequantized weights. Both compute in float32 over
     exactly the GGUF weights, so only summation order differs from the float32 oracle:
     measured with the 12 prompts together, all 32 tokens of every prompt agreed (100% of
     positions before the first divergence; torch's int4 kernel, with bfloat16 scales,

@@ -294,9 +294,13 @@ class ClusterEngineClient:
             return None
 
     def _release(self, ids: list[str]) -> None:
+        """The request ended: it no longer loads its replica, though the next poll is up to
+        half a second away (short requests in a row would otherwise pile up on the count
+        and turn routing away from a replica that is idle). Its `waiting` stays until the
+        poll: it may have left the queue long ago, and the poll knows."""
         with self._lock:
-            for request_id in ids:
-                self._placed.pop(request_id, None)
+            for replica in {self._placed.pop(request_id, None) for request_id in ids} - {None}:
+                replica.load = max(0, replica.load - 1)
 
     def _send_abort(self, replica: _Replica, request_id: str) -> None:
         """Fire and forget, from any thread."""

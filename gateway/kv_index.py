@@ -126,6 +126,8 @@ class KvIndex:
                 return
             if snapshot.seq >= replica.seq:
                 replica.seq, replica.hashes = snapshot.seq, set(snapshot.block_hashes)
+                logger.info("KV index: scheduler %s holds %d blocks (its snapshot at event %d)", instance_id,
+                            len(replica.hashes), snapshot.seq)
             replica.apply_held()
             if replica.held:  # lost again since the snapshot
                 logger.info("KV events of scheduler %s: a gap after %d; reloading", instance_id, replica.seq)

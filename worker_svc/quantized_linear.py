@@ -1,36 +1,46 @@
 """A linear layer over 4-bit GGUF weights kept as stored (--quantization gguf, on CPU).
 
-Which kernel is fastest depends on the step's rows, measured on this 2-core AVX2 CPU
-(benchmarks/quantized_weights.py, all 120 projections of SmolLM2-135M, 2 threads, a
-shared machine at load average 1.6-2.2, all kernels side by side in one run):
+Where AVX-512 VNNI runs, every step takes the int16 x 4-bit kernel (q4_vnni_kernel.py):
+activations quantized per block of 32 inputs to int16 (about 1e-5 relative error), the
+4-bit codes multiplied as stored. It was the fastest at every step size measured
+(benchmarks/quantized_weights.py, all 120 projections of SmolLM2-135M, 2 threads, an
+AMD EPYC with AVX-512 VNNI, load average 0.9, all kernels side by side in one run), and it
+keeps nothing else: no float32 copy, no scratch buffer:
+
+  rows                          1    4   16   32   64  256  1024
+  int16 x 4-bit kernel, ms    3.6  5.8   14   20   31  107   443
+  float32 4-bit kernel, ms    8.1   12   32   54   98  395  2135
+  dequantize + float32 GEMM    20   26   29   37   57  175   594
+  dense float32 (oneDNN), ms   19   17   22   28   44  128   510
+
+Elsewhere, on the 2-core AVX2 CPU measured before it:
 
   rows                          1    8   16   32   48   64   96  128  256
   kvfleet's 4-bit kernel, ms   17   40   92  181  271  476  534  754 1462
   torch int4 (bfloat16), ms    29   65  105  261  366  472  849 1094 1141
   dequantize + float32 GEMM    67  108  156  187  244  342  504  530  856
 
-Steps of up to KERNEL_MAX_ROWS rows take kvfleet's kernel (q4_kernel.py, csrc/q4_gemm.cpp):
-it reads the 4-bit codes and float16 scales (0.625 bytes a weight) and computes in
-float32 over exactly the GGUF weights, so its tokens are the float32 model's. Bigger
-steps take the float32 GEMM over weights the kernel dequantizes into a scratch buffer,
-one layer at a time (21 ms a step for all layers; torch's dequantization of the blocks
-took 58). Two more runs at 16-64 rows: the kernel 81 and 95 ms against 116 and 129 at
-16 rows, level at 24 and 32, behind from 48; KERNEL_MAX_ROWS takes the lower tie.
-Single-request decode (the benchmark's --decode) went from 15.5 tokens/s with torch's
-int4 kernel to 24.0 with this one (transformers: 9.9), in one run.
+there, steps of up to KERNEL_MAX_ROWS rows take kvfleet's float32 kernel (q4_kernel.py,
+csrc/q4_gemm.cpp): it reads the 4-bit codes and float16 scales (0.625 bytes a weight) and
+computes in float32 over exactly the GGUF weights, so its tokens are the float32 model's.
+Bigger steps take the float32 GEMM over weights the kernel dequantizes into a scratch
+buffer, one layer at a time (21 ms a step for all layers; torch's dequantization of the
+blocks took 58). Two more runs at 16-64 rows: the kernel 81 and 95 ms against 116 and
+129 at 16 rows, level at 24 and 32, behind from 48; KERNEL_MAX_ROWS takes the lower tie.
 
-Where the kernel cannot build (no compiler, no AVX2/FMA/F16C), steps of up to
-INT4_MAX_ROWS take torch's int4 weight-only matmul, as before the kernel: bfloat16
-activations, scales and output (about 2e-3 relative error each), which kept 80% of the
-parity prompts' greedy positions before their first divergence from the float32 oracle
-(--dtype bfloat16 keeps 61%)."""
+Where neither kernel can build (no compiler, no AVX2/FMA/F16C), steps of up to
+INT4_MAX_ROWS take torch's int4 weight-only matmul: bfloat16 activations, scales and
+output (about 2e-3 relative error each), which kept 80% of the parity prompts' greedy
+positions before their first divergence from the float32 oracle (--dtype bfloat16 keeps
+61%; the int16 kernel and the float32 ones keep 100%)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from worker_svc import q4_kernel
+from worker_svc import q4_kernel, q4_vnni_kernel
 from worker_svc.layers import cpu_linear
+from worker_svc.q4_vnni_kernel import VnniPanels
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
 
 KERNEL_MAX_ROWS = 24  # steps of at most this many rows take the float32 4-bit kernel, where it built
@@ -55,6 +65,13 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = blocks.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.scratch = scratch
+        self.vnni = q4_vnni_kernel.load()
+        self.panels = None if self.vnni is None else VnniPanels.from_blocks(blocks)
+        self.int4_weight: torch.Tensor | None = None
+        self.int4_scale_zeros: torch.Tensor | None = None
+        if self.panels is not None:  # every step takes it: nothing else is kept
+            self.kernel = self.packed = self.blocks = None
+            return
         scratch.reserve(blocks.codes.numel())
         self.kernel = q4_kernel.load()
         self.packed = None if self.kernel is None else q4_kernel.PackedQ4.from_blocks(blocks)
@@ -62,8 +79,6 @@ class QuantizedLinear(nn.Module):
         # blocks (21 vs 58 ms for SmolLM2's 120 projections), so their 1.25 bytes a weight are not kept.
         self.blocks = None if self.packed is not None and scratch.buffer.dtype == torch.float32 else blocks
         # torch's int4 weights only where the float32 kernel cannot run: they would cost another 0.56 bytes a weight.
-        self.int4_weight: torch.Tensor | None = None
-        self.int4_scale_zeros: torch.Tensor | None = None
         if self.packed is None:
             self.pack_int4()
 
@@ -76,13 +91,19 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.packed is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
+        if self.panels is not None:
+            out = self.vnni_matmul(rows)
+        elif self.packed is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
             out = self.kernel_matmul(rows)
         elif self.packed is None and rows.shape[0] <= INT4_MAX_ROWS:
             out = self.int4_matmul(rows)
         else:
             out = self.dequantized_matmul(rows)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def vnni_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return self.vnni.linear(self.panels, rows.float(), bias).to(rows.dtype)
 
     def kernel_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         assert self.kernel is not None and self.packed is not None

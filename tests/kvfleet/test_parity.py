@@ -119,19 +119,21 @@ def test_bfloat16_runs_close_to_float32(make_llm, prompts, reference, dtype):
 
 
 def test_4bit_weights_run_as_stored_stay_close_to_transformers(make_llm, prompts, reference):
-    """--quantization gguf, the default for GGUF files: steps of up to KERNEL_MAX_ROWS rows
-    run kvfleet's 4-bit kernel, bigger ones the float32 GEMM over the dequantized weights. Both compute in float32 over
-    exactly the GGUF weights, so only summation order differs from the float32 oracle:
-    measured with the 12 prompts together, all 32 tokens of every prompt agreed (100% of
-    positions before the first divergence; torch's int4 kernel, with bfloat16 scales,
-    activations and outputs, kept 80%). The bound leaves room for a near-tie flipping a
-    token late in a prompt. Where the kernel cannot build, small steps take that int4
-    kernel and only its 70% bound holds."""
+    """--quantization gguf, the default for GGUF files. Where AVX-512 VNNI runs, every step
+    takes the int16 x 4-bit kernel: activations quantized per block of 32 to int16, about
+    1e-5 relative error. Measured with the 12 prompts together, all 32 tokens of every
+    prompt agreed (100% of positions before the first divergence; int8 activations, as
+    llama.cpp's Q8_0, kept 62%). Elsewhere steps of up to KERNEL_MAX_ROWS rows run the
+    float32 4-bit kernel and bigger ones the float32 GEMM over the dequantized weights,
+    exactly the GGUF weights, where only summation order differs from the float32 oracle:
+    100% too. The bound leaves room for a near-tie flipping a token late in a prompt.
+    Where neither kernel can build, small steps take torch's int4 kernel, with bfloat16
+    scales, activations and outputs, and only its 70% bound holds (it kept 80%)."""
     llm = make_llm(dtype="float32")
     layers = [module for module in llm.engine.worker.model.modules() if isinstance(module, QuantizedLinear)]
     assert len(layers) == 4 * llm.engine.worker.model_config.num_hidden_layers  # qkv, o, gate_up, down
     tokens = generate_tokens(llm, prompts)
     agreed = [next((i for i, (t, r) in enumerate(zip(got, want)) if t != r), NEW_TOKENS)
               for got, want in zip(tokens, reference)]
-    float32_kernel = all(layer.packed is not None for layer in layers)
-    assert sum(agreed) >= (0.95 if float32_kernel else 0.7) * NEW_TOKENS * len(prompts), agreed
+    own_kernels = all(layer.panels is not None or layer.packed is not None for layer in layers)
+    assert sum(agreed) >= (0.95 if own_kernels else 0.7) * NEW_TOKENS * len(prompts), agreed

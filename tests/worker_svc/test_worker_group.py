@@ -181,9 +181,11 @@ def test_sampling_features_survive_the_split(engines):
                 assert _close(ours, theirs), (ours, theirs)
 
 
-def _close(ours, theirs, tolerance: float = 1e-3) -> bool:
-    """Nested logprob structures equal in shape and token ids, values within `tolerance`
-    (the split sums in another order)."""
+def _close(ours, theirs, tolerance: float = 1e-2) -> bool:
+    """Nested logprob structures equal in shape and token ids, values within `tolerance`:
+    the split sums in another order, and where the int16 x 4-bit kernel runs, a last-bit
+    difference can round an activation to the next int16 step (measured: up to 2.8e-3
+    under TP=2; PP=2, which sums in the same order, gave equal logprobs)."""
     if isinstance(theirs, dict):
         return ours.keys() == theirs.keys() and all(_close(ours[k], theirs[k], tolerance) for k in theirs)
     if isinstance(theirs, (list, tuple)):

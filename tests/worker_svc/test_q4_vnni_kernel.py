@@ -1,0 +1,128 @@
+"""The int16 x 4-bit GEMM (worker_svc/csrc/q4_vnni_gemm.cpp, AVX-512 VNNI): its activation
+quantization is the one written here in torch, its product is that of the quantized
+activations and exactly the GGUF weights, it stays within about 1e-5 of the float32
+product, and QuantizedLinear sends every step to it where it runs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from worker_svc import native, q4_vnni_kernel
+from worker_svc.q4_vnni_kernel import VnniPanels
+from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
+from worker_svc.quantized_linear import DequantScratch, QuantizedLinear
+
+KINDS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
+
+kernel = q4_vnni_kernel.load()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no AVX-512 VNNI CPU or no compiler")
+
+
+def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> Q4Blocks:
+    weights = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
+    return Q4Blocks.from_gguf(quantize(weights, kind), kind)
+
+
+def dense(blocks: Q4Blocks) -> torch.Tensor:
+    return blocks.dequantize(torch.empty(blocks.codes.numel())).double()
+
+
+def quantized(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel reads it: per row and block of 32, int16 values times amax / 32767."""
+    grouped = x.reshape(x.shape[0], -1, GROUP_SIZE)
+    scale = grouped.abs().amax(-1, keepdim=True) / 32767
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))  # float32, as the kernel's
+    return (torch.round(grouped * inverse).double() * scale.double()).reshape(x.shape)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 64])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_kernel_computes_the_quantized_activations_product(kind, rows, with_bias):
+    # 7 blocks of 32 inputs (an odd count) and 48 outputs (three panels).
+    blocks = random_blocks(kind, 48, 7 * 32)
+    x = torch.randn(rows, 7 * 32, generator=torch.Generator().manual_seed(rows))
+    x[0, :GROUP_SIZE] = 0.0  # a block of zeros: scale 0, no division by it
+    bias = torch.randn(48) if with_bias else None
+    out = kernel.linear(VnniPanels.from_blocks(blocks), x, bias)
+    assert out.dtype == torch.float32 and out.shape == (rows, 48)
+    expected = quantized(x) @ dense(blocks).T + (0 if bias is None else bias.double())
+    # Only float32 rounding of the scales' products remains.
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    exact = x.double() @ dense(blocks).T + (0 if bias is None else bias.double())
+    assert (out.double() - exact).abs().max() <= 1e-4 * exact.abs().max()
+
+
+@needs_kernel
+def test_model_sized_layers_and_strided_inputs():
+    blocks = random_blocks(GGMLQuantizationType.Q4_1, 576, 1536)
+    x = torch.randn(33, 3072)[:, ::2]  # not contiguous
+    out = kernel.linear(VnniPanels.from_blocks(blocks), x, None)
+    torch.testing.assert_close(out.double(), quantized(x.contiguous()) @ dense(blocks).T, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_threads_split_panels_without_changing_a_bit():
+    blocks = random_blocks(GGMLQuantizationType.Q4_1, 160, 5 * 32)
+    panels = VnniPanels.from_blocks(blocks)
+    x = torch.randn(19, 5 * 32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = kernel.linear(panels, x, None)
+        torch.set_num_threads(2)
+        together = kernel.linear(panels, x, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, together)
+
+
+@needs_kernel
+def test_a_row_does_not_depend_on_its_batch():
+    blocks = random_blocks(GGMLQuantizationType.Q4_1, 64, 4 * 32)
+    panels = VnniPanels.from_blocks(blocks)
+    x = torch.randn(13, 4 * 32)
+    together = kernel.linear(panels, x, None)
+    assert all(torch.equal(kernel.linear(panels, x[i:i + 1], None)[0], together[i]) for i in range(13))
+
+
+def test_shapes_that_do_not_tile_or_scales_float16_cannot_hold_are_refused():
+    blocks = random_blocks(GGMLQuantizationType.Q4_0, 24, 64)  # 24 rows: not whole panels
+    assert VnniPanels.from_blocks(blocks) is None
+    blocks = random_blocks(GGMLQuantizationType.Q4_0, 16, 64)
+    huge = Q4Blocks(blocks.codes, blocks.scales * 1e4, blocks.offsets * 1e4)  # -8 x scale beyond float16
+    assert VnniPanels.from_blocks(huge) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 24, 25, 300])
+def test_quantized_linear_sends_every_step_to_it_and_keeps_nothing_else(rows, monkeypatch):
+    blocks = random_blocks(GGMLQuantizationType.Q4_1, 64, 96)
+    bias = torch.randn(64)
+    scratch = DequantScratch(torch.float32)
+    layer = QuantizedLinear(blocks, bias, scratch)
+    assert layer.panels is not None and layer.packed is None and layer.blocks is None and layer.int4_weight is None
+    assert scratch.buffer.numel() == 0  # no dequantized copy is ever made
+    for path in ("kernel_matmul", "int4_matmul", "dequantized_matmul"):
+        monkeypatch.setattr(layer, path, lambda rows, path=path: pytest.fail(f"took {path}"))
+    x = torch.randn(rows, 96)
+    torch.testing.assert_close(layer(x).double(), quantized(x) @ dense(blocks).T + bias.double(), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_a_cpu_without_vnni_keeps_the_float32_kernels(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    q4_vnni_kernel.load.cache_clear()
+    try:
+        assert q4_vnni_kernel.load() is None
+        layer = QuantizedLinear(random_blocks(GGMLQuantizationType.Q4_1, 64, 96), None, DequantScratch(torch.float32))
+    finally:
+        q4_vnni_kernel.load.cache_clear()
+    assert layer.panels is None and (layer.packed is not None or layer.int4_weight is not None)
+    assert "the int16 x 4-bit GEMM kernel" in caplog.text and "avx512_vnni" in caplog.text
+    assert not list(tmp_path.rglob("q4_vnni_gemm-*.so"))

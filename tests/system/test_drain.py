@@ -32,9 +32,10 @@ from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from servers import RoleProcess, nats, redis_url  # noqa: F401  (fixtures)
 
 HOST = "127.0.0.1"
-# 3 streams of up to 128 tokens (a chat prompt is some 35, its system prompt included): 8 blocks each.
-ENGINE_FLAGS = ["--dtype", "float32", "--num-gpu-blocks-override", "32", "--max-model-len", "128"]
-NEW_TOKENS = 40
+# 3 streams of up to 256 tokens (a chat prompt is some 35, its system prompt included): 16 blocks each.
+# 200 new tokens keep them in flight for seconds even where 4-bit decode runs at 100 tokens/s.
+ENGINE_FLAGS = ["--dtype", "float32", "--num-gpu-blocks-override", "48", "--max-model-len", "256"]
+NEW_TOKENS = 200
 LEASE_TTL_S = 2.0
 
 

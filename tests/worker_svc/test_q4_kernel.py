@@ -1,6 +1,6 @@
 """The float32 4-bit GEMM kernel (worker_svc/csrc/q4_gemm.cpp) computes x @ W.T + bias over
 exactly the GGUF weights, for every step size it serves, and QuantizedLinear routes to it
-where the int16 kernel (test_q4_vnni_kernel.py) does not run."""
+where the int16 kernel (test_vnni_kernel.py) does not run."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from worker_svc import native, q4_kernel, q4_vnni_kernel
+from worker_svc import native, q4_kernel, vnni_kernel
 from worker_svc.q4_kernel import PackedQ4
 from worker_svc.q4_weights import Q4Blocks
 from worker_svc.quantized_linear import KERNEL_MAX_ROWS, DequantScratch, QuantizedLinear
@@ -23,7 +23,7 @@ needs_kernel = pytest.mark.skipif(kernel is None, reason="no AVX2/FMA/F16C CPU o
 @pytest.fixture(autouse=True)
 def without_the_int16_kernel(monkeypatch):
     """QuantizedLinear as on a CPU without AVX-512 VNNI, whose steps these kernels serve."""
-    monkeypatch.setattr(q4_vnni_kernel, "load", lambda: None)
+    monkeypatch.setattr(vnni_kernel, "load", lambda: None)
 
 
 def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> Q4Blocks:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from worker_svc import q4_vnni_kernel
+from worker_svc import vnni_kernel
 from worker_svc.q4_weights import Q4Blocks
 from worker_svc.quantized_linear import INT4_MAX_ROWS, KERNEL_MAX_ROWS, DequantScratch, QuantizedLinear
 from worker_svc.weights import _unpermute_rotary
@@ -52,7 +52,7 @@ def test_row_operations_match_the_dense_ones():
 @pytest.mark.parametrize("int16_kernel", [True, False], ids=["int16", "float32"])
 def test_the_kernels_compute_the_dense_product(kind, rows, int16_kernel, monkeypatch):
     if not int16_kernel:
-        monkeypatch.setattr(q4_vnni_kernel, "load", lambda: None)
+        monkeypatch.setattr(vnni_kernel, "load", lambda: None)
     raw, weight = random_q4(kind, 192, 256)
     bias = torch.randn(192)
     layer = QuantizedLinear(Q4Blocks.from_gguf(raw, kind), bias, DequantScratch(torch.float32))
@@ -68,7 +68,7 @@ def test_the_kernels_compute_the_dense_product(kind, rows, int16_kernel, monkeyp
 
 
 def test_layers_share_one_scratch_buffer_sized_for_the_largest(monkeypatch):
-    monkeypatch.setattr(q4_vnni_kernel, "load", lambda: None)  # which never dequantizes
+    monkeypatch.setattr(vnni_kernel, "load", lambda: None)  # which never dequantizes
     kind = GGMLQuantizationType.Q4_1
     scratch = DequantScratch(torch.float32)
     small = QuantizedLinear(Q4Blocks.from_gguf(random_q4(kind, 32, 64)[0], kind), None, scratch)

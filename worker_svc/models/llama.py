@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_svc import vnni_kernel
 from worker_svc.attention.backend import AttentionBackend
 from worker_svc.decoder_ops import Ops, Rope, TorchOps
 from worker_svc.layers import Linear, RMSNorm, RotaryEmbedding
@@ -228,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
             module_name = name.removesuffix(".weight")
             parent, _, child = module_name.rpartition(".")
             if isinstance(blocks, Q8Blocks):
-                layer = Q8Linear(blocks, dtype, load_q8_kernel())
+                layer = Q8Linear(blocks, dtype, load_q8_kernel(), vnni_kernel.load())
             else:
                 layer = QuantizedLinear(blocks, fused.pop(f"{module_name}.bias", None), scratch)
             setattr(self.get_submodule(parent), child, layer)

@@ -1,7 +1,8 @@
-"""The int16 x 4-bit GEMM (worker_svc/csrc/q4_vnni_gemm.cpp, AVX-512 VNNI): its activation
-quantization is the one written here in torch, its product is that of the quantized
-activations and exactly the GGUF weights, it stays within about 1e-5 of the float32
-product, and QuantizedLinear sends every step to it where it runs."""
+"""The int16 GEMM over GGUF blocks (worker_svc/csrc/vnni_gemm.cpp, AVX-512 VNNI): its
+activation quantization is the one written here in torch, its product is that of the
+quantized activations and exactly the GGUF weights (4-bit and 8-bit), it stays within
+about 1e-5 of the float32 product, and QuantizedLinear and Q8Linear send every step to it
+where it runs."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,14 +11,16 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from worker_svc import native, q4_vnni_kernel
-from worker_svc.q4_vnni_kernel import VnniPanels
+from worker_svc import native, vnni_kernel
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
+from worker_svc.q8_linear import Q8Linear
+from worker_svc.q8_weights import Q8Blocks
 from worker_svc.quantized_linear import DequantScratch, QuantizedLinear
+from worker_svc.vnni_kernel import Q4Panels, Q8Panels
 
 KINDS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
 
-kernel = q4_vnni_kernel.load()
+kernel = vnni_kernel.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no AVX-512 VNNI CPU or no compiler")
 
 
@@ -48,7 +51,7 @@ def test_kernel_computes_the_quantized_activations_product(kind, rows, with_bias
     x = torch.randn(rows, 7 * 32, generator=torch.Generator().manual_seed(rows))
     x[0, :GROUP_SIZE] = 0.0  # a block of zeros: scale 0, no division by it
     bias = torch.randn(48) if with_bias else None
-    out = kernel.linear(VnniPanels.from_blocks(blocks), x, bias)
+    out = kernel.linear(Q4Panels.from_blocks(blocks), x, bias)
     assert out.dtype == torch.float32 and out.shape == (rows, 48)
     expected = quantized(x) @ dense(blocks).T + (0 if bias is None else bias.double())
     # Only float32 rounding of the scales' products remains.
@@ -57,18 +60,45 @@ def test_kernel_computes_the_quantized_activations_product(kind, rows, with_bias
     assert (out.double() - exact).abs().max() <= 1e-4 * exact.abs().max()
 
 
+def random_q8(rows: int, cols: int, seed: int = 0) -> Q8Blocks:
+    weights = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
+    return Q8Blocks.from_gguf(quantize(weights, GGMLQuantizationType.Q8_0))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 40])
+def test_kernel_computes_the_8_bit_heads_product(rows):
+    blocks = random_q8(64, 5 * 32, seed=rows)
+    x = torch.randn(rows, 5 * 32, generator=torch.Generator().manual_seed(rows))
+    out = kernel.linear(Q8Panels.from_blocks(blocks), x, None)
+    weight = blocks.dequantize().double()
+    torch.testing.assert_close(out.double(), quantized(x) @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 13, 100])
+def test_the_head_sends_every_step_to_it_and_keeps_no_float32_copy(rows):
+    blocks = random_q8(48, 3 * 32)
+    head = Q8Linear(blocks, torch.float32, None, kernel)
+    assert head.panels is not None and head.dense is None
+    x = torch.randn(rows, 3 * 32)
+    torch.testing.assert_close(head(x).double(), quantized(x) @ blocks.dequantize().double().T, rtol=1e-5,
+                               atol=1e-5)
+    assert Q8Linear(random_q8(40, 3 * 32), torch.float32, None, kernel).dense is not None  # 40 rows: no whole panels
+
+
 @needs_kernel
 def test_model_sized_layers_and_strided_inputs():
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 576, 1536)
     x = torch.randn(33, 3072)[:, ::2]  # not contiguous
-    out = kernel.linear(VnniPanels.from_blocks(blocks), x, None)
+    out = kernel.linear(Q4Panels.from_blocks(blocks), x, None)
     torch.testing.assert_close(out.double(), quantized(x.contiguous()) @ dense(blocks).T, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
 def test_threads_split_panels_without_changing_a_bit():
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 160, 5 * 32)
-    panels = VnniPanels.from_blocks(blocks)
+    panels = Q4Panels.from_blocks(blocks)
     x = torch.randn(19, 5 * 32)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -84,7 +114,7 @@ def test_threads_split_panels_without_changing_a_bit():
 @needs_kernel
 def test_a_row_does_not_depend_on_its_batch():
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 64, 4 * 32)
-    panels = VnniPanels.from_blocks(blocks)
+    panels = Q4Panels.from_blocks(blocks)
     x = torch.randn(13, 4 * 32)
     together = kernel.linear(panels, x, None)
     assert all(torch.equal(kernel.linear(panels, x[i:i + 1], None)[0], together[i]) for i in range(13))
@@ -92,10 +122,10 @@ def test_a_row_does_not_depend_on_its_batch():
 
 def test_shapes_that_do_not_tile_or_scales_float16_cannot_hold_are_refused():
     blocks = random_blocks(GGMLQuantizationType.Q4_0, 24, 64)  # 24 rows: not whole panels
-    assert VnniPanels.from_blocks(blocks) is None
+    assert Q4Panels.from_blocks(blocks) is None
     blocks = random_blocks(GGMLQuantizationType.Q4_0, 16, 64)
     huge = Q4Blocks(blocks.codes, blocks.scales * 1e4, blocks.offsets * 1e4)  # -8 x scale beyond float16
-    assert VnniPanels.from_blocks(huge) is None
+    assert Q4Panels.from_blocks(huge) is None
 
 
 @needs_kernel
@@ -117,12 +147,12 @@ def test_quantized_linear_sends_every_step_to_it_and_keeps_nothing_else(rows, mo
 def test_a_cpu_without_vnni_keeps_the_float32_kernels(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
-    q4_vnni_kernel.load.cache_clear()
+    vnni_kernel.load.cache_clear()
     try:
-        assert q4_vnni_kernel.load() is None
+        assert vnni_kernel.load() is None
         layer = QuantizedLinear(random_blocks(GGMLQuantizationType.Q4_1, 64, 96), None, DequantScratch(torch.float32))
     finally:
-        q4_vnni_kernel.load.cache_clear()
+        vnni_kernel.load.cache_clear()
     assert layer.panels is None and (layer.packed is not None or layer.int4_weight is not None)
-    assert "the int16 x 4-bit GEMM kernel" in caplog.text and "avx512_vnni" in caplog.text
-    assert not list(tmp_path.rglob("q4_vnni_gemm-*.so"))
+    assert "the int16 GEMM kernel for GGUF blocks" in caplog.text and "avx512_vnni" in caplog.text
+    assert not list(tmp_path.rglob("vnni_gemm-*.so"))

@@ -1,5 +1,5 @@
-"""4-bit GGUF weights against int16 activations (csrc/q4_vnni_gemm.cpp, AVX-512 VNNI), for
-every step size.
+"""GGUF blocks against int16 activations (csrc/vnni_gemm.cpp, AVX-512 VNNI), for every step
+size: the 4-bit projections (QuantizedLinear) and the 8-bit LM head (Q8Linear).
 
 Activations are quantized per row and block of 32 inputs to int16: the output is no
 longer the float32 model's to the last bit (about 1e-5 relative), but it does not depend
@@ -7,7 +7,7 @@ on the batch: each row is quantized and summed on its own, in one order.
 
 Built once per machine with the system C++ compiler and called through ctypes
 (worker_svc/native.py). Without a compiler or AVX-512 VNNI, `load()` returns None with a
-logged warning and QuantizedLinear keeps its float32 kernels."""
+logged warning and both layers keep their float32 kernels."""
 from __future__ import annotations
 
 import ctypes
@@ -19,42 +19,72 @@ import torch
 from worker_svc.native import load_library
 from worker_svc.q4_kernel import PASSIVE_PARALLEL_MIN_MACS
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
+from worker_svc.q8_weights import Q8Blocks
 from worker_svc.threads import idle_threads_sleep
 
-SOURCE = Path(__file__).parent / "csrc" / "q4_vnni_gemm.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "vnni_gemm.cpp"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 PANEL_ROWS = 16  # output rows per panel: one per 32-bit lane of an AVX-512 register
 
 
-class VnniPanels:
+def _halves(values: torch.Tensor, panels: int, groups: int) -> torch.Tensor:
+    """[rows, blocks] float16-exact values -> [panel, block, 32 bytes]: each block's 16 rows."""
+    per_panel = values.view(panels, PANEL_ROWS, groups).transpose(1, 2).to(torch.float16)
+    return per_panel.contiguous().view(torch.uint8)
+
+
+def _tiles(rows: int, cols: int) -> bool:
+    return rows % PANEL_ROWS == 0 and cols % GROUP_SIZE == 0
+
+
+class Q4Panels:
     """Q4Blocks in the kernel's layout: per panel of 16 output rows and block of 32 inputs,
     256 bytes of codes (lane-major pairs, see the kernel), 16 float16 scales and 16 offsets."""
+
+    function = "q4_vnni_linear"
 
     def __init__(self, panels: torch.Tensor, out_features: int, in_features: int) -> None:
         self.panels = panels  # [out / 16, in / 32, 320] uint8
         self.out_features, self.in_features = out_features, in_features
 
     @classmethod
-    def from_blocks(cls, blocks: Q4Blocks) -> VnniPanels | None:
+    def from_blocks(cls, blocks: Q4Blocks) -> Q4Panels | None:
         """None where the shape does not tile, or a scale or offset is not a float16."""
         rows, cols = blocks.shape
-        if rows % PANEL_ROWS or cols % GROUP_SIZE:
-            return None
         pairs = torch.stack((blocks.scales, blocks.offsets))
-        if not torch.equal(pairs.to(torch.float16).float(), pairs):
+        if not _tiles(rows, cols) or not torch.equal(pairs.to(torch.float16).float(), pairs):
             return None
         panels, groups = rows // PANEL_ROWS, cols // GROUP_SIZE
         # Input 16 * h + 2 * j + i of a block: chunk j's pair byte i, in the low nibble for h = 0.
         codes = blocks.codes.view(panels, PANEL_ROWS, groups, 2, 8, 2)
         nibbles = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)  # [panel, row, block, j, i]
         chunks = nibbles.permute(0, 2, 3, 1, 4).reshape(panels, groups, 8 * PANEL_ROWS * 2)
+        scales, offsets = (_halves(values, panels, groups) for values in (blocks.scales, blocks.offsets))
+        return cls(torch.cat((chunks, scales, offsets), dim=-1).contiguous(), rows, cols)
 
-        def halves(values: torch.Tensor) -> torch.Tensor:  # [rows, blocks] -> [panel, block, 32 bytes]
-            per_panel = values.view(panels, PANEL_ROWS, groups).transpose(1, 2).to(torch.float16)
-            return per_panel.contiguous().view(torch.uint8)
 
-        return cls(torch.cat((chunks, halves(blocks.scales), halves(blocks.offsets)), dim=-1).contiguous(), rows, cols)
+class Q8Panels:
+    """Q8Blocks in the kernel's layout: per panel of 16 output rows and block of 32 inputs,
+    512 bytes of codes (lane-major pairs, see the kernel) and 16 float16 scales."""
+
+    function = "q8_vnni_linear"
+
+    def __init__(self, panels: torch.Tensor, out_features: int, in_features: int) -> None:
+        self.panels = panels  # [out / 16, in / 32, 544] uint8
+        self.out_features, self.in_features = out_features, in_features
+
+    @classmethod
+    def from_blocks(cls, blocks: Q8Blocks) -> Q8Panels | None:
+        """None where the shape does not tile."""
+        rows, cols = blocks.shape
+        if not _tiles(rows, cols):
+            return None
+        panels, groups = rows // PANEL_ROWS, cols // GROUP_SIZE
+        # Input 2 * j + i of a block: chunk j's pair byte i.
+        codes = blocks.codes.view(panels, PANEL_ROWS, groups, 16, 2).permute(0, 2, 3, 1, 4)
+        chunks = codes.reshape(panels, groups, 16 * PANEL_ROWS * 2).view(torch.uint8)
+        return cls(torch.cat((chunks, _halves(blocks.scales, panels, groups)), dim=-1).contiguous(), rows, cols)
 
 
 class VnniKernel:
@@ -62,13 +92,15 @@ class VnniKernel:
         self._quantize = library.q16_quantize_rows
         self._quantize.restype = None
         self._quantize.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-        self._linear = library.q4_vnni_linear
-        self._linear.restype = None
-        self._linear.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self._functions = {}
+        for panels in (Q4Panels, Q8Panels):
+            function = self._functions[panels] = getattr(library, panels.function)
+            function.restype = None
+            function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         # As for the float32 kernel: waking a sleeping thread costs more than a small call.
         self.min_parallel_macs = PASSIVE_PARALLEL_MIN_MACS if idle_threads_sleep() else 0
 
-    def linear(self, weights: VnniPanels, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, weights: Q4Panels | Q8Panels, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] float32 -> x @ W.T + bias [rows, out] float32, x quantized to int16 per block."""
         rows, cols = x.shape
         assert x.dtype == torch.float32 and cols == weights.in_features
@@ -82,14 +114,14 @@ class VnniKernel:
         # A pass over x alone: a tenth of the products' time at most, not worth waking a thread for.
         self._quantize(x.data_ptr(), xq.data_ptr(), scales.data_ptr(), offset_terms.data_ptr(), rows, cols, 1)
         out = torch.empty(rows, weights.out_features)
-        self._linear(xq.data_ptr(), scales.data_ptr(), offset_terms.data_ptr(), weights.panels.data_ptr(),
-                     None if bias is None else bias.data_ptr(), out.data_ptr(), rows, cols, weights.out_features,
-                     threads)
+        self._functions[type(weights)](xq.data_ptr(), scales.data_ptr(), offset_terms.data_ptr(),
+                                       weights.panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                                       out.data_ptr(), rows, cols, weights.out_features, threads)
         return out
 
 
 @functools.cache
 def load() -> VnniKernel | None:
     """The kernel, built if this machine has not built it yet; None where it cannot run (warned once)."""
-    library = load_library(SOURCE, FLAGS, "the int16 x 4-bit GEMM kernel", needs=CPU_FLAGS)
+    library = load_library(SOURCE, FLAGS, "the int16 GEMM kernel for GGUF blocks", needs=CPU_FLAGS)
     return None if library is None else VnniKernel(library)

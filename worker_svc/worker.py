@@ -94,7 +94,10 @@ class Worker:
         """The start-up summary's lines on the model and its KV cache."""
         model, dtype = self.model_config, str(self.dtype).removeprefix("torch.")
         if self.runs_q4:
-            stored = f"{model.quantization}, its 4-bit projections and 8-bit embedding run as stored, the rest in {dtype}"
+            int16 = any(getattr(module, "panels", None) is not None for module in self.model.modules())
+            activations = " against int16 activations (AVX-512 VNNI)" if int16 else ""
+            stored = (f"{model.quantization}, its 4-bit projections and 8-bit embedding run as stored{activations}, "
+                      f"the rest in {dtype}")
         else:
             stored = f"{model.quantization} dequantized to {dtype}" if model.quantization else dtype
         kv_tokens = self.num_blocks * self.block_size

@@ -26,6 +26,16 @@ SOURCE = Path(__file__).parent / "csrc" / "q4_gemm.cpp"
 PASSIVE_PARALLEL_MIN_MACS = 16 << 20
 
 
+def checked_call(x: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int,
+                 min_parallel_macs: int) -> tuple[torch.Tensor, int]:
+    """x [rows, in] float32 made contiguous, and the threads a call of its size takes; bias
+    [out] float32 or None. The kernels read raw pointers: a wrong shape or dtype must fail here."""
+    rows, cols = x.shape
+    assert x.dtype == torch.float32 and cols == in_features
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == out_features)
+    return x.contiguous(), torch.get_num_threads() if rows * cols * out_features >= min_parallel_macs else 1
+
+
 class Q4Kernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self.library = library
@@ -39,13 +49,9 @@ class Q4Kernel:
 
     def linear(self, packed: PackedQ4, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] float32 -> x @ W.T + bias [rows, out] float32."""
+        x, threads = checked_call(x, bias, packed.in_features, packed.out_features, self.min_parallel_macs)
         rows, cols = x.shape
-        assert x.dtype == torch.float32 and cols == packed.in_features
-        assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()
-                                and bias.numel() == packed.out_features)
-        x = x.contiguous()
         out = torch.empty(rows, packed.out_features)
-        threads = torch.get_num_threads() if rows * cols * packed.out_features >= self.min_parallel_macs else 1
         # ctypes releases the GIL for the call; the kernel splits output rows over `threads`.
         self._function(x.data_ptr(), packed.codes.data_ptr(), packed.scale_offsets.data_ptr(),
                        None if bias is None else bias.data_ptr(), out.data_ptr(), rows, cols, packed.out_features,

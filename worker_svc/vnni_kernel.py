@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from worker_svc.native import load_library
-from worker_svc.q4_kernel import PASSIVE_PARALLEL_MIN_MACS
+from worker_svc.q4_kernel import PASSIVE_PARALLEL_MIN_MACS, checked_call
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
 from worker_svc.q8_weights import Q8Blocks
 from worker_svc.threads import idle_threads_sleep
@@ -38,15 +38,21 @@ def _tiles(rows: int, cols: int) -> bool:
     return rows % PANEL_ROWS == 0 and cols % GROUP_SIZE == 0
 
 
-class Q4Panels:
-    """Q4Blocks in the kernel's layout: per panel of 16 output rows and block of 32 inputs,
-    256 bytes of codes (lane-major pairs, see the kernel), 16 float16 scales and 16 offsets."""
+class Panels:
+    """GGUF blocks in the kernel's layout, per panel of 16 output rows and block of 32 inputs
+    ([out / 16, in / 32, block bytes] uint8), and the kernel function that reads them."""
 
-    function = "q4_vnni_linear"
+    function: str
 
     def __init__(self, panels: torch.Tensor, out_features: int, in_features: int) -> None:
-        self.panels = panels  # [out / 16, in / 32, 320] uint8
+        self.panels = panels
         self.out_features, self.in_features = out_features, in_features
+
+
+class Q4Panels(Panels):
+    """Per block: 256 bytes of codes (lane-major pairs, see the kernel), 16 float16 scales and 16 offsets."""
+
+    function = "q4_vnni_linear"
 
     @classmethod
     def from_blocks(cls, blocks: Q4Blocks) -> Q4Panels | None:
@@ -64,15 +70,10 @@ class Q4Panels:
         return cls(torch.cat((chunks, scales, offsets), dim=-1).contiguous(), rows, cols)
 
 
-class Q8Panels:
-    """Q8Blocks in the kernel's layout: per panel of 16 output rows and block of 32 inputs,
-    512 bytes of codes (lane-major pairs, see the kernel) and 16 float16 scales."""
+class Q8Panels(Panels):
+    """Per block: 512 bytes of codes (lane-major pairs, see the kernel) and 16 float16 scales."""
 
     function = "q8_vnni_linear"
-
-    def __init__(self, panels: torch.Tensor, out_features: int, in_features: int) -> None:
-        self.panels = panels  # [out / 16, in / 32, 544] uint8
-        self.out_features, self.in_features = out_features, in_features
 
     @classmethod
     def from_blocks(cls, blocks: Q8Blocks) -> Q8Panels | None:
@@ -100,14 +101,10 @@ class VnniKernel:
         # As for the float32 kernel: waking a sleeping thread costs more than a small call.
         self.min_parallel_macs = PASSIVE_PARALLEL_MIN_MACS if idle_threads_sleep() else 0
 
-    def linear(self, weights: Q4Panels | Q8Panels, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, weights: Panels, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] float32 -> x @ W.T + bias [rows, out] float32, x quantized to int16 per block."""
+        x, threads = checked_call(x, bias, weights.in_features, weights.out_features, self.min_parallel_macs)
         rows, cols = x.shape
-        assert x.dtype == torch.float32 and cols == weights.in_features
-        assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()
-                                and bias.numel() == weights.out_features)
-        x = x.contiguous()
-        threads = torch.get_num_threads() if rows * cols * weights.out_features >= self.min_parallel_macs else 1
         xq = torch.empty(rows, cols, dtype=torch.int16)
         scales = torch.empty(rows, cols // GROUP_SIZE)
         offset_terms = torch.empty(rows, cols // GROUP_SIZE)

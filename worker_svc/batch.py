@@ -4,10 +4,10 @@ a step plan into the model's input tensors.
 The batch gives every request it holds a row, kept on the worker's device from step to
 step: the row's block table and sampling settings are written once, when the request
 arrives, and a plan's deltas then only append the new block ids. A step uploads what is
-new in it (its token ids and, per scheduled request, the row, start and count); positions,
-slots and block tables are computed on the device from the rows. Rebuilding every
-request's whole block table each step cost a decode step time and bytes in proportion to
-the context held, not to the work done.
+new in it, in one copy: its token ids with their positions and requests, and per scheduled
+request its row, count and length; slots and block tables are computed on the device from
+the rows. Rebuilding every request's whole block table each step cost a decode step time
+and bytes in proportion to the context held, not to the work done.
 """
 from __future__ import annotations
 
@@ -119,12 +119,14 @@ class InputBatch:
         counts = list(plan.num_scheduled_tokens.values())
         states = [requests[request_id] for request_id in plan.num_scheduled_tokens]
         input_ids: list[int] = []
+        positions: list[int] = []
+        request_of_token: list[int] = []
         row_starts: list[int] = []
         sample_rows: list[int] = []
         sampled: list[tuple[str, RequestState]] = []
         pending: list[int] = []  # where a token sampled on the device goes in input_ids
         pending_rows: list[int] = []
-        for (request_id, state), count in zip(zip(plan.num_scheduled_tokens, states), counts):
+        for index, ((request_id, state), count) in enumerate(zip(zip(plan.num_scheduled_tokens, states), counts)):
             start = state.num_computed_tokens
             row_starts.append(len(input_ids))
             known = state.token_ids[start : start + count]
@@ -137,28 +139,27 @@ class InputBatch:
                 pending_rows.append(state.row)
                 known.append(0)
             input_ids += known
+            positions += range(start, start + count)
+            request_of_token += [index] * count
             # Only a chunk that reaches the last token (sampled here or not) yields a new token.
             if start + count == len(state.token_ids) + state.num_sampled_ahead:
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append((request_id, state))
-        per_request = self._upload([[s.row for s in states], [s.num_computed_tokens for s in states], counts])
-        rows, starts, query_lens = per_request
-        request_of_token = torch.repeat_interleave(torch.arange(len(counts), device=self.device), query_lens,
-                                                   output_size=len(input_ids))  # no device sync to learn it
-        offsets = torch.cumsum(query_lens, 0) - query_lens
-        positions = torch.arange(len(input_ids), device=self.device) - offsets[request_of_token] + starts[request_of_token]
-        seq_lens = starts + query_lens
-        width = -(-max(s.num_computed_tokens + n for s, n in zip(states, counts)) // self.block_size)
-        block_tables = self.block_table[rows, :width]
-        slot_mapping = (block_tables[request_of_token, positions // self.block_size].long() * self.block_size
-                        + positions % self.block_size)
-        tokens, sample_index, sample_batch_rows, pending_index, pending_batch_rows = self._upload(
-            [input_ids, sample_rows, [s.row for _, s in sampled], pending, pending_rows])
+        # Index lists are built here, where a range costs C speed, and go up in one copy: a
+        # step of few rows paid more for a score of small device ops than for its tokens.
+        lengths = [s.num_computed_tokens + n for s, n in zip(states, counts)]
+        (rows, query_lens, seq_lens, token_requests, token_positions, tokens, sample_index, sample_batch_rows,
+         pending_index, pending_batch_rows) = self._upload(
+            [[s.row for s in states], counts, lengths, request_of_token, positions, input_ids, sample_rows,
+             [s.row for _, s in sampled], pending, pending_rows])
+        block_tables = self.block_table[rows, : -(-max(lengths) // self.block_size)]
+        slot_mapping = (block_tables[token_requests, token_positions // self.block_size].long() * self.block_size
+                        + token_positions % self.block_size)
         if pending:
             tokens[pending_index] = self.last_sampled[pending_batch_rows]
         return StepInputs(
             input_ids=tokens,
-            positions=positions,
+            positions=token_positions,
             layout=BatchLayout(query_lens, seq_lens, block_tables, slot_mapping, self.block_size, max(counts)),
             sample_rows=sample_index,
             sample_request_ids=[request_id for request_id, _ in sampled],

@@ -32,8 +32,9 @@ def test_a_decode_step_uploads_its_tokens_and_rows_not_the_block_tables() -> Non
 
     batch.uploaded_bytes = 0
     inputs = batch.prepare(plan, requests)
-    # Per request: its row, start and count, its token, its sample row and sampling row; 8 bytes each.
-    assert batch.uploaded_bytes == 3 * 6 * 8
+    # Per request: its row, count and length, its token with its position and request, its sample
+    # row and sampling row; 8 bytes each.
+    assert batch.uploaded_bytes == 3 * 8 * 8
     starts = [900, 40, 500]
     assert inputs.positions.tolist() == starts
     assert inputs.layout.slot_mapping.tolist() == _reference_slots(list(tables.values()), starts, [1, 1, 1])
@@ -93,6 +94,6 @@ def test_a_worker_decode_step_uploads_bytes_in_proportion_to_its_requests(make_l
     # The prompts' step, 39 decode steps, and the plan that only tells the worker they finished.
     prompts, decodes, finish = uploads[0], uploads[1:-1], uploads[-1]
     assert len(decodes) == 39 and prompts > 4 * 300 * 8 and finish == 0, str(uploads)
-    # 6 numbers per request, and 4 bytes for each block id a plan appends: the 4 requests
+    # 8 numbers per request, and 4 bytes for each block id a plan appends: the 4 requests
     # cross a block boundary together 3 times.
-    assert min(decodes) == 4 * 6 * 8 and sum(decodes) == 39 * 4 * 6 * 8 + 3 * 4 * 4, str(uploads)
+    assert min(decodes) == 4 * 8 * 8 and sum(decodes) == 39 * 4 * 8 * 8 + 3 * 4 * 4, str(uploads)

@@ -199,20 +199,32 @@ class RemoteTokenizer:
 
     def _watch(self) -> None:
         """Keeps the replica list fresh; fetches the tokenizer's files once one answers."""
+        registry_was_away = False
         while True:
             try:
-                self._addresses = self._listed(self._discover())
-                if self._decoder is None and self._addresses:
-                    self._fetch_decoder()
-            except Exception as exc:  # the registry or a replica may be away for a while
+                leased = self._discover()
+            except Exception as exc:  # the registry may be away for a while
                 logger.warning("tokenizer service: %s", exc)
+                registry_was_away = True
+            else:
+                try:
+                    self._addresses = self._listed(leased, registry_was_away)
+                    registry_was_away = False
+                    if self._decoder is None and self._addresses:
+                        self._fetch_decoder()
+                except Exception as exc:  # a replica may be away for a while
+                    logger.warning("tokenizer service: %s", exc)
             if self._stop.wait(self._refresh_interval_s):
                 return
 
-    def _listed(self, leased: list[str]) -> list[str]:
+    def _listed(self, leased: list[str], registry_was_away: bool = False) -> list[str]:
         """The leased replicas, and those leased within a TTL whose connection still
-        works (a registry restarted empty lists nobody until the leases are renewed)."""
+        works (a registry restarted empty lists nobody until the leases are renewed).
+        While the registry could not be read, no lease could be renewed in it: back, each
+        replica's TTL counts from now, or an outage of a TTL would drop every replica."""
         now = time.monotonic()
+        if registry_was_away:
+            self._last_listed = dict.fromkeys(self._last_listed, now)
         self._last_listed.update(dict.fromkeys(leased, now))
         for address in [a for a, seen in self._last_listed.items() if now - seen > self._lease_ttl_s]:
             del self._last_listed[address]

@@ -191,6 +191,35 @@ def test_a_dead_replica_is_passed_over_and_none_left_is_unavailable(tokenizer) -
         nobody.close()
 
 
+def test_a_registry_away_for_longer_than_a_lease_takes_no_replica_away(tokenizer) -> None:
+    """Back empty after an outage of more than a TTL, the registry lists nobody until the
+    replicas renew their leases (a third of a TTL): meanwhile the gateway stays ready."""
+    server = start_tokenizer_server(tokenizer, "127.0.0.1:0")
+    registry: dict[str, list[str] | None] = {"leased": [server.address]}
+
+    def discover() -> list[str]:
+        if registry["leased"] is None:
+            raise ConnectionError("Redis is down")
+        return list(registry["leased"])
+
+    client = RemoteTokenizer(discover, refresh_interval_s=0.1, lease_ttl_s=1.0)
+    client.start()
+    try:
+        wait_ready(client)
+        registry["leased"] = None  # down for 1.5 TTLs
+        time.sleep(1.5)
+        registry["leased"] = []  # back, empty: for most of a TTL the replica has not renewed yet
+        back = time.monotonic()
+        while time.monotonic() - back < 0.8:
+            assert client.is_ready(), "a registry outage took the tokenizer away"
+            time.sleep(0.02)
+        registry["leased"] = [server.address]
+        assert asyncio.run(client.encode(["hi"])) == [tokenizer.encode("hi")]
+    finally:
+        client.close()
+        server.stop(0)
+
+
 def test_a_replica_is_dropped_on_evidence_not_for_a_missing_lease(tokenizer) -> None:
     server = start_tokenizer_server(tokenizer, "127.0.0.1:0")
     leased = [server.address]

@@ -74,7 +74,10 @@ class Cluster:
         time.sleep(2.0)  # the gateways' pollers have seen both (every 0.5 s)
 
     def restart(self, role: str) -> None:
-        self.roles[role] = self.roles[role].restarted()
+        fresh = self.roles[role] = self.roles[role].restarted()
+        # The killed process's lease may stand for a TTL yet: "both ready" means nothing until the new one serves.
+        wait_for(lambda: any(" serving on " in line for line in fresh.log), 120, f"the restarted {role} did not serve",
+                 [fresh])
         self.wait_for_both_replicas()
 
 

@@ -50,7 +50,7 @@ def attention_backend(config: EngineConfig, device: torch.device, local: ModelCo
         return TritonAttentionBackend()
     shape = (local.num_attention_heads, local.num_key_value_heads, local.head_dim)
     use_kernel = PagedDecodeKernel.supports(dtype, device, *shape) and decode_kernel_enabled()
-    return TorchAttentionBackend(load_kernel() if use_kernel else None, _cpu_decoder_kernel(device, dtype))
+    return TorchAttentionBackend(load_kernel(local.head_dim) if use_kernel else None, _cpu_decoder_kernel(device, dtype))
 
 
 def decode_graphs(config: EngineConfig, device: torch.device, group: RankGroup, model: LlamaForCausalLM,

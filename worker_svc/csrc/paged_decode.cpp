@@ -4,11 +4,16 @@
 // attending; for decode that copy is most of the memory traffic. This reads each block
 // where it lies in the cache, once, with an online softmax over chunks of keys.
 //
-// A decode's keys are read in chunks of whole token rows (every kv head), in cache order.
-// Within a chunk, eight keys are scored at a time for each query head: each key's dot
-// product stays a vector of partial sums until one transpose-and-add finishes all eight,
-// and their exponentials are taken together; the value rows are then added into each head
-// with its accumulators held in registers.
+// A decode's keys are read in chunks, eight token rows (every kv head) at a time, in cache
+// order: first their scores, then their values. For each query head, eight keys' dot
+// products stay vectors of partial sums until one transpose-and-add finishes all eight, and
+// their exponentials are taken together; value rows are added into up to three heads at
+// once, with the accumulators held in registers. While one chunk is read, the next one's
+// rows are prefetched, a row for each row read: the blocks lie scattered, where the
+// hardware's prefetcher loses the stream, and a burst of prefetches a chunk stalled it.
+//
+// Built with AVX-512 where the CPU has it (16 lanes: a 64-dim head's dot product is four
+// FMAs, and three heads' 64-dim values fit the 32 registers in one pass), else AVX2.
 //
 // Layouts:
 //   query [num_tokens, num_heads, head_dim], rows query_stride apart (a view of the fused
@@ -17,7 +22,7 @@
 //   block_tables [num_seqs_in_table, table_stride] (int64)
 //   rows, seqs, seq_lens: per decode i, its row in query/out, its row in block_tables, and
 //   its context length (keys, this step's included).
-// head_dim is a multiple of 8; a kv head serves at most kMaxGroup
+// head_dim is a multiple of the vector width (16 floats with AVX-512, else 8); a kv head serves at most kMaxGroup
 // query heads. Work is split by decodes in [first, last), so callers can run disjoint
 // ranges on several threads.
 #include <immintrin.h>
@@ -33,46 +38,75 @@ namespace {
 
 constexpr int kMaxGroup = 16;
 constexpr int kChunk = 64;  // keys scored before their values are summed
-constexpr int kSpan = 32;   // dims of one pass over the value rows: 4 registers a head
+
+#ifdef __AVX512F__
+using Vec = __m512;
+constexpr int kLanes = 16, kRegisters = 32, kSpanVectors = 8;
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+// The transpose-and-add works on 8 lanes: the upper half is added onto the lower.
+inline __m256 fold(Vec v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#else
+using Vec = __m256;
+constexpr int kLanes = 8, kRegisters = 16, kSpanVectors = 4;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256 fold(Vec v) { return v; }
+#endif
+constexpr int kSpan = kSpanVectors * kLanes;  // dims of one pass over the value rows
 
 inline __m256 lane_indices() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
 
 // Eight keys' dot products with q, each as a vector of 8 partial sums: q's vectors are
 // loaded once for all eight, the keys' straight into the FMAs.
 inline void partial_dots(const float* q, const float* const keys[8], int64_t head_dim, __m256 partial[8]) {
-  for (int j = 0; j < 8; ++j) partial[j] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < head_dim; d += 8) {
-    const __m256 qd = _mm256_loadu_ps(q + d);
-    for (int j = 0; j < 8; ++j) partial[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[j] + d), partial[j]);
+  Vec wide[8];
+  for (int j = 0; j < 8; ++j) wide[j] = Vec{};
+  for (int64_t d = 0; d < head_dim; d += kLanes) {
+    const Vec qd = vload(q + d);
+    for (int j = 0; j < 8; ++j) wide[j] = vfma(qd, vload(keys[j] + d), wide[j]);
   }
+  for (int j = 0; j < 8; ++j) partial[j] = fold(wide[j]);
 }
 
-// For each of G heads g: acc[g][0 .. 8 NV) += sum_j weights[g][j] * values[rows[j] .. + 8 NV),
+// For each of G heads g: acc[g][0 .. NV vectors) += sum_j weights[g][j] * values[rows[j] ..],
 // accumulated in registers; each value vector is loaded once for the G heads it serves.
 template <int G, int NV>
 inline void add_values(float* const acc[], const float* const weights[], const float* values, const int64_t* rows,
                        int64_t n) {
-  static_assert(G * NV + G + 1 <= 16, "accumulators, weights and a value vector fit AVX2's 16 registers");
-  __m256 sum[G][NV];
+  static_assert(G * NV + G + 1 <= kRegisters, "accumulators, weights and a value vector fit the registers");
+  Vec sum[G][NV];
   for (int g = 0; g < G; ++g)
-    for (int t = 0; t < NV; ++t) sum[g][t] = _mm256_loadu_ps(acc[g] + 8 * t);
+    for (int t = 0; t < NV; ++t) sum[g][t] = vload(acc[g] + kLanes * t);
   for (int64_t j = 0; j < n; ++j) {
-    __m256 w[G];
-    for (int g = 0; g < G; ++g) w[g] = _mm256_broadcast_ss(weights[g] + j);
+    Vec w[G];
+    for (int g = 0; g < G; ++g) w[g] = vbroadcast(weights[g] + j);
     const float* v = values + rows[j];
     for (int t = 0; t < NV; ++t) {
-      const __m256 vt = _mm256_loadu_ps(v + 8 * t);
-      for (int g = 0; g < G; ++g) sum[g][t] = _mm256_fmadd_ps(w[g], vt, sum[g][t]);
+      const Vec vt = vload(v + kLanes * t);
+      for (int g = 0; g < G; ++g) sum[g][t] = vfma(w[g], vt, sum[g][t]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int t = 0; t < NV; ++t) _mm256_storeu_ps(acc[g] + 8 * t, sum[g][t]);
+    for (int t = 0; t < NV; ++t) vstore(acc[g] + kLanes * t, sum[g][t]);
 }
 
 template <int G>
 void add_values_span(float* const acc[], const float* const weights[], const float* values, const int64_t* rows,
                      int64_t n, int64_t vectors) {
   switch (vectors) {
+#ifdef __AVX512F__
+    case 8: add_values<G, 8>(acc, weights, values, rows, n); break;
+    case 7: add_values<G, 7>(acc, weights, values, rows, n); break;
+    case 6: add_values<G, 6>(acc, weights, values, rows, n); break;
+    case 5: add_values<G, 5>(acc, weights, values, rows, n); break;
+#endif
     case 4: add_values<G, 4>(acc, weights, values, rows, n); break;
     case 3: add_values<G, 3>(acc, weights, values, rows, n); break;
     case 2: add_values<G, 2>(acc, weights, values, rows, n); break;
@@ -81,13 +115,13 @@ void add_values_span(float* const acc[], const float* const weights[], const flo
 }
 
 // Values into the heads of one kv head's group: up to three heads share each pass over the
-// value rows, 32 dims at a time.
+// value rows, kSpan dims at a time.
 void add_group_values(float* acc, const float* weights, const float* values, const int64_t* rows, int64_t n,
                       int64_t group, int64_t head_dim) {
   for (int64_t g0 = 0; g0 < group; g0 += 3) {
     const int64_t heads = group - g0 < 3 ? group - g0 : 3;
     for (int64_t d = 0; d < head_dim; d += kSpan) {
-      const int64_t vectors = (head_dim - d < kSpan ? head_dim - d : kSpan) / 8;
+      const int64_t vectors = (head_dim - d < kSpan ? head_dim - d : kSpan) / kLanes;
       float* head_acc[3];
       const float* head_weights[3];
       for (int64_t g = 0; g < heads; ++g) {
@@ -103,8 +137,14 @@ void add_group_values(float* acc, const float* weights, const float* values, con
   }
 }
 
-// kHeadDim: the head size as a constant, so that a key's dot product unrolls into registers
-// (0: head_dim's value, for other sizes).
+// Requests rows [from, to) of a chunk (offsets into either cache) into L1, every line of
+// each whole token row.
+inline void prefetch_rows(const float* cache, const int64_t* rows, int64_t from, int64_t to, int64_t token_stride) {
+  for (int64_t j = from; j < to; ++j)
+    for (int64_t d = 0; d < token_stride; d += 16)
+      _mm_prefetch(reinterpret_cast<const char*>(cache + rows[j] + d), _MM_HINT_T0);
+}
+
 template <int64_t kHeadDim>
 void attend(const float* query, float* out, const float* key_cache, const float* value_cache,
             const int64_t* block_tables, int64_t table_stride, int64_t query_stride, const int64_t* rows,
@@ -116,10 +156,8 @@ void attend(const float* query, float* out, const float* key_cache, const float*
   const int64_t block_stride = block_size * token_stride;
   // Per query head of the decode: its output so far, and its running max and sum of exponentials.
   std::vector<float> acc(num_heads * head_dim), scores(num_heads * kChunk), maxes(num_heads), sums(num_heads);
-  int64_t offsets[2][kChunk];  // where this chunk's key and value rows start, and the next one's
-  // Where a chunk's token rows lie (offsets into either cache), prefetched: they sit in
-  // scattered blocks, where the hardware's prefetcher loses the stream, so the next chunk's
-  // rows are requested (into L2) while this one's are scored. Returns the chunk's length.
+  int64_t offsets[2][kChunk];  // where this chunk's token rows start (in either cache), and the next one's
+  // Where a chunk's token rows lie; returns the chunk's length.
   auto locate = [&](int64_t i, int64_t chunk, int64_t* into) -> int64_t {
     const int64_t* table = block_tables + seqs[i] * table_stride;
     const int64_t n = seq_lens[i] - chunk < kChunk ? seq_lens[i] - chunk : kChunk;
@@ -127,16 +165,17 @@ void attend(const float* query, float* out, const float* key_cache, const float*
     int64_t block = chunk / block_size, in_block = chunk % block_size;
     for (int64_t j = 0; j < n; ++j) {
       into[j] = table[block] * block_stride + in_block * token_stride;
-      for (int64_t d = 0; d < token_stride; d += 16) {
-        _mm_prefetch(reinterpret_cast<const char*>(key_cache + into[j] + d), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(value_cache + into[j] + d), _MM_HINT_T1);
-      }
       if (++in_block == block_size) in_block = 0, ++block;
     }
     return n;
   };
   int current = 0;
-  int64_t n_next = first < last ? locate(first, 0, offsets[0]) : 0;
+  int64_t n_next = 0;
+  if (first < last) {
+    n_next = locate(first, 0, offsets[0]);
+    prefetch_rows(key_cache, offsets[0], 0, n_next, token_stride);
+    prefetch_rows(value_cache, offsets[0], 0, n_next, token_stride);
+  }
   for (int64_t i = first; i < last; ++i) {
     const float* q = query + rows[i] * query_stride;
     const int64_t len = seq_lens[i];
@@ -147,58 +186,63 @@ void attend(const float* query, float* out, const float* key_cache, const float*
       const int64_t n = n_next;
       const int64_t* chunk_rows = offsets[current];
       current ^= 1;
+      const int64_t* next_rows = offsets[current];
+      n_next = 0;
       if (chunk + kChunk < len) {
         n_next = locate(i, chunk + kChunk, offsets[current]);
       } else if (i + 1 < last) {
         n_next = locate(i + 1, 0, offsets[current]);
       }
-      // All kv heads of a token row in one pass: the row is contiguous, so whole blocks are
-      // read in order rather than a third of each row per pass.
-      for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-        const float* keys = key_cache + kv * head_dim;
-        // Eight keys at a time for every query head of the group: their rows are read from
-        // memory once and then from L1.
-        __m256 chunk_max[kMaxGroup];
-        for (int64_t g = 0; g < group; ++g) chunk_max[g] = _mm256_set1_ps(-INFINITY);
-        for (int64_t j0 = 0; j0 < n; j0 += 8) {
-          const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps(static_cast<float>(j0)), lane_indices()),
-                                             _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
+      // Scores, eight token rows at a time for every query head: the rows are read from memory
+      // once, then from L1.
+      for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        prefetch_rows(key_cache, next_rows, j0, std::min(j0 + 8, n_next), token_stride);
+        const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps(static_cast<float>(j0)), lane_indices()),
+                                           _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
+        for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+          const float* keys = key_cache + kv * head_dim;
           const float* key_rows[8];  // keys past the chunk's end read its first row; their scores are masked
           for (int64_t j = 0; j < 8; ++j) key_rows[j] = keys + chunk_rows[j0 + j < n ? j0 + j : j0];
           for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kv * group + g;
             __m256 partial[8];
-            partial_dots(q + (kv * group + g) * head_dim, key_rows, head_dim, partial);
+            partial_dots(q + h * head_dim, key_rows, head_dim, partial);
             __m256 s = _mm256_mul_ps(simd::transpose_sum(partial), _mm256_set1_ps(scale));
             s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, valid);
-            _mm256_storeu_ps(&scores[(kv * group + g) * kChunk + j0], s);
-            chunk_max[g] = _mm256_max_ps(chunk_max[g], s);
+            _mm256_storeu_ps(&scores[h * kChunk + j0], s);
           }
         }
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t h = kv * group + g;
-          float* head_acc = &acc[h * head_dim];
-          float* head_scores = &scores[h * kChunk];
-          const float new_max = simd::horizontal_max(chunk_max[g]);
-          if (new_max > maxes[h]) {  // rescale what was summed under the old maximum
-            const float correction = std::exp(maxes[h] - new_max);
-            sums[h] *= correction;
-            for (int64_t d = 0; d < head_dim; ++d) head_acc[d] *= correction;
-            maxes[h] = new_max;
-          }
-          const __m256 m = _mm256_set1_ps(maxes[h]);
-          __m256 total = _mm256_setzero_ps();
-          for (int64_t j0 = 0; j0 < n; j0 += 8) {
-            const __m256 s = _mm256_loadu_ps(head_scores + j0);
-            // Keys past the chunk's end scored -inf: their weight is exactly 0, not exp's floor.
-            const __m256 e = _mm256_and_ps(simd::exp(_mm256_sub_ps(s, m)),
-                                           _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ));
-            _mm256_storeu_ps(head_scores + j0, e);
-            total = _mm256_add_ps(total, e);
-          }
-          sums[h] += simd::horizontal_sum(total);
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* head_acc = &acc[h * head_dim];
+        float* head_scores = &scores[h * kChunk];
+        __m256 chunk_max = _mm256_set1_ps(-INFINITY);
+        for (int64_t j0 = 0; j0 < n; j0 += 8) chunk_max = _mm256_max_ps(chunk_max, _mm256_loadu_ps(head_scores + j0));
+        const float new_max = simd::horizontal_max(chunk_max);
+        if (new_max > maxes[h]) {  // rescale what was summed under the old maximum
+          const float correction = std::exp(maxes[h] - new_max);
+          sums[h] *= correction;
+          for (int64_t d = 0; d < head_dim; ++d) head_acc[d] *= correction;
+          maxes[h] = new_max;
         }
-        add_group_values(&acc[kv * group * head_dim], &scores[kv * group * kChunk], value_cache + kv * head_dim,
-                         chunk_rows, n, group, head_dim);
+        const __m256 m = _mm256_set1_ps(maxes[h]);
+        __m256 total = _mm256_setzero_ps();
+        for (int64_t j0 = 0; j0 < n; j0 += 8) {
+          const __m256 s = _mm256_loadu_ps(head_scores + j0);
+          // Keys past the chunk's end scored -inf: their weight is exactly 0, not exp's floor.
+          const __m256 e = _mm256_and_ps(simd::exp(_mm256_sub_ps(s, m)),
+                                         _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ));
+          _mm256_storeu_ps(head_scores + j0, e);
+          total = _mm256_add_ps(total, e);
+        }
+        sums[h] += simd::horizontal_sum(total);
+      }
+      for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        prefetch_rows(value_cache, next_rows, j0, std::min(j0 + 8, n_next), token_stride);
+        const int64_t rows_here = std::min<int64_t>(8, n - j0);
+        for (int64_t kv = 0; kv < num_kv_heads; ++kv)
+          add_group_values(&acc[kv * group * head_dim], &scores[kv * group * kChunk + j0],
+                           value_cache + kv * head_dim, chunk_rows + j0, rows_here, group, head_dim);
       }
     }
     float* o = out + rows[i] * num_heads * head_dim;

@@ -217,7 +217,7 @@ class RemoteTokenizer:
             if self._stop.wait(self._refresh_interval_s):
                 return
 
-    def _listed(self, leased: list[str], registry_was_away: bool = False) -> list[str]:
+    def _listed(self, leased: list[str], registry_was_away: bool) -> list[str]:
         """The leased replicas, and those leased within a TTL whose connection still
         works (a registry restarted empty lists nobody until the leases are renewed).
         While the registry could not be read, no lease could be renewed in it: back, each

@@ -23,6 +23,8 @@ from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.outcomes import Outcomes
 from worker_svc.plan_check import check_plan
 from worker_svc.preflight import check_model
+from worker_svc.q8_linear import Q8Linear
+from worker_svc.quantized_linear import QuantizedLinear
 from worker_svc.rank_group import RankGroup
 from worker_svc.step_outputs import StepOutputs
 from worker_svc.threads import step_threads
@@ -94,7 +96,8 @@ class Worker:
         """The start-up summary's lines on the model and its KV cache."""
         model, dtype = self.model_config, str(self.dtype).removeprefix("torch.")
         if self.runs_q4:
-            int16 = any(getattr(module, "panels", None) is not None for module in self.model.modules())
+            int16 = any(isinstance(module, (QuantizedLinear, Q8Linear)) and module.panels is not None
+                        for module in self.model.modules())
             activations = " against int16 activations (AVX-512 VNNI)" if int16 else ""
             stored = (f"{model.quantization}, its 4-bit projections and 8-bit embedding run as stored{activations}, "
                       f"the rest in {dtype}")

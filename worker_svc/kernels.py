@@ -48,9 +48,8 @@ def attention_backend(config: EngineConfig, device: torch.device, local: ModelCo
     """`local`: the heads this rank computes."""
     if uses_triton(config, device):
         return TritonAttentionBackend()
-    shape = (local.num_attention_heads, local.num_key_value_heads, local.head_dim)
-    use_kernel = PagedDecodeKernel.supports(dtype, device, *shape) and decode_kernel_enabled()
-    return TorchAttentionBackend(load_kernel(local.head_dim) if use_kernel else None, _cpu_decoder_kernel(device, dtype))
+    use_kernel = PagedDecodeKernel.supports(dtype, device, local.head_dim) and decode_kernel_enabled()
+    return TorchAttentionBackend(load_kernel() if use_kernel else None, _cpu_decoder_kernel(device, dtype))
 
 
 def decode_graphs(config: EngineConfig, device: torch.device, group: RankGroup, model: LlamaForCausalLM,

@@ -1,7 +1,6 @@
 """The in-place paged decode attention kernel (csrc/paged_decode.cpp), built and loaded on demand.
 
-Built once per machine (worker_svc/native.py) for AVX-512 where the CPU has it and the head
-size is a multiple of 16 floats, else for AVX2 and FMA, and called through ctypes,
+Built once per machine (worker_svc/native.py; AVX2 and FMA) and called through ctypes,
 which releases the GIL: each of torch's threads runs a share of the decodes, split so
 that each share reads about the same number of keys. Without a compiler or AVX2 (or
 with KVFLEET_DECODE_KERNEL=0) the torch backend keeps its gather-then-SDPA path, so
@@ -18,16 +17,9 @@ from pathlib import Path
 
 import torch
 
-from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, cpu_flags, load_library
+from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
 
 SOURCE = Path(__file__).parents[1] / "csrc" / "paged_decode.cpp"
-MAX_GROUP = 16  # as in the C++ source
-# Per instruction set: compiler flags, the CPU flags they need, and the head sizes they take
-# (a multiple of this many floats: a vector's width).
-BUILDS = {
-    "avx512": ([*AVX2_FLAGS, "-mavx512f"], (*AVX2_CPU_FLAGS, "avx512f"), 16),
-    "avx2": (AVX2_FLAGS, AVX2_CPU_FLAGS, 8),
-}
 
 _i64, _f32p, _i64p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int64)
 
@@ -54,11 +46,8 @@ class PagedDecodeKernel:
         self._pool_size = 0
 
     @staticmethod
-    def supports(dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        return (
-            dtype == torch.float32 and device.type == "cpu" and num_heads // num_kv_heads <= MAX_GROUP
-            and head_dim % 8 == 0
-        )
+    def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+        return dtype == torch.float32 and device.type == "cpu" and head_dim % 8 == 0
 
     def batch(self, rows: list[int], seqs: list[int], seq_lens: list[int], block_tables: torch.Tensor) -> DecodeBatch:
         threads = torch.get_num_threads()
@@ -108,16 +97,8 @@ def decode_kernel_enabled() -> bool:
     return os.environ.get("KVFLEET_DECODE_KERNEL", "1") != "0"
 
 
-def load_kernel(head_dim: int) -> PagedDecodeKernel | None:
-    """The widest build this CPU runs for heads of `head_dim`; None where none can be built."""
-    _, wide_needs, wide_width = BUILDS["avx512"]
-    return build("avx512" if head_dim % wide_width == 0 and set(wide_needs) <= cpu_flags() else "avx2")
-
-
 @functools.cache
-def build(instructions: str) -> PagedDecodeKernel | None:
-    """The kernel built for `instructions` (a key of BUILDS), if this machine has not built it
-    yet; None where it cannot be."""
-    flags, needs, _ = BUILDS[instructions]
-    library = load_library(SOURCE, flags, f"the paged decode attention kernel ({instructions})", needs=needs)
+def load_kernel() -> PagedDecodeKernel | None:
+    """The kernel, built if this machine has not built it yet; None where it cannot be."""
+    library = load_library(SOURCE, AVX2_FLAGS, "the paged decode attention kernel", needs=AVX2_CPU_FLAGS)
     return None if library is None else PagedDecodeKernel(library)

@@ -9,11 +9,8 @@
 // products stay vectors of partial sums until one transpose-and-add finishes all eight, and
 // their exponentials are taken together; value rows are added into up to three heads at
 // once, with the accumulators held in registers. While one chunk is read, the next one's
-// rows are prefetched, a row for each row read: the blocks lie scattered, where the
-// hardware's prefetcher loses the stream, and a burst of prefetches a chunk stalled it.
-//
-// Built with AVX-512 where the CPU has it (16 lanes: a 64-dim head's dot product is four
-// FMAs, and three heads' 64-dim values fit the 32 registers in one pass), else AVX2.
+// rows are prefetched, a few cache lines between passes of the computation: the blocks lie
+// scattered, where the hardware's prefetcher loses the stream.
 //
 // Layouts:
 //   query [num_tokens, num_heads, head_dim], rows query_stride apart (a view of the fused
@@ -22,9 +19,8 @@
 //   block_tables [num_seqs_in_table, table_stride] (int64)
 //   rows, seqs, seq_lens: per decode i, its row in query/out, its row in block_tables, and
 //   its context length (keys, this step's included).
-// head_dim is a multiple of the vector width (16 floats with AVX-512, else 8); a kv head serves at most kMaxGroup
-// query heads. Work is split by decodes in [first, last), so callers can run disjoint
-// ranges on several threads.
+// head_dim is a multiple of 8. Work is split by decodes in [first, last), so callers can
+// run disjoint ranges on several threads.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -36,92 +32,90 @@
 
 namespace {
 
-constexpr int kMaxGroup = 16;
 constexpr int kChunk = 64;  // keys scored before their values are summed
-
-#ifdef __AVX512F__
-using Vec = __m512;
-constexpr int kLanes = 16, kRegisters = 32, kSpanVectors = 8;
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-// The transpose-and-add works on 8 lanes: the upper half is added onto the lower.
-inline __m256 fold(Vec v) {
-  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-#else
-using Vec = __m256;
-constexpr int kLanes = 8, kRegisters = 16, kSpanVectors = 4;
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline __m256 fold(Vec v) { return v; }
-#endif
-constexpr int kSpan = kSpanVectors * kLanes;  // dims of one pass over the value rows
+constexpr int kSpan = 32;   // dims of one pass over the value rows: 4 registers a head
 
 inline __m256 lane_indices() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
 
 // Eight keys' dot products with q, each as a vector of 8 partial sums: q's vectors are
 // loaded once for all eight, the keys' straight into the FMAs.
 inline void partial_dots(const float* q, const float* const keys[8], int64_t head_dim, __m256 partial[8]) {
-  Vec wide[8];
-  for (int j = 0; j < 8; ++j) wide[j] = Vec{};
-  for (int64_t d = 0; d < head_dim; d += kLanes) {
-    const Vec qd = vload(q + d);
-    for (int j = 0; j < 8; ++j) wide[j] = vfma(qd, vload(keys[j] + d), wide[j]);
+  for (int j = 0; j < 8; ++j) partial[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; ++j) partial[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[j] + d), partial[j]);
   }
-  for (int j = 0; j < 8; ++j) partial[j] = fold(wide[j]);
 }
 
-// For each of G heads g: acc[g][0 .. NV vectors) += sum_j weights[g][j] * values[rows[j] ..],
+// The next chunk's token rows (offsets into one cache), requested into L1 a few cache
+// lines a step, between the computation's own loads. A burst of a whole row group's lines
+// at once filled the core's miss buffers and stalled the loads behind it until memory had
+// answered, so reading and computing took turns: spread out, the 64 decodes x 30 layers
+// of a batched step (416 keys on average) went from 109 to 64 ms on one thread and from 60
+// to 40 on two. (An AVX-512 build then ran no faster: the reads set the pace.)
+class Prefetcher {
+ public:
+  void start(const float* cache, const int64_t* rows, int64_t n, int64_t token_stride, int64_t lines_a_step) {
+    cache_ = cache, rows_ = rows, n_ = n, token_stride_ = token_stride, lines_a_step_ = lines_a_step;
+    row_ = 0, d_ = 0;
+  }
+  void step() { issue(lines_a_step_); }
+  void finish() { issue(n_ * token_stride_); }
+
+ private:
+  void issue(int64_t lines) {
+    for (; lines > 0 && row_ < n_; --lines) {
+      _mm_prefetch(reinterpret_cast<const char*>(cache_ + rows_[row_] + d_), _MM_HINT_T0);
+      if ((d_ += 16) >= token_stride_) d_ = 0, ++row_;
+    }
+  }
+  const float* cache_ = nullptr;
+  const int64_t* rows_ = nullptr;
+  int64_t n_ = 0, token_stride_ = 0, lines_a_step_ = 0, row_ = 0, d_ = 0;
+};
+
+// For each of G heads g: acc[g][0 .. 8 NV) += sum_j weights[g][j] * values[rows[j] .. + 8 NV),
 // accumulated in registers; each value vector is loaded once for the G heads it serves.
 template <int G, int NV>
 inline void add_values(float* const acc[], const float* const weights[], const float* values, const int64_t* rows,
-                       int64_t n) {
-  static_assert(G * NV + G + 1 <= kRegisters, "accumulators, weights and a value vector fit the registers");
-  Vec sum[G][NV];
+                       int64_t n, Prefetcher& prefetcher) {
+  static_assert(G * NV + G + 1 <= 16, "accumulators, weights and a value vector fit AVX2's 16 registers");
+  __m256 sum[G][NV];
   for (int g = 0; g < G; ++g)
-    for (int t = 0; t < NV; ++t) sum[g][t] = vload(acc[g] + kLanes * t);
+    for (int t = 0; t < NV; ++t) sum[g][t] = _mm256_loadu_ps(acc[g] + 8 * t);
   for (int64_t j = 0; j < n; ++j) {
-    Vec w[G];
-    for (int g = 0; g < G; ++g) w[g] = vbroadcast(weights[g] + j);
+    __m256 w[G];
+    for (int g = 0; g < G; ++g) w[g] = _mm256_broadcast_ss(weights[g] + j);
+    prefetcher.step();
     const float* v = values + rows[j];
     for (int t = 0; t < NV; ++t) {
-      const Vec vt = vload(v + kLanes * t);
-      for (int g = 0; g < G; ++g) sum[g][t] = vfma(w[g], vt, sum[g][t]);
+      const __m256 vt = _mm256_loadu_ps(v + 8 * t);
+      for (int g = 0; g < G; ++g) sum[g][t] = _mm256_fmadd_ps(w[g], vt, sum[g][t]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int t = 0; t < NV; ++t) vstore(acc[g] + kLanes * t, sum[g][t]);
+    for (int t = 0; t < NV; ++t) _mm256_storeu_ps(acc[g] + 8 * t, sum[g][t]);
 }
 
 template <int G>
 void add_values_span(float* const acc[], const float* const weights[], const float* values, const int64_t* rows,
-                     int64_t n, int64_t vectors) {
+                     int64_t n, int64_t vectors, Prefetcher& prefetcher) {
   switch (vectors) {
-#ifdef __AVX512F__
-    case 8: add_values<G, 8>(acc, weights, values, rows, n); break;
-    case 7: add_values<G, 7>(acc, weights, values, rows, n); break;
-    case 6: add_values<G, 6>(acc, weights, values, rows, n); break;
-    case 5: add_values<G, 5>(acc, weights, values, rows, n); break;
-#endif
-    case 4: add_values<G, 4>(acc, weights, values, rows, n); break;
-    case 3: add_values<G, 3>(acc, weights, values, rows, n); break;
-    case 2: add_values<G, 2>(acc, weights, values, rows, n); break;
-    default: add_values<G, 1>(acc, weights, values, rows, n); break;
+    case 4: add_values<G, 4>(acc, weights, values, rows, n, prefetcher); break;
+    case 3: add_values<G, 3>(acc, weights, values, rows, n, prefetcher); break;
+    case 2: add_values<G, 2>(acc, weights, values, rows, n, prefetcher); break;
+    default: add_values<G, 1>(acc, weights, values, rows, n, prefetcher); break;
   }
 }
 
 // Values into the heads of one kv head's group: up to three heads share each pass over the
-// value rows, kSpan dims at a time.
+// value rows, 32 dims at a time.
 void add_group_values(float* acc, const float* weights, const float* values, const int64_t* rows, int64_t n,
-                      int64_t group, int64_t head_dim) {
+                      int64_t group, int64_t head_dim, Prefetcher& prefetcher) {
   for (int64_t g0 = 0; g0 < group; g0 += 3) {
     const int64_t heads = group - g0 < 3 ? group - g0 : 3;
     for (int64_t d = 0; d < head_dim; d += kSpan) {
-      const int64_t vectors = (head_dim - d < kSpan ? head_dim - d : kSpan) / kLanes;
+      const int64_t vectors = (head_dim - d < kSpan ? head_dim - d : kSpan) / 8;
       float* head_acc[3];
       const float* head_weights[3];
       for (int64_t g = 0; g < heads; ++g) {
@@ -129,22 +123,16 @@ void add_group_values(float* acc, const float* weights, const float* values, con
         head_weights[g] = weights + (g0 + g) * kChunk;
       }
       switch (heads) {
-        case 3: add_values_span<3>(head_acc, head_weights, values + d, rows, n, vectors); break;
-        case 2: add_values_span<2>(head_acc, head_weights, values + d, rows, n, vectors); break;
-        default: add_values_span<1>(head_acc, head_weights, values + d, rows, n, vectors); break;
+        case 3: add_values_span<3>(head_acc, head_weights, values + d, rows, n, vectors, prefetcher); break;
+        case 2: add_values_span<2>(head_acc, head_weights, values + d, rows, n, vectors, prefetcher); break;
+        default: add_values_span<1>(head_acc, head_weights, values + d, rows, n, vectors, prefetcher); break;
       }
     }
   }
 }
 
-// Requests rows [from, to) of a chunk (offsets into either cache) into L1, every line of
-// each whole token row.
-inline void prefetch_rows(const float* cache, const int64_t* rows, int64_t from, int64_t to, int64_t token_stride) {
-  for (int64_t j = from; j < to; ++j)
-    for (int64_t d = 0; d < token_stride; d += 16)
-      _mm_prefetch(reinterpret_cast<const char*>(cache + rows[j] + d), _MM_HINT_T0);
-}
-
+// kHeadDim: the head size as a constant, so that a key's dot product unrolls into registers
+// (0: head_dim's value, for other sizes).
 template <int64_t kHeadDim>
 void attend(const float* query, float* out, const float* key_cache, const float* value_cache,
             const int64_t* block_tables, int64_t table_stride, int64_t query_stride, const int64_t* rows,
@@ -169,12 +157,21 @@ void attend(const float* query, float* out, const float* key_cache, const float*
     }
     return n;
   };
+  // A row's cache lines, spread over the steps that read one: the score passes of eight
+  // rows (one per query head), and the value passes of a row.
+  const int64_t lines = (token_stride + 15) / 16;
+  const int64_t score_lines = (8 * lines + num_heads - 1) / num_heads;
+  const int64_t value_passes = num_kv_heads * ((group + 2) / 3) * ((head_dim + kSpan - 1) / kSpan);
+  const int64_t value_lines = (lines + value_passes - 1) / value_passes;
+  Prefetcher prefetcher;
   int current = 0;
   int64_t n_next = 0;
   if (first < last) {
     n_next = locate(first, 0, offsets[0]);
-    prefetch_rows(key_cache, offsets[0], 0, n_next, token_stride);
-    prefetch_rows(value_cache, offsets[0], 0, n_next, token_stride);
+    for (const float* cache : {key_cache, value_cache}) {
+      prefetcher.start(cache, offsets[0], n_next, token_stride, 0);
+      prefetcher.finish();
+    }
   }
   for (int64_t i = first; i < last; ++i) {
     const float* q = query + rows[i] * query_stride;
@@ -195,8 +192,8 @@ void attend(const float* query, float* out, const float* key_cache, const float*
       }
       // Scores, eight token rows at a time for every query head: the rows are read from memory
       // once, then from L1.
+      prefetcher.start(key_cache, next_rows, n_next, token_stride, score_lines);
       for (int64_t j0 = 0; j0 < n; j0 += 8) {
-        prefetch_rows(key_cache, next_rows, j0, std::min(j0 + 8, n_next), token_stride);
         const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps(static_cast<float>(j0)), lane_indices()),
                                            _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
         for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
@@ -204,6 +201,7 @@ void attend(const float* query, float* out, const float* key_cache, const float*
           const float* key_rows[8];  // keys past the chunk's end read its first row; their scores are masked
           for (int64_t j = 0; j < 8; ++j) key_rows[j] = keys + chunk_rows[j0 + j < n ? j0 + j : j0];
           for (int64_t g = 0; g < group; ++g) {
+            prefetcher.step();
             const int64_t h = kv * group + g;
             __m256 partial[8];
             partial_dots(q + h * head_dim, key_rows, head_dim, partial);
@@ -237,13 +235,16 @@ void attend(const float* query, float* out, const float* key_cache, const float*
         }
         sums[h] += simd::horizontal_sum(total);
       }
+      prefetcher.finish();  // the rows left where the next chunk is longer than this one
+      prefetcher.start(value_cache, next_rows, n_next, token_stride, value_lines);
       for (int64_t j0 = 0; j0 < n; j0 += 8) {
-        prefetch_rows(value_cache, next_rows, j0, std::min(j0 + 8, n_next), token_stride);
         const int64_t rows_here = std::min<int64_t>(8, n - j0);
         for (int64_t kv = 0; kv < num_kv_heads; ++kv)
           add_group_values(&acc[kv * group * head_dim], &scores[kv * group * kChunk + j0],
-                           value_cache + kv * head_dim, chunk_rows + j0, rows_here, group, head_dim);
+                           value_cache + kv * head_dim, chunk_rows + j0,
+                           rows_here, group, head_dim, prefetcher);
       }
+      prefetcher.finish();
     }
     float* o = out + rows[i] * num_heads * head_dim;
     for (int64_t h = 0; h < num_heads; ++h) {

@@ -77,13 +77,14 @@ class PagedDecodeKernel:
             _pointer(batch.seqs, _i64p), _pointer(batch.seq_lens, _i64p), num_heads, num_kv_heads, head_dim,
             block_size, scale,
         )
-        if len(batch.shares) == 1:
-            self._function(*pointers, *batch.shares[0])
-            return
-        if self._pool_size < len(batch.shares):
-            self._pool = ThreadPoolExecutor(len(batch.shares), thread_name_prefix="kvfleet-decode-attn")
-            self._pool_size = len(batch.shares)
-        for future in [self._pool.submit(self._function, *pointers, *share) for share in batch.shares]:
+        # The first share on this thread, the others on the pool: one hand-off fewer a layer.
+        first, *others = batch.shares
+        if others and self._pool_size < len(others):
+            self._pool = ThreadPoolExecutor(len(others), thread_name_prefix="kvfleet-decode-attn")
+            self._pool_size = len(others)
+        futures = [self._pool.submit(self._function, *pointers, *share) for share in others]
+        self._function(*pointers, *first)
+        for future in futures:
             future.result()
 
 

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "simd_math.h"
@@ -60,7 +61,7 @@ class Prefetcher {
     row_ = 0, d_ = 0;
   }
   void step() { issue(lines_a_step_); }
-  void finish() { issue(n_ * token_stride_); }
+  void finish() { issue(std::numeric_limits<int64_t>::max()); }  // every line left
 
  private:
   void issue(int64_t lines) {
@@ -108,20 +109,28 @@ void add_values_span(float* const acc[], const float* const weights[], const flo
   }
 }
 
-// Values into the heads of one kv head's group: up to three heads share each pass over the
-// value rows, 32 dims at a time.
+constexpr int64_t kHeadsAPass = 3;  // query heads whose values one pass over the rows adds
+
+// The passes add_group_values makes over each value row of a kv head.
+inline int64_t value_passes(int64_t group, int64_t head_dim) {
+  return (group + kHeadsAPass - 1) / kHeadsAPass * ((head_dim + kSpan - 1) / kSpan);
+}
+
+// Values into the heads of one kv head's group: up to kHeadsAPass heads share each pass over
+// the value rows, kSpan dims at a time.
 void add_group_values(float* acc, const float* weights, const float* values, const int64_t* rows, int64_t n,
                       int64_t group, int64_t head_dim, Prefetcher& prefetcher) {
-  for (int64_t g0 = 0; g0 < group; g0 += 3) {
-    const int64_t heads = group - g0 < 3 ? group - g0 : 3;
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadsAPass) {
+    const int64_t heads = std::min(group - g0, kHeadsAPass);
     for (int64_t d = 0; d < head_dim; d += kSpan) {
       const int64_t vectors = (head_dim - d < kSpan ? head_dim - d : kSpan) / 8;
-      float* head_acc[3];
-      const float* head_weights[3];
+      float* head_acc[kHeadsAPass];
+      const float* head_weights[kHeadsAPass];
       for (int64_t g = 0; g < heads; ++g) {
         head_acc[g] = acc + (g0 + g) * head_dim + d;
         head_weights[g] = weights + (g0 + g) * kChunk;
       }
+      static_assert(kHeadsAPass == 3, "the cases below take 1 to 3 heads");
       switch (heads) {
         case 3: add_values_span<3>(head_acc, head_weights, values + d, rows, n, vectors, prefetcher); break;
         case 2: add_values_span<2>(head_acc, head_weights, values + d, rows, n, vectors, prefetcher); break;
@@ -161,8 +170,8 @@ void attend(const float* query, float* out, const float* key_cache, const float*
   // rows (one per query head), and the value passes of a row.
   const int64_t lines = (token_stride + 15) / 16;
   const int64_t score_lines = (8 * lines + num_heads - 1) / num_heads;
-  const int64_t value_passes = num_kv_heads * ((group + 2) / 3) * ((head_dim + kSpan - 1) / kSpan);
-  const int64_t value_lines = (lines + value_passes - 1) / value_passes;
+  const int64_t passes = num_kv_heads * value_passes(group, head_dim);
+  const int64_t value_lines = (lines + passes - 1) / passes;
   Prefetcher prefetcher;
   int current = 0;
   int64_t n_next = 0;

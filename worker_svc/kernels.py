@@ -1,6 +1,6 @@
 """Which kernels a worker runs: on CUDA (or when asked, through the interpreter) Triton's
 paged attention and fused decoder ops, with decode steps captured as CUDA graphs; on
-CPU torch, with the C++ paged decode attention and decoder ops where they apply."""
+CPU torch, with the C++ paged decode and prefill attention and decoder ops where they apply."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +8,7 @@ import logging
 import torch
 
 from services.config import EngineConfig
+from worker_svc.attention import paged_prefill
 from worker_svc.attention.backend import AttentionBackend
 from worker_svc.attention.paged_decode import PagedDecodeKernel, decode_kernel_enabled, load_kernel
 from worker_svc.attention.torch_backend import TorchAttentionBackend
@@ -49,7 +50,10 @@ def attention_backend(config: EngineConfig, device: torch.device, local: ModelCo
     if uses_triton(config, device):
         return TritonAttentionBackend()
     use_kernel = PagedDecodeKernel.supports(dtype, device, local.head_dim) and decode_kernel_enabled()
-    return TorchAttentionBackend(load_kernel() if use_kernel else None, _cpu_decoder_kernel(device, dtype))
+    use_prefill_kernel = (paged_prefill.PagedPrefillKernel.supports(dtype, device, local.head_dim)
+                          and paged_prefill.prefill_kernel_enabled())
+    return TorchAttentionBackend(load_kernel() if use_kernel else None, _cpu_decoder_kernel(device, dtype),
+                                 paged_prefill.load_kernel() if use_prefill_kernel else None)
 
 
 def decode_graphs(config: EngineConfig, device: torch.device, group: RankGroup, model: LlamaForCausalLM,

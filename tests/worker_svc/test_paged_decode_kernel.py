@@ -8,22 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker_svc.attention.backend import BatchLayout
+from tests.worker_svc.paged_layout import random_layout
 from worker_svc.attention.paged_decode import load_kernel
 from worker_svc.attention.torch_backend import TorchAttentionBackend
 
 kernel = load_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler or no AVX2 to build the kernel")
-
-
-def random_layout(query_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int) -> BatchLayout:
-    max_blocks = max(-(-n // block_size) for n in seq_lens)
-    tables = torch.randperm(num_blocks)[: len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks)
-    slots = []
-    for table, queries, length in zip(tables.tolist(), query_lens, seq_lens):
-        slots += [table[pos // block_size] * block_size + pos % block_size for pos in range(length - queries, length)]
-    return BatchLayout(torch.tensor(query_lens), torch.tensor(seq_lens), tables, torch.tensor(slots), block_size,
-                       max(query_lens))
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim",

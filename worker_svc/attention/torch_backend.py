@@ -7,8 +7,10 @@ cache between the copy and the attention, which made decode attention about 5x
 faster here than one gather over the whole batch. With the paged decode kernel
 (float32, a C compiler at hand) decodes read K and V in place instead, with no
 gather: decode attention was about half of a batched step's time, mostly copying.
-Prompt chunks run one SDPA call each. Index tensors and masks are built once per
-step and reused by every layer.
+With the paged prefill kernel, prompt chunks (whole prompts and chunks that continue
+cached context alike) read the cache in place too, all in one call a layer; without it
+each runs one SDPA call, a chunk with context over a gathered copy and a mask. Index
+tensors and masks are built once per step and reused by every layer.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 from worker_svc.attention.backend import AttentionBackend, BatchLayout
 from worker_svc.attention.paged_decode import DecodeBatch, PagedDecodeKernel
+from worker_svc.attention.paged_prefill import PagedPrefillKernel, PrefillBatch, PrefillChunk
 from worker_svc.decoder_kernel import DecoderKernel
 
 DECODE_GROUP_TOKENS = 4096
@@ -63,6 +66,7 @@ class TorchAttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     decode_batch: DecodeBatch | None  # with the kernel, every decode (and no decode_groups)
+    prefill_batch: PrefillBatch | None  # with the kernel, every prompt chunk (and no prefills)
 
 
 def _gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_lens: list[int], block_size: int) -> ContextGather:
@@ -78,12 +82,13 @@ def _gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_lens: list
 
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, decode_kernel: PagedDecodeKernel | None = None,
-                 cache_writer: DecoderKernel | None = None) -> None:
+                 cache_writer: DecoderKernel | None = None, prefill_kernel: PagedPrefillKernel | None = None) -> None:
         """`decode_kernel`: run decodes with it. `cache_writer`:
         write new K and V with it, a row copy per token (index_copy_ went element by element:
-        6% of a prompt's time)."""
+        6% of a prompt's time). `prefill_kernel`: run prompt chunks with it."""
         self.decode_kernel = decode_kernel
         self.cache_writer = cache_writer
+        self.prefill_kernel = prefill_kernel
 
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
         query_lens = layout.query_lens.tolist()
@@ -91,20 +96,25 @@ class TorchAttentionBackend(AttentionBackend):
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
-        prefills = []
-        for i, n in enumerate(query_lens):
-            if n == 1:
-                continue
-            context = None
-            if seq_lens[i] != n:
-                context = _gather(layout.block_tables[i : i + 1], layout.seq_lens[i : i + 1], [n], layout.block_size)
-            prefills.append(PrefillSpan(starts[i], starts[i + 1], context))
+        prefills, prefill_batch = [], None
+        if self.prefill_kernel is not None:
+            chunks = [PrefillChunk(starts[i], n, seq_lens[i], i) for i, n in enumerate(query_lens) if n > 1]
+            prefill_batch = self.prefill_kernel.batch(chunks, layout.block_tables) if chunks else None
+        else:
+            for i, n in enumerate(query_lens):
+                if n == 1:
+                    continue
+                context = None
+                if seq_lens[i] != n:
+                    context = _gather(layout.block_tables[i : i + 1], layout.seq_lens[i : i + 1], [n],
+                                      layout.block_size)
+                prefills.append(PrefillSpan(starts[i], starts[i + 1], context))
         if self.decode_kernel is not None:
             decodes = [i for i, n in enumerate(query_lens) if n == 1]
             batch = self.decode_kernel.batch(
                 [starts[i] for i in decodes], decodes, [seq_lens[i] for i in decodes], layout.block_tables,
             ) if decodes else None
-            return TorchAttentionMetadata(layout.slot_mapping, [], prefills, batch)
+            return TorchAttentionMetadata(layout.slot_mapping, [], prefills, batch, prefill_batch)
         decodes = sorted((seq_lens[i], i) for i, n in enumerate(query_lens) if n == 1)
         groups = []
         while decodes:
@@ -119,7 +129,7 @@ class TorchAttentionBackend(AttentionBackend):
             )
             rows = torch.tensor([starts[i] for i in members.tolist()], device=members.device)
             groups.append(DecodeGroup(rows, context))
-        return TorchAttentionMetadata(layout.slot_mapping, groups, prefills, None)
+        return TorchAttentionMetadata(layout.slot_mapping, groups, prefills, None, prefill_batch)
 
     def forward(
         self,
@@ -140,6 +150,8 @@ class TorchAttentionBackend(AttentionBackend):
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # query may be a view
         if metadata.decode_batch is not None:
             self.decode_kernel(query, output, kv_cache, metadata.decode_batch, scale)
+        if metadata.prefill_batch is not None:
+            self.prefill_kernel(query, output, kv_cache, metadata.prefill_batch, scale)
         for group in metadata.decode_groups:
             k, v = group.context.keys_values(kv_cache)
             q = query[group.rows].unsqueeze(2)  # [g, H, 1, D]

@@ -1,0 +1,115 @@
+"""The in-place paged attention kernel for prompt chunks (csrc/paged_prefill.cpp), built and
+loaded on demand.
+
+Every chunk of a step, a whole prompt or one that continues cached context, runs in one
+call per layer: its queries attend to keys and values where they lie in the cache, so a
+chunk with context needs no gathered copy and no mask. Built once per machine
+(worker_svc/native.py; AVX2 and FMA) and called through ctypes, with its OpenMP threads
+each taking a share of the tiles that reads about the same number of keys. Without a
+compiler or AVX2 (or with KVFLEET_PREFILL_KERNEL=0) the torch backend keeps SDPA.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
+
+SOURCE = Path(__file__).parents[1] / "csrc" / "paged_prefill.cpp"
+TILE_ROWS = 24  # rows (query token x query head) of a tile: kRows in the kernel
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+@dataclass
+class PrefillChunk:
+    """A run of query tokens of one sequence in the step's flattened batch."""
+
+    first_row: int  # in the flattened batch
+    num_tokens: int
+    context: int  # keys the last token sees: cached ones and the chunk's own
+    seq: int  # row in block_tables
+
+
+@dataclass
+class PrefillBatch:
+    """A step's prompt chunks, as the kernel reads them (built once, used by every layer)."""
+
+    chunks: list[PrefillChunk]
+    chunk_table: torch.Tensor  # [n, 4] int64: the chunks' fields
+    block_tables: torch.Tensor  # [B, max_blocks] int64, contiguous
+    # (num_heads, num_kv_heads) -> the tiles [m, 3] (chunk, kv head, first row) and each
+    # thread's [first, last) of them: the first layer splits them, the others reuse it.
+    _tiles: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def tiles(self, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if (num_heads, num_kv_heads) not in self._tiles:
+            self._tiles[num_heads, num_kv_heads] = self._split(num_heads // num_kv_heads, num_kv_heads)
+        return self._tiles[num_heads, num_kv_heads]
+
+    def _split(self, group: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tiles, costs = [], []
+        for index, chunk in enumerate(self.chunks):
+            rows = chunk.num_tokens * group
+            for kv_head in range(num_kv_heads):
+                for first_row in range(0, rows, TILE_ROWS):
+                    last_token = (min(first_row + TILE_ROWS, rows) - 1) // group
+                    tiles.append((index, kv_head, first_row))
+                    costs.append(chunk.context - chunk.num_tokens + last_token + 1)  # keys it reads
+        # Contiguous shares of about equal keys (a tile's neighbours share its chunk's keys in cache).
+        threads = min(torch.get_num_threads(), len(tiles))
+        total, bounds, done = sum(costs), [0], 0
+        for index, cost in enumerate(costs):
+            done += cost
+            if done * threads >= total * len(bounds) and len(bounds) < threads:
+                bounds.append(index + 1)
+        bounds.append(len(tiles))
+        return torch.tensor(tiles, dtype=torch.int64), torch.tensor(bounds, dtype=torch.int64)
+
+
+class PagedPrefillKernel:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._function = library.paged_prefill_attention
+        self._function.restype = None
+        self._function.argtypes = [_ptr] * 5 + [_i64, _i64, _ptr, _ptr, _ptr] + [_i64] * 5 + [ctypes.c_float]
+
+    @staticmethod
+    def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+        return dtype == torch.float32 and device.type == "cpu" and head_dim % 4 == 0
+
+    @staticmethod
+    def batch(chunks: list[PrefillChunk], block_tables: torch.Tensor) -> PrefillBatch:
+        table = torch.tensor([(c.first_row, c.num_tokens, c.context, c.seq) for c in chunks], dtype=torch.int64)
+        return PrefillBatch(chunks, table, block_tables.to(torch.int64).contiguous())
+
+    def __call__(self, query: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, batch: PrefillBatch,
+                 scale: float) -> None:
+        """Writes attention of every chunk row of `query` [T, H, D] (rows at any stride: a view
+        of the fused QKV projection) into the same rows of `out`."""
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+        assert query.stride()[1:] == (head_dim, 1) and out.is_contiguous() and kv_cache.is_contiguous()
+        tiles, bounds = batch.tiles(num_heads, num_kv_heads)
+        self._function(
+            query.data_ptr(), out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+            batch.block_tables.data_ptr(), batch.block_tables.shape[1], query.stride(0), batch.chunk_table.data_ptr(),
+            tiles.data_ptr(), bounds.data_ptr(), len(bounds) - 1, num_heads, num_kv_heads,
+            head_dim, block_size, scale,
+        )
+
+
+def prefill_kernel_enabled() -> bool:
+    """KVFLEET_PREFILL_KERNEL=0 keeps prompt chunks on SDPA (to compare, or to rule the kernel out)."""
+    return os.environ.get("KVFLEET_PREFILL_KERNEL", "1") != "0"
+
+
+@functools.cache
+def load_kernel() -> PagedPrefillKernel | None:
+    """The kernel, built if this machine has not built it yet; None where it cannot be."""
+    library = load_library(SOURCE, AVX2_FLAGS, "the paged prefill attention kernel", needs=AVX2_CPU_FLAGS)
+    return None if library is None else PagedPrefillKernel(library)

@@ -1,0 +1,213 @@
+// Paged attention for prompt chunks (any number of query tokens each), float32, read in place.
+//
+// A chunk's queries attend causally to everything cached before them and to the chunk's own
+// keys, all of which the cache writer has put in the paged cache by now; so a chunk that
+// continues a cached prefix needs no gathered copy of its context and no mask tensor, and a
+// whole prompt is the case with nothing cached before it.
+//
+// Work comes in tiles: up to kRows rows of one chunk that share a kv head, a row being one
+// query token's one query head. The tile holds its rows in vector lanes (its queries
+// transposed, scale folded in, once a tile) and walks the keys 0 .. its last row's position
+// in blocks of kBlock, reading each key and value row where it lies in the cache:
+//   scores   S[key][row] = sum_d K[key][d] Q[d][row]   kKeys keys x kRows rows in registers
+//   softmax  running max and sum per row (per lane), rows past their position masked
+//   values   O[d][row] += sum_key V[key][d] P[key][row] kDims dims x kRows rows in registers
+// Every inner loop is broadcast-one-value, FMA-into-three-vectors: no horizontal sums and
+// no transposed copy of the keys.
+//
+// Layouts:
+//   query [num_tokens, num_heads, head_dim], rows query_stride apart (a view of the fused
+//   QKV projection); out the same shape, contiguous
+//   key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim]
+//   block_tables [num_seqs_in_table, table_stride] (int64)
+//   chunks [num_chunks, 4] (int64): first row in query/out, query tokens, context length
+//   (keys, the chunk's own included), row in block_tables
+//   tiles [num_tiles, 3] (int64): chunk, kv head, first row (query token t, head g of the
+//   group is row t * group + g)
+//   bounds [threads + 1]: thread i computes tiles [bounds[i], bounds[i + 1]).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "simd_math.h"
+
+namespace {
+
+constexpr int kLanes = 8;
+constexpr int kVectors = 3;                  // a tile's rows: three vectors' lanes
+constexpr int kRows = kVectors * kLanes;
+constexpr int kKeys = 4;                     // keys scored at once: 4 x 3 accumulators
+constexpr int kDims = 4;                     // dims of the output summed at once: 4 x 3 accumulators
+constexpr int kBlock = 64;                   // keys scored before their values are summed
+constexpr float kNoMax = -1e30f;             // a row's max before any key: finite, so no inf - inf
+
+struct Tile {
+  // [head_dim][kRows]: the rows' queries times the scale, lanes by row
+  std::vector<float> query;
+  // [head_dim][kRows]: the rows' outputs so far, under their running maxes
+  std::vector<float> out;
+  // [kBlock][kRows]: the current block's scores, then their exponentials
+  std::vector<float> weights;
+  __m256 max[kVectors], sum[kVectors], position[kVectors];
+};
+
+// acc[k][v] = sum_d key_k[d] * query[d][v-th vector]
+template <int64_t kHeadDim, int kNumKeys>
+inline void score_keys(const float* const keys[kKeys], const float* query, int64_t any_head_dim, __m256 acc[][kVectors]) {
+  const int64_t head_dim = kHeadDim ? kHeadDim : any_head_dim;
+  __m256 sums[kNumKeys][kVectors];  // local, so they stay in registers: acc's stores would be reloaded
+  for (int k = 0; k < kNumKeys; ++k)
+    for (int v = 0; v < kVectors; ++v) sums[k][v] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; ++d) {
+    __m256 q[kVectors];
+    for (int v = 0; v < kVectors; ++v) q[v] = _mm256_loadu_ps(query + d * kRows + v * kLanes);
+    for (int k = 0; k < kNumKeys; ++k) {
+      const __m256 key = _mm256_broadcast_ss(keys[k] + d);
+      for (int v = 0; v < kVectors; ++v) sums[k][v] = _mm256_fmadd_ps(key, q[v], sums[k][v]);
+    }
+  }
+  for (int k = 0; k < kNumKeys; ++k)
+    for (int v = 0; v < kVectors; ++v) acc[k][v] = sums[k][v];
+}
+
+// out[d0 .. d0 + kDims)[rows] = correction * out + sum_j value_j[d] * weights[j][rows]
+inline void add_values(float* out, const float* const values[], const float* weights, int64_t n, int64_t d0,
+                       const __m256 correction[kVectors]) {
+  __m256 acc[kDims][kVectors];
+  for (int i = 0; i < kDims; ++i)
+    for (int v = 0; v < kVectors; ++v)
+      acc[i][v] = _mm256_mul_ps(_mm256_loadu_ps(out + (d0 + i) * kRows + v * kLanes), correction[v]);
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 w[kVectors];
+    for (int v = 0; v < kVectors; ++v) w[v] = _mm256_loadu_ps(weights + j * kRows + v * kLanes);
+    for (int i = 0; i < kDims; ++i) {
+      const __m256 value = _mm256_broadcast_ss(values[j] + d0 + i);
+      for (int v = 0; v < kVectors; ++v) acc[i][v] = _mm256_fmadd_ps(value, w[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < kDims; ++i)
+    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + (d0 + i) * kRows + v * kLanes, acc[i][v]);
+}
+
+// One block of keys [first, first + n): scores, the softmax update, values.
+template <int64_t kHeadDim>
+void attend_block(Tile& tile, const float* const keys[kBlock], const float* const values[kBlock], int64_t first,
+                  int64_t n, int64_t head_dim) {
+  for (int64_t j = 0; j < n; j += kKeys) {
+    __m256 acc[kKeys][kVectors];
+    const int64_t here = std::min<int64_t>(kKeys, n - j);
+    if (here == kKeys) {
+      score_keys<kHeadDim, kKeys>(keys + j, tile.query.data(), head_dim, acc);
+    } else {
+      const float* padded[kKeys] = {keys[j], keys[j], keys[j], keys[j]};
+      for (int64_t k = 0; k < here; ++k) padded[k] = keys[j + k];
+      score_keys<kHeadDim, kKeys>(padded, tile.query.data(), head_dim, acc);
+    }
+    for (int64_t k = 0; k < here; ++k) {
+      // A row sees key first + j + k when its position is at least that.
+      const __m256 key_position = _mm256_set1_ps(static_cast<float>(first + j + k));
+      for (int v = 0; v < kVectors; ++v) {
+        const __m256 visible = _mm256_cmp_ps(key_position, tile.position[v], _CMP_LE_OQ);
+        _mm256_storeu_ps(&tile.weights[(j + k) * kRows + v * kLanes],
+                         _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), acc[k][v], visible));
+      }
+    }
+  }
+  __m256 correction[kVectors];
+  for (int v = 0; v < kVectors; ++v) {
+    __m256 block_max = _mm256_set1_ps(kNoMax);
+    for (int64_t j = 0; j < n; ++j) block_max = _mm256_max_ps(block_max, _mm256_loadu_ps(&tile.weights[j * kRows + v * kLanes]));
+    const __m256 new_max = _mm256_max_ps(tile.max[v], block_max);
+    correction[v] = simd::exp(_mm256_sub_ps(tile.max[v], new_max));
+    tile.max[v] = new_max;
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      float* w = &tile.weights[j * kRows + v * kLanes];
+      const __m256 s = _mm256_loadu_ps(w);
+      // Masked keys weigh exactly 0, not exp's floor.
+      const __m256 e = _mm256_and_ps(simd::exp(_mm256_sub_ps(s, new_max)),
+                                     _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ));
+      _mm256_storeu_ps(w, e);
+      total = _mm256_add_ps(total, e);
+    }
+    tile.sum[v] = _mm256_fmadd_ps(tile.sum[v], correction[v], total);
+  }
+  for (int64_t d0 = 0; d0 < head_dim; d0 += kDims)
+    add_values(tile.out.data(), values, tile.weights.data(), n, d0, correction);
+}
+
+template <int64_t kHeadDim>
+void attend(const float* query, float* out, const float* key_cache, const float* value_cache,
+            const int64_t* block_tables, int64_t table_stride, int64_t query_stride, const int64_t* chunks,
+            const int64_t* tiles, int64_t num_heads, int64_t num_kv_heads, int64_t any_head_dim, int64_t block_size,
+            float scale, int64_t first_tile, int64_t last_tile) {
+  const int64_t head_dim = kHeadDim ? kHeadDim : any_head_dim;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  Tile tile{std::vector<float>(head_dim * kRows), std::vector<float>(head_dim * kRows),
+            std::vector<float>(kBlock * kRows), {}, {}, {}};
+  const float* keys[kBlock];
+  const float* values[kBlock];
+  for (int64_t t = first_tile; t < last_tile; ++t) {
+    const int64_t* chunk = chunks + tiles[3 * t] * 4;
+    const int64_t first_token_row = chunk[0], num_tokens = chunk[1], context = chunk[2];
+    const int64_t* table = block_tables + chunk[3] * table_stride;
+    const int64_t kv = tiles[3 * t + 1], first_row = tiles[3 * t + 2];
+    const int64_t rows = std::min<int64_t>(kRows, num_tokens * group - first_row);
+    // Token t of the chunk sits at position context - num_tokens + t; rows past the tile's end see no key.
+    float positions[kRows];
+    std::fill(tile.query.begin(), tile.query.end(), 0.0f);
+    for (int64_t r = 0; r < kRows; ++r) {
+      positions[r] = -1.0f;
+      if (r >= rows) continue;
+      const int64_t token = (first_row + r) / group, head = kv * group + (first_row + r) % group;
+      positions[r] = static_cast<float>(context - num_tokens + token);
+      const float* q = query + (first_token_row + token) * query_stride + head * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) tile.query[d * kRows + r] = q[d] * scale;
+    }
+    std::fill(tile.out.begin(), tile.out.end(), 0.0f);
+    for (int v = 0; v < kVectors; ++v) {
+      tile.position[v] = _mm256_loadu_ps(positions + v * kLanes);
+      tile.max[v] = _mm256_set1_ps(kNoMax);
+      tile.sum[v] = _mm256_setzero_ps();
+    }
+    const int64_t num_keys = context - num_tokens + (first_row + rows - 1) / group + 1;
+    for (int64_t first = 0; first < num_keys; first += kBlock) {
+      const int64_t n = std::min<int64_t>(kBlock, num_keys - first);
+      // Stepping through the blocks: a division per key cost more than reading it.
+      int64_t block = first / block_size, in_block = first % block_size;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t offset = (table[block] * block_size + in_block) * token_stride + kv * head_dim;
+        keys[j] = key_cache + offset;
+        values[j] = value_cache + offset;
+        if (++in_block == block_size) in_block = 0, ++block;
+      }
+      attend_block<kHeadDim>(tile, keys, values, first, n, head_dim);
+    }
+    float sums[kRows];
+    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(sums + v * kLanes, tile.sum[v]);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t token = (first_row + r) / group, head = kv * group + (first_row + r) % group;
+      float* o = out + ((first_token_row + token) * num_heads + head) * head_dim;
+      const float inverse = 1.0f / sums[r];
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = tile.out[d * kRows + r] * inverse;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" void paged_prefill_attention(const float* query, float* out, const float* key_cache,
+                                        const float* value_cache, const int64_t* block_tables, int64_t table_stride,
+                                        int64_t query_stride, const int64_t* chunks, const int64_t* tiles,
+                                        const int64_t* bounds, int64_t threads, int64_t num_heads,
+                                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+  auto attend_with = head_dim == 64 ? attend<64> : head_dim == 128 ? attend<128> : attend<0>;
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int64_t i = 0; i < threads; ++i)
+    attend_with(query, out, key_cache, value_cache, block_tables, table_stride, query_stride, chunks, tiles,
+                num_heads, num_kv_heads, head_dim, block_size, scale, bounds[i], bounds[i + 1]);
+}

@@ -91,11 +91,6 @@ def without(*kernels: Any) -> Iterator[None]:
             kernel.load = load
 
 
-def run_int16(layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> None:
-    for layer in layers:
-        layer.vnni_matmul(inputs[layer.in_features])
-
-
 def run_dense(layers: list[Linear], inputs: dict[int, torch.Tensor]) -> None:
     for layer in layers:
         layer(inputs[layer.in_features])
@@ -107,6 +102,7 @@ def run_int4(layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> 
 
 
 def run_kernel(layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> None:
+    """Through the layers' own kernel: the int16 one where they were built with it, else the float32 one."""
     for layer in layers:
         layer.kernel_matmul(inputs[layer.in_features])
 
@@ -138,7 +134,7 @@ def kernel_table(blocks: list[Q4Blocks], rows_list: tuple[int, ...]) -> list[dic
         if quantized[0].packed is not None:
             row["q4_kernel_float32_ms"] = median_ms(partial(run_kernel, quantized, inputs), repeats)
         if int16[0].panels is not None:
-            row["q4_kernel_int16_ms"] = median_ms(partial(run_int16, int16, inputs), repeats)
+            row["q4_kernel_int16_ms"] = median_ms(partial(run_kernel, int16, inputs), repeats)
         table.append(row)
         log(f"{rows:5d} rows: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "rows"))
     return table

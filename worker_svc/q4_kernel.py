@@ -96,9 +96,6 @@ class PackedQ4:
             return None
         return cls(codes, scale_offsets)
 
-    def linear(self, kernel: Q4Kernel, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return kernel.linear(self, x, bias)
-
     def to_blocks(self) -> Q4Blocks:
         """The Q4Blocks these were packed from (for torch's int4 kernel, which a benchmark compares)."""
         rows = self.out_features

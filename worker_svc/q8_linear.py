@@ -26,24 +26,24 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from worker_svc import vnni_kernel
 from worker_svc.layers import Linear
 from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
 from worker_svc.q8_weights import Q8Blocks
-from worker_svc.vnni_kernel import Q8Panels, VnniKernel
+from worker_svc.vnni_kernel import Q8Panels
 
 SOURCE = Path(__file__).parent / "csrc" / "q8_gemm.cpp"
 KERNEL_MAX_ROWS = 12  # steps of at most this many rows take the 8-bit kernel
 
 
 class Q8Linear(nn.Module):
-    def __init__(self, blocks: Q8Blocks, dtype: torch.dtype, kernel: Q8Kernel | None,
-                 vnni: VnniKernel | None = None) -> None:
+    def __init__(self, blocks: Q8Blocks, dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features = blocks.shape
         self.blocks = blocks
-        self.vnni = vnni
-        self.panels = None if vnni is None else Q8Panels.from_blocks(blocks)
-        self.kernel = kernel  # None where it could not be built: every step takes the dense head
+        self.vnni = vnni_kernel.load()
+        self.panels = None if self.vnni is None else Q8Panels.from_blocks(blocks)
+        self.kernel = load_kernel()  # None where it could not be built: every step takes the dense head
         self.dense: Linear | None = None
         if self.panels is None:
             self.dense = Linear(self.in_features, self.out_features, bias=False)

@@ -91,9 +91,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.panels is not None:
-            out = self.vnni_matmul(rows)
-        elif self.packed is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
+        if self.panels is not None or (self.packed is not None and rows.shape[0] <= KERNEL_MAX_ROWS):
             out = self.kernel_matmul(rows)
         elif self.packed is None and rows.shape[0] <= INT4_MAX_ROWS:
             out = self.int4_matmul(rows)
@@ -101,14 +99,13 @@ class QuantizedLinear(nn.Module):
             out = self.dequantized_matmul(rows)
         return out.view(*x.shape[:-1], self.out_features)
 
-    def vnni_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
-        return self.vnni.linear(self.panels, rows.float(), bias).to(rows.dtype)
-
     def kernel_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        assert self.kernel is not None and self.packed is not None
+        """Through whichever of kvfleet's kernels this layer keeps its weights for: the int16 one's
+        panels, else the float32 one's packing."""
+        kernel, weights = (self.vnni, self.panels) if self.panels is not None else (self.kernel, self.packed)
+        assert kernel is not None and weights is not None
         bias = None if self.bias is None else self.bias.float()
-        return self.packed.linear(self.kernel, rows.float(), bias).to(rows.dtype)
+        return kernel.linear(weights, rows.float(), bias).to(rows.dtype)
 
     def int4_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.int4_weight is None:  # a benchmark comparing both kernels

@@ -48,7 +48,7 @@ def test_kernel_equals_the_float32_product(kind, rows, with_bias):
     assert packed is not None
     x = torch.randn(rows, 7 * 32, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(195) if with_bias else None
-    out = packed.linear(kernel, x, bias)
+    out = kernel.linear(packed, x, bias)
     assert out.dtype == torch.float32 and out.shape == (rows, 195)
     # Against a float64 product of the same weights: only float32 summation error remains.
     torch.testing.assert_close(out, reference(blocks, x, bias), rtol=1e-5, atol=1e-5)
@@ -91,7 +91,7 @@ def test_a_bfloat16_model_keeps_its_blocks_for_big_steps(rows):
 def test_kernel_takes_model_sized_rows_and_strided_inputs():
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 576, 1536)
     x = torch.randn(6, 3072)[:, ::2]  # not contiguous
-    out = PackedQ4.from_blocks(blocks).linear(kernel, x, None)
+    out = kernel.linear(PackedQ4.from_blocks(blocks), x, None)
     torch.testing.assert_close(out, reference(blocks, x, None), rtol=1e-5, atol=1e-5)
 
 
@@ -101,11 +101,11 @@ def test_threads_split_output_rows_without_changing_a_bit(monkeypatch):
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 301, 5 * 32)
     packed = PackedQ4.from_blocks(blocks)
     x = torch.randn(9, 5 * 32)
-    alone = packed.linear(kernel, x, None)
+    alone = kernel.linear(packed, x, None)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        together = packed.linear(kernel, x, None)
+        together = kernel.linear(packed, x, None)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(alone, together)

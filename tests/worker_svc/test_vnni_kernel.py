@@ -79,12 +79,12 @@ def test_kernel_computes_the_8_bit_heads_product(rows):
 @pytest.mark.parametrize("rows", [1, 13, 100])
 def test_the_head_sends_every_step_to_it_and_keeps_no_float32_copy(rows):
     blocks = random_q8(48, 3 * 32)
-    head = Q8Linear(blocks, torch.float32, None, kernel)
+    head = Q8Linear(blocks, torch.float32)
     assert head.panels is not None and head.dense is None
     x = torch.randn(rows, 3 * 32)
     torch.testing.assert_close(head(x).double(), quantized(x) @ blocks.dequantize().double().T, rtol=1e-5,
                                atol=1e-5)
-    assert Q8Linear(random_q8(40, 3 * 32), torch.float32, None, kernel).dense is not None  # 40 rows: no whole panels
+    assert Q8Linear(random_q8(40, 3 * 32), torch.float32).dense is not None  # 40 rows: no whole panels
 
 
 @needs_kernel
@@ -137,7 +137,7 @@ def test_quantized_linear_sends_every_step_to_it_and_keeps_nothing_else(rows, mo
     layer = QuantizedLinear(blocks, bias, scratch)
     assert layer.panels is not None and layer.packed is None and layer.blocks is None and layer.int4_weight is None
     assert scratch.buffer.numel() == 0  # no dequantized copy is ever made
-    for path in ("kernel_matmul", "int4_matmul", "dequantized_matmul"):
+    for path in ("int4_matmul", "dequantized_matmul"):
         monkeypatch.setattr(layer, path, lambda rows, path=path: pytest.fail(f"took {path}"))
     x = torch.randn(rows, 96)
     torch.testing.assert_close(layer(x).double(), quantized(x) @ dense(blocks).T + bias.double(), rtol=1e-5,

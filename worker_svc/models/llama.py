@@ -15,14 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc import vnni_kernel
 from worker_svc.attention.backend import AttentionBackend
 from worker_svc.decoder_ops import Ops, Rope, TorchOps
 from worker_svc.layers import Linear, RMSNorm, RotaryEmbedding
 from worker_svc.model_config import ModelConfig
 from worker_svc.q4_weights import Q4Blocks
 from worker_svc.q8_linear import Q8Linear
-from worker_svc.q8_linear import load_kernel as load_q8_kernel
 from worker_svc.q8_weights import Q8Blocks
 from worker_svc.quantized_linear import DequantScratch, QuantizedLinear
 from worker_svc.rank_group import RankGroup
@@ -229,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
             module_name = name.removesuffix(".weight")
             parent, _, child = module_name.rpartition(".")
             if isinstance(blocks, Q8Blocks):
-                layer = Q8Linear(blocks, dtype, load_q8_kernel(), vnni_kernel.load())
+                layer = Q8Linear(blocks, dtype)
             else:
                 layer = QuantizedLinear(blocks, fused.pop(f"{module_name}.bias", None), scratch)
             setattr(self.get_submodule(parent), child, layer)

@@ -58,3 +58,16 @@ def step_threads(device: torch.device, num_tokens: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def even_shares(costs: list[int], threads: int) -> list[int]:
+    """Bounds cutting `costs` into contiguous runs of about equal sum, one a thread: thread i
+    takes [bounds[i], bounds[i + 1]). Fewer runs where there are fewer items than threads."""
+    threads = max(1, min(threads, len(costs)))
+    total, bounds, done = sum(costs), [0], 0
+    for index, cost in enumerate(costs):
+        done += cost
+        if len(bounds) < threads and done * threads >= total * len(bounds):
+            bounds.append(index + 1)
+    bounds.append(len(costs))
+    return bounds

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker_svc.threads import SINGLE_THREAD_MAX_TOKENS, step_threads
+from worker_svc.threads import SINGLE_THREAD_MAX_TOKENS, even_shares, step_threads
 
 CPU = torch.device("cpu")
 
@@ -39,3 +39,12 @@ def test_bigger_steps_other_devices_and_spinning_threads_keep_the_count(two_thre
     assert threads_during(torch.device("meta"), 1) == 2
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert threads_during(CPU, 1) == 2
+
+
+def test_even_shares_cut_contiguous_runs_of_about_equal_cost() -> None:
+    assert even_shares([1] * 10, 2) == [0, 5, 10]
+    assert even_shares([9, 1, 1, 1, 1, 1, 1, 1, 1, 1], 2) == [0, 1, 10]  # a heavy first item is a share alone
+    assert even_shares([3, 3, 3], 3) == [0, 1, 2, 3]
+    assert even_shares([5, 5], 4) == [0, 1, 2]  # no more shares than items
+    assert even_shares([7], 2) == [0, 1]
+    assert even_shares([], 2) == [0, 0]

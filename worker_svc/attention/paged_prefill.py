@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
+from worker_svc.threads import even_shares
 
 SOURCE = Path(__file__).parents[1] / "csrc" / "paged_prefill.cpp"
 TILE_ROWS = 24  # rows (query token x query head) of a tile: kRows in the kernel
@@ -61,14 +62,8 @@ class PrefillBatch:
                     last_token = (min(first_row + TILE_ROWS, rows) - 1) // group
                     tiles.append((index, kv_head, first_row))
                     costs.append(chunk.context - chunk.num_tokens + last_token + 1)  # keys it reads
-        # Contiguous shares of about equal keys (a tile's neighbours share its chunk's keys in cache).
-        threads = min(torch.get_num_threads(), len(tiles))
-        total, bounds, done = sum(costs), [0], 0
-        for index, cost in enumerate(costs):
-            done += cost
-            if done * threads >= total * len(bounds) and len(bounds) < threads:
-                bounds.append(index + 1)
-        bounds.append(len(tiles))
+        # Contiguous shares (a tile's neighbours read its chunk's keys too, from cache).
+        bounds = even_shares(costs, torch.get_num_threads())
         return torch.tensor(tiles, dtype=torch.int64), torch.tensor(bounds, dtype=torch.int64)
 
 

@@ -19,8 +19,8 @@
 //   block_tables [num_seqs_in_table, table_stride] (int64)
 //   rows, seqs, seq_lens: per decode i, its row in query/out, its row in block_tables, and
 //   its context length (keys, this step's included).
-// head_dim is a multiple of 8. Work is split by decodes in [first, last), so callers can
-// run disjoint ranges on several threads.
+//   bounds [threads + 1]: thread i computes decodes [bounds[i], bounds[i + 1]).
+// head_dim is a multiple of 8.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -269,9 +269,11 @@ extern "C" void paged_decode_attention(const float* query, float* out, const flo
                                        const float* value_cache, const int64_t* block_tables, int64_t table_stride,
                                        int64_t query_stride, const int64_t* rows, const int64_t* seqs,
                                        const int64_t* seq_lens, int64_t num_heads, int64_t num_kv_heads,
-                                       int64_t head_dim, int64_t block_size, float scale, int64_t first,
-                                       int64_t last) {
+                                       int64_t head_dim, int64_t block_size, float scale, const int64_t* bounds,
+                                       int64_t threads) {
   auto attend_with = head_dim == 64 ? attend<64> : head_dim == 128 ? attend<128> : attend<0>;
-  attend_with(query, out, key_cache, value_cache, block_tables, table_stride, query_stride, rows, seqs, seq_lens,
-              num_heads, num_kv_heads, head_dim, block_size, scale, first, last);
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int64_t i = 0; i < threads; ++i)
+    attend_with(query, out, key_cache, value_cache, block_tables, table_stride, query_stride, rows, seqs, seq_lens,
+                num_heads, num_kv_heads, head_dim, block_size, scale, bounds[i], bounds[i + 1]);
 }

@@ -4,13 +4,13 @@ CPU torch, with the C++ paged decode and prefill attention and decoder ops where
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from services.config import EngineConfig
-from worker_svc.attention import paged_prefill
+from worker_svc.attention import paged_decode, paged_prefill
 from worker_svc.attention.backend import AttentionBackend
-from worker_svc.attention.paged_decode import PagedDecodeKernel, decode_kernel_enabled, load_kernel
 from worker_svc.attention.torch_backend import TorchAttentionBackend
 from worker_svc.attention.triton_backend import TritonAttentionBackend
 from worker_svc.batch import InputBatch
@@ -49,11 +49,17 @@ def attention_backend(config: EngineConfig, device: torch.device, local: ModelCo
     """`local`: the heads this rank computes."""
     if uses_triton(config, device):
         return TritonAttentionBackend()
-    use_kernel = PagedDecodeKernel.supports(dtype, device, local.head_dim) and decode_kernel_enabled()
-    use_prefill_kernel = (paged_prefill.PagedPrefillKernel.supports(dtype, device, local.head_dim)
-                          and paged_prefill.prefill_kernel_enabled())
-    return TorchAttentionBackend(load_kernel() if use_kernel else None, _cpu_decoder_kernel(device, dtype),
-                                 paged_prefill.load_kernel() if use_prefill_kernel else None)
+    decode = paged_decode.PagedDecodeKernel.supports(dtype, device, local.head_dim) and _enabled("DECODE")
+    prefill = paged_prefill.PagedPrefillKernel.supports(dtype, device, local.head_dim) and _enabled("PREFILL")
+    return TorchAttentionBackend(paged_decode.load_kernel() if decode else None, _cpu_decoder_kernel(device, dtype),
+                                 paged_prefill.load_kernel() if prefill else None)
+
+
+def _enabled(attention: str) -> bool:
+    """KVFLEET_DECODE_KERNEL=0 or KVFLEET_PREFILL_KERNEL=0 keeps that attention on torch's SDPA
+    (to compare, or to rule a kernel out)."""
+    return os.environ.get(f"KVFLEET_{attention}_KERNEL", "1") != "0"
+
 
 
 def decode_graphs(config: EngineConfig, device: torch.device, group: RankGroup, model: LlamaForCausalLM,

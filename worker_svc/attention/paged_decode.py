@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from worker_svc.attention import paged_kernel
 from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
 from worker_svc.threads import even_shares
 
 SOURCE = Path(__file__).parents[1] / "csrc" / "paged_decode.cpp"
 
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 @dataclass
@@ -37,9 +36,7 @@ class DecodeBatch:
 
 class PagedDecodeKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._function = library.paged_decode_attention
-        self._function.restype = None
-        self._function.argtypes = [_ptr] * 5 + [_i64, _i64] + [_ptr] * 3 + [_i64] * 4 + [ctypes.c_float, _ptr, _i64]
+        self._function = paged_kernel.bind(library.paged_decode_attention, work_arrays=3)
 
     @staticmethod
     def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
@@ -56,20 +53,8 @@ class PagedDecodeKernel:
                  scale: float) -> None:
         """Writes attention of every decode row of `query` [T, H, D] (rows at any stride: a view
         of the fused QKV projection) into the same rows of `out`."""
-        num_heads, head_dim = query.shape[1], query.shape[2]
-        num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-        assert query.stride()[1:] == (head_dim, 1) and out.is_contiguous() and kv_cache.is_contiguous()
-        self._function(
-            query.data_ptr(), out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-            batch.block_tables.data_ptr(), batch.block_tables.shape[1], query.stride(0), batch.rows.data_ptr(),
-            batch.seqs.data_ptr(), batch.seq_lens.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, scale,
-            batch.bounds.data_ptr(), len(batch.bounds) - 1,
-        )
-
-
-def decode_kernel_enabled() -> bool:
-    """KVFLEET_DECODE_KERNEL=0 keeps decodes on the torch path (to compare, or to rule the kernel out)."""
-    return os.environ.get("KVFLEET_DECODE_KERNEL", "1") != "0"
+        paged_kernel.call(self._function, query, out, kv_cache, batch.block_tables,
+                          (batch.rows, batch.seqs, batch.seq_lens), batch.bounds, scale)
 
 
 @functools.cache

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from worker_svc.attention import paged_kernel
 from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
 from worker_svc.threads import even_shares
 
 SOURCE = Path(__file__).parents[1] / "csrc" / "paged_prefill.cpp"
 TILE_ROWS = 24  # rows (query token x query head) of a tile: kRows in the kernel
 
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 @dataclass
@@ -69,9 +68,7 @@ class PrefillBatch:
 
 class PagedPrefillKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._function = library.paged_prefill_attention
-        self._function.restype = None
-        self._function.argtypes = [_ptr] * 5 + [_i64, _i64, _ptr, _ptr, _ptr] + [_i64] * 5 + [ctypes.c_float]
+        self._function = paged_kernel.bind(library.paged_prefill_attention, work_arrays=2)
 
     @staticmethod
     def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
@@ -86,21 +83,9 @@ class PagedPrefillKernel:
                  scale: float) -> None:
         """Writes attention of every chunk row of `query` [T, H, D] (rows at any stride: a view
         of the fused QKV projection) into the same rows of `out`."""
-        num_heads, head_dim = query.shape[1], query.shape[2]
-        num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-        assert query.stride()[1:] == (head_dim, 1) and out.is_contiguous() and kv_cache.is_contiguous()
-        tiles, bounds = batch.tiles(num_heads, num_kv_heads)
-        self._function(
-            query.data_ptr(), out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-            batch.block_tables.data_ptr(), batch.block_tables.shape[1], query.stride(0), batch.chunk_table.data_ptr(),
-            tiles.data_ptr(), bounds.data_ptr(), len(bounds) - 1, num_heads, num_kv_heads,
-            head_dim, block_size, scale,
-        )
-
-
-def prefill_kernel_enabled() -> bool:
-    """KVFLEET_PREFILL_KERNEL=0 keeps prompt chunks on SDPA (to compare, or to rule the kernel out)."""
-    return os.environ.get("KVFLEET_PREFILL_KERNEL", "1") != "0"
+        tiles, bounds = batch.tiles(query.shape[1], kv_cache.shape[3])
+        paged_kernel.call(self._function, query, out, kv_cache, batch.block_tables, (batch.chunk_table, tiles),
+                          bounds, scale)
 
 
 @functools.cache

@@ -203,8 +203,8 @@ void attend(const float* query, float* out, const float* key_cache, const float*
 extern "C" void paged_prefill_attention(const float* query, float* out, const float* key_cache,
                                         const float* value_cache, const int64_t* block_tables, int64_t table_stride,
                                         int64_t query_stride, const int64_t* chunks, const int64_t* tiles,
-                                        const int64_t* bounds, int64_t threads, int64_t num_heads,
-                                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+                                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                        float scale, const int64_t* bounds, int64_t threads) {
   auto attend_with = head_dim == 64 ? attend<64> : head_dim == 128 ? attend<128> : attend<0>;
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
   for (int64_t i = 0; i < threads; ++i)

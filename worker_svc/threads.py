@@ -40,9 +40,15 @@ def configure_torch_threads(ranks_sharing_cores: int = 1) -> int:
 
 # Under OMP_WAIT_POLICY=PASSIVE each of a step's ~130 parallel regions (matmuls, attention)
 # wakes the sleeping threads, at 0.1-0.2 ms a time. Steps of up to this many tokens ran
-# faster on one thread (dense decode, idle machine: 72 vs 96 ms at 1 row, 86 vs 124 at 4,
-# 152 vs 154 at 16; two threads won at 32, 199 vs 239).
-SINGLE_THREAD_MAX_TOKENS = 16
+# faster on one thread. Decode steps of SmolLM2, 2 cores, alternated, ms on one thread
+# against two:
+#   rows                                   4            8           12           16
+#   4-bit, 56-token contexts       11.3 / 12.1  15.5 / 15.9  19.6 / 19.6  24.7 / 23.8
+#   float32, 56-token contexts     23.6 / 26.3  31.2 / 34.2  36.6 / 33.3  45.3 / 40.8
+#   4-bit, 400-token contexts      13.9 / 14.0  21.8 / 20.4      -        36.4 / 30.5
+#   float32, 400-token contexts    26.8 / 28.4  37.0 / 35.3      -        52.2 / 42.1
+# (Before the paged attention kernels and the 4-bit path, dense decode broke even at 16.)
+SINGLE_THREAD_MAX_TOKENS = 8
 
 
 @contextmanager

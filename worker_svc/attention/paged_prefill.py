@@ -25,7 +25,6 @@ SOURCE = Path(__file__).parents[1] / "csrc" / "paged_prefill.cpp"
 TILE_ROWS = 24  # rows (query token x query head) of a tile: kRows in the kernel
 
 
-
 @dataclass
 class PrefillChunk:
     """A run of query tokens of one sequence in the step's flattened batch."""

@@ -80,6 +80,18 @@ def _gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_lens: list
     return ContextGather(block_tables[:, :num_blocks].reshape(-1), len(query_lens), num_slots, mask[:, None])
 
 
+def _prefill_spans(layout: BatchLayout, query_lens: list[int], seq_lens: list[int], starts: list[int]) -> list[PrefillSpan]:
+    spans = []
+    for i, n in enumerate(query_lens):
+        if n == 1:
+            continue
+        context = None
+        if seq_lens[i] != n:
+            context = _gather(layout.block_tables[i : i + 1], layout.seq_lens[i : i + 1], [n], layout.block_size)
+        spans.append(PrefillSpan(starts[i], starts[i + 1], context))
+    return spans
+
+
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, decode_kernel: PagedDecodeKernel | None = None,
                  cache_writer: DecoderKernel | None = None, prefill_kernel: PagedPrefillKernel | None = None) -> None:
@@ -101,14 +113,7 @@ class TorchAttentionBackend(AttentionBackend):
             chunks = [PrefillChunk(starts[i], n, seq_lens[i], i) for i, n in enumerate(query_lens) if n > 1]
             prefill_batch = self.prefill_kernel.batch(chunks, layout.block_tables) if chunks else None
         else:
-            for i, n in enumerate(query_lens):
-                if n == 1:
-                    continue
-                context = None
-                if seq_lens[i] != n:
-                    context = _gather(layout.block_tables[i : i + 1], layout.seq_lens[i : i + 1], [n],
-                                      layout.block_size)
-                prefills.append(PrefillSpan(starts[i], starts[i + 1], context))
+            prefills = _prefill_spans(layout, query_lens, seq_lens, starts)
         if self.decode_kernel is not None:
             decodes = [i for i, n in enumerate(query_lens) if n == 1]
             batch = self.decode_kernel.batch(

@@ -61,7 +61,6 @@ def _enabled(attention: str) -> bool:
     return os.environ.get(f"KVFLEET_{attention}_KERNEL", "1") != "0"
 
 
-
 def decode_graphs(config: EngineConfig, device: torch.device, group: RankGroup, model: LlamaForCausalLM,
                   backend: AttentionBackend, kv_caches: list[torch.Tensor], batch: InputBatch) -> DecodeGraphs | None:
     """CUDA graphs for decode steps, on a GPU running the Triton kernels, unless --enforce-eager."""

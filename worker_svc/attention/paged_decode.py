@@ -2,9 +2,8 @@
 
 Built once per machine (worker_svc/native.py; AVX2 and FMA) and called through ctypes,
 with its OpenMP threads each running a share of the decodes that reads about the same
-number of keys. Without a compiler or AVX2 (or
-with KVFLEET_DECODE_KERNEL=0) the torch backend keeps its gather-then-SDPA path, so
-this is an accelerator, never a requirement.
+number of keys. Without a compiler or AVX2 (or with KVFLEET_DECODE_KERNEL=0) the torch
+backend keeps its gather-then-SDPA path, so this is an accelerator, never a requirement.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
 from worker_svc.threads import even_shares
 
 SOURCE = Path(__file__).parents[1] / "csrc" / "paged_decode.cpp"
-
 
 
 @dataclass

@@ -236,9 +236,7 @@ void attend(const float* query, float* out, const float* key_cache, const float*
         __m256 total = _mm256_setzero_ps();
         for (int64_t j0 = 0; j0 < n; j0 += 8) {
           const __m256 s = _mm256_loadu_ps(head_scores + j0);
-          // Keys past the chunk's end scored -inf: their weight is exactly 0, not exp's floor.
-          const __m256 e = _mm256_and_ps(simd::exp(_mm256_sub_ps(s, m)),
-                                         _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ));
+          const __m256 e = simd::masked_weight(s, m);  // keys past the chunk's end scored -inf
           _mm256_storeu_ps(head_scores + j0, e);
           total = _mm256_add_ps(total, e);
         }

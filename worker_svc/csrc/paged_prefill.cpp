@@ -55,21 +55,21 @@ struct Tile {
 };
 
 // acc[k][v] = sum_d key_k[d] * query[d][v-th vector]
-template <int64_t kHeadDim, int kNumKeys>
+template <int64_t kHeadDim>
 inline void score_keys(const float* const keys[kKeys], const float* query, int64_t any_head_dim, __m256 acc[][kVectors]) {
   const int64_t head_dim = kHeadDim ? kHeadDim : any_head_dim;
-  __m256 sums[kNumKeys][kVectors];  // local, so they stay in registers: acc's stores would be reloaded
-  for (int k = 0; k < kNumKeys; ++k)
+  __m256 sums[kKeys][kVectors];  // local, so they stay in registers: acc's stores would be reloaded
+  for (int k = 0; k < kKeys; ++k)
     for (int v = 0; v < kVectors; ++v) sums[k][v] = _mm256_setzero_ps();
   for (int64_t d = 0; d < head_dim; ++d) {
     __m256 q[kVectors];
     for (int v = 0; v < kVectors; ++v) q[v] = _mm256_loadu_ps(query + d * kRows + v * kLanes);
-    for (int k = 0; k < kNumKeys; ++k) {
+    for (int k = 0; k < kKeys; ++k) {
       const __m256 key = _mm256_broadcast_ss(keys[k] + d);
       for (int v = 0; v < kVectors; ++v) sums[k][v] = _mm256_fmadd_ps(key, q[v], sums[k][v]);
     }
   }
-  for (int k = 0; k < kNumKeys; ++k)
+  for (int k = 0; k < kKeys; ++k)
     for (int v = 0; v < kVectors; ++v) acc[k][v] = sums[k][v];
 }
 
@@ -99,13 +99,9 @@ void attend_block(Tile& tile, const float* const keys[kBlock], const float* cons
   for (int64_t j = 0; j < n; j += kKeys) {
     __m256 acc[kKeys][kVectors];
     const int64_t here = std::min<int64_t>(kKeys, n - j);
-    if (here == kKeys) {
-      score_keys<kHeadDim, kKeys>(keys + j, tile.query.data(), head_dim, acc);
-    } else {
-      const float* padded[kKeys] = {keys[j], keys[j], keys[j], keys[j]};
-      for (int64_t k = 0; k < here; ++k) padded[k] = keys[j + k];
-      score_keys<kHeadDim, kKeys>(padded, tile.query.data(), head_dim, acc);
-    }
+    const float* scored[kKeys];  // past the block's end, its last key again: those scores are not kept
+    for (int64_t k = 0; k < kKeys; ++k) scored[k] = keys[j + std::min(k, here - 1)];
+    score_keys<kHeadDim>(scored, tile.query.data(), head_dim, acc);
     for (int64_t k = 0; k < here; ++k) {
       // A row sees key first + j + k when its position is at least that.
       const __m256 key_position = _mm256_set1_ps(static_cast<float>(first + j + k));
@@ -127,9 +123,7 @@ void attend_block(Tile& tile, const float* const keys[kBlock], const float* cons
     for (int64_t j = 0; j < n; ++j) {
       float* w = &tile.weights[j * kRows + v * kLanes];
       const __m256 s = _mm256_loadu_ps(w);
-      // Masked keys weigh exactly 0, not exp's floor.
-      const __m256 e = _mm256_and_ps(simd::exp(_mm256_sub_ps(s, new_max)),
-                                     _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ));
+      const __m256 e = simd::masked_weight(s, new_max);
       _mm256_storeu_ps(w, e);
       total = _mm256_add_ps(total, e);
     }

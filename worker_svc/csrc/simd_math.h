@@ -3,6 +3,8 @@
 
 #include <immintrin.h>
 
+#include <cmath>
+
 namespace simd {
 
 inline float horizontal_sum(__m256 v) {
@@ -43,6 +45,11 @@ inline __m256 exp(__m256 x) {
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
   const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
+// A softmax weight e^(s - max), exactly 0 for a masked score (s = -inf) rather than exp's floor.
+inline __m256 masked_weight(__m256 s, __m256 max) {
+  return _mm256_and_ps(exp(_mm256_sub_ps(s, max)), _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ));
 }
 
 }  // namespace simd

@@ -20,6 +20,7 @@ DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "
           "float32": "float32"}
 # GGUF files are quantized (Q4_1, Q8_0, ...) and read as such; other formats are not implemented.
 QUANTIZATIONS = ("gguf", "none")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")  # vLLM's names; auto: the model's dtype
 GENERATION_CONFIGS = ("auto", "vllm")  # or a directory holding generation_config.json
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -45,7 +46,7 @@ class EngineConfig:
     device: str = "auto"
     # gguf (a GGUF file's default, as in vLLM): its 4- and 8-bit weights run as stored on CPU; none: dequantized
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # the model's dtype; or bfloat16/float16: half a float32 model's KV bytes
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -103,8 +104,9 @@ class EngineConfig:
             if not self.cuda_graph_sizes or self.cuda_graph_sizes[0] < 1:
                 raise ConfigError(f"--cuda-graph-sizes {' '.join(map(str, self.cuda_graph_sizes))}: give positive "
                                   "batch sizes")
-        if self.kv_cache_dtype != "auto":
-            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: only auto (the model's dtype) is supported")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: choose one of {', '.join(KV_CACHE_DTYPES)} "
+                              "(fp8 caches are not supported)")
 
     def graph_sizes(self) -> tuple[int, ...]:
         """The decode batch sizes to capture as CUDA graphs (none with --enforce-eager)."""

@@ -1,5 +1,6 @@
 """The float32 elementwise kernels of csrc/decoder_ops.cpp for a CPU decoder: residual add
-with RMSNorm, rotary embedding, SiLU-and-multiply, and the paged KV cache write.
+with RMSNorm, rotary embedding, SiLU-and-multiply, and the paged KV cache write (to a
+float32, bfloat16 or float16 cache).
 
 Built once per machine (worker_svc/native.py) and called through ctypes. Without a
 compiler or AVX2/FMA, `load()` is None with a logged warning and the decoder keeps torch's
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from worker_svc.kv_cache import CACHE_DTYPES
 from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
 from worker_svc.threads import idle_threads_sleep
 
@@ -28,8 +30,10 @@ class DecoderKernel:
         self._add_rms_norm = _bind(library.add_rms_norm, [_ptr] * 5 + [_i64, _i64, _f32, _int])
         self._silu_and_mul = _bind(library.silu_and_mul, [_ptr, _ptr, _i64, _i64, _int])
         self._rotary = _bind(library.rotary, [_ptr] * 5 + [_i64] * 6 + [_int])
-        self._write_kv = _bind(library.write_kv, [_ptr] * 5 + [_i64] * 5)
-        self._write_kv.restype = _i64
+        self._write_kv = {dtype: _bind(getattr(library, f"write_kv_{name}"), [_ptr] * 5 + [_i64] * 5)
+                          for dtype, name in CACHE_DTYPES.items()}
+        for function in self._write_kv.values():
+            function.restype = _i64
         self.parallel_min_elements = PARALLEL_MIN_ELEMENTS if idle_threads_sleep() else 0
 
     def _threads(self, elements: int) -> int:
@@ -67,15 +71,16 @@ class DecoderKernel:
                      self._threads(query.numel() + key.numel()))
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-        """key and value [T, KH, D] (views with any token stride) to `slots` [T] of kv_cache [2, ...]."""
+        """key and value [T, KH, D] float32 (views with any token stride) to `slots` [T] of
+        kv_cache [2, ...], converted to its dtype (one of CACHE_DTYPES)."""
         tokens, heads, dim = key.shape
         assert key.stride()[1:] == (dim, 1) and value.stride()[1:] == (dim, 1) and kv_cache.is_contiguous()
         assert slots.dtype == torch.int64
         slots = slots.contiguous()
         width = heads * dim
-        outside = self._write_kv(key.data_ptr(), value.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-                                 slots.data_ptr(), tokens, width, key.stride(0), value.stride(0),
-                                 kv_cache[0].numel() // width)
+        outside = self._write_kv[kv_cache.dtype](
+            key.data_ptr(), value.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slots.data_ptr(), tokens,
+            width, key.stride(0), value.stride(0), kv_cache[0].numel() // width)
         if outside:
             raise IndexError(f"{outside} of {tokens} KV slots are outside the cache")
 

@@ -1,5 +1,5 @@
-"""Where and in what precision a worker computes: EngineConfig's device and dtype as torch
-objects, refused with a ConfigError when this torch cannot use them, and whether a GGUF
+"""Where and in what precision a worker computes: EngineConfig's device, dtype and KV cache
+dtype as torch objects, refused with a ConfigError when this torch cannot use them, and whether a GGUF
 file's 4-bit weights run as stored."""
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ def torch_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
                        "and float32 keeps the outputs equal to transformers')")
         return torch.float32
     return getattr(torch, config.dtype)
+
+
+def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's (--kv-cache-dtype auto) or the 16 bits asked for."""
+    return model_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
 
 
 def runs_q4_as_stored(config: EngineConfig, device: torch.device, model: ModelConfig) -> bool:

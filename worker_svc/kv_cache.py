@@ -8,6 +8,9 @@ import torch
 
 from worker_svc.model_config import ModelConfig
 
+# The element types a cache may have, with the name the C++ kernels' entry points end in.
+CACHE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
 
 class KVCacheTooSmall(ValueError):
     pass

@@ -20,7 +20,7 @@ def size_kv_cache(worker: Worker) -> int:
     """Blocks that fit the memory budget once a full step's activations are accounted for
     (on CPU the budget is each rank's). `worker` has its model and batch, no KV cache yet."""
     config, device = worker.config, worker.device
-    block_bytes = bytes_per_block(worker.local_config, worker.block_size, worker.dtype)
+    block_bytes = bytes_per_block(worker.local_config, worker.block_size, worker.kv_dtype)
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
     elif device.type == "cuda":
@@ -33,7 +33,7 @@ def size_kv_cache(worker: Worker) -> int:
     else:
         # On CPU the KV budget is given outright, as vLLM's VLLM_CPU_KVCACHE_SPACE, and
         # activations come from the host heap: there is nothing for a profile to size.
-        num_blocks = num_blocks_for_budget(worker.local_config, worker.block_size, worker.dtype, config.kv_cache_memory)
+        num_blocks = num_blocks_for_budget(worker.local_config, worker.block_size, worker.kv_dtype, config.kv_cache_memory)
     check_fits_one_request(num_blocks, worker.block_size, worker.max_model_len, block_bytes)
     return num_blocks
 
@@ -47,7 +47,7 @@ def profile_run(worker: Worker) -> None:
     lengths = [max_model_len] * (total // max_model_len) + [total % max_model_len]
     lengths = [n for n in lengths if n]
     blocks_per_seq = [-(-n // block_size) for n in lengths]
-    scratch = allocate_kv_cache(worker.local_config, sum(blocks_per_seq), block_size, worker.dtype, worker.device)
+    scratch = allocate_kv_cache(worker.local_config, sum(blocks_per_seq), block_size, worker.kv_dtype, worker.device)
     plan = StepPlan(step_id=-1)
     requests: dict[str, RequestState] = {}
     first_block = 0

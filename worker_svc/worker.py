@@ -16,7 +16,7 @@ from services.messages import StepPlan, StepResult, WorkerDescription
 from services.structured_outputs import StructuredOutputsParams
 from worker_svc import kernels
 from worker_svc.batch import InputBatch, RequestState
-from worker_svc.device import runs_q4_as_stored, torch_device, torch_dtype
+from worker_svc.device import kv_cache_dtype, runs_q4_as_stored, torch_device, torch_dtype
 from worker_svc.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
 from worker_svc.kv_sizing import size_kv_cache
 from worker_svc.models.llama import LlamaForCausalLM
@@ -53,6 +53,7 @@ class Worker:
         self.max_model_len = checked.max_model_len
         self.device = torch_device(config, group.shard.rank)
         self.dtype = torch_dtype(config, self.device)
+        self.kv_dtype = kv_cache_dtype(config, self.dtype)
         torch.manual_seed(config.seed)  # what requests without a seed of their own draw from, as in vLLM
         started = time.perf_counter()
         self.runs_q4 = runs_q4_as_stored(config, self.device, checked.config)
@@ -76,12 +77,13 @@ class Worker:
         self.last_step_at = time.monotonic()  # when a step last began or ended
         # Block ids are the group's: every rank holds the same number, its own heads' and layers' share of each.
         self.num_blocks = group.minimum(size_kv_cache(self))
-        self.kv_caches = allocate_kv_cache(self.local_config, self.num_blocks, self.block_size, self.dtype, self.device)
-        block_bytes = bytes_per_block(self.local_config, self.block_size, self.dtype)
+        self.kv_caches = allocate_kv_cache(self.local_config, self.num_blocks, self.block_size, self.kv_dtype, self.device)
+        block_bytes = bytes_per_block(self.local_config, self.block_size, self.kv_dtype)
         swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
         self.num_host_blocks = group.minimum(swap_blocks)
         self.host_kv_caches = (
-            allocate_kv_cache(self.local_config, self.num_host_blocks, self.block_size, self.dtype, torch.device("cpu"))
+            allocate_kv_cache(self.local_config, self.num_host_blocks, self.block_size, self.kv_dtype,
+                              torch.device("cpu"))
             if self.num_host_blocks
             else []
         )
@@ -104,7 +106,7 @@ class Worker:
         else:
             stored = f"{model.quantization} dequantized to {dtype}" if model.quantization else dtype
         kv_tokens = self.num_blocks * self.block_size
-        kv_bytes = self.num_blocks * bytes_per_block(self.local_config, self.block_size, self.dtype)
+        kv_bytes = self.num_blocks * bytes_per_block(self.local_config, self.block_size, self.kv_dtype)
         shard, local = self.group.shard, self.local_config
         rank = [f"rank {shard.rank} of {shard.tp_size} TP x {shard.pp_size} PP: {local.num_hidden_layers} layers, "
                 f"{local.num_attention_heads} heads, {local.num_key_value_heads} KV heads"] if self.group.distributed else []
@@ -113,8 +115,8 @@ class Worker:
             *rank,
             f"weights: {stored} on {self.device}, {self.weights_bytes / 1e9:.2f} GB, loaded in {self.load_seconds:.1f} s",
             f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = {kv_tokens} tokens "
-            f"({kv_bytes / 2**30:.2f} GiB); maximum concurrency at max_model_len {self.max_model_len}: "
-            f"{kv_tokens / self.max_model_len:.1f}x",
+            f"({kv_bytes / 2**30:.2f} GiB of {str(self.kv_dtype).removeprefix('torch.')}); maximum concurrency at "
+            f"max_model_len {self.max_model_len}: {kv_tokens / self.max_model_len:.1f}x",
         ]
 
     @property

@@ -87,7 +87,8 @@ REFUSED = {
     "dtype": (["--dtype", "int8"], "--dtype int8: choose one of auto, half, float16, bfloat16, float, float32"),
     "block-size": (["--block-size", "7"], "--block-size 7: choose one of 8, 16, 32, 64, 128"),
     "quantization": (["--quantization", "awq"], "--quantization awq: kvfleet cannot run these weights yet"),
-    "kv-cache-dtype": (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
+    "kv-cache-dtype": (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: choose one of auto, bfloat16, float16 "
+                       "(fp8 caches are not supported)"),
     "max-model-len": (["--max-model-len", "20000"], "--max-model-len 20000: SmolLM2-135M-Instruct.Q4_1 has 8192 "
                       "positions; use at most 8192, or set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"),
     "device-name": (["--device", "tpu"], "--device tpu: choose auto, cpu or cuda"),

@@ -57,18 +57,25 @@ def test_rotary_matches_torch_on_views_of_a_fused_projection(num_tokens: int, he
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
 
 
-def test_write_kv_copies_rows_to_their_slots_and_refuses_slots_outside_the_cache() -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 20])  # rows of whole vectors, and rows that end mid vector
+def test_write_kv_copies_rows_to_their_slots_and_refuses_slots_outside_the_cache(cache_dtype: torch.dtype,
+                                                                                 head_dim: int) -> None:
+    """16-bit caches get torch's own rounding, to the bit: halfway cases, values past
+    float16's range and NaN included."""
     torch.manual_seed(0)
-    kv_heads, head_dim, num_blocks, block_size = 3, 64, 4, 16
+    kv_heads, num_blocks, block_size = 3, 4, 16
     kv = torch.randn(5, (2 + 2 * kv_heads) * head_dim)  # [q | k | v] rows, as the projection gives them
+    # bfloat16 halfway cases (ties to even, both ways), float16's overflow, and a NaN.
+    kv[:, -8:] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 7e4, -7e4, float("nan"), 1e-8, 3.0])
     _, k, v = kv.split([2 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     k, v = k.view(5, kv_heads, head_dim), v.view(5, kv_heads, head_dim)
     slots = torch.tensor([63, 0, 17, 18, 40])
-    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim)
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=cache_dtype)
     expected = cache.clone()
-    expected[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
-    expected[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    expected[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, k.to(cache_dtype))
+    expected[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v.to(cache_dtype))
     kernel.write_kv(k, v, cache, slots)
-    assert torch.equal(cache, expected)
+    torch.testing.assert_close(cache, expected, rtol=0, atol=0, equal_nan=True)  # NaN's payload aside
     with pytest.raises(IndexError, match="1 of 2 KV slots are outside the cache"):
         kernel.write_kv(k[:2], v[:2], cache, torch.tensor([3, num_blocks * block_size]))

@@ -2,7 +2,7 @@
 on random caches with scattered block tables: decodes of many lengths (block edges,
 one key, longer than a score chunk), GQA groups of several sizes (up to 32 query heads a
 kv head), token rows that end mid cache line, mixed with prompt
-chunks in one batch, split across threads."""
+chunks in one batch, split across threads; over float32 and 16-bit caches."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +19,8 @@ pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler or no AV
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim",
                          [(9, 3, 64), (4, 4, 32), (8, 1, 128), (10, 2, 80), (4, 2, 320), (32, 1, 64), (4, 1, 24)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_equals_the_gather_path(num_heads: int, num_kv_heads: int, head_dim: int, threads: int) -> None:
+def test_kernel_equals_the_gather_path(num_heads: int, num_kv_heads: int, head_dim: int, threads: int,
+                                       cache_dtype: torch.dtype = torch.float32) -> None:
     torch.manual_seed(0)
     block_size = 16
     # Decodes of 1, 16, 17, 64, 65 and 300 keys, and a prompt chunk with earlier context between them.
@@ -30,7 +31,7 @@ def test_kernel_equals_the_gather_path(num_heads: int, num_kv_heads: int, head_d
     num_tokens = sum(query_lens)
     query = torch.randn(num_tokens, num_heads, head_dim)
     key, value = torch.randn(num_tokens, num_kv_heads, head_dim), torch.randn(num_tokens, num_kv_heads, head_dim)
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -41,3 +42,11 @@ def test_kernel_equals_the_gather_path(num_heads: int, num_kv_heads: int, head_d
     finally:
         torch.set_num_threads(previous)
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (10, 2, 80), (4, 1, 24)])
+def test_16_bit_caches(num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype) -> None:
+    """--kv-cache-dtype bfloat16/float16: the kernel reads 16-bit rows (half the bytes) and
+    attends over the same values the gather path widens to float32."""
+    test_kernel_equals_the_gather_path(num_heads, num_kv_heads, head_dim, 2, cache_dtype)

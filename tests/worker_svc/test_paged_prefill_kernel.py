@@ -2,7 +2,8 @@
 copy and a mask for chunks with cached context), on random caches with scattered block
 tables: whole prompts and chunks continuing cached context, of lengths either side of a
 tile (24 rows) and of a key block (64 keys), GQA groups that do not divide a tile or
-outgrow it, head sizes from 24 to 320, decodes in the same batch, split across threads."""
+outgrow it, head sizes from 24 to 320, decodes in the same batch, split across threads;
+over float32 and 16-bit caches."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler or no AV
 
 
 def attend(backend: TorchAttentionBackend, query_lens: list[int], seq_lens: list[int], num_heads: int,
-           num_kv_heads: int, head_dim: int, threads: int) -> torch.Tensor:
+           num_kv_heads: int, head_dim: int, threads: int, cache_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     torch.manual_seed(0)
     block_size, num_blocks = 16, 400
     layout = random_layout(query_lens, seq_lens, block_size, num_blocks)
@@ -25,7 +26,7 @@ def attend(backend: TorchAttentionBackend, query_lens: list[int], seq_lens: list
     # The query a view of a wider row, as the fused QKV projection hands it over.
     query = torch.randn(num_tokens, num_heads + 1, head_dim)[:, :num_heads]
     key, value = torch.randn(num_tokens, num_kv_heads, head_dim), torch.randn(num_tokens, num_kv_heads, head_dim)
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -43,6 +44,17 @@ def test_kernel_equals_the_sdpa_path(num_heads: int, num_kv_heads: int, head_dim
     query_lens = [2, 8, 3, 1, 23, 25, 20, 130, 1, 70]
     seq_lens = [2, 8, 4, 40, 23, 25, 84, 130, 65, 270]
     outputs = [attend(backend, query_lens, seq_lens, num_heads, num_kv_heads, head_dim, threads)
+               for backend in (TorchAttentionBackend(), TorchAttentionBackend(prefill_kernel=kernel))]
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (10, 2, 80), (14, 2, 24)])
+def test_16_bit_caches(num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype) -> None:
+    """--kv-cache-dtype bfloat16/float16: blocks widened to float32 as the tile reads them,
+    against SDPA over the values the cache holds (a whole prompt's own keys rounded too)."""
+    query_lens, seq_lens = [2, 8, 3, 1, 25, 20, 130, 70], [2, 8, 4, 40, 25, 84, 130, 270]
+    outputs = [attend(backend, query_lens, seq_lens, num_heads, num_kv_heads, head_dim, 2, cache_dtype)
                for backend in (TorchAttentionBackend(), TorchAttentionBackend(prefill_kernel=kernel))]
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
 

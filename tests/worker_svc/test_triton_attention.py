@@ -153,14 +153,17 @@ def test_prefill_equals_reference(
                                atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("query_lens, seq_lens", [([1, 30, 1], [33, 30, 80]), ([1, 1, 1], [5, 48, 130])])
-def test_backend_equals_torch_backend(query_lens: list[int], seq_lens: list[int]) -> None:
+def test_backend_equals_torch_backend(query_lens: list[int], seq_lens: list[int], cache_dtype: torch.dtype) -> None:
     """A mixed step (the prefill kernel) and a decode-only step (the decode kernel), cache
     writes included, against the CPU reference backend; the Triton backend's batch also
-    ends in a padding row, as a CUDA graph's would (no keys, slot -1)."""
+    ends in a padding row, as a CUDA graph's would (no keys, slot -1). A float16 cache under
+    the float32 model (--kv-cache-dtype float16) is written and read alike by both."""
     torch.manual_seed(4)
     num_heads, num_kv_heads, head_dim = 4, 1, 32
     layout, query, kv_cache = random_step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32)
+    kv_cache = kv_cache.to(cache_dtype)
     key = torch.randn(len(query), num_kv_heads, head_dim)
     value = torch.randn(len(query), num_kv_heads, head_dim)
     expected_cache = kv_cache.clone()

@@ -34,10 +34,11 @@ class DecodeBatch:
 
 class PagedDecodeKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._function = paged_kernel.bind(library.paged_decode_attention, work_arrays=3)
+        self._functions = paged_kernel.bind(library, "paged_decode_attention", work_arrays=3)
 
     @staticmethod
     def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+        """A float32 model's attention (over a cache of any of the KV cache dtypes)."""
         return dtype == torch.float32 and device.type == "cpu" and head_dim % 8 == 0
 
     def batch(self, rows: list[int], seqs: list[int], seq_lens: list[int], block_tables: torch.Tensor) -> DecodeBatch:
@@ -51,7 +52,7 @@ class PagedDecodeKernel:
                  scale: float) -> None:
         """Writes attention of every decode row of `query` [T, H, D] (rows at any stride: a view
         of the fused QKV projection) into the same rows of `out`."""
-        paged_kernel.call(self._function, query, out, kv_cache, batch.block_tables,
+        paged_kernel.call(self._functions, query, out, kv_cache, batch.block_tables,
                           (batch.rows, batch.seqs, batch.seq_lens), batch.bounds, scale)
 
 

@@ -67,10 +67,11 @@ class PrefillBatch:
 
 class PagedPrefillKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._function = paged_kernel.bind(library.paged_prefill_attention, work_arrays=2)
+        self._functions = paged_kernel.bind(library, "paged_prefill_attention", work_arrays=2)
 
     @staticmethod
     def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+        """A float32 model's attention (over a cache of any of the KV cache dtypes)."""
         return dtype == torch.float32 and device.type == "cpu" and head_dim % 4 == 0
 
     @staticmethod
@@ -83,7 +84,7 @@ class PagedPrefillKernel:
         """Writes attention of every chunk row of `query` [T, H, D] (rows at any stride: a view
         of the fused QKV projection) into the same rows of `out`."""
         tiles, bounds = batch.tiles(query.shape[1], kv_cache.shape[3])
-        paged_kernel.call(self._function, query, out, kv_cache, batch.block_tables, (batch.chunk_table, tiles),
+        paged_kernel.call(self._functions, query, out, kv_cache, batch.block_tables, (batch.chunk_table, tiles),
                           bounds, scale)
 
 

@@ -36,13 +36,13 @@ class ContextGather:
     num_slots: int  # blocks_per_seq * block_size
     mask: torch.Tensor | None  # [num_seqs, 1, queries, num_slots], True where a key is visible
 
-    def keys_values(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_seqs, num_kv_heads, num_slots, head_dim] K and V."""
+    def keys_values(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_seqs, num_kv_heads, num_slots, head_dim] K and V, in `dtype`."""
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         shape = (self.num_seqs, self.num_slots, num_kv_heads, head_dim)
         key = kv_cache[0].index_select(0, self.block_ids).view(shape).transpose(1, 2)
         value = kv_cache[1].index_select(0, self.block_ids).view(shape).transpose(1, 2)
-        return key, value
+        return key.to(dtype), value.to(dtype)
 
 
 @dataclass
@@ -67,6 +67,10 @@ class TorchAttentionMetadata:
     prefills: list[PrefillSpan]
     decode_batch: DecodeBatch | None  # with the kernel, every decode (and no decode_groups)
     prefill_batch: PrefillBatch | None  # with the kernel, every prompt chunk (and no prefills)
+
+
+def _as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == cache_dtype else x.to(cache_dtype).to(x.dtype)
 
 
 def _gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_lens: list[int], block_size: int) -> ContextGather:
@@ -149,8 +153,8 @@ class TorchAttentionBackend(AttentionBackend):
         if self.cache_writer is not None:
             self.cache_writer.write_kv(key, value, kv_cache, metadata.slot_mapping)
         else:
-            kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
-            kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+            kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key.to(kv_cache.dtype))
+            kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value.to(kv_cache.dtype))
 
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # query may be a view
         if metadata.decode_batch is not None:
@@ -158,7 +162,7 @@ class TorchAttentionBackend(AttentionBackend):
         if metadata.prefill_batch is not None:
             self.prefill_kernel(query, output, kv_cache, metadata.prefill_batch, scale)
         for group in metadata.decode_groups:
-            k, v = group.context.keys_values(kv_cache)
+            k, v = group.context.keys_values(kv_cache, query.dtype)
             q = query[group.rows].unsqueeze(2)  # [g, H, 1, D]
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=group.context.mask, scale=scale, enable_gqa=True
@@ -167,11 +171,12 @@ class TorchAttentionBackend(AttentionBackend):
         for span in metadata.prefills:
             q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if span.context is None:
-                k = key[span.start : span.end].transpose(0, 1).unsqueeze(0)
-                v = value[span.start : span.end].transpose(0, 1).unsqueeze(0)
+                # The values the cache holds, as a later step would read them (a 16-bit cache rounds them).
+                k = _as_stored(key[span.start : span.end], kv_cache.dtype).transpose(0, 1).unsqueeze(0)
+                v = _as_stored(value[span.start : span.end], kv_cache.dtype).transpose(0, 1).unsqueeze(0)
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                k, v = span.context.keys_values(kv_cache)
+                k, v = span.context.keys_values(kv_cache, query.dtype)
                 out = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=span.context.mask, scale=scale, enable_gqa=True
                 )

@@ -1,6 +1,6 @@
 // The float32 elementwise work between a CPU decoder's matmuls, one pass each: the residual
 // add with RMSNorm, the rotary embedding, SiLU-and-multiply, and writing new K and V into
-// the paged cache. torch runs each as several operators, and under OMP_WAIT_POLICY=PASSIVE
+// the paged cache (in its element type). torch runs each as several operators, and under OMP_WAIT_POLICY=PASSIVE
 // each of them over 32k elements woke the second thread (~0.1 ms); here a call stays on the
 // calling thread unless `threads` says otherwise.
 //
@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cache_element.h"
 #include "simd_math.h"
 
 namespace {
@@ -108,19 +109,30 @@ extern "C" void rotary(float* q, float* k, const int64_t* positions, const float
 }
 
 // Token t's K and V rows (`width` floats each, at row strides key_stride and value_stride)
-// to slot slots[t] of the caches [num_slots, width]. Returns how many slots were outside the
-// caches: those tokens are not written.
-extern "C" int64_t write_kv(const float* key, const float* value, float* key_cache, float* value_cache,
-                            const int64_t* slots, int64_t tokens, int64_t width, int64_t key_stride,
-                            int64_t value_stride, int64_t num_slots) {
+// to slot slots[t] of the caches [num_slots, width], in the caches' element type. Returns how
+// many slots were outside the caches: those tokens are not written.
+template <class Element>
+int64_t write_kv(const float* key, const float* value, typename Element::Stored* key_cache,
+                 typename Element::Stored* value_cache, const int64_t* slots, int64_t tokens, int64_t width,
+                 int64_t key_stride, int64_t value_stride, int64_t num_slots) {
   int64_t outside = 0;
   for (int64_t t = 0; t < tokens; ++t) {
     if (slots[t] < 0 || slots[t] >= num_slots) {
       ++outside;
       continue;
     }
-    std::memcpy(key_cache + slots[t] * width, key + t * key_stride, width * sizeof(float));
-    std::memcpy(value_cache + slots[t] * width, value + t * value_stride, width * sizeof(float));
+    cache_element::store<Element>(key_cache + slots[t] * width, key + t * key_stride, width);
+    cache_element::store<Element>(value_cache + slots[t] * width, value + t * value_stride, width);
   }
   return outside;
 }
+
+#define WRITE_KV(dtype, Element)                                                                                  \
+  extern "C" int64_t write_kv_##dtype(const float* key, const float* value, void* key_cache, void* value_cache,  \
+                                      const int64_t* slots, int64_t tokens, int64_t width, int64_t key_stride,   \
+                                      int64_t value_stride, int64_t num_slots) {                                 \
+    using Stored = Element::Stored;                                                                               \
+    return write_kv<Element>(key, value, static_cast<Stored*>(key_cache), static_cast<Stored*>(value_cache),    \
+                             slots, tokens, width, key_stride, value_stride, num_slots);                          \
+  }
+KVFLEET_FOR_EACH_CACHE_ELEMENT(WRITE_KV)

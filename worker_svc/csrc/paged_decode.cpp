@@ -1,4 +1,5 @@
-// Paged attention for decode rows (one query token each), float32, read in place.
+// Paged attention for decode rows (one query token each), float32, read in place from a cache of
+// float32, bfloat16 or float16 (cache_element.h).
 //
 // The torch path gathers every request's K and V blocks into a padded copy before
 // attending; for decode that copy is most of the memory traffic. This reads each block
@@ -29,6 +30,7 @@
 #include <limits>
 #include <vector>
 
+#include "cache_element.h"
 #include "simd_math.h"
 
 namespace {
@@ -40,11 +42,13 @@ inline __m256 lane_indices() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
 
 // Eight keys' dot products with q, each as a vector of 8 partial sums: q's vectors are
 // loaded once for all eight, the keys' straight into the FMAs.
-inline void partial_dots(const float* q, const float* const keys[8], int64_t head_dim, __m256 partial[8]) {
+template <class Element>
+inline void partial_dots(const float* q, const typename Element::Stored* const keys[8], int64_t head_dim,
+                         __m256 partial[8]) {
   for (int j = 0; j < 8; ++j) partial[j] = _mm256_setzero_ps();
   for (int64_t d = 0; d < head_dim; d += 8) {
     const __m256 qd = _mm256_loadu_ps(q + d);
-    for (int j = 0; j < 8; ++j) partial[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[j] + d), partial[j]);
+    for (int j = 0; j < 8; ++j) partial[j] = _mm256_fmadd_ps(qd, Element::load8(keys[j] + d), partial[j]);
   }
 }
 
@@ -54,9 +58,12 @@ inline void partial_dots(const float* q, const float* const keys[8], int64_t hea
 // answered, so reading and computing took turns: spread out, the 64 decodes x 30 layers
 // of a batched step (416 keys on average) went from 109 to 64 ms on one thread and from 60
 // to 40 on two. (An AVX-512 build then ran no faster: the reads set the pace.)
+template <class Stored>
 class Prefetcher {
  public:
-  void start(const float* cache, const int64_t* rows, int64_t n, int64_t token_stride, int64_t lines_a_step) {
+  static constexpr int64_t kPerLine = 64 / sizeof(Stored);  // elements a cache line holds
+
+  void start(const Stored* cache, const int64_t* rows, int64_t n, int64_t token_stride, int64_t lines_a_step) {
     cache_ = cache, rows_ = rows, n_ = n, token_stride_ = token_stride, lines_a_step_ = lines_a_step;
     row_ = 0, d_ = 0;
   }
@@ -67,19 +74,19 @@ class Prefetcher {
   void issue(int64_t lines) {
     for (; lines > 0 && row_ < n_; --lines) {
       _mm_prefetch(reinterpret_cast<const char*>(cache_ + rows_[row_] + d_), _MM_HINT_T0);
-      if ((d_ += 16) >= token_stride_) d_ = 0, ++row_;
+      if ((d_ += kPerLine) >= token_stride_) d_ = 0, ++row_;
     }
   }
-  const float* cache_ = nullptr;
+  const Stored* cache_ = nullptr;
   const int64_t* rows_ = nullptr;
   int64_t n_ = 0, token_stride_ = 0, lines_a_step_ = 0, row_ = 0, d_ = 0;
 };
 
 // For each of G heads g: acc[g][0 .. 8 NV) += sum_j weights[g][j] * values[rows[j] .. + 8 NV),
 // accumulated in registers; each value vector is loaded once for the G heads it serves.
-template <int G, int NV>
-inline void add_values(float* const acc[], const float* const weights[], const float* values, const int64_t* rows,
-                       int64_t n, Prefetcher& prefetcher) {
+template <class Element, int G, int NV>
+inline void add_values(float* const acc[], const float* const weights[], const typename Element::Stored* values,
+                       const int64_t* rows, int64_t n, Prefetcher<typename Element::Stored>& prefetcher) {
   static_assert(G * NV + G + 1 <= 16, "accumulators, weights and a value vector fit AVX2's 16 registers");
   __m256 sum[G][NV];
   for (int g = 0; g < G; ++g)
@@ -88,9 +95,9 @@ inline void add_values(float* const acc[], const float* const weights[], const f
     __m256 w[G];
     for (int g = 0; g < G; ++g) w[g] = _mm256_broadcast_ss(weights[g] + j);
     prefetcher.step();
-    const float* v = values + rows[j];
+    const auto* v = values + rows[j];
     for (int t = 0; t < NV; ++t) {
-      const __m256 vt = _mm256_loadu_ps(v + 8 * t);
+      const __m256 vt = Element::load8(v + 8 * t);
       for (int g = 0; g < G; ++g) sum[g][t] = _mm256_fmadd_ps(w[g], vt, sum[g][t]);
     }
   }
@@ -98,14 +105,14 @@ inline void add_values(float* const acc[], const float* const weights[], const f
     for (int t = 0; t < NV; ++t) _mm256_storeu_ps(acc[g] + 8 * t, sum[g][t]);
 }
 
-template <int G>
-void add_values_span(float* const acc[], const float* const weights[], const float* values, const int64_t* rows,
-                     int64_t n, int64_t vectors, Prefetcher& prefetcher) {
+template <class Element, int G>
+void add_values_span(float* const acc[], const float* const weights[], const typename Element::Stored* values,
+                     const int64_t* rows, int64_t n, int64_t vectors, Prefetcher<typename Element::Stored>& prefetcher) {
   switch (vectors) {
-    case 4: add_values<G, 4>(acc, weights, values, rows, n, prefetcher); break;
-    case 3: add_values<G, 3>(acc, weights, values, rows, n, prefetcher); break;
-    case 2: add_values<G, 2>(acc, weights, values, rows, n, prefetcher); break;
-    default: add_values<G, 1>(acc, weights, values, rows, n, prefetcher); break;
+    case 4: add_values<Element, G, 4>(acc, weights, values, rows, n, prefetcher); break;
+    case 3: add_values<Element, G, 3>(acc, weights, values, rows, n, prefetcher); break;
+    case 2: add_values<Element, G, 2>(acc, weights, values, rows, n, prefetcher); break;
+    default: add_values<Element, G, 1>(acc, weights, values, rows, n, prefetcher); break;
   }
 }
 
@@ -118,8 +125,9 @@ inline int64_t value_passes(int64_t group, int64_t head_dim) {
 
 // Values into the heads of one kv head's group: up to kHeadsAPass heads share each pass over
 // the value rows, kSpan dims at a time.
-void add_group_values(float* acc, const float* weights, const float* values, const int64_t* rows, int64_t n,
-                      int64_t group, int64_t head_dim, Prefetcher& prefetcher) {
+template <class Element>
+void add_group_values(float* acc, const float* weights, const typename Element::Stored* values, const int64_t* rows,
+                      int64_t n, int64_t group, int64_t head_dim, Prefetcher<typename Element::Stored>& prefetcher) {
   for (int64_t g0 = 0; g0 < group; g0 += kHeadsAPass) {
     const int64_t heads = std::min(group - g0, kHeadsAPass);
     for (int64_t d = 0; d < head_dim; d += kSpan) {
@@ -132,9 +140,9 @@ void add_group_values(float* acc, const float* weights, const float* values, con
       }
       static_assert(kHeadsAPass == 3, "the cases below take 1 to 3 heads");
       switch (heads) {
-        case 3: add_values_span<3>(head_acc, head_weights, values + d, rows, n, vectors, prefetcher); break;
-        case 2: add_values_span<2>(head_acc, head_weights, values + d, rows, n, vectors, prefetcher); break;
-        default: add_values_span<1>(head_acc, head_weights, values + d, rows, n, vectors, prefetcher); break;
+        case 3: add_values_span<Element, 3>(head_acc, head_weights, values + d, rows, n, vectors, prefetcher); break;
+        case 2: add_values_span<Element, 2>(head_acc, head_weights, values + d, rows, n, vectors, prefetcher); break;
+        default: add_values_span<Element, 1>(head_acc, head_weights, values + d, rows, n, vectors, prefetcher); break;
       }
     }
   }
@@ -142,8 +150,9 @@ void add_group_values(float* acc, const float* weights, const float* values, con
 
 // kHeadDim: the head size as a constant, so that a key's dot product unrolls into registers
 // (0: head_dim's value, for other sizes).
-template <int64_t kHeadDim>
-void attend(const float* query, float* out, const float* key_cache, const float* value_cache,
+template <class Element, int64_t kHeadDim>
+void attend(const float* query, float* out, const typename Element::Stored* key_cache,
+            const typename Element::Stored* value_cache,
             const int64_t* block_tables, int64_t table_stride, int64_t query_stride, const int64_t* rows,
             const int64_t* seqs, const int64_t* seq_lens, int64_t num_heads, int64_t num_kv_heads,
             int64_t any_head_dim, int64_t block_size, float scale, int64_t first, int64_t last) {
@@ -168,16 +177,17 @@ void attend(const float* query, float* out, const float* key_cache, const float*
   };
   // A row's cache lines, spread over the steps that read one: the score passes of eight
   // rows (one per query head), and the value passes of a row.
-  const int64_t lines = (token_stride + 15) / 16;
+  using Stored = typename Element::Stored;
+  const int64_t lines = (token_stride + Prefetcher<Stored>::kPerLine - 1) / Prefetcher<Stored>::kPerLine;
   const int64_t score_lines = (8 * lines + num_heads - 1) / num_heads;
   const int64_t passes = num_kv_heads * value_passes(group, head_dim);
   const int64_t value_lines = (lines + passes - 1) / passes;
-  Prefetcher prefetcher;
+  Prefetcher<Stored> prefetcher;
   int current = 0;
   int64_t n_next = 0;
   if (first < last) {
     n_next = locate(first, 0, offsets[0]);
-    for (const float* cache : {key_cache, value_cache}) {
+    for (const Stored* cache : {key_cache, value_cache}) {
       prefetcher.start(cache, offsets[0], n_next, token_stride, 0);
       prefetcher.finish();
     }
@@ -206,14 +216,14 @@ void attend(const float* query, float* out, const float* key_cache, const float*
         const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps(static_cast<float>(j0)), lane_indices()),
                                            _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
         for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-          const float* keys = key_cache + kv * head_dim;
-          const float* key_rows[8];  // keys past the chunk's end read its first row; their scores are masked
+          const Stored* keys = key_cache + kv * head_dim;
+          const Stored* key_rows[8];  // keys past the chunk's end read its first row; their scores are masked
           for (int64_t j = 0; j < 8; ++j) key_rows[j] = keys + chunk_rows[j0 + j < n ? j0 + j : j0];
           for (int64_t g = 0; g < group; ++g) {
             prefetcher.step();
             const int64_t h = kv * group + g;
             __m256 partial[8];
-            partial_dots(q + h * head_dim, key_rows, head_dim, partial);
+            partial_dots<Element>(q + h * head_dim, key_rows, head_dim, partial);
             __m256 s = _mm256_mul_ps(simd::transpose_sum(partial), _mm256_set1_ps(scale));
             s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, valid);
             _mm256_storeu_ps(&scores[h * kChunk + j0], s);
@@ -247,7 +257,7 @@ void attend(const float* query, float* out, const float* key_cache, const float*
       for (int64_t j0 = 0; j0 < n; j0 += 8) {
         const int64_t rows_here = std::min<int64_t>(8, n - j0);
         for (int64_t kv = 0; kv < num_kv_heads; ++kv)
-          add_group_values(&acc[kv * group * head_dim], &scores[kv * group * kChunk + j0],
+          add_group_values<Element>(&acc[kv * group * head_dim], &scores[kv * group * kChunk + j0],
                            value_cache + kv * head_dim, chunk_rows + j0,
                            rows_here, group, head_dim, prefetcher);
       }
@@ -263,15 +273,19 @@ void attend(const float* query, float* out, const float* key_cache, const float*
 
 }  // namespace
 
-extern "C" void paged_decode_attention(const float* query, float* out, const float* key_cache,
-                                       const float* value_cache, const int64_t* block_tables, int64_t table_stride,
-                                       int64_t query_stride, const int64_t* rows, const int64_t* seqs,
-                                       const int64_t* seq_lens, int64_t num_heads, int64_t num_kv_heads,
-                                       int64_t head_dim, int64_t block_size, float scale, const int64_t* bounds,
-                                       int64_t threads) {
-  auto attend_with = head_dim == 64 ? attend<64> : head_dim == 128 ? attend<128> : attend<0>;
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-  for (int64_t i = 0; i < threads; ++i)
-    attend_with(query, out, key_cache, value_cache, block_tables, table_stride, query_stride, rows, seqs, seq_lens,
-                num_heads, num_kv_heads, head_dim, block_size, scale, bounds[i], bounds[i + 1]);
-}
+#define PAGED_DECODE_ATTENTION(dtype, Element)                                                                   \
+  extern "C" void paged_decode_attention_##dtype(                                                                \
+      const float* query, float* out, const void* key_cache, const void* value_cache, const int64_t* block_tables, \
+      int64_t table_stride, int64_t query_stride, const int64_t* rows, const int64_t* seqs, const int64_t* seq_lens, \
+      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,                 \
+      const int64_t* bounds, int64_t threads) {                                                                    \
+    using Stored = Element::Stored;                                                                                \
+    auto attend_with = head_dim == 64 ? attend<Element, 64> : head_dim == 128 ? attend<Element, 128>              \
+                                                                                : attend<Element, 0>;             \
+    _Pragma("omp parallel for num_threads(threads) schedule(static, 1)")                                        \
+    for (int64_t i = 0; i < threads; ++i)                                                                          \
+      attend_with(query, out, static_cast<const Stored*>(key_cache), static_cast<const Stored*>(value_cache),     \
+                  block_tables, table_stride, query_stride, rows, seqs, seq_lens, num_heads, num_kv_heads,       \
+                  head_dim, block_size, scale, bounds[i], bounds[i + 1]);                                          \
+  }
+KVFLEET_FOR_EACH_CACHE_ELEMENT(PAGED_DECODE_ATTENTION)

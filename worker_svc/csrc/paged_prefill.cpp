@@ -1,4 +1,7 @@
-// Paged attention for prompt chunks (any number of query tokens each), float32, read in place.
+// Paged attention for prompt chunks (any number of query tokens each), float32, read in place from
+// a cache of float32, bfloat16 or float16 (cache_element.h): a 16-bit block's key and value rows
+// are widened once into the tile's scratch, where the inner loops read float32 as they do a
+// float32 cache's rows.
 //
 // A chunk's queries attend causally to everything cached before them and to the chunk's own
 // keys, all of which the cache writer has put in the paged cache by now; so a chunk that
@@ -30,8 +33,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
+#include "cache_element.h"
 #include "simd_math.h"
 
 namespace {
@@ -51,6 +56,8 @@ struct Tile {
   std::vector<float> out;
   // [kBlock][kRows]: the current block's scores, then their exponentials
   std::vector<float> weights;
+  // [kBlock][head_dim] each: a 16-bit cache's block of key and value rows, as float32
+  std::vector<float> keys, values;
   __m256 max[kVectors], sum[kVectors], position[kVectors];
 };
 
@@ -133,16 +140,19 @@ void attend_block(Tile& tile, const float* const keys[kBlock], const float* cons
     add_values(tile.out.data(), values, tile.weights.data(), n, d0, correction);
 }
 
-template <int64_t kHeadDim>
-void attend(const float* query, float* out, const float* key_cache, const float* value_cache,
+template <class Element, int64_t kHeadDim>
+void attend(const float* query, float* out, const typename Element::Stored* key_cache,
+            const typename Element::Stored* value_cache,
             const int64_t* block_tables, int64_t table_stride, int64_t query_stride, const int64_t* chunks,
             const int64_t* tiles, int64_t num_heads, int64_t num_kv_heads, int64_t any_head_dim, int64_t block_size,
             float scale, int64_t first_tile, int64_t last_tile) {
   const int64_t head_dim = kHeadDim ? kHeadDim : any_head_dim;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
+  constexpr bool widened = !std::is_same_v<Element, cache_element::Float32>;
+  const int64_t scratch = widened ? kBlock * head_dim : 0;
   Tile tile{std::vector<float>(head_dim * kRows), std::vector<float>(head_dim * kRows),
-            std::vector<float>(kBlock * kRows), {}, {}, {}};
+            std::vector<float>(kBlock * kRows), std::vector<float>(scratch), std::vector<float>(scratch), {}, {}, {}};
   const float* keys[kBlock];
   const float* values[kBlock];
   for (int64_t t = first_tile; t < last_tile; ++t) {
@@ -175,8 +185,15 @@ void attend(const float* query, float* out, const float* key_cache, const float*
       int64_t block = first / block_size, in_block = first % block_size;
       for (int64_t j = 0; j < n; ++j) {
         const int64_t offset = (table[block] * block_size + in_block) * token_stride + kv * head_dim;
-        keys[j] = key_cache + offset;
-        values[j] = value_cache + offset;
+        if constexpr (widened) {
+          keys[j] = &tile.keys[j * head_dim];
+          values[j] = &tile.values[j * head_dim];
+          cache_element::load<Element>(&tile.keys[j * head_dim], key_cache + offset, head_dim);
+          cache_element::load<Element>(&tile.values[j * head_dim], value_cache + offset, head_dim);
+        } else {
+          keys[j] = key_cache + offset;
+          values[j] = value_cache + offset;
+        }
         if (++in_block == block_size) in_block = 0, ++block;
       }
       attend_block<kHeadDim>(tile, keys, values, first, n, head_dim);
@@ -194,14 +211,19 @@ void attend(const float* query, float* out, const float* key_cache, const float*
 
 }  // namespace
 
-extern "C" void paged_prefill_attention(const float* query, float* out, const float* key_cache,
-                                        const float* value_cache, const int64_t* block_tables, int64_t table_stride,
-                                        int64_t query_stride, const int64_t* chunks, const int64_t* tiles,
-                                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                        float scale, const int64_t* bounds, int64_t threads) {
-  auto attend_with = head_dim == 64 ? attend<64> : head_dim == 128 ? attend<128> : attend<0>;
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-  for (int64_t i = 0; i < threads; ++i)
-    attend_with(query, out, key_cache, value_cache, block_tables, table_stride, query_stride, chunks, tiles,
-                num_heads, num_kv_heads, head_dim, block_size, scale, bounds[i], bounds[i + 1]);
-}
+#define PAGED_PREFILL_ATTENTION(dtype, Element)                                                                   \
+  extern "C" void paged_prefill_attention_##dtype(                                                                \
+      const float* query, float* out, const void* key_cache, const void* value_cache, const int64_t* block_tables, \
+      int64_t table_stride, int64_t query_stride, const int64_t* chunks, const int64_t* tiles, int64_t num_heads,   \
+      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, const int64_t* bounds,              \
+      int64_t threads) {                                                                                            \
+    using Stored = Element::Stored;                                                                                 \
+    auto attend_with = head_dim == 64 ? attend<Element, 64> : head_dim == 128 ? attend<Element, 128>               \
+                                                                                : attend<Element, 0>;              \
+    _Pragma("omp parallel for num_threads(threads) schedule(static, 1)")                                         \
+    for (int64_t i = 0; i < threads; ++i)                                                                           \
+      attend_with(query, out, static_cast<const Stored*>(key_cache), static_cast<const Stored*>(value_cache),      \
+                  block_tables, table_stride, query_stride, chunks, tiles, num_heads, num_kv_heads, head_dim,     \
+                  block_size, scale, bounds[i], bounds[i + 1]);                                                     \
+  }
+KVFLEET_FOR_EACH_CACHE_ELEMENT(PAGED_PREFILL_ATTENTION)

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cache_element.h"
+#include "paged_shares.h"
 #include "simd_math.h"
 
 namespace {
@@ -273,19 +274,18 @@ void attend(const float* query, float* out, const typename Element::Stored* key_
 
 }  // namespace
 
-#define PAGED_DECODE_ATTENTION(dtype, Element)                                                                   \
-  extern "C" void paged_decode_attention_##dtype(                                                                \
+#define PAGED_DECODE_ATTENTION(dtype, Element)                                                                  \
+  extern "C" void paged_decode_attention_##dtype(                                                               \
       const float* query, float* out, const void* key_cache, const void* value_cache, const int64_t* block_tables, \
       int64_t table_stride, int64_t query_stride, const int64_t* rows, const int64_t* seqs, const int64_t* seq_lens, \
-      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,                 \
-      const int64_t* bounds, int64_t threads) {                                                                    \
-    using Stored = Element::Stored;                                                                                \
-    auto attend_with = head_dim == 64 ? attend<Element, 64> : head_dim == 128 ? attend<Element, 128>              \
-                                                                                : attend<Element, 0>;             \
-    _Pragma("omp parallel for num_threads(threads) schedule(static, 1)")                                        \
-    for (int64_t i = 0; i < threads; ++i)                                                                          \
-      attend_with(query, out, static_cast<const Stored*>(key_cache), static_cast<const Stored*>(value_cache),     \
-                  block_tables, table_stride, query_stride, rows, seqs, seq_lens, num_heads, num_kv_heads,       \
-                  head_dim, block_size, scale, bounds[i], bounds[i + 1]);                                          \
+      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,                \
+      const int64_t* bounds, int64_t threads) {                                                                   \
+    using Stored = Element::Stored;                                                                               \
+    paged_shares::run(head_dim, bounds, threads, [&](auto head_dim_constant, int64_t first, int64_t last) {       \
+      attend<Element, decltype(head_dim_constant)::value>(                                                        \
+          query, out, static_cast<const Stored*>(key_cache), static_cast<const Stored*>(value_cache), block_tables, \
+          table_stride, query_stride, rows, seqs, seq_lens, num_heads, num_kv_heads, head_dim, block_size, scale,   \
+          first, last);                                                                                           \
+    });                                                                                                           \
   }
 KVFLEET_FOR_EACH_CACHE_ELEMENT(PAGED_DECODE_ATTENTION)

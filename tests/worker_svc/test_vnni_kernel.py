@@ -16,7 +16,7 @@ from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
 from worker_svc.q8_linear import Q8Linear
 from worker_svc.q8_weights import Q8Blocks
 from worker_svc.quantized_linear import DequantScratch, QuantizedLinear
-from worker_svc.vnni_kernel import Q4Panels, Q8Panels
+from worker_svc.vnni_kernel import QUANTIZE_PARALLEL_MIN_ELEMENTS, Q4Panels, Q8Panels
 
 KINDS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
 
@@ -96,10 +96,11 @@ def test_model_sized_layers_and_strided_inputs():
 
 
 @needs_kernel
-def test_threads_split_panels_without_changing_a_bit():
+@pytest.mark.parametrize("rows", [19, QUANTIZE_PARALLEL_MIN_ELEMENTS // (5 * 32) + 3])  # quantized on 1, then 2 threads
+def test_threads_split_panels_without_changing_a_bit(rows):
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 160, 5 * 32)
     panels = Q4Panels.from_blocks(blocks)
-    x = torch.randn(19, 5 * 32)
+    x = torch.randn(rows, 5 * 32)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -30,10 +30,8 @@ class DecoderKernel:
         self._add_rms_norm = _bind(library.add_rms_norm, [_ptr] * 5 + [_i64, _i64, _f32, _int])
         self._silu_and_mul = _bind(library.silu_and_mul, [_ptr, _ptr, _i64, _i64, _int])
         self._rotary = _bind(library.rotary, [_ptr] * 5 + [_i64] * 6 + [_int])
-        self._write_kv = {dtype: _bind(getattr(library, f"write_kv_{name}"), [_ptr] * 5 + [_i64] * 5)
+        self._write_kv = {dtype: _bind(getattr(library, f"write_kv_{name}"), [_ptr] * 5 + [_i64] * 5, _i64)
                           for dtype, name in CACHE_DTYPES.items()}
-        for function in self._write_kv.values():
-            function.restype = _i64
         self.parallel_min_elements = PARALLEL_MIN_ELEMENTS if idle_threads_sleep() else 0
 
     def _threads(self, elements: int) -> int:
@@ -85,8 +83,8 @@ class DecoderKernel:
             raise IndexError(f"{outside} of {tokens} KV slots are outside the cache")
 
 
-def _bind(function: ctypes._CFuncPtr, argtypes: list) -> ctypes._CFuncPtr:
-    function.restype, function.argtypes = None, argtypes
+def _bind(function: ctypes._CFuncPtr, argtypes: list, restype: type | None = None) -> ctypes._CFuncPtr:
+    function.restype, function.argtypes = restype, argtypes
     return function
 
 

@@ -7,14 +7,13 @@ backend keeps its gather-then-SDPA path, so this is an accelerator, never a requ
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from worker_svc.attention import paged_kernel
+from worker_svc.attention.paged_kernel import PagedKernel
 from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
 from worker_svc.threads import even_shares
 
@@ -32,14 +31,10 @@ class DecodeBatch:
     bounds: torch.Tensor  # [threads + 1] int64: thread i computes decodes [bounds[i], bounds[i + 1])
 
 
-class PagedDecodeKernel:
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions = paged_kernel.bind(library, "paged_decode_attention", work_arrays=3)
-
-    @staticmethod
-    def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
-        """A float32 model's attention (over a cache of any of the KV cache dtypes)."""
-        return dtype == torch.float32 and device.type == "cpu" and head_dim % 8 == 0
+class PagedDecodeKernel(PagedKernel):
+    entry_point = "paged_decode_attention"
+    work_arrays = 3
+    head_dim_multiple = 8
 
     def batch(self, rows: list[int], seqs: list[int], seq_lens: list[int], block_tables: torch.Tensor) -> DecodeBatch:
         return DecodeBatch(
@@ -52,8 +47,8 @@ class PagedDecodeKernel:
                  scale: float) -> None:
         """Writes attention of every decode row of `query` [T, H, D] (rows at any stride: a view
         of the fused QKV projection) into the same rows of `out`."""
-        paged_kernel.call(self._functions, query, out, kv_cache, batch.block_tables,
-                          (batch.rows, batch.seqs, batch.seq_lens), batch.bounds, scale)
+        self._run(query, out, kv_cache, batch.block_tables, (batch.rows, batch.seqs, batch.seq_lens), batch.bounds,
+                  scale)
 
 
 @functools.cache

@@ -10,14 +10,13 @@ compiler or AVX2 (or with KVFLEET_PREFILL_KERNEL=0) the torch backend keeps SDPA
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from worker_svc.attention import paged_kernel
+from worker_svc.attention.paged_kernel import PagedKernel
 from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
 from worker_svc.threads import even_shares
 
@@ -65,14 +64,10 @@ class PrefillBatch:
         return torch.tensor(tiles, dtype=torch.int64), torch.tensor(bounds, dtype=torch.int64)
 
 
-class PagedPrefillKernel:
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions = paged_kernel.bind(library, "paged_prefill_attention", work_arrays=2)
-
-    @staticmethod
-    def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
-        """A float32 model's attention (over a cache of any of the KV cache dtypes)."""
-        return dtype == torch.float32 and device.type == "cpu" and head_dim % 4 == 0
+class PagedPrefillKernel(PagedKernel):
+    entry_point = "paged_prefill_attention"
+    work_arrays = 2
+    head_dim_multiple = 4
 
     @staticmethod
     def batch(chunks: list[PrefillChunk], block_tables: torch.Tensor) -> PrefillBatch:
@@ -84,8 +79,7 @@ class PagedPrefillKernel:
         """Writes attention of every chunk row of `query` [T, H, D] (rows at any stride: a view
         of the fused QKV projection) into the same rows of `out`."""
         tiles, bounds = batch.tiles(query.shape[1], kv_cache.shape[3])
-        paged_kernel.call(self._functions, query, out, kv_cache, batch.block_tables, (batch.chunk_table, tiles),
-                          bounds, scale)
+        self._run(query, out, kv_cache, batch.block_tables, (batch.chunk_table, tiles), bounds, scale)
 
 
 @functools.cache

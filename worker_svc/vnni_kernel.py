@@ -38,6 +38,19 @@ def _halves(values: torch.Tensor, panels: int, groups: int) -> torch.Tensor:
     return per_panel.contiguous().view(torch.uint8)
 
 
+def _code_sums(codes: torch.Tensor, panels: int, groups: int) -> torch.Tensor:
+    """Each row's sum of a block's codes, [panel, block, 32 bytes] (int16): 128 times it is what
+    the kernel's dots with the activations' high bytes, stored plus 128, count too much."""
+    sums = codes.view(panels, PANEL_ROWS, groups, GROUP_SIZE).sum(-1, dtype=torch.int16)
+    return sums.transpose(1, 2).contiguous().view(torch.uint8)
+
+
+def _quads(codes: torch.Tensor, panels: int, groups: int) -> torch.Tensor:
+    """[rows, cols] codes -> [panel, block, quad j, row, 4]: lane r's bytes of quad j are row
+    r's inputs 4 j .. 4 j + 3."""
+    return codes.view(panels, PANEL_ROWS, groups, GROUP_SIZE // 4, 4).permute(0, 2, 3, 1, 4)
+
+
 def _tiles(rows: int, cols: int) -> bool:
     return rows % PANEL_ROWS == 0 and cols % GROUP_SIZE == 0
 
@@ -47,7 +60,6 @@ class Panels:
     ([out / 16, in / 32, block bytes] uint8), and the kernel function that reads them."""
 
     function: str
-    quantize: str  # the activations' layout it reads: the quantizing function that writes it
 
     def __init__(self, panels: torch.Tensor, out_features: int, in_features: int) -> None:
         self.panels = panels
@@ -55,10 +67,10 @@ class Panels:
 
 
 class Q4Panels(Panels):
-    """Per block: 256 bytes of codes (lane-major quadruples, see the kernel), 16 float16 scales and 16 offsets."""
+    """Per block: 256 bytes of codes (chunk g: quad g in the low nibbles, quad g + 4 in the
+    high ones), 16 float16 scales, 16 float16 offsets and 16 int16 code sums."""
 
     function = "q4_vnni_linear"
-    quantize = "q16_quantize_split"
 
     @classmethod
     def from_blocks(cls, blocks: Q4Blocks) -> Q4Panels | None:
@@ -68,19 +80,18 @@ class Q4Panels(Panels):
         if not _tiles(rows, cols) or not torch.equal(pairs.to(torch.float16).float(), pairs):
             return None
         panels, groups = rows // PANEL_ROWS, cols // GROUP_SIZE
-        # Input 16 * h + 4 * g + i of a block: chunk g's quadruple byte i, in the low nibble for h = 0.
-        codes = blocks.codes.view(panels, PANEL_ROWS, groups, 2, 4, 4)
-        nibbles = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)  # [panel, row, block, g, i]
-        chunks = nibbles.permute(0, 2, 3, 1, 4).reshape(panels, groups, 4 * PANEL_ROWS * 4)
+        quads = _quads(blocks.codes, panels, groups)
+        nibbles = quads[:, :, :4] | (quads[:, :, 4:] << 4)
+        chunks = nibbles.reshape(panels, groups, 4 * PANEL_ROWS * 4)
         scales, offsets = (_halves(values, panels, groups) for values in (blocks.scales, blocks.offsets))
-        return cls(torch.cat((chunks, scales, offsets), dim=-1).contiguous(), rows, cols)
+        sums = _code_sums(blocks.codes, panels, groups)
+        return cls(torch.cat((chunks, scales, offsets, sums), dim=-1).contiguous(), rows, cols)
 
 
 class Q8Panels(Panels):
-    """Per block: 512 bytes of codes (lane-major pairs, see the kernel) and 16 float16 scales."""
+    """Per block: 512 bytes of codes (chunk j: quad j), 16 float16 scales and 16 int16 code sums."""
 
     function = "q8_vnni_linear"
-    quantize = "q16_quantize_rows"
 
     @classmethod
     def from_blocks(cls, blocks: Q8Blocks) -> Q8Panels | None:
@@ -89,21 +100,22 @@ class Q8Panels(Panels):
         if not _tiles(rows, cols):
             return None
         panels, groups = rows // PANEL_ROWS, cols // GROUP_SIZE
-        # Input 2 * j + i of a block: chunk j's pair byte i.
-        codes = blocks.codes.view(panels, PANEL_ROWS, groups, 16, 2).permute(0, 2, 3, 1, 4)
-        chunks = codes.reshape(panels, groups, 16 * PANEL_ROWS * 2).view(torch.uint8)
-        return cls(torch.cat((chunks, _halves(blocks.scales, panels, groups)), dim=-1).contiguous(), rows, cols)
+        chunks = _quads(blocks.codes, panels, groups).reshape(panels, groups, 8 * PANEL_ROWS * 4).view(torch.uint8)
+        sums = _code_sums(blocks.codes, panels, groups)
+        return cls(torch.cat((chunks, _halves(blocks.scales, panels, groups), sums), dim=-1).contiguous(), rows,
+                   cols)
 
 
 class VnniKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions: dict[type[Panels], tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]] = {}
+        self._quantize = library.q16_quantize_rows
+        self._quantize.restype = None
+        self._quantize.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        self._functions = {}
         for panels in (Q4Panels, Q8Panels):
-            quantize, function = getattr(library, panels.quantize), getattr(library, panels.function)
-            quantize.restype = function.restype = None
-            quantize.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+            function = self._functions[panels] = getattr(library, panels.function)
+            function.restype = None
             function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-            self._functions[panels] = quantize, function
         # As for the float32 kernel: waking a sleeping thread costs more than a small call.
         self.min_parallel_macs = PASSIVE_PARALLEL_MIN_MACS if idle_threads_sleep() else 0
 
@@ -111,15 +123,16 @@ class VnniKernel:
         """x [rows, in] float32 -> x @ W.T + bias [rows, out] float32, x quantized to int16 per block."""
         x, threads = checked_call(x, bias, weights.in_features, weights.out_features, self.min_parallel_macs)
         rows, cols = x.shape
-        xq = torch.empty(rows, cols, dtype=torch.int16)  # int16 values, or their bytes split (4-bit)
+        xq = torch.empty(rows, 2 * cols, dtype=torch.uint8)  # each int16 value's low and high byte
         scales = torch.empty(rows, cols // GROUP_SIZE)
         offset_terms = torch.empty(rows, cols // GROUP_SIZE)
-        quantize, function = self._functions[type(weights)]
         quantize_threads = threads if x.numel() >= QUANTIZE_PARALLEL_MIN_ELEMENTS else 1
-        quantize(x.data_ptr(), xq.data_ptr(), scales.data_ptr(), offset_terms.data_ptr(), rows, cols, quantize_threads)
+        self._quantize(x.data_ptr(), xq.data_ptr(), scales.data_ptr(), offset_terms.data_ptr(), rows, cols,
+                       quantize_threads)
         out = torch.empty(rows, weights.out_features)
-        function(xq.data_ptr(), scales.data_ptr(), offset_terms.data_ptr(), weights.panels.data_ptr(),
-                 None if bias is None else bias.data_ptr(), out.data_ptr(), rows, cols, weights.out_features, threads)
+        self._functions[type(weights)](xq.data_ptr(), scales.data_ptr(), offset_terms.data_ptr(),
+                                       weights.panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                                       out.data_ptr(), rows, cols, weights.out_features, threads)
         return out
 
 

@@ -9,21 +9,20 @@
 // with (d, m) the weight block's scale and offset (Q8_0 has none) and a the activation
 // block's scale.
 //
+// The integer dots run on VPDPBUSD (unsigned by signed bytes, 64 products an instruction):
+// each q is stored as two unsigned bytes, lo = q & 255 and hi = (q >> 8) + 128 (per row and
+// block: the 32 lo bytes, then the 32 hi bytes), and the codes are the signed bytes, so
+//   sum code * q = 256 * (sum code * hi - 128 * sum code) + sum code * lo
+// takes two instructions per 64 products, as VPDPWSSD on int16 pairs would, but 4-bit codes
+// need only a mask or a shift and 8-bit ones nothing, not a widening to int16 (on a 2-core
+// Xeon with two VNNI instructions a cycle, the widening held VPDPWSSD to 37% of its peak).
+//
 // Weights are repacked in panels of 16 output rows, so that one 32-bit lane holds one output
-// row and a block's 32 inputs need no horizontal sums.
-//
-// 4-bit weights run on VPDPBUSD (unsigned by signed bytes, 64 products an instruction): each
-// int16 activation q = 256 * hi + lo is stored as its bytes, lo unsigned and hi signed (per
-// row and block: the 32 lo bytes, then the 32 hi bytes), and the codes 0..15 are either
-// operand, so sum code * q = 256 * sum code * hi + sum code * lo takes two instructions per
-// 64 products, as VPDPWSSD on int16 pairs would, but the codes need only a mask or a shift,
-// not a widening to int16. Per panel and block: four 64-byte chunks of codes (chunk g's byte
-// 4 * r + i: row r's input 4 * g + i in its low nibble, 16 + 4 * g + i in its high one), then
-// the 16 scales and 16 offsets (float16). On a 2-core Xeon (AVX-512, two VNNI instructions a
-// cycle), SmolLM2's projections ran 1.4-1.7x faster at 64-2048 rows than on VPDPWSSD.
-//
-// 8-bit weights (signed codes) stay on VPDPWSSD against int16 pairs: sixteen 32-byte chunks
-// (chunk j's bytes 2 * r + i: row r's input 2 * j + i), then the 16 scales.
+// row and a block's 32 inputs need no horizontal sums; lane r's four bytes of a "quad" are
+// row r's inputs 4 * j .. 4 * j + 3. Per panel and block: the codes (4-bit: four 64-byte
+// chunks, chunk g holding quad g in its low nibbles and quad g + 4 in its high ones; 8-bit:
+// eight chunks, chunk j quad j), the 16 scales (float16), the 16 offsets (float16, 4-bit
+// only), then each row's sum of codes (int16).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -43,142 +42,104 @@ inline __m512i broadcast_4_bytes(const uint8_t* at) {
   return _mm512_set1_epi32(four);
 }
 
-// y[m, n0 .. n0 + 16 * NR] for rows m0 .. m0 + MR from the integer dots of one block: the
-// scales' products in float32, in one order whatever the tile.
-template <int MR, int NR, bool Offsets>
-inline void add_block(__m512 (&acc)[MR][NR], const __m512i (&dots)[MR][NR], const uint8_t* const (&scales_of)[NR],
-                      const float* scales, const float* offset_terms, int64_t blocks, int64_t b, int64_t m0) {
-  for (int n = 0; n < NR; ++n) {
-    const __m512 d = _mm512_cvtph_ps(load_chunk(scales_of[n]));
-    for (int m = 0; m < MR; ++m) {
-      const int64_t at = (m0 + m) * blocks + b;
-      acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[m][n]), _mm512_mul_ps(d, _mm512_set1_ps(scales[at])),
-                                  acc[m][n]);
-      if constexpr (Offsets) {
-        const __m512 offset = _mm512_cvtph_ps(load_chunk(scales_of[n] + 2 * kPanel));
-        acc[m][n] = _mm512_fmadd_ps(offset, _mm512_set1_ps(offset_terms[at]), acc[m][n]);
+struct Q4 {
+  static constexpr int64_t kCodeBytes = 4 * 64;
+  static constexpr bool kOffsets = true;
+  // Quads g and g + 4 of a block (g < 4): chunk g's low and high nibbles.
+  static void quads(const uint8_t* codes, int g, __m512i& first, __m512i& second) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), chunk = _mm512_loadu_si512(codes + 64 * g);
+    first = _mm512_and_si512(chunk, nibble);
+    second = _mm512_and_si512(_mm512_srli_epi16(chunk, 4), nibble);
+  }
+};
+
+struct Q8 {
+  static constexpr int64_t kCodeBytes = 8 * 64;
+  static constexpr bool kOffsets = false;
+  static void quads(const uint8_t* codes, int g, __m512i& first, __m512i& second) {
+    first = _mm512_loadu_si512(codes + 64 * g);
+    second = _mm512_loadu_si512(codes + 64 * (g + 4));
+  }
+};
+
+template <class Format>
+struct Layout {
+  static constexpr int64_t kScales = Format::kCodeBytes;
+  static constexpr int64_t kOffsets = kScales + 2 * kPanel;
+  static constexpr int64_t kCodeSums = kOffsets + (Format::kOffsets ? 2 * kPanel : 0);
+  static constexpr int64_t kBlockBytes = kCodeSums + 2 * kPanel;
+};
+
+// Activation rows and panels per tile: 4 x 2 ran the 4-bit projections at 230-255 GFLOP/s (2
+// threads, 64-2048 rows), 3 x 3 and 2 x 3 alike, 4 x 1 at 145-185, 2 x 1 at 120-155.
+constexpr int kTileRows = 4, kTilePanels = 2;
+
+// Rows m0 .. m0 + MR of x against panels n0 / 16 .. + NR (panel_bytes apart): y[m, n0 .. n0 + 16 NR].
+template <class Format, int MR, int NR>
+void tile(const uint8_t* panel, int64_t panel_bytes, const uint8_t* x, const float* scales, const float* offset_terms,
+          const float* bias, float* y, int64_t K, int64_t N, int64_t n0, int64_t m0) {
+  using L = Layout<Format>;
+  const int64_t blocks = K / kGroup;
+  __m512 acc[MR][NR];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b, panel += L::kBlockBytes) {
+    __m512i lo[MR][NR], hi[MR][NR];  // sum code * lo and sum code * hi: two chains per output
+    for (int m = 0; m < MR; ++m)
+      for (int n = 0; n < NR; ++n) lo[m][n] = hi[m][n] = _mm512_setzero_si512();
+    for (int g = 0; g < 4; ++g) {
+      __m512i first[NR], second[NR];  // quads g and g + 4
+      for (int n = 0; n < NR; ++n) Format::quads(panel + n * panel_bytes, g, first[n], second[n]);
+      for (int m = 0; m < MR; ++m) {
+        const uint8_t* row = x + ((m0 + m) * blocks + b) * 2 * kGroup + 4 * g;
+        const __m512i lo_first = broadcast_4_bytes(row), hi_first = broadcast_4_bytes(row + kGroup);
+        const __m512i lo_second = broadcast_4_bytes(row + 16), hi_second = broadcast_4_bytes(row + kGroup + 16);
+        for (int n = 0; n < NR; ++n) {
+          lo[m][n] = _mm512_dpbusd_epi32(lo[m][n], lo_first, first[n]);
+          hi[m][n] = _mm512_dpbusd_epi32(hi[m][n], hi_first, first[n]);
+          lo[m][n] = _mm512_dpbusd_epi32(lo[m][n], lo_second, second[n]);
+          hi[m][n] = _mm512_dpbusd_epi32(hi[m][n], hi_second, second[n]);
+        }
+      }
+    }
+    // The scales' products in float32, in one order whatever the tile.
+    for (int n = 0; n < NR; ++n) {
+      const uint8_t* block = panel + n * panel_bytes;
+      const __m512 d = _mm512_cvtph_ps(load_chunk(block + L::kScales));
+      const __m512i code_sums = _mm512_slli_epi32(_mm512_cvtepi16_epi32(load_chunk(block + L::kCodeSums)), 7);  // x 128
+      for (int m = 0; m < MR; ++m) {
+        const int64_t at = (m0 + m) * blocks + b;
+        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(hi[m][n], code_sums), 8), lo[m][n]);
+        acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(scales[at])), acc[m][n]);
+        if constexpr (Format::kOffsets) {
+          const __m512 offset = _mm512_cvtph_ps(load_chunk(block + L::kOffsets));
+          acc[m][n] = _mm512_fmadd_ps(offset, _mm512_set1_ps(offset_terms[at]), acc[m][n]);
+        }
       }
     }
   }
-}
-
-template <int MR, int NR>
-inline void store(const __m512 (&acc)[MR][NR], const float* bias, float* y, int64_t N, int64_t n0, int64_t m0) {
   for (int n = 0; n < NR; ++n) {
     const __m512 add = bias ? _mm512_loadu_ps(bias + n0 + kPanel * n) : _mm512_setzero_ps();
     for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + (m0 + m) * N + n0 + kPanel * n, _mm512_add_ps(acc[m][n], add));
   }
 }
 
-struct Q4 {
-  static constexpr int64_t kCodeBytes = 4 * 64;
-  static constexpr int64_t kBlockBytes = kCodeBytes + 2 * kPanel * 2;  // codes, scales, offsets
-  // Activation rows and panels per tile: 4 x 2 ran at 230-255 GFLOP/s (2 threads, 64-2048
-  // rows), 3 x 3 and 2 x 3 alike, 4 x 1 at 145-185, 2 x 1 at 120-155.
-  static constexpr int kRows = 4, kPanels = 2;
-
-  // Rows m0 .. m0 + MR of x (split bytes) against panels n0 / 16 .. + NR, panel_bytes apart.
-  template <int MR, int NR>
-  static void tile(const uint8_t* panel, int64_t panel_bytes, const uint8_t* x, const float* scales,
-                   const float* offset_terms, const float* bias, float* y, int64_t K, int64_t N, int64_t n0,
-                   int64_t m0) {
-    const int64_t blocks = K / kGroup;
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    __m512 acc[MR][NR];
-    for (auto& row : acc)
-      for (auto& a : row) a = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b, panel += kBlockBytes) {
-      __m512i lo[MR][NR], hi[MR][NR];  // sum code * lo and sum code * hi: two chains per tile
-      for (int m = 0; m < MR; ++m)
-        for (int n = 0; n < NR; ++n) lo[m][n] = hi[m][n] = _mm512_setzero_si512();
-      for (int g = 0; g < 4; ++g) {
-        __m512i low[NR], high[NR];  // the codes of inputs 4g .. 4g + 3 and 16 + 4g .. 16 + 4g + 3
-        for (int n = 0; n < NR; ++n) {
-          const __m512i codes = _mm512_loadu_si512(panel + n * panel_bytes + 64 * g);
-          low[n] = _mm512_and_si512(codes, nibble);
-          high[n] = _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble);
-        }
-        for (int m = 0; m < MR; ++m) {
-          const uint8_t* row = x + ((m0 + m) * blocks + b) * 2 * kGroup + 4 * g;
-          const __m512i lo_low = broadcast_4_bytes(row), hi_low = broadcast_4_bytes(row + kGroup);
-          const __m512i lo_high = broadcast_4_bytes(row + 16), hi_high = broadcast_4_bytes(row + kGroup + 16);
-          for (int n = 0; n < NR; ++n) {
-            lo[m][n] = _mm512_dpbusd_epi32(lo[m][n], lo_low, low[n]);
-            hi[m][n] = _mm512_dpbusd_epi32(hi[m][n], low[n], hi_low);
-            lo[m][n] = _mm512_dpbusd_epi32(lo[m][n], lo_high, high[n]);
-            hi[m][n] = _mm512_dpbusd_epi32(hi[m][n], high[n], hi_high);
-          }
-        }
-      }
-      __m512i dots[MR][NR];
-      const uint8_t* scales_of[NR];
-      for (int n = 0; n < NR; ++n) {
-        scales_of[n] = panel + n * panel_bytes + kCodeBytes;
-        for (int m = 0; m < MR; ++m) dots[m][n] = _mm512_add_epi32(_mm512_slli_epi32(hi[m][n], 8), lo[m][n]);
-      }
-      add_block<MR, NR, true>(acc, dots, scales_of, scales, offset_terms, blocks, b, m0);
-    }
-    store<MR, NR>(acc, bias, y, N, n0, m0);
-  }
-};
-
-struct Q8 {
-  static constexpr int64_t kCodeBytes = 16 * 32;
-  static constexpr int64_t kBlockBytes = kCodeBytes + kPanel * 2;  // codes, scales
-  // Measured on an AVX-512 EPYC (one thread), 2 rows of 4 chains ran at 260-280 GFLOP/s at
-  // 64-512 rows, against 180-215 for 8 rows of 1 chain and 230-250 for 3 rows of 2.
-  static constexpr int kRows = 2, kPanels = 1;
-  static constexpr int kChains = 4;
-
-  // Rows m0 .. m0 + MR of x (int16) against panel n0 / 16.
-  template <int MR, int NR>
-  static void tile(const uint8_t* panel, int64_t, const uint8_t* x, const float* scales, const float* offset_terms,
-                   const float* bias, float* y, int64_t K, int64_t N, int64_t n0, int64_t m0) {
-    static_assert(NR == 1, "one panel a tile");
-    const int64_t blocks = K / kGroup;
-    __m512 acc[MR][1];
-    for (auto& row : acc) row[0] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b, panel += kBlockBytes) {
-      __m512i chains[kChains][MR];
-      for (auto& chain : chains)
-        for (auto& c : chain) c = _mm512_setzero_si512();
-      for (int half = 0; half < 2; ++half) {  // inputs 0..15, then 16..31: 8 weight registers at a time
-        __m512i w[8];
-        for (int j = 0; j < 8; ++j) w[j] = _mm512_cvtepi8_epi16(load_chunk(panel + 32 * (8 * half + j)));
-        for (int j = 0; j < 8; ++j)
-          for (int m = 0; m < MR; ++m) {
-            const __m512i pair = broadcast_4_bytes(x + ((m0 + m) * K + b * kGroup + 16 * half + 2 * j) * 2);
-            chains[j % kChains][m] = _mm512_dpwssd_epi32(chains[j % kChains][m], w[j], pair);
-          }
-      }
-      __m512i dots[MR][1];
-      for (int m = 0; m < MR; ++m) {
-        dots[m][0] = chains[0][m];
-        for (int c = 1; c < kChains; ++c) dots[m][0] = _mm512_add_epi32(dots[m][0], chains[c][m]);
-      }
-      const uint8_t* const scales_of[1] = {panel + kCodeBytes};
-      add_block<MR, 1, false>(acc, dots, scales_of, scales, offset_terms, blocks, b, m0);
-    }
-    store<MR, 1>(acc, bias, y, N, n0, m0);
-  }
-};
-
-// Rows m0 .. m0 + MR over panels first .. last: Format::kPanels at a time, then one at a time.
+// Rows m0 .. m0 + MR over panels first .. last: kTilePanels at a time, then one at a time.
 template <class Format, int MR>
 void rows_over_run(const uint8_t* panels, int64_t panel_bytes, int64_t first, int64_t last, const uint8_t* x,
                    const float* scales, const float* offset_terms, const float* bias, float* y, int64_t K, int64_t N,
                    int64_t m0) {
   int64_t p = first;
-  for (; p + Format::kPanels <= last; p += Format::kPanels)
-    Format::template tile<MR, Format::kPanels>(panels + p * panel_bytes, panel_bytes, x, scales, offset_terms, bias,
+  for (; p + kTilePanels <= last; p += kTilePanels)
+    tile<Format, MR, kTilePanels>(panels + p * panel_bytes, panel_bytes, x, scales, offset_terms, bias,
                                                y, K, N, p * kPanel, m0);
   for (; p < last; ++p)
-    Format::template tile<MR, 1>(panels + p * panel_bytes, panel_bytes, x, scales, offset_terms, bias, y, K, N,
+    tile<Format, MR, 1>(panels + p * panel_bytes, panel_bytes, x, scales, offset_terms, bias, y, K, N,
                                  p * kPanel, m0);
 }
 
-// The rows after the last whole tile of rows: a tile of exactly `rows` (< Format::kRows).
-template <class Format, int MR = Format::kRows - 1>
+// The rows after the last whole tile of rows: a tile of exactly `rows` (< kTileRows).
+template <class Format, int MR = kTileRows - 1>
 void last_rows(int64_t rows, const uint8_t* panels, int64_t panel_bytes, int64_t first, int64_t last,
                const uint8_t* x, const float* scales, const float* offset_terms, const float* bias, float* y,
                int64_t K, int64_t N, int64_t m0) {
@@ -199,28 +160,29 @@ constexpr int64_t kRunPanels = 64;
 template <class Format>
 void linear(const uint8_t* x, const float* scales, const float* offset_terms, const uint8_t* panels,
             const float* bias, float* y, int64_t M, int64_t K, int64_t N, int threads) {
-  const int64_t panel_bytes = (K / kGroup) * Format::kBlockBytes;
+  const int64_t panel_bytes = (K / kGroup) * Layout<Format>::kBlockBytes;
   const int64_t count = N / kPanel;
   // Short runs where there are few panels, so that every thread gets some; whole tiles of panels.
   const int64_t run = std::max<int64_t>(
-      Format::kPanels, std::min<int64_t>(kRunPanels, count / threads) / Format::kPanels * Format::kPanels);
+      kTilePanels, std::min<int64_t>(kRunPanels, count / threads) / kTilePanels * kTilePanels);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t first = 0; first < count; first += run) {
     const int64_t last = std::min(count, first + run);
     int64_t m0 = 0;
-    for (; m0 + Format::kRows <= M; m0 += Format::kRows)
-      rows_over_run<Format, Format::kRows>(panels, panel_bytes, first, last, x, scales, offset_terms, bias, y, K, N,
+    for (; m0 + kTileRows <= M; m0 += kTileRows)
+      rows_over_run<Format, kTileRows>(panels, panel_bytes, first, last, x, scales, offset_terms, bias, y, K, N,
                                            m0);
     last_rows<Format>(M - m0, panels, panel_bytes, first, last, x, scales, offset_terms, bias, y, K, N, m0);
   }
 }
 
-// Row m's block b of x [M, K] as int16 values q into xq (Split: the block's 32 low bytes of q,
-// unsigned, then its 32 high bytes, signed; else 32 int16), with its scale a (amax / 32767)
-// into scales [M, K / 32] and a * (the sum of its q) into offset_terms, which the offsets multiply.
-template <bool Split>
-void quantize_rows(const float* x, uint8_t* xq, float* scales, float* offset_terms, int64_t M, int64_t K,
-                   int threads) {
+}  // namespace
+
+// Row m's block b of x [M, K] as int16 values q, stored as bytes at xq [M, 2 K]: the block's 32
+// lo bytes (q & 255), then its 32 hi bytes ((q >> 8) + 128); its scale a (amax / 32767) into
+// scales [M, K / 32] and a * (the sum of its q) into offset_terms, which the offsets multiply.
+extern "C" void q16_quantize_rows(const float* x, uint8_t* xq, float* scales, float* offset_terms, int64_t M,
+                                  int64_t K, int threads) {
   const int64_t blocks = K / kGroup;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < M * blocks; ++i) {
@@ -234,33 +196,17 @@ void quantize_rows(const float* x, uint8_t* xq, float* scales, float* offset_ter
     const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(qlo)),
                                          _mm512_cvtepi32_epi16(qhi), 1);
     __m256i* block = reinterpret_cast<__m256i*>(xq + i * 2 * kGroup);
-    if constexpr (Split) {
-      _mm256_storeu_si256(block, _mm512_cvtepi16_epi8(q));                            // q & 255
-      _mm256_storeu_si256(block + 1, _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8)));  // q >> 8
-    } else {
-      _mm512_storeu_si512(block, q);
-    }
+    _mm256_storeu_si256(block, _mm512_cvtepi16_epi8(q));
+    const __m256i high = _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8));
+    _mm256_storeu_si256(block + 1, _mm256_xor_si256(high, _mm256_set1_epi8(static_cast<char>(0x80))));  // + 128
     scales[i] = scale;
     offset_terms[i] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
   }
 }
 
-}  // namespace
-
-// x quantized for the 4-bit and the 8-bit kernel: xq [M, K] int16's bytes.
-extern "C" void q16_quantize_split(const float* x, uint8_t* xq, float* scales, float* offset_terms, int64_t M,
-                                   int64_t K, int threads) {
-  quantize_rows<true>(x, xq, scales, offset_terms, M, K, threads);
-}
-
-extern "C" void q16_quantize_rows(const float* x, uint8_t* xq, float* scales, float* offset_terms, int64_t M,
-                                  int64_t K, int threads) {
-  quantize_rows<false>(x, xq, scales, offset_terms, M, K, threads);
-}
-
-// x quantized by q16_quantize_split (4-bit) or q16_quantize_rows (8-bit); panels
-// [N / 16, K / 32, block bytes] uint8 as described above; bias [N] float32 or null; y [M, N]
-// float32. N a multiple of 16, K of 32. Runs of panels are split over `threads` OpenMP threads.
+// x quantized by q16_quantize_rows; panels [N / 16, K / 32, block bytes] uint8 as described
+// above; bias [N] float32 or null; y [M, N] float32. N a multiple of 16, K of 32. Runs of
+// panels are split over `threads` OpenMP threads.
 extern "C" void q4_vnni_linear(const uint8_t* xq, const float* scales, const float* offset_terms,
                                const uint8_t* panels, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
                                int threads) {

@@ -162,9 +162,10 @@ void linear(const uint8_t* x, const float* scales, const float* offset_terms, co
             const float* bias, float* y, int64_t M, int64_t K, int64_t N, int threads) {
   const int64_t panel_bytes = (K / kGroup) * Layout<Format>::kBlockBytes;
   const int64_t count = N / kPanel;
-  // Short runs where there are few panels, so that every thread gets some; whole tiles of panels.
-  const int64_t run = std::max<int64_t>(
-      kTilePanels, std::min<int64_t>(kRunPanels, count / threads) / kTilePanels * kTilePanels);
+  // As many runs for every thread (3 runs of 64 panels on 2 threads left one thread idle a
+  // third of the time), each of whole tiles of panels and at most about kRunPanels.
+  const int64_t runs = threads * ((count + threads * kRunPanels - 1) / (threads * kRunPanels));
+  const int64_t run = ((count + runs - 1) / runs + kTilePanels - 1) / kTilePanels * kTilePanels;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t first = 0; first < count; first += run) {
     const int64_t last = std::min(count, first + run);

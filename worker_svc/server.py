@@ -32,10 +32,13 @@ TURN_TIMEOUT_S = 2.0
 class StepOrder:
     """Hands a pipelined worker its plans in step order: a scheduler keeps several in
     flight, and the server's threads may see them in any order. A plan whose turn has
-    not come waits (up to TURN_TIMEOUT_S, in case the one before it never arrives); the
-    first plan of a scheduler instance starts its sequence."""
+    not come waits (up to TURN_TIMEOUT_S, in case the one before it never arrives). A plan
+    of a scheduler instance not seen yet starts its sequence, unless it continues requests
+    that an earlier step of it must have added here (its step 1 can arrive before its step
+    0). A plan for another worker instance, refused anyway, never waits for that."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker_instance_id: str) -> None:
+        self._worker_instance_id = worker_instance_id
         self._turns = threading.Condition()
         self._scheduler_instance_id = ""
         self._next_step_id = 0
@@ -43,9 +46,15 @@ class StepOrder:
     @contextmanager
     def turn(self, plan: StepPlan) -> Iterator[None]:
         """Holds the plan's turn while it is handed over; the next plan's comes after."""
+        def its_turn() -> bool:
+            if plan.worker_instance_id != self._worker_instance_id:
+                return True
+            if plan.scheduler_instance_id != self._scheduler_instance_id:
+                return plan.step_id == 0 or not plan.cached_requests
+            return plan.step_id <= self._next_step_id
+
         with self._turns:
-            if plan.scheduler_instance_id == self._scheduler_instance_id and not self._turns.wait_for(
-                    lambda: plan.step_id <= self._next_step_id, TURN_TIMEOUT_S):
+            if not self._turns.wait_for(its_turn, TURN_TIMEOUT_S):
                 logger.warning("step %d ran without step %d before it", plan.step_id, self._next_step_id)
         try:
             yield
@@ -63,7 +72,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # The worker's per-request state assumes one step at a time (a pipeline's leader
         # holds it while its own stage runs the plan).
         self.lock = threading.Lock()
-        self._order = StepOrder()
+        self._order = StepOrder(worker.instance_id)
 
     def Describe(
         self, request: worker_pb2.DescribeWorkerRequest, context: grpc.ServicerContext

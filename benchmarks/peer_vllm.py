@@ -142,16 +142,16 @@ def main() -> None:
     )
     rounds: list[dict[str, dict[str, Any]]] = []
     for round_index in range(args.rounds):
-        runs: dict[str, dict[str, Any]] = {}
+        this_round: dict[str, dict[str, Any]] = {}
         for name, python, script, job in engines:
             log(f"{name}: {n} requests (round {round_index + 1}/{args.rounds})")
             load = os.getloadavg()
             result = run_engine(python, script, {**job, "workload": workload, "warmup": warmup}, env)
-            runs[name] = {"seconds": round(result["seconds"], 2),
-                          "tokens_per_s": round(useful / result["seconds"], 2),
-                          "loadavg_before": [round(x, 2) for x in load], "tokens": result["tokens"]}
+            this_round[name] = {"seconds": round(result["seconds"], 2),
+                                "tokens_per_s": round(useful / result["seconds"], 2),
+                                "loadavg_before": [round(x, 2) for x in load], "tokens": result["tokens"]}
             log(f"{name}: {result['seconds']:.1f} s, {useful / result['seconds']:.1f} tokens/s")
-        rounds.append(runs)
+        rounds.append(this_round)
     runs = rounds[0]
     reference = runs["vllm_cpu"]["tokens"]
     summary = {

@@ -131,11 +131,11 @@ void rows_over_run(const uint8_t* panels, int64_t panel_bytes, int64_t first, in
                    int64_t m0) {
   int64_t p = first;
   for (; p + kTilePanels <= last; p += kTilePanels)
-    tile<Format, MR, kTilePanels>(panels + p * panel_bytes, panel_bytes, x, scales, offset_terms, bias,
-                                               y, K, N, p * kPanel, m0);
+    tile<Format, MR, kTilePanels>(panels + p * panel_bytes, panel_bytes, x, scales, offset_terms, bias, y, K, N,
+                                  p * kPanel, m0);
   for (; p < last; ++p)
-    tile<Format, MR, 1>(panels + p * panel_bytes, panel_bytes, x, scales, offset_terms, bias, y, K, N,
-                                 p * kPanel, m0);
+    tile<Format, MR, 1>(panels + p * panel_bytes, panel_bytes, x, scales, offset_terms, bias, y, K, N, p * kPanel,
+                        m0);
 }
 
 // The rows after the last whole tile of rows: a tile of exactly `rows` (< kTileRows).
@@ -171,8 +171,7 @@ void linear(const uint8_t* x, const float* scales, const float* offset_terms, co
     const int64_t last = std::min(count, first + run);
     int64_t m0 = 0;
     for (; m0 + kTileRows <= M; m0 += kTileRows)
-      rows_over_run<Format, kTileRows>(panels, panel_bytes, first, last, x, scales, offset_terms, bias, y, K, N,
-                                           m0);
+      rows_over_run<Format, kTileRows>(panels, panel_bytes, first, last, x, scales, offset_terms, bias, y, K, N, m0);
     last_rows<Format>(M - m0, panels, panel_bytes, first, last, x, scales, offset_terms, bias, y, K, N, m0);
   }
 }

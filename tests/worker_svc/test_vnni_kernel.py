@@ -88,9 +88,10 @@ def test_the_head_sends_every_step_to_it_and_keeps_no_float32_copy(rows):
 
 
 @needs_kernel
-def test_model_sized_layers_and_strided_inputs():
+@pytest.mark.parametrize("rows", [33, 350])  # 350: widened runs, in passes of 168 rows and a last one of 14
+def test_model_sized_layers_and_strided_inputs(rows):
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 576, 1536)
-    x = torch.randn(33, 3072)[:, ::2]  # not contiguous
+    x = torch.randn(rows, 3072)[:, ::2]  # not contiguous
     out = kernel.linear(Q4Panels.from_blocks(blocks), x, None)
     torch.testing.assert_close(out.double(), quantized(x.contiguous()) @ dense(blocks).T, rtol=1e-5, atol=1e-5)
 
@@ -113,12 +114,13 @@ def test_threads_split_panels_without_changing_a_bit(rows):
 
 
 @needs_kernel
-def test_a_row_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("rows", [13, 61])  # 61: the batch's runs widened, a row's not
+def test_a_row_does_not_depend_on_its_batch(rows):
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 64, 4 * 32)
     panels = Q4Panels.from_blocks(blocks)
-    x = torch.randn(13, 4 * 32)
+    x = torch.randn(rows, 4 * 32)
     together = kernel.linear(panels, x, None)
-    assert all(torch.equal(kernel.linear(panels, x[i:i + 1], None)[0], together[i]) for i in range(13))
+    assert all(torch.equal(kernel.linear(panels, x[i:i + 1], None)[0], together[i]) for i in range(rows))
 
 
 def test_shapes_that_do_not_tile_or_scales_float16_cannot_hold_are_refused():

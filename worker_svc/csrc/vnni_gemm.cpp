@@ -22,12 +22,17 @@
 // row r's inputs 4 * j .. 4 * j + 3. Per panel and block: the codes (4-bit: four 64-byte
 // chunks, chunk g holding quad g in its low nibbles and quad g + 4 in its high ones; 8-bit:
 // eight chunks, chunk j quad j), the 16 scales (float16), the 16 offsets (float16, 4-bit
-// only), then each row's sum of codes (int16).
+// only), then each row's sum of codes (int16). A step of many rows first widens each run of
+// 4-bit panels it takes into a thread's buffer, a code a byte (Q4Bytes): a tile then reads
+// its codes as it reads 8-bit ones, where unpacking them a tile at a time was an eighth of
+// the instructions.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <type_traits>
 
 namespace {
 
@@ -35,6 +40,11 @@ constexpr int64_t kGroup = 32;  // inputs per GGUF block
 constexpr int64_t kPanel = 16;  // output rows per panel: one per 32-bit lane of a zmm
 
 inline __m256i load_chunk(const uint8_t* at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)); }
+
+// -128 times 16 int16 sums of codes, as int32.
+inline __m512i minus_128_times(const uint8_t* sums) {
+  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_cvtepi16_epi32(load_chunk(sums)), 7));
+}
 
 inline __m512i broadcast_4_bytes(const uint8_t* at) {
   int32_t four;
@@ -45,21 +55,35 @@ inline __m512i broadcast_4_bytes(const uint8_t* at) {
 struct Q4 {
   static constexpr int64_t kCodeBytes = 4 * 64;
   static constexpr bool kOffsets = true;
+  static constexpr int64_t kSumBytes = 2 * kPanel;
   // Quads g and g + 4 of a block (g < 4): chunk g's low and high nibbles.
   static void quads(const uint8_t* codes, int g, __m512i& first, __m512i& second) {
     const __m512i nibble = _mm512_set1_epi8(0x0F), chunk = _mm512_loadu_si512(codes + 64 * g);
     first = _mm512_and_si512(chunk, nibble);
     second = _mm512_and_si512(_mm512_srli_epi16(chunk, 4), nibble);
   }
+  static __m512i hi_start(const uint8_t* sums) { return minus_128_times(sums); }
 };
 
 struct Q8 {
   static constexpr int64_t kCodeBytes = 8 * 64;
   static constexpr bool kOffsets = false;
+  static constexpr int64_t kSumBytes = 2 * kPanel;
   static void quads(const uint8_t* codes, int g, __m512i& first, __m512i& second) {
     first = _mm512_loadu_si512(codes + 64 * g);
     second = _mm512_loadu_si512(codes + 64 * (g + 4));
   }
+  static __m512i hi_start(const uint8_t* sums) { return minus_128_times(sums); }
+};
+
+// A run of Q4 panels widened (widen_run) for the many rows that pass over it: a code a byte,
+// as Q8's, and -128 times each row's sum of codes as int32, what its hi dots start from.
+struct Q4Bytes {
+  static constexpr int64_t kCodeBytes = Q8::kCodeBytes;
+  static constexpr bool kOffsets = true;
+  static constexpr int64_t kSumBytes = 4 * kPanel;
+  static void quads(const uint8_t* codes, int g, __m512i& first, __m512i& second) { Q8::quads(codes, g, first, second); }
+  static __m512i hi_start(const uint8_t* sums) { return _mm512_loadu_si512(sums); }
 };
 
 template <class Format>
@@ -67,31 +91,43 @@ struct Layout {
   static constexpr int64_t kScales = Format::kCodeBytes;
   static constexpr int64_t kOffsets = kScales + 2 * kPanel;
   static constexpr int64_t kCodeSums = kOffsets + (Format::kOffsets ? 2 * kPanel : 0);
-  static constexpr int64_t kBlockBytes = kCodeSums + 2 * kPanel;
+  static constexpr int64_t kBlockBytes = kCodeSums + Format::kSumBytes;
+};
+
+// One call's activations (q16_quantize_rows), bias and output.
+struct Call {
+  const uint8_t* x;
+  const float* scales;
+  const float* offset_terms;
+  const float* bias;
+  float* y;
+  int64_t M, K, N;
 };
 
 // Activation rows and panels per tile: 4 x 2 ran the 4-bit projections at 230-255 GFLOP/s (2
 // threads, 64-2048 rows), 3 x 3 and 2 x 3 alike, 4 x 1 at 145-185, 2 x 1 at 120-155.
 constexpr int kTileRows = 4, kTilePanels = 2;
 
-// Rows m0 .. m0 + MR of x against panels n0 / 16 .. + NR (panel_bytes apart): y[m, n0 .. n0 + 16 NR].
+// Rows m0 .. m0 + MR of x against the NR panels from `panel` (panel_bytes apart): y[m, n0 .. n0 + 16 NR].
 template <class Format, int MR, int NR>
-void tile(const uint8_t* panel, int64_t panel_bytes, const uint8_t* x, const float* scales, const float* offset_terms,
-          const float* bias, float* y, int64_t K, int64_t N, int64_t n0, int64_t m0) {
+void tile(const uint8_t* panel, int64_t panel_bytes, const Call& c, int64_t n0, int64_t m0) {
   using L = Layout<Format>;
-  const int64_t blocks = K / kGroup;
+  const int64_t blocks = c.K / kGroup;
   __m512 acc[MR][NR];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b, panel += L::kBlockBytes) {
-    __m512i lo[MR][NR], hi[MR][NR];  // sum code * lo and sum code * hi: two chains per output
-    for (int m = 0; m < MR; ++m)
-      for (int n = 0; n < NR; ++n) lo[m][n] = hi[m][n] = _mm512_setzero_si512();
+    // sum code * lo, and sum code * hi less the 128 * sum code that hi's +128 adds: two chains an output
+    __m512i lo[MR][NR], hi[MR][NR];
+    for (int n = 0; n < NR; ++n) {
+      const __m512i start = Format::hi_start(panel + n * panel_bytes + L::kCodeSums);
+      for (int m = 0; m < MR; ++m) lo[m][n] = _mm512_setzero_si512(), hi[m][n] = start;
+    }
     for (int g = 0; g < 4; ++g) {
       __m512i first[NR], second[NR];  // quads g and g + 4
       for (int n = 0; n < NR; ++n) Format::quads(panel + n * panel_bytes, g, first[n], second[n]);
       for (int m = 0; m < MR; ++m) {
-        const uint8_t* row = x + ((m0 + m) * blocks + b) * 2 * kGroup + 4 * g;
+        const uint8_t* row = c.x + ((m0 + m) * blocks + b) * 2 * kGroup + 4 * g;
         const __m512i lo_first = broadcast_4_bytes(row), hi_first = broadcast_4_bytes(row + kGroup);
         const __m512i lo_second = broadcast_4_bytes(row + 16), hi_second = broadcast_4_bytes(row + kGroup + 16);
         for (int n = 0; n < NR; ++n) {
@@ -106,48 +142,69 @@ void tile(const uint8_t* panel, int64_t panel_bytes, const uint8_t* x, const flo
     for (int n = 0; n < NR; ++n) {
       const uint8_t* block = panel + n * panel_bytes;
       const __m512 d = _mm512_cvtph_ps(load_chunk(block + L::kScales));
-      const __m512i code_sums = _mm512_slli_epi32(_mm512_cvtepi16_epi32(load_chunk(block + L::kCodeSums)), 7);  // x 128
       for (int m = 0; m < MR; ++m) {
         const int64_t at = (m0 + m) * blocks + b;
-        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(hi[m][n], code_sums), 8), lo[m][n]);
-        acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(scales[at])), acc[m][n]);
+        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(hi[m][n], 8), lo[m][n]);
+        acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(c.scales[at])), acc[m][n]);
         if constexpr (Format::kOffsets) {
           const __m512 offset = _mm512_cvtph_ps(load_chunk(block + L::kOffsets));
-          acc[m][n] = _mm512_fmadd_ps(offset, _mm512_set1_ps(offset_terms[at]), acc[m][n]);
+          acc[m][n] = _mm512_fmadd_ps(offset, _mm512_set1_ps(c.offset_terms[at]), acc[m][n]);
         }
       }
     }
   }
   for (int n = 0; n < NR; ++n) {
-    const __m512 add = bias ? _mm512_loadu_ps(bias + n0 + kPanel * n) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + (m0 + m) * N + n0 + kPanel * n, _mm512_add_ps(acc[m][n], add));
+    const __m512 add = c.bias ? _mm512_loadu_ps(c.bias + n0 + kPanel * n) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) _mm512_storeu_ps(c.y + (m0 + m) * c.N + n0 + kPanel * n, _mm512_add_ps(acc[m][n], add));
   }
 }
 
-// Rows m0 .. m0 + MR over panels first .. last: kTilePanels at a time, then one at a time.
+// Rows m0 .. m0 + MR over `count` panels from `panels`, the first of them the layer's panel
+// `first`: kTilePanels at a time, then one at a time.
 template <class Format, int MR>
-void rows_over_run(const uint8_t* panels, int64_t panel_bytes, int64_t first, int64_t last, const uint8_t* x,
-                   const float* scales, const float* offset_terms, const float* bias, float* y, int64_t K, int64_t N,
+void rows_over_run(const uint8_t* panels, int64_t panel_bytes, int64_t first, int64_t count, const Call& c,
                    int64_t m0) {
-  int64_t p = first;
-  for (; p + kTilePanels <= last; p += kTilePanels)
-    tile<Format, MR, kTilePanels>(panels + p * panel_bytes, panel_bytes, x, scales, offset_terms, bias, y, K, N,
-                                  p * kPanel, m0);
-  for (; p < last; ++p)
-    tile<Format, MR, 1>(panels + p * panel_bytes, panel_bytes, x, scales, offset_terms, bias, y, K, N, p * kPanel,
-                        m0);
+  int64_t p = 0;
+  for (; p + kTilePanels <= count; p += kTilePanels)
+    tile<Format, MR, kTilePanels>(panels + p * panel_bytes, panel_bytes, c, (first + p) * kPanel, m0);
+  for (; p < count; ++p) tile<Format, MR, 1>(panels + p * panel_bytes, panel_bytes, c, (first + p) * kPanel, m0);
 }
 
 // The rows after the last whole tile of rows: a tile of exactly `rows` (< kTileRows).
 template <class Format, int MR = kTileRows - 1>
-void last_rows(int64_t rows, const uint8_t* panels, int64_t panel_bytes, int64_t first, int64_t last,
-               const uint8_t* x, const float* scales, const float* offset_terms, const float* bias, float* y,
-               int64_t K, int64_t N, int64_t m0) {
+void last_rows(int64_t rows, const uint8_t* panels, int64_t panel_bytes, int64_t first, int64_t count,
+               const Call& c, int64_t m0) {
   if constexpr (MR > 0) {
     if (rows == MR)
-      rows_over_run<Format, MR>(panels, panel_bytes, first, last, x, scales, offset_terms, bias, y, K, N, m0);
+      rows_over_run<Format, MR>(panels, panel_bytes, first, count, c, m0);
     else
-      last_rows<Format, MR - 1>(rows, panels, panel_bytes, first, last, x, scales, offset_terms, bias, y, K, N, m0);
+      last_rows<Format, MR - 1>(rows, panels, panel_bytes, first, count, c, m0);
+  }
+}
+
+// Rows m_first .. m_last of x over a run of `count` panels from `panels` (the layer's panel `first` on).
+template <class Format>
+void rows_over_panels(const uint8_t* panels, int64_t panel_bytes, int64_t first, int64_t count, const Call& c,
+                      int64_t m_first, int64_t m_last) {
+  int64_t m0 = m_first;
+  for (; m0 + kTileRows <= m_last; m0 += kTileRows)
+    rows_over_run<Format, kTileRows>(panels, panel_bytes, first, count, c, m0);
+  last_rows<Format>(m_last - m0, panels, panel_bytes, first, count, c, m0);
+}
+
+// Q4 panels into Q4Bytes ones at `into`: unpacked once for a run, not once a tile of rows.
+void widen_run(const uint8_t* panels, int64_t count, int64_t blocks, uint8_t* into) {
+  using From = Layout<Q4>;
+  using To = Layout<Q4Bytes>;
+  for (int64_t i = 0; i < count * blocks; ++i, panels += From::kBlockBytes, into += To::kBlockBytes) {
+    for (int g = 0; g < 4; ++g) {
+      __m512i first, second;
+      Q4::quads(panels, g, first, second);
+      _mm512_storeu_si512(into + 64 * g, first);
+      _mm512_storeu_si512(into + 64 * (g + 4), second);
+    }
+    std::memcpy(into + To::kScales, panels + From::kScales, 4 * kPanel);  // scales and offsets
+    _mm512_storeu_si512(into + To::kCodeSums, Q4::hi_start(panels + From::kCodeSums));
   }
 }
 
@@ -157,22 +214,47 @@ void last_rows(int64_t rows, const uint8_t* panels, int64_t panel_bytes, int64_t
 // panel by panel took 73 ms against 55 for oneDNN's float32 GEMM; in runs, 43 against 50.
 constexpr int64_t kRunPanels = 64;
 
+// Rows of quantized x a pass takes over a run: with the run's panels they stay in L2 (2048
+// rows of 576 inputs, 2.4 MB, streamed through a 2 MB L2 evicted the panels they passed;
+// passes of 452 rows made them 1.15x faster).
+constexpr int64_t kPassBytes = 512 << 10;
+
+// 4-bit runs are widened (widen_run) for steps of at least this many rows: at 8-24 rows the
+// widening cost more than unpacking once a tile of rows saved, at 36-64 it broke even.
+constexpr int64_t kWidenRows = 48;
+
+// A thread's buffer for widened runs, kept between calls.
+uint8_t* wide_buffer(int64_t bytes) {
+  static thread_local std::unique_ptr<uint8_t[]> buffer;
+  static thread_local int64_t capacity = 0;
+  if (bytes > capacity) buffer.reset(new uint8_t[bytes]), capacity = bytes;
+  return buffer.get();
+}
+
 template <class Format>
-void linear(const uint8_t* x, const float* scales, const float* offset_terms, const uint8_t* panels,
-            const float* bias, float* y, int64_t M, int64_t K, int64_t N, int threads) {
-  const int64_t panel_bytes = (K / kGroup) * Layout<Format>::kBlockBytes;
-  const int64_t count = N / kPanel;
+void linear(const uint8_t* panels, const Call& c, int threads) {
+  const int64_t blocks = c.K / kGroup;
+  const int64_t panel_bytes = blocks * Layout<Format>::kBlockBytes;
+  const int64_t count = c.N / kPanel;
   // As many runs for every thread (3 runs of 64 panels on 2 threads left one thread idle a
   // third of the time), each of whole tiles of panels and at most about kRunPanels.
   const int64_t runs = threads * ((count + threads * kRunPanels - 1) / (threads * kRunPanels));
   const int64_t run = ((count + runs - 1) / runs + kTilePanels - 1) / kTilePanels * kTilePanels;
+  const int64_t pass_rows = std::max<int64_t>(kTileRows, kPassBytes / (2 * c.K) / kTileRows * kTileRows);
+  const bool widen = std::is_same_v<Format, Q4> && c.M >= kWidenRows;
+  const int64_t wide_panel_bytes = blocks * Layout<Q4Bytes>::kBlockBytes;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t first = 0; first < count; first += run) {
-    const int64_t last = std::min(count, first + run);
-    int64_t m0 = 0;
-    for (; m0 + kTileRows <= M; m0 += kTileRows)
-      rows_over_run<Format, kTileRows>(panels, panel_bytes, first, last, x, scales, offset_terms, bias, y, K, N, m0);
-    last_rows<Format>(M - m0, panels, panel_bytes, first, last, x, scales, offset_terms, bias, y, K, N, m0);
+    const int64_t n = std::min(count - first, run);
+    uint8_t* wide = widen ? wide_buffer(run * wide_panel_bytes) : nullptr;
+    if (widen) widen_run(panels + first * panel_bytes, n, blocks, wide);
+    for (int64_t m_first = 0; m_first < c.M; m_first += pass_rows) {
+      const int64_t m_last = std::min(c.M, m_first + pass_rows);
+      if (widen)
+        rows_over_panels<Q4Bytes>(wide, wide_panel_bytes, first, n, c, m_first, m_last);
+      else
+        rows_over_panels<Format>(panels + first * panel_bytes, panel_bytes, first, n, c, m_first, m_last);
+    }
   }
 }
 
@@ -210,11 +292,11 @@ extern "C" void q16_quantize_rows(const float* x, uint8_t* xq, float* scales, fl
 extern "C" void q4_vnni_linear(const uint8_t* xq, const float* scales, const float* offset_terms,
                                const uint8_t* panels, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
                                int threads) {
-  linear<Q4>(xq, scales, offset_terms, panels, bias, y, M, K, N, threads);
+  linear<Q4>(panels, Call{xq, scales, offset_terms, bias, y, M, K, N}, threads);
 }
 
 extern "C" void q8_vnni_linear(const uint8_t* xq, const float* scales, const float* offset_terms,
                                const uint8_t* panels, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
                                int threads) {
-  linear<Q8>(xq, scales, offset_terms, panels, bias, y, M, K, N, threads);
+  linear<Q8>(panels, Call{xq, scales, offset_terms, bias, y, M, K, N}, threads);
 }

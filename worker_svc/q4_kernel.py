@@ -27,13 +27,15 @@ PASSIVE_PARALLEL_MIN_MACS = 16 << 20
 
 
 def checked_call(x: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int,
-                 min_parallel_macs: int) -> tuple[torch.Tensor, int]:
-    """x [rows, in] float32 made contiguous, and the threads a call of its size takes; bias
-    [out] float32 or None. The kernels read raw pointers: a wrong shape or dtype must fail here."""
+                 min_parallel_macs: int, rows_apart: bool = False) -> tuple[torch.Tensor, int]:
+    """x [rows, in] float32 made contiguous (with rows_apart, only each row: the kernel takes the
+    row stride), and the threads a call of its size takes; bias [out] float32 or None. The
+    kernels read raw pointers: a wrong shape or dtype must fail here."""
     rows, cols = x.shape
     assert x.dtype == torch.float32 and cols == in_features
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == out_features)
-    return x.contiguous(), torch.get_num_threads() if rows * cols * out_features >= min_parallel_macs else 1
+    x = x if rows_apart and x.stride(1) == 1 and x.stride(0) >= cols else x.contiguous()
+    return x, torch.get_num_threads() if rows * cols * out_features >= min_parallel_macs else 1
 
 
 class Q4Kernel:

@@ -92,8 +92,11 @@ def test_the_head_sends_every_step_to_it_and_keeps_no_float32_copy(rows):
 def test_model_sized_layers_and_strided_inputs(rows):
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 576, 1536)
     x = torch.randn(rows, 3072)[:, ::2]  # not contiguous
-    out = kernel.linear(Q4Panels.from_blocks(blocks), x, None)
+    panels = Q4Panels.from_blocks(blocks)
+    out = kernel.linear(panels, x, None)
     torch.testing.assert_close(out.double(), quantized(x.contiguous()) @ dense(blocks).T, rtol=1e-5, atol=1e-5)
+    gate = torch.cat([x, torch.randn(rows, 1536)], dim=1)[:, :1536]  # rows 3072 apart, read in place
+    assert torch.equal(kernel.linear(panels, gate, None), out)
 
 
 @needs_kernel

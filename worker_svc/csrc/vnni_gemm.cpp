@@ -260,15 +260,17 @@ void linear(const uint8_t* panels, const Call& c, int threads) {
 
 }  // namespace
 
-// Row m's block b of x [M, K] as int16 values q, stored as bytes at xq [M, 2 K]: the block's 32
-// lo bytes (q & 255), then its 32 hi bytes ((q >> 8) + 128); its scale a (amax / 32767) into
-// scales [M, K / 32] and a * (the sum of its q) into offset_terms, which the offsets multiply.
+// Row m's block b of x [M, K] (rows x_stride apart) as int16 values q, stored as bytes at xq
+// [M, 2 K]: the block's 32 lo bytes (q & 255), then its 32 hi bytes ((q >> 8) + 128); its scale
+// a (amax / 32767) into scales [M, K / 32] and a * (the sum of its q) into offset_terms, which
+// the offsets multiply.
 extern "C" void q16_quantize_rows(const float* x, uint8_t* xq, float* scales, float* offset_terms, int64_t M,
-                                  int64_t K, int threads) {
+                                  int64_t K, int64_t x_stride, int threads) {
   const int64_t blocks = K / kGroup;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < M * blocks; ++i) {
-    const __m512 lo = _mm512_loadu_ps(x + i * kGroup), hi = _mm512_loadu_ps(x + i * kGroup + 16);
+    const float* block = x + (i / blocks) * x_stride + (i % blocks) * kGroup;
+    const __m512 lo = _mm512_loadu_ps(block), hi = _mm512_loadu_ps(block + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     const float scale = amax / 32767.0f;
     const __m512 inverse = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
@@ -277,10 +279,10 @@ extern "C" void q16_quantize_rows(const float* x, uint8_t* xq, float* scales, fl
     const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
     const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(qlo)),
                                          _mm512_cvtepi32_epi16(qhi), 1);
-    __m256i* block = reinterpret_cast<__m256i*>(xq + i * 2 * kGroup);
-    _mm256_storeu_si256(block, _mm512_cvtepi16_epi8(q));
+    __m256i* bytes = reinterpret_cast<__m256i*>(xq + i * 2 * kGroup);
+    _mm256_storeu_si256(bytes, _mm512_cvtepi16_epi8(q));
     const __m256i high = _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8));
-    _mm256_storeu_si256(block + 1, _mm256_xor_si256(high, _mm256_set1_epi8(static_cast<char>(0x80))));  // + 128
+    _mm256_storeu_si256(bytes + 1, _mm256_xor_si256(high, _mm256_set1_epi8(static_cast<char>(0x80))));  // + 128
     scales[i] = scale;
     offset_terms[i] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
   }

@@ -108,33 +108,26 @@ class Q8Panels(Panels):
 
 class VnniKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._quantize = library.q16_quantize_rows
-        self._quantize.restype = None
-        self._quantize.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._functions = {}
         for panels in (Q4Panels, Q8Panels):
             function = self._functions[panels] = getattr(library, panels.function)
             function.restype = None
-            function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+            function.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [
+                ctypes.c_int] * 2
         # As for the float32 kernel: waking a sleeping thread costs more than a small call.
         self.min_parallel_macs = PASSIVE_PARALLEL_MIN_MACS if idle_threads_sleep() else 0
 
     def linear(self, weights: Panels, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] float32 (rows may lie apart) -> x @ W.T + bias [rows, out] float32, x quantized
-        to int16 per block."""
+        to int16 per block (into the kernel's buffer: one call, one allocation, the output)."""
         x, threads = checked_call(x, bias, weights.in_features, weights.out_features, self.min_parallel_macs,
                                   rows_apart=True)
         rows, cols = x.shape
-        xq = torch.empty(rows, 2 * cols, dtype=torch.uint8)  # each int16 value's low and high byte
-        scales = torch.empty(rows, cols // GROUP_SIZE)
-        offset_terms = torch.empty(rows, cols // GROUP_SIZE)
         quantize_threads = threads if x.numel() >= QUANTIZE_PARALLEL_MIN_ELEMENTS else 1
-        self._quantize(x.data_ptr(), xq.data_ptr(), scales.data_ptr(), offset_terms.data_ptr(), rows, cols,
-                       x.stride(0), quantize_threads)
         out = torch.empty(rows, weights.out_features)
-        self._functions[type(weights)](xq.data_ptr(), scales.data_ptr(), offset_terms.data_ptr(),
-                                       weights.panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                                       out.data_ptr(), rows, cols, weights.out_features, threads)
+        self._functions[type(weights)](x.data_ptr(), x.stride(0), weights.panels.data_ptr(),
+                                       None if bias is None else bias.data_ptr(), out.data_ptr(), rows, cols,
+                                       weights.out_features, threads, quantize_threads)
         return out
 
 

@@ -94,7 +94,7 @@ struct Layout {
   static constexpr int64_t kBlockBytes = kCodeSums + Format::kSumBytes;
 };
 
-// One call's activations (q16_quantize_rows), bias and output.
+// One call's activations (quantize_rows), bias and output.
 struct Call {
   const uint8_t* x;
   const float* scales;
@@ -223,8 +223,12 @@ constexpr int64_t kPassBytes = 512 << 10;
 // widening cost more than unpacking once a tile of rows saved, at 36-64 it broke even.
 constexpr int64_t kWidenRows = 48;
 
-// A thread's buffer for widened runs, kept between calls.
-uint8_t* wide_buffer(int64_t bytes) {
+// A thread's buffers, kept between calls: the caller's for its quantized x, each OpenMP
+// thread's for the run it widens.
+enum class Buffer { kQuantizedX, kWideRun };
+
+template <Buffer>
+uint8_t* thread_buffer(int64_t bytes) {
   static thread_local std::unique_ptr<uint8_t[]> buffer;
   static thread_local int64_t capacity = 0;
   if (bytes > capacity) buffer.reset(new uint8_t[bytes]), capacity = bytes;
@@ -246,7 +250,7 @@ void linear(const uint8_t* panels, const Call& c, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t first = 0; first < count; first += run) {
     const int64_t n = std::min(count - first, run);
-    uint8_t* wide = widen ? wide_buffer(run * wide_panel_bytes) : nullptr;
+    uint8_t* wide = widen ? thread_buffer<Buffer::kWideRun>(run * wide_panel_bytes) : nullptr;
     if (widen) widen_run(panels + first * panel_bytes, n, blocks, wide);
     for (int64_t m_first = 0; m_first < c.M; m_first += pass_rows) {
       const int64_t m_last = std::min(c.M, m_first + pass_rows);
@@ -258,14 +262,12 @@ void linear(const uint8_t* panels, const Call& c, int threads) {
   }
 }
 
-}  // namespace
-
 // Row m's block b of x [M, K] (rows x_stride apart) as int16 values q, stored as bytes at xq
 // [M, 2 K]: the block's 32 lo bytes (q & 255), then its 32 hi bytes ((q >> 8) + 128); its scale
 // a (amax / 32767) into scales [M, K / 32] and a * (the sum of its q) into offset_terms, which
 // the offsets multiply.
-extern "C" void q16_quantize_rows(const float* x, uint8_t* xq, float* scales, float* offset_terms, int64_t M,
-                                  int64_t K, int64_t x_stride, int threads) {
+void quantize_rows(const float* x, int64_t x_stride, uint8_t* xq, float* scales, float* offset_terms, int64_t M,
+                   int64_t K, int threads) {
   const int64_t blocks = K / kGroup;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < M * blocks; ++i) {
@@ -288,17 +290,30 @@ extern "C" void q16_quantize_rows(const float* x, uint8_t* xq, float* scales, fl
   }
 }
 
-// x quantized by q16_quantize_rows; panels [N / 16, K / 32, block bytes] uint8 as described
-// above; bias [N] float32 or null; y [M, N] float32. N a multiple of 16, K of 32. Runs of
-// panels are split over `threads` OpenMP threads.
-extern "C" void q4_vnni_linear(const uint8_t* xq, const float* scales, const float* offset_terms,
-                               const uint8_t* panels, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
-                               int threads) {
-  linear<Q4>(panels, Call{xq, scales, offset_terms, bias, y, M, K, N}, threads);
+// x quantized into the calling thread's buffer, then multiplied with the panels.
+template <class Format>
+void quantized_linear(const float* x, int64_t x_stride, const uint8_t* panels, const float* bias, float* y,
+                      int64_t M, int64_t K, int64_t N, int threads, int quantize_threads) {
+  const int64_t blocks = M * (K / kGroup);
+  uint8_t* xq = thread_buffer<Buffer::kQuantizedX>(M * 2 * K + 2 * blocks * int64_t{sizeof(float)});
+  float* scales = reinterpret_cast<float*>(xq + M * 2 * K);
+  float* offset_terms = scales + blocks;
+  quantize_rows(x, x_stride, xq, scales, offset_terms, M, K, quantize_threads);
+  linear<Format>(panels, Call{xq, scales, offset_terms, bias, y, M, K, N}, threads);
 }
 
-extern "C" void q8_vnni_linear(const uint8_t* xq, const float* scales, const float* offset_terms,
-                               const uint8_t* panels, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
-                               int threads) {
-  linear<Q8>(panels, Call{xq, scales, offset_terms, bias, y, M, K, N}, threads);
+}  // namespace
+
+// y = x @ W^T + bias: x [M, K] float32 with rows x_stride apart; panels [N / 16, K / 32, block
+// bytes] uint8 as described above; bias [N] float32 or null; y [M, N] float32. N a multiple of
+// 16, K of 32. x is quantized on `quantize_threads` OpenMP threads, and runs of panels are
+// split over `threads`.
+extern "C" void q4_vnni_linear(const float* x, int64_t x_stride, const uint8_t* panels, const float* bias, float* y,
+                               int64_t M, int64_t K, int64_t N, int threads, int quantize_threads) {
+  quantized_linear<Q4>(x, x_stride, panels, bias, y, M, K, N, threads, quantize_threads);
+}
+
+extern "C" void q8_vnni_linear(const float* x, int64_t x_stride, const uint8_t* panels, const float* bias, float* y,
+                               int64_t M, int64_t K, int64_t N, int threads, int quantize_threads) {
+  quantized_linear<Q8>(x, x_stride, panels, bias, y, M, K, N, threads, quantize_threads);
 }

@@ -28,7 +28,7 @@ _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_
 class DecoderKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._add_rms_norm = _bind(library.add_rms_norm, [_ptr] * 5 + [_i64, _i64, _f32, _int])
-        self._silu_and_mul = _bind(library.silu_and_mul, [_ptr, _ptr, _i64, _i64, _i64, _int])
+        self._silu_and_mul = _bind(library.silu_and_mul, [_ptr, _i64, _i64, _int])
         self._rotary = _bind(library.rotary, [_ptr] * 5 + [_i64] * 6 + [_int])
         self._write_kv = {dtype: _bind(getattr(library, f"write_kv_{name}"), [_ptr] * 5 + [_i64] * 5, _i64)
                           for dtype, name in CACHE_DTYPES.items()}
@@ -55,8 +55,7 @@ class DecoderKernel:
         faulted in a fifth of the 4-bit workload's page faults (12 MB at a 2048-token step)."""
         gate_up = _rows(gate_up)
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-        self._silu_and_mul(gate_up.data_ptr(), gate_up.data_ptr(), rows, width, 2 * width,
-                           self._threads(gate_up.numel()))
+        self._silu_and_mul(gate_up.data_ptr(), rows, width, self._threads(gate_up.numel()))
         return gate_up[:, :width]
 
     def rotary_(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

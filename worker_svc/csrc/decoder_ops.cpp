@@ -58,23 +58,20 @@ extern "C" void add_rms_norm(const float* x, const float* residual, const float*
   }
 }
 
-// out[r] = silu(gate) * up, where row r of gate_up is [gate | up], each `width` wide, and out's
-// rows are out_stride apart: out may be gate_up itself (its gate half, out_stride 2 * width).
-extern "C" void silu_and_mul(const float* gate_up, float* out, int64_t rows, int64_t width, int64_t out_stride,
-                             int threads) {
+// silu(gate) * up written over gate, where row r of gate_up is [gate | up], each `width` wide.
+extern "C" void silu_and_mul(float* gate_up, int64_t rows, int64_t width, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = gate_up + r * 2 * width;
+    float* gate = gate_up + r * 2 * width;
     const float* up = gate + width;
-    float* o = out + r * out_stride;
     int64_t i = 0;
     for (; i + 8 <= width; i += 8) {
       const __m256 g = _mm256_loadu_ps(gate + i);
       const __m256 e = simd::exp(_mm256_sub_ps(_mm256_setzero_ps(), g));
       const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-      _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+      _mm256_storeu_ps(gate + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
     }
-    for (; i < width; ++i) o[i] = silu_times(gate[i], up[i]);
+    for (; i < width; ++i) gate[i] = silu_times(gate[i], up[i]);
   }
 }
 

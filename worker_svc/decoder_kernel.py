@@ -18,7 +18,7 @@ from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
 from worker_svc.threads import idle_threads_sleep
 
 SOURCE = Path(__file__).parent / "csrc" / "decoder_ops.cpp"
-# Waking kvfleet's sleeping second OpenMP thread (OMP_WAIT_POLICY=PASSIVE) costs about
+# Waking kvfleet's sleeping second thread (a pool helper between steps) costs about
 # 0.1 ms, which is what one thread takes for this many elements of these passes.
 PARALLEL_MIN_ELEMENTS = 1 << 18
 

@@ -8,10 +8,14 @@ leaves behind; here each build writes a private file and renames it into place, 
 concurrent or interrupted builds never block one another. A kernel that cannot be built
 (no compiler, a read-only cache, a CPU without its instructions) is None, with a logged
 warning: every caller keeps a torch path, so serving never fails on a kernel.
+
+Each kernel library links kvfleet's thread pool (csrc/thread_pool.cpp, built the same
+way), so that all of them share its helper threads.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -27,8 +31,10 @@ from services.file_cache import cache_root
 logger = logging.getLogger(__name__)
 
 # For kernels written with AVX2 intrinsics (the GGUF GEMMs).
-AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"]
 AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
+POOL_SOURCE = Path(__file__).parent / "csrc" / "thread_pool.cpp"
+POOL_FLAGS = ["-O2", "-pthread", "-shared", "-fPIC"]
 
 
 def cpu_flags() -> set[str]:
@@ -50,17 +56,31 @@ def cpu_signature() -> bytes:
     return "\n".join(sorted({line for line in lines if line.startswith(wanted)})).encode()
 
 
-def load_library(source: Path, flags: Sequence[str], what: str, needs: Sequence[str] = (),
-                 libraries: Sequence[str] = ()) -> ctypes.CDLL | None:
-    """`source` built with `flags` (C++ for .cpp, else C) and loaded; None, warned, where it
-    cannot be. `needs`: CPU flags the code requires; `what` names it in the warnings."""
+def load_library(source: Path, flags: Sequence[str], what: str, needs: Sequence[str] = ()) -> ctypes.CDLL | None:
+    """`source` built with `flags` (C++ for .cpp, else C), linked with the thread pool, and
+    loaded; None, warned, where it cannot be. `needs`: CPU flags the code requires; `what`
+    names it in the warnings."""
     if not set(needs) <= cpu_flags():
         logger.warning("%s: this CPU lacks one of %s; using torch instead", what, ", ".join(needs))
         return None
+    pool = thread_pool()
+    if pool is None:
+        logger.warning("%s: the thread pool did not build; using torch instead", what)
+        return None
+    return _built(source, flags, what, [pool._name])
+
+
+@functools.cache
+def thread_pool() -> ctypes.CDLL | None:
+    """The helper threads every kernel library shares (csrc/thread_pool.cpp)."""
+    return _built(POOL_SOURCE, POOL_FLAGS, "the kernels' thread pool", [])
+
+
+def _built(source: Path, flags: Sequence[str], what: str, libraries: Sequence[str]) -> ctypes.CDLL | None:
     native = "-march=native" in flags
-    # The headers beside it are part of what it compiles.
+    # The headers beside it, and the libraries it links, are part of what it compiles.
     code = b"".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.h"))])
-    key = hashlib.sha256(code + " ".join(flags).encode() + (cpu_signature() if native else b""))
+    key = hashlib.sha256(code + " ".join([*flags, *libraries]).encode() + (cpu_signature() if native else b""))
     library = cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
     try:
         if not library.exists():

@@ -18,7 +18,7 @@ from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
 from worker_svc.threads import idle_threads_sleep
 
 SOURCE = Path(__file__).parent / "csrc" / "q4_gemm.cpp"
-# kvfleet's idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE, worker_svc/threads.py), and
+# kvfleet's idle threads sleep (OMP_WAIT_POLICY=PASSIVE; the pool's between steps), and
 # waking one cost ~0.2 ms a call on the 2-core VM measured: more than a whole 1-row
 # projection (16 ms for SmolLM2's 120 projections on one thread, 35 ms on two). Under that
 # policy a call of fewer multiply-adds runs on the calling thread alone; two threads only

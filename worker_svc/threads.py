@@ -9,6 +9,10 @@ defaulting to torch's own choice (a thread per physical core) for a single worke
 to an even share of it for each rank of a CPU worker group (ranks with more threads
 than the cores would take turns on them). A step of few tokens runs on one of them
 (`step_threads`). Tests pin one thread.
+
+kvfleet's own kernels split their work over a pool of their own (csrc/thread_pool.cpp),
+not OpenMP's: while a step runs its helpers poll for the next parallel region for a
+little while before they sleep, so the step's ~150 regions do not each pay a wake-up.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+from worker_svc.native import thread_pool
 
 # torch's own choice, before anything here changes it.
 _TORCH_DEFAULT_THREADS = torch.get_num_threads()
@@ -53,17 +59,28 @@ SINGLE_THREAD_MAX_TOKENS = 8
 
 @contextmanager
 def step_threads(device: torch.device, num_tokens: int) -> Iterator[None]:
-    """A CPU step of `num_tokens` on the calling thread alone where waking the others costs
-    more than they give; OpenMP's thread count is per calling thread, so this one step's."""
+    """A CPU step: on the calling thread alone where waking the others costs more than they
+    give (OpenMP's thread count is per calling thread, so this one step's); otherwise with the
+    kernels' pool helpers polling for its parallel regions until it ends."""
     threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1 or not idle_threads_sleep() or num_tokens > SINGLE_THREAD_MAX_TOKENS:
+    if device.type != "cpu" or threads == 1:
         yield
         return
-    torch.set_num_threads(1)
+    if idle_threads_sleep() and num_tokens <= SINGLE_THREAD_MAX_TOKENS:
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+        return
+    pool = thread_pool()
+    if pool is not None:
+        pool.kvfleet_pool_active(1)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        if pool is not None:
+            pool.kvfleet_pool_active(0)
 
 
 def even_shares(costs: list[int], threads: int) -> list[int]:

@@ -23,7 +23,7 @@ from worker_svc.q8_weights import Q8Blocks
 from worker_svc.threads import idle_threads_sleep
 
 SOURCE = Path(__file__).parent / "csrc" / "vnni_gemm.cpp"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-shared", "-fPIC"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 PANEL_ROWS = 16  # output rows per panel: one per 32-bit lane of an AVX-512 register
 # Quantizing x is a pass over it alone, a tenth of the products' time at most: it takes the

@@ -1,7 +1,7 @@
 """The in-place paged decode attention kernel (csrc/paged_decode.cpp), built and loaded on demand.
 
 Built once per machine (worker_svc/native.py; AVX2 and FMA) and called through ctypes,
-with its OpenMP threads each running a share of the decodes that reads about the same
+with its threads (the pool's) each running a share of the decodes that reads about the same
 number of keys. Without a compiler or AVX2 (or with KVFLEET_DECODE_KERNEL=0) the torch
 backend keeps its gather-then-SDPA path, so this is an accelerator, never a requirement.
 """

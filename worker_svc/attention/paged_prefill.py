@@ -4,7 +4,7 @@ loaded on demand.
 Every chunk of a step, a whole prompt or one that continues cached context, runs in one
 call per layer: its queries attend to keys and values where they lie in the cache, so a
 chunk with context needs no gathered copy and no mask. Built once per machine
-(worker_svc/native.py; AVX2 and FMA) and called through ctypes, with its OpenMP threads
+(worker_svc/native.py; AVX2 and FMA) and called through ctypes, with its threads (the pool's)
 each taking a share of the tiles that reads about the same number of keys. Without a
 compiler or AVX2 (or with KVFLEET_PREFILL_KERNEL=0) the torch backend keeps SDPA.
 """

@@ -2,7 +2,7 @@
 // add with RMSNorm, the rotary embedding, SiLU-and-multiply, and writing new K and V into
 // the paged cache (in its element type). torch runs each as several operators, and under OMP_WAIT_POLICY=PASSIVE
 // each of them over 32k elements woke the second thread (~0.1 ms); here a call stays on the
-// calling thread unless `threads` says otherwise.
+// calling thread unless `threads` says otherwise, and then runs on kvfleet's pool (parallel.h).
 //
 // Built with -ffp-contract=off: each product and sum is rounded as torch's operators round
 // them, so the add and the rotary embedding equal torch's bit for bit. The norm's sum of
@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "cache_element.h"
+#include "parallel.h"
 #include "simd_math.h"
 
 namespace {
@@ -27,8 +28,7 @@ inline float silu_times(float gate, float up) { return gate / (1.0f + std::exp(-
 // `sum`) or, with residual null, h = x. x, residual, sum, out: [rows, hidden], contiguous rows.
 extern "C" void add_rms_norm(const float* x, const float* residual, const float* weight, float* sum, float* out,
                              int64_t rows, int64_t hidden, float eps, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-  for (int64_t r = 0; r < rows; ++r) {
+  parallel::for_each(threads, rows, [&](int64_t r) {
     const float* xr = x + r * hidden;
     const float* h = xr;
     if (residual != nullptr) {
@@ -55,13 +55,12 @@ extern "C" void add_rms_norm(const float* x, const float* residual, const float*
     for (i = 0; i + 8 <= hidden; i += 8)
       _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(h + i), inv8)));
     for (; i < hidden; ++i) o[i] = weight[i] * (h[i] * inv);
-  }
+  });
 }
 
 // silu(gate) * up written over gate, where row r of gate_up is [gate | up], each `width` wide.
 extern "C" void silu_and_mul(float* gate_up, int64_t rows, int64_t width, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-  for (int64_t r = 0; r < rows; ++r) {
+  parallel::for_each(threads, rows, [&](int64_t r) {
     float* gate = gate_up + r * 2 * width;
     const float* up = gate + width;
     int64_t i = 0;
@@ -72,7 +71,7 @@ extern "C" void silu_and_mul(float* gate_up, int64_t rows, int64_t width, int th
       _mm256_storeu_ps(gate + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
     }
     for (; i < width; ++i) gate[i] = silu_times(gate[i], up[i]);
-  }
+  });
 }
 
 // Neox-style rotary embedding in place: for each head, (a, b) = its two halves,
@@ -83,8 +82,7 @@ extern "C" void rotary(float* q, float* k, const int64_t* positions, const float
                        int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t dim, int64_t q_stride,
                        int64_t k_stride, int threads) {
   const int64_t half = dim / 2;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-  for (int64_t t = 0; t < tokens; ++t) {
+  parallel::for_each(threads, tokens, [&](int64_t t) {
     const float* c = cos + positions[t] * dim;
     const float* s = sin + positions[t] * dim;
     for (int64_t h = 0; h < q_heads + k_heads; ++h) {
@@ -104,7 +102,7 @@ extern "C" void rotary(float* q, float* k, const int64_t* positions, const float
         b[i] = vb * c[half + i] + va * s[half + i];
       }
     }
-  }
+  });
 }
 
 // Token t's K and V rows (`width` floats each, at row strides key_stride and value_stride)

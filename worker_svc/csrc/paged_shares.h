@@ -1,10 +1,12 @@
 // How the paged attention kernels (paged_decode.cpp, paged_prefill.cpp) run their work: one
-// OpenMP thread per share (thread i takes items bounds[i] .. bounds[i + 1]), each with the
-// head size as a compile-time constant where it is a common one, so that its loops unroll.
+// thread per share (thread i takes items bounds[i] .. bounds[i + 1]), each with the head size
+// as a compile-time constant where it is a common one, so that its loops unroll.
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
+
+#include "parallel.h"
 
 namespace paged_shares {
 
@@ -12,16 +14,19 @@ namespace paged_shares {
 // std::integral_constant of 64, 128 or 0 (0: any other size, read at run time).
 template <class Attend>
 void run(int64_t head_dim, const int64_t* bounds, int64_t threads, const Attend& attend) {
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-  for (int64_t i = 0; i < threads; ++i) {
-    if (head_dim == 64) {
-      attend(std::integral_constant<int64_t, 64>{}, bounds[i], bounds[i + 1]);
-    } else if (head_dim == 128) {
-      attend(std::integral_constant<int64_t, 128>{}, bounds[i], bounds[i + 1]);
-    } else {
-      attend(std::integral_constant<int64_t, 0>{}, bounds[i], bounds[i + 1]);
+  const int shares = static_cast<int>(threads);
+  // Each share on its own thread; all of them on the caller's where the pool runs it alone.
+  parallel::run(shares, [&](int thread, int count) {
+    for (int i = thread; i < shares; i += count) {
+      if (head_dim == 64) {
+        attend(std::integral_constant<int64_t, 64>{}, bounds[i], bounds[i + 1]);
+      } else if (head_dim == 128) {
+        attend(std::integral_constant<int64_t, 128>{}, bounds[i], bounds[i + 1]);
+      } else {
+        attend(std::integral_constant<int64_t, 0>{}, bounds[i], bounds[i + 1]);
+      }
     }
-  }
+  });
 }
 
 }  // namespace paged_shares

@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "block_gemm.h"
+#include "parallel.h"
 
 namespace {
 
@@ -75,12 +76,12 @@ void rows_tile(const uint8_t* codes, const uint16_t* so, const float* x, const f
 
 // x [M, K] float32; codes [N, K / 32, 16] uint8; scale_offsets [N, K / 32, 2] float16;
 // bias [N] float32 or null; y [M, N] float32. All contiguous; K a multiple of 32. Output
-// rows are split over `threads` OpenMP threads (torch's own runtime: the same libgomp).
+// rows are split over `threads` threads.
 extern "C" void q4_linear(const float* x, const uint8_t* codes, const uint16_t* scale_offsets, const float* bias,
                           float* y, int64_t M, int64_t K, int64_t N, int threads) {
   const int64_t tiles = N / kTileN;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t t = 0; t < tiles; ++t) rows_tile<kTileN>(codes, scale_offsets, x, bias, y, M, K, N, t * kTileN);
+  parallel::for_each(threads, tiles,
+                     [&](int64_t t) { rows_tile<kTileN>(codes, scale_offsets, x, bias, y, M, K, N, t * kTileN); });
   for (int64_t n0 = tiles * kTileN; n0 < N; ++n0) rows_tile<1>(codes, scale_offsets, x, bias, y, M, K, N, n0);
 }
 
@@ -89,10 +90,9 @@ extern "C" void q4_linear(const float* x, const uint8_t* codes, const uint16_t* 
 extern "C" void q4_dequantize(const uint8_t* codes, const uint16_t* scale_offsets, float* w, int64_t N, int64_t K,
                               int threads) {
   const int64_t blocks = N * (K / kGroup);
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) {
+  parallel::for_each(threads, blocks, [&](int64_t b) {
     __m256 v[4];
     dequantize_block(codes + b * (kGroup / 2), scale_offsets + b * 2, v);
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(w + b * kGroup + 8 * j, v[j]);
-  }
+  });
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "block_gemm.h"
+#include "parallel.h"
 
 namespace {
 
@@ -54,19 +55,17 @@ void rows_tile(const int8_t* codes, const uint16_t* scales, const float* x, floa
 }  // namespace
 
 // x [M, K] float32; codes [N, K] int8; scales [N, K / 32] float16; y [M, N] float32. All
-// contiguous; K a multiple of 32. Output rows are split over `threads` OpenMP threads
-// (torch's own runtime: the same libgomp).
+// contiguous; K a multiple of 32. Output rows are split over `threads` threads.
 extern "C" void q8_linear(const float* x, const int8_t* codes, const uint16_t* scales, float* y, int64_t M,
                           int64_t K, int64_t N, int threads) {
   const int64_t tiles = N / kTileN;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t t = 0; t < tiles; ++t) {
+  parallel::for_each(threads, tiles, [&](int64_t t) {
     if (M == 1) {  // tiles of 4 output rows for one row of x; of 2 (6 accumulators) for more
       rows_tile<kTileN>(codes, scales, x, y, M, K, N, t * kTileN);
     } else {
       rows_tile<2>(codes, scales, x, y, M, K, N, t * kTileN);
       rows_tile<2>(codes, scales, x, y, M, K, N, t * kTileN + 2);
     }
-  }
+  });
   for (int64_t n0 = tiles * kTileN; n0 < N; ++n0) rows_tile<1>(codes, scales, x, y, M, K, N, n0);
 }

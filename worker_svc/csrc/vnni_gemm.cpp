@@ -34,6 +34,8 @@
 #include <memory>
 #include <type_traits>
 
+#include "parallel.h"
+
 namespace {
 
 constexpr int64_t kGroup = 32;  // inputs per GGUF block
@@ -223,7 +225,7 @@ constexpr int64_t kPassBytes = 512 << 10;
 // widening cost more than unpacking once a tile of rows saved, at 36-64 it broke even.
 constexpr int64_t kWidenRows = 48;
 
-// A thread's buffers, kept between calls: the caller's for its quantized x, each OpenMP
+// A thread's buffers, kept between calls: the caller's for its quantized x, each pool
 // thread's for the run it widens.
 enum class Buffer { kQuantizedX, kWideRun };
 
@@ -247,9 +249,8 @@ void linear(const uint8_t* panels, const Call& c, int threads) {
   const int64_t pass_rows = std::max<int64_t>(kTileRows, kPassBytes / (2 * c.K) / kTileRows * kTileRows);
   const bool widen = std::is_same_v<Format, Q4> && c.M >= kWidenRows;
   const int64_t wide_panel_bytes = blocks * Layout<Q4Bytes>::kBlockBytes;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t first = 0; first < count; first += run) {
-    const int64_t n = std::min(count - first, run);
+  parallel::for_each(threads, (count + run - 1) / run, [&](int64_t run_index) {
+    const int64_t first = run_index * run, n = std::min(count - first, run);
     uint8_t* wide = widen ? thread_buffer<Buffer::kWideRun>(run * wide_panel_bytes) : nullptr;
     if (widen) widen_run(panels + first * panel_bytes, n, blocks, wide);
     for (int64_t m_first = 0; m_first < c.M; m_first += pass_rows) {
@@ -259,7 +260,7 @@ void linear(const uint8_t* panels, const Call& c, int threads) {
       else
         rows_over_panels<Format>(panels + first * panel_bytes, panel_bytes, first, n, c, m_first, m_last);
     }
-  }
+  });
 }
 
 // Row m's block b of x [M, K] (rows x_stride apart) as int16 values q, stored as bytes at xq
@@ -269,8 +270,7 @@ void linear(const uint8_t* panels, const Call& c, int threads) {
 void quantize_rows(const float* x, int64_t x_stride, uint8_t* xq, float* scales, float* offset_terms, int64_t M,
                    int64_t K, int threads) {
   const int64_t blocks = K / kGroup;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < M * blocks; ++i) {
+  parallel::for_each(threads, M * blocks, [&](int64_t i) {
     const float* block = x + (i / blocks) * x_stride + (i % blocks) * kGroup;
     const __m512 lo = _mm512_loadu_ps(block), hi = _mm512_loadu_ps(block + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
@@ -287,7 +287,7 @@ void quantize_rows(const float* x, int64_t x_stride, uint8_t* xq, float* scales,
     _mm256_storeu_si256(bytes + 1, _mm256_xor_si256(high, _mm256_set1_epi8(static_cast<char>(0x80))));  // + 128
     scales[i] = scale;
     offset_terms[i] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
-  }
+  });
 }
 
 // x quantized into the calling thread's buffer, then multiplied with the panels.
@@ -306,7 +306,7 @@ void quantized_linear(const float* x, int64_t x_stride, const uint8_t* panels, c
 
 // y = x @ W^T + bias: x [M, K] float32 with rows x_stride apart; panels [N / 16, K / 32, block
 // bytes] uint8 as described above; bias [N] float32 or null; y [M, N] float32. N a multiple of
-// 16, K of 32. x is quantized on `quantize_threads` OpenMP threads, and runs of panels are
+// 16, K of 32. x is quantized on `quantize_threads` threads, and runs of panels are
 // split over `threads`.
 extern "C" void q4_vnni_linear(const float* x, int64_t x_stride, const uint8_t* panels, const float* bias, float* y,
                                int64_t M, int64_t K, int64_t N, int threads, int quantize_threads) {

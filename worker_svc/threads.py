@@ -75,12 +75,12 @@ def step_threads(device: torch.device, num_tokens: int) -> Iterator[None]:
         return
     pool = thread_pool()
     if pool is not None:
-        pool.kvfleet_pool_active(1)
+        pool.kvfleet_pool_steps(1)
     try:
         yield
     finally:
         if pool is not None:
-            pool.kvfleet_pool_active(0)
+            pool.kvfleet_pool_steps(-1)
 
 
 def even_shares(costs: list[int], threads: int) -> list[int]:

@@ -4,7 +4,7 @@
 // threads burned the cores that other threads and processes needed (worker_svc/threads.py).
 // A sleeping thread then has to be woken for each parallel region, about 0.1-0.2 ms in a VM
 // (the idle vCPU halts), and a decode step runs some 150 regions: matmuls, attention, norms.
-// Here the helpers poll while a step runs (kvfleet_pool_active), so a region starts as soon
+// Here the helpers poll while a step runs (kvfleet_pool_steps), so a region starts as soon
 // as it is dispatched, and sleep on a futex between steps, as OpenMP's passive threads do.
 // The 64-request mixed batch (benchmarks/peer_vllm.py's, 4-bit, 2 threads) ran 1.18-1.29x
 // faster than on OpenMP's threads, alternated on the same 2-core VM.
@@ -70,7 +70,7 @@ class Pool {
     }
   }
 
-  void set_active(bool active) { active_.store(active, std::memory_order_relaxed); }
+  void count_steps(int change) { steps_.fetch_add(change, std::memory_order_relaxed); }
 
   // After fork() the child has none of the parent's threads: it starts again without helpers.
   void forget_helpers() {
@@ -89,13 +89,13 @@ class Pool {
 
   void serve(int index, uint32_t seen) {
     using Clock = std::chrono::steady_clock;
-    Clock::time_point polled, quiet_until;
+    Clock::time_point quiet_until;
     for (;;) {
       uint32_t now = generation_.load(std::memory_order_acquire);
       const Clock::time_point idle_since = Clock::now();
-      polled = idle_since;  // not the task's time, which would read as a preemption
+      Clock::time_point polled = idle_since;  // not the task's time, which would read as a preemption
       for (int polls = 1; now == seen; ++polls) {
-        bool poll = active_.load(std::memory_order_relaxed) && polled >= quiet_until;
+        bool poll = steps_.load(std::memory_order_relaxed) > 0 && polled >= quiet_until;
         if (poll && polls % 64 == 0) {  // 64 pauses take a few microseconds
           const Clock::time_point clock = Clock::now();
           if (clock - polled > kPreempted) quiet_until = clock + kQuiet, poll = false;
@@ -126,7 +126,7 @@ class Pool {
   std::atomic<uint32_t> generation_{0};
   std::atomic<int> pending_{0};
   std::atomic<int> sleepers_{0};
-  std::atomic<bool> active_{false};
+  std::atomic<int> steps_{0};  // running now, in this process (one per engine)
 };
 
 // Never destroyed: helpers may still be waiting on it while the process exits.
@@ -141,5 +141,6 @@ Pool* const pool = [] {
 // task(context, t, threads) for t = 0 .. threads - 1, t = 0 on the calling thread; returns when all have.
 extern "C" void kvfleet_parallel(int threads, Task task, void* context) { pool->run(threads, task, context); }
 
-// While a step runs, idle helpers poll for the next region instead of sleeping.
-extern "C" void kvfleet_pool_active(int active) { pool->set_active(active != 0); }
+// A step begins (+1) or ends (-1): while any runs, idle helpers poll for the next region
+// instead of sleeping, and one engine's step ending leaves another's polled.
+extern "C" void kvfleet_pool_steps(int change) { pool->count_steps(change); }

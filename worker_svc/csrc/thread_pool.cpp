@@ -7,7 +7,8 @@
 // Here the helpers poll while a step runs (kvfleet_pool_steps), so a region starts as soon
 // as it is dispatched, and sleep on a futex between steps, as OpenMP's passive threads do.
 // The 64-request mixed batch (benchmarks/peer_vllm.py's, 4-bit, 2 threads) ran 1.18-1.29x
-// faster than on OpenMP's threads, alternated on the same 2-core VM.
+// faster than on OpenMP's threads, alternated on the same 2-core VM, and 1.2x faster again
+// once helpers told a thread that wants their core from the machine's housekeeping (kWindow).
 //
 // One caller at a time: a region dispatched while another runs (a second thread calling a
 // kernel) runs on its caller's thread alone.
@@ -21,6 +22,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <mutex>
 #include <thread>
 
@@ -28,11 +30,15 @@ namespace {
 
 using Task = void (*)(void* context, int thread, int threads);
 
-// A helper that finds a gap this long between two looks at the clock while polling was
-// descheduled: another thread wants its core. It then sleeps between regions for kQuiet.
-// Beside a busy loop on a 2-core VM, a 24-request batch took 42 s polling regardless, 37 with
-// 500 us and 50 ms, 32 with these (31-33 with OpenMP's sleeping threads alone).
-constexpr std::chrono::microseconds kPreempted{200};
+// Every kWindow a helper reads how long it waited for its core while another thread had
+// it; over 1 / kContended of the window, that thread wants the core, and the helper sleeps
+// between regions for kQuiet. Beside a busy loop on a 2-core VM, a 24-request batch took 42 s
+// polling regardless, 32-33 yielding so (31-33 with OpenMP's sleeping threads alone). It once
+// went quiet at any gap of 200 us in its polling instead; but most such gaps were the
+// machine's housekeeping (a kworker, memory compaction, the host pausing the vCPU), 28 in a
+// 47 s batch, and they kept the helpers asleep for more than half of the run.
+constexpr std::chrono::milliseconds kWindow{100};
+constexpr int kContended = 10;
 constexpr std::chrono::milliseconds kQuiet{1000};
 // The longest a helper polls for one region; a step's regions come much sooner than this.
 constexpr std::chrono::milliseconds kMaxPoll{10};
@@ -43,6 +49,24 @@ void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
 
 void futex_wake_all(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// Nanoseconds the calling thread has spent ready to run while others had its core (the
+// scheduler's count, in /proc/thread-self/schedstat); -1 where the kernel keeps none.
+int64_t waited_for_core() {
+  FILE* file = std::fopen("/proc/thread-self/schedstat", "r");
+  if (file == nullptr) return -1;
+  long long waited = -1;
+  if (std::fscanf(file, "%*lld %lld", &waited) != 1) waited = -1;
+  std::fclose(file);
+  return waited;
+}
+
+// Whether a thread that had waited `before` and then `after` ns for its core, `window` apart,
+// shares it with another that wants it. Without the scheduler's count, it is taken to: the
+// helpers then sleep between regions, as OpenMP's threads do.
+bool contended(int64_t before, int64_t after, std::chrono::nanoseconds window) {
+  return before < 0 || after < 0 || (after - before) * kContended > window.count();
 }
 
 class Pool {
@@ -89,26 +113,27 @@ class Pool {
 
   void serve(int index, uint32_t seen) {
     using Clock = std::chrono::steady_clock;
-    Clock::time_point quiet_until;
+    Clock::time_point quiet_until, window_start = Clock::now();
+    int64_t waited = waited_for_core();
     for (;;) {
       uint32_t now = generation_.load(std::memory_order_acquire);
       const Clock::time_point idle_since = Clock::now();
-      Clock::time_point polled = idle_since;  // not the task's time, which would read as a preemption
+      if (idle_since - window_start > kWindow) {
+        const int64_t waited_now = waited_for_core();
+        if (contended(waited, waited_now, idle_since - window_start)) quiet_until = idle_since + kQuiet;
+        waited = waited_now, window_start = idle_since;
+      }
+      const bool quiet = idle_since < quiet_until;
       for (int polls = 1; now == seen; ++polls) {
-        bool poll = steps_.load(std::memory_order_relaxed) > 0 && polled >= quiet_until;
-        if (poll && polls % 64 == 0) {  // 64 pauses take a few microseconds
-          const Clock::time_point clock = Clock::now();
-          if (clock - polled > kPreempted) quiet_until = clock + kQuiet, poll = false;
-          if (clock - idle_since > kMaxPoll) poll = false;  // the step stalls: wait asleep
-          polled = clock;
-        }
+        bool poll = !quiet && steps_.load(std::memory_order_relaxed) > 0;
+        // 64 pauses take a few microseconds; a step that stalls this long waits asleep
+        if (poll && polls % 64 == 0 && Clock::now() - idle_since > kMaxPoll) poll = false;
         if (poll) {
           _mm_pause();
         } else {
           sleepers_.fetch_add(1, std::memory_order_seq_cst);
           if (generation_.load(std::memory_order_seq_cst) == seen) futex_wait(&generation_, seen);
           sleepers_.fetch_sub(1, std::memory_order_relaxed);
-          polled = Clock::now();
         }
         now = generation_.load(std::memory_order_acquire);
       }

@@ -14,17 +14,14 @@ namespace paged_shares {
 // std::integral_constant of 64, 128 or 0 (0: any other size, read at run time).
 template <class Attend>
 void run(int64_t head_dim, const int64_t* bounds, int64_t threads, const Attend& attend) {
-  const int shares = static_cast<int>(threads);
-  // Each share on its own thread; all of them on the caller's where the pool runs it alone.
-  parallel::run(shares, [&](int thread, int count) {
-    for (int i = thread; i < shares; i += count) {
-      if (head_dim == 64) {
-        attend(std::integral_constant<int64_t, 64>{}, bounds[i], bounds[i + 1]);
-      } else if (head_dim == 128) {
-        attend(std::integral_constant<int64_t, 128>{}, bounds[i], bounds[i + 1]);
-      } else {
-        attend(std::integral_constant<int64_t, 0>{}, bounds[i], bounds[i + 1]);
-      }
+  // A share a thread; every share on the caller's where the pool runs it alone.
+  parallel::for_each(static_cast<int>(threads), threads, [&](int64_t i) {
+    if (head_dim == 64) {
+      attend(std::integral_constant<int64_t, 64>{}, bounds[i], bounds[i + 1]);
+    } else if (head_dim == 128) {
+      attend(std::integral_constant<int64_t, 128>{}, bounds[i], bounds[i + 1]);
+    } else {
+      attend(std::integral_constant<int64_t, 0>{}, bounds[i], bounds[i + 1]);
     }
   });
 }

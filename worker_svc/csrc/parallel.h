@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 extern "C" void kvfleet_parallel(int threads, void (*task)(void* context, int thread, int threads), void* context);
@@ -27,6 +28,17 @@ void for_each(int threads, int64_t n, const Body& body) {
   run(static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(n, 1))), [&](int thread, int count) {
     const int64_t first = n * thread / count, last = n * (thread + 1) / count;
     for (int64_t i = first; i < last; ++i) body(i);
+  });
+}
+
+// body(i) for i in [0, n), each thread claiming the next item until none is left: where the
+// items are coarse (a run of a matmul's panels), a thread that starts late, its core taken
+// for a moment, leaves its items to the others instead of holding up the region.
+template <class Body>
+void for_each_claimed(int threads, int64_t n, const Body& body) {
+  std::atomic<int64_t> next{0};
+  run(static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(n, 1))), [&](int, int) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) body(i);
   });
 }
 

@@ -106,13 +106,25 @@ struct Call {
   int64_t M, K, N;
 };
 
+// The next tile of panels, requested into L2 a few cache lines a block while this one's rows
+// are computed: a decode step's weights come from memory, read once, where the hardware's
+// prefetcher, following two panels' streams, left the tiles waiting for them.
+struct Ahead {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t lines_a_block = 0;
+  void step() {
+    for (int64_t i = 0; i < lines_a_block && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
 // Activation rows and panels per tile: 4 x 2 ran the 4-bit projections at 230-255 GFLOP/s (2
 // threads, 64-2048 rows), 3 x 3 and 2 x 3 alike, 4 x 1 at 145-185, 2 x 1 at 120-155.
 constexpr int kTileRows = 4, kTilePanels = 2;
 
 // Rows m0 .. m0 + MR of x against the NR panels from `panel` (panel_bytes apart): y[m, n0 .. n0 + 16 NR].
 template <class Format, int MR, int NR>
-void tile(const uint8_t* panel, int64_t panel_bytes, const Call& c, int64_t n0, int64_t m0) {
+void tile(const uint8_t* panel, int64_t panel_bytes, const Call& c, int64_t n0, int64_t m0, Ahead& ahead) {
   using L = Layout<Format>;
   const int64_t blocks = c.K / kGroup;
   __m512 acc[MR][NR];
@@ -121,6 +133,7 @@ void tile(const uint8_t* panel, int64_t panel_bytes, const Call& c, int64_t n0, 
   for (int64_t b = 0; b < blocks; ++b, panel += L::kBlockBytes) {
     // sum code * lo, and sum code * hi less the 128 * sum code that hi's +128 adds: two chains an output
     __m512i lo[MR][NR], hi[MR][NR];
+    ahead.step();
     for (int n = 0; n < NR; ++n) {
       const __m512i start = Format::hi_start(panel + n * panel_bytes + L::kCodeSums);
       for (int m = 0; m < MR; ++m) lo[m][n] = _mm512_setzero_si512(), hi[m][n] = start;
@@ -161,37 +174,37 @@ void tile(const uint8_t* panel, int64_t panel_bytes, const Call& c, int64_t n0, 
   }
 }
 
-// Rows m0 .. m0 + MR over `count` panels from `panels`, the first of them the layer's panel
-// `first`: kTilePanels at a time, then one at a time.
-template <class Format, int MR>
-void rows_over_run(const uint8_t* panels, int64_t panel_bytes, int64_t first, int64_t count, const Call& c,
-                   int64_t m0) {
-  int64_t p = 0;
-  for (; p + kTilePanels <= count; p += kTilePanels)
-    tile<Format, MR, kTilePanels>(panels + p * panel_bytes, panel_bytes, c, (first + p) * kPanel, m0);
-  for (; p < count; ++p) tile<Format, MR, 1>(panels + p * panel_bytes, panel_bytes, c, (first + p) * kPanel, m0);
+// NR panels from `panels` (the layer's panel `first` on) over rows m_first .. m_last, kTileRows
+// at a time, then the rows left in one smaller tile: the panels stay in L1 while rows pass.
+template <class Format, int NR, int MR = kTileRows>
+void panels_over_rows(const uint8_t* panels, int64_t panel_bytes, int64_t first, const Call& c, int64_t m_first,
+                      int64_t m_last, Ahead& ahead) {
+  int64_t m0 = m_first;
+  for (; m0 + MR <= m_last; m0 += MR) tile<Format, MR, NR>(panels, panel_bytes, c, first * kPanel, m0, ahead);
+  if constexpr (MR > 1)
+    if (m0 < m_last) panels_over_rows<Format, NR, MR - 1>(panels, panel_bytes, first, c, m0, m_last, ahead);
 }
 
-// The rows after the last whole tile of rows: a tile of exactly `rows` (< kTileRows).
-template <class Format, int MR = kTileRows - 1>
-void last_rows(int64_t rows, const uint8_t* panels, int64_t panel_bytes, int64_t first, int64_t count,
-               const Call& c, int64_t m0) {
-  if constexpr (MR > 0) {
-    if (rows == MR)
-      rows_over_run<Format, MR>(panels, panel_bytes, first, count, c, m0);
-    else
-      last_rows<Format, MR - 1>(rows, panels, panel_bytes, first, count, c, m0);
-  }
-}
-
-// Rows m_first .. m_last of x over a run of `count` panels from `panels` (the layer's panel `first` on).
+// Rows m_first .. m_last of x over a run of `count` panels from `panels` (the layer's panel
+// `first` on), kTilePanels at a time, then one at a time; with `prefetch`, each tile of
+// panels requests the next while its rows are computed.
 template <class Format>
 void rows_over_panels(const uint8_t* panels, int64_t panel_bytes, int64_t first, int64_t count, const Call& c,
-                      int64_t m_first, int64_t m_last) {
-  int64_t m0 = m_first;
-  for (; m0 + kTileRows <= m_last; m0 += kTileRows)
-    rows_over_run<Format, kTileRows>(panels, panel_bytes, first, count, c, m0);
-  last_rows<Format>(m_last - m0, panels, panel_bytes, first, count, c, m0);
+                      int64_t m_first, int64_t m_last, bool prefetch) {
+  const int64_t tile_bytes = kTilePanels * panel_bytes;
+  const int64_t steps = (m_last - m_first + kTileRows - 1) / kTileRows * (c.K / kGroup);
+  const char* run_end = reinterpret_cast<const char*>(panels + count * panel_bytes);
+  Ahead ahead;
+  ahead.lines_a_block = prefetch ? (tile_bytes / 64 + steps - 1) / steps : 0;
+  int64_t p = 0;
+  for (; p + kTilePanels <= count; p += kTilePanels) {
+    ahead.next = reinterpret_cast<const char*>(panels + (p + kTilePanels) * panel_bytes);
+    ahead.end = std::min(run_end, ahead.next + tile_bytes);
+    panels_over_rows<Format, kTilePanels>(panels + p * panel_bytes, panel_bytes, first + p, c, m_first, m_last, ahead);
+  }
+  ahead.next = ahead.end = nullptr;
+  for (; p < count; ++p)
+    panels_over_rows<Format, 1>(panels + p * panel_bytes, panel_bytes, first + p, c, m_first, m_last, ahead);
 }
 
 // Q4 panels into Q4Bytes ones at `into`: unpacked once for a run, not once a tile of rows.
@@ -211,9 +224,8 @@ void widen_run(const uint8_t* panels, int64_t count, int64_t blocks, uint8_t* in
 }
 
 // Panels are taken in runs of up to kRunPanels, each run's weights staying in L2 while every
-// row of x passes over them: a row's outputs are then written a run (4 KB) at a time, not
-// 64 bytes at a time down a column of y. For a 49152-row LM head at 256 rows (2 threads),
-// panel by panel took 73 ms against 55 for oneDNN's float32 GEMM; in runs, 43 against 50.
+// row of x passes over them. For a 49152-row LM head at 256 rows (2 threads), panel by panel
+// over all rows took 73 ms against 55 for oneDNN's float32 GEMM; in runs, 43 against 50.
 constexpr int64_t kRunPanels = 64;
 
 // Rows of quantized x a pass takes over a run: with the run's panels they stay in L2 (2048
@@ -237,28 +249,35 @@ uint8_t* thread_buffer(int64_t bytes) {
   return buffer.get();
 }
 
+// Runs a thread claims where x takes one pass (a decode step's): a thread that starts late
+// then leaves some of its share to the others (parallel::for_each_claimed). A bigger x is
+// read again for every run, so there the runs are as few as kRunPanels allows.
+constexpr int64_t kRunsAThread = 4;
+
 template <class Format>
 void linear(const uint8_t* panels, const Call& c, int threads) {
   const int64_t blocks = c.K / kGroup;
   const int64_t panel_bytes = blocks * Layout<Format>::kBlockBytes;
   const int64_t count = c.N / kPanel;
-  // As many runs for every thread (3 runs of 64 panels on 2 threads left one thread idle a
-  // third of the time), each of whole tiles of panels and at most about kRunPanels.
-  const int64_t runs = threads * ((count + threads * kRunPanels - 1) / (threads * kRunPanels));
-  const int64_t run = ((count + runs - 1) / runs + kTilePanels - 1) / kTilePanels * kTilePanels;
   const int64_t pass_rows = std::max<int64_t>(kTileRows, kPassBytes / (2 * c.K) / kTileRows * kTileRows);
+  // Runs of whole tiles of panels and at most about kRunPanels, as many for every thread.
+  const int64_t fewest = (count + threads * kRunPanels - 1) / (threads * kRunPanels);
+  const int64_t wanted = threads * (c.M <= pass_rows ? std::max(kRunsAThread, fewest) : fewest);
+  const int64_t runs = std::max<int64_t>(1, std::min(count / kTilePanels, wanted));
+  const int64_t run = ((count + runs - 1) / runs + kTilePanels - 1) / kTilePanels * kTilePanels;
   const bool widen = std::is_same_v<Format, Q4> && c.M >= kWidenRows;
   const int64_t wide_panel_bytes = blocks * Layout<Q4Bytes>::kBlockBytes;
-  parallel::for_each(threads, (count + run - 1) / run, [&](int64_t run_index) {
+  parallel::for_each_claimed(threads, (count + run - 1) / run, [&](int64_t run_index) {
     const int64_t first = run_index * run, n = std::min(count - first, run);
     uint8_t* wide = widen ? thread_buffer<Buffer::kWideRun>(run * wide_panel_bytes) : nullptr;
     if (widen) widen_run(panels + first * panel_bytes, n, blocks, wide);
     for (int64_t m_first = 0; m_first < c.M; m_first += pass_rows) {
       const int64_t m_last = std::min(c.M, m_first + pass_rows);
+      // The widened run is in L2 already; the layer's panels are not.
       if (widen)
-        rows_over_panels<Q4Bytes>(wide, wide_panel_bytes, first, n, c, m_first, m_last);
+        rows_over_panels<Q4Bytes>(wide, wide_panel_bytes, first, n, c, m_first, m_last, false);
       else
-        rows_over_panels<Format>(panels + first * panel_bytes, panel_bytes, first, n, c, m_first, m_last);
+        rows_over_panels<Format>(panels + first * panel_bytes, panel_bytes, first, n, c, m_first, m_last, true);
     }
   });
 }

@@ -9,17 +9,34 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from worker_svc import triton_ops
 from worker_svc.decoder_kernel import DecoderKernel
 from worker_svc.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from worker_svc.quantized_linear import QuantizedLinear
 
 # The step's rotary inputs, made once for all layers: its cos and sin tables (TorchOps),
 # or its positions and the whole tables, which the kernels index themselves.
 Rope = tuple[torch.Tensor, ...]
 
 
-class TorchOps:
+class UnfusedLinears:
+    """The norm or activation before a projection, then the projection: the ops whose kernels
+    cannot compute them inside the projection's own."""
+
+    def add_norm_linear(self, norm: RMSNorm, linear: nn.Module, x: torch.Tensor,
+                        residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(norm(h)), h) for h = residual + x, the residual stream from here on, or h = x
+        without a residual (a stage's first layer)."""
+        hidden, summed = (self.norm(norm, x), x) if residual is None else self.add_norm(norm, x, residual)
+        return linear(hidden), summed
+
+    def silu_and_mul_linear(self, linear: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        return linear(self.silu_and_mul(gate_up))
+
+
+class TorchOps(UnfusedLinears):
     """The decoder's elementwise work in torch, operator by operator: the reference."""
 
     def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
@@ -41,7 +58,7 @@ class TorchOps:
         return F.silu(gate) * up
 
 
-class TritonOps:
+class TritonOps(UnfusedLinears):
     """The same work in fused Triton kernels: one launch for each, where torch needs several."""
 
     def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
@@ -62,10 +79,12 @@ class TritonOps:
         return triton_ops.silu_and_mul(gate_up)
 
 
-class CpuOps:
+class CpuOps(UnfusedLinears):
     """The same work for a float32 model on CPU, one C++ pass each, on the calling thread
     for a decode step's few rows: torch's operators each woke the second OpenMP thread,
-    which took a fifth of a 64-row decode step."""
+    which took a fifth of a 64-row decode step. Before a 4-bit projection whose kernel
+    quantizes its input (QuantizedLinear.quantizes_activations), the norm and the activation
+    are computed in that kernel as it quantizes, to the same bits, not in a pass of their own."""
 
     def __init__(self, kernel: DecoderKernel) -> None:
         self.kernel = kernel
@@ -86,6 +105,17 @@ class CpuOps:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernel.silu_and_mul(gate_up)
+
+    def add_norm_linear(self, norm: RMSNorm, linear: nn.Module, x: torch.Tensor,
+                        residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(linear, QuantizedLinear) and linear.quantizes_activations:
+            return linear.add_norm_forward(norm, x, residual)
+        return super().add_norm_linear(norm, linear, x, residual)
+
+    def silu_and_mul_linear(self, linear: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        if isinstance(linear, QuantizedLinear) and linear.quantizes_activations:
+            return linear.silu_and_mul_forward(gate_up)
+        return super().silu_and_mul_linear(linear, gate_up)
 
 
 Ops = TorchOps | TritonOps | CpuOps

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from worker_svc import q4_kernel, vnni_kernel
-from worker_svc.layers import cpu_linear
+from worker_svc.layers import RMSNorm, cpu_linear
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
 from worker_svc.vnni_kernel import Q4Panels
 
@@ -99,13 +99,30 @@ class QuantizedLinear(nn.Module):
             out = self.dequantized_matmul(rows)
         return out.view(*x.shape[:-1], self.out_features)
 
+    @property
+    def quantizes_activations(self) -> bool:
+        """Whether its kernel quantizes the activations as it reads them (the int16 one), and so
+        computes the norm or activation before it there: add_norm_forward, silu_and_mul_forward."""
+        return self.panels is not None
+
+    def add_norm_forward(self, norm: RMSNorm, x: torch.Tensor,
+                         residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(h)), h) for h = residual + x, or x without a residual; float32 [rows, in]."""
+        return self.vnni.add_norm_linear(self.panels, x, residual, norm.weight, norm.eps, self._float_bias())
+
+    def silu_and_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) for gate_up [rows, 2 in] = [gate | up] float32."""
+        return self.vnni.silu_and_mul_linear(self.panels, gate_up, self._float_bias())
+
     def kernel_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """Through whichever of kvfleet's kernels this layer keeps its weights for: the int16 one's
         panels, else the float32 one's packing."""
         kernel, weights = (self.vnni, self.panels) if self.panels is not None else (self.kernel, self.packed)
         assert kernel is not None and weights is not None
-        bias = None if self.bias is None else self.bias.float()
-        return kernel.linear(weights, rows.float(), bias).to(rows.dtype)
+        return kernel.linear(weights, rows.float(), self._float_bias()).to(rows.dtype)
+
+    def _float_bias(self) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.float()
 
     def int4_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.int4_weight is None:  # a benchmark comparing both kernels

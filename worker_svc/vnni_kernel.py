@@ -23,7 +23,9 @@ from worker_svc.q8_weights import Q8Blocks
 from worker_svc.threads import idle_threads_sleep
 
 SOURCE = Path(__file__).parent / "csrc" / "vnni_gemm.cpp"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-shared", "-fPIC"]
+# -ffp-contract=off: the fused norm and activation (csrc/quantized_rows.h) round as decoder_ops.cpp's do.
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-ffp-contract=off", "-shared",
+         "-fPIC"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 PANEL_ROWS = 16  # output rows per panel: one per 32-bit lane of an AVX-512 register
 # Quantizing x is a pass over it alone, a tenth of the products' time at most: it takes the
@@ -108,12 +110,13 @@ class Q8Panels(Panels):
 
 class VnniKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions = {}
-        for panels in (Q4Panels, Q8Panels):
-            function = self._functions[panels] = getattr(library, panels.function)
-            function.restype = None
-            function.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [
-                ctypes.c_int] * 2
+        _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        # x (or what it is made from) and its row stride, panels, bias, y, M, K, N, threads, quantize threads.
+        gemm = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int]
+        self._functions = {panels: _bind(getattr(library, panels.function), gemm) for panels in (Q4Panels, Q8Panels)}
+        self._silu_and_mul = _bind(library.q4_vnni_linear_silu_and_mul, gemm)
+        self._add_norm = _bind(library.q4_vnni_linear_add_norm,
+                               [_ptr, _ptr, _ptr, ctypes.c_float, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int])
         # As for the float32 kernel: waking a sleeping thread costs more than a small call.
         self.min_parallel_macs = PASSIVE_PARALLEL_MIN_MACS if idle_threads_sleep() else 0
 
@@ -122,13 +125,54 @@ class VnniKernel:
         to int16 per block (into the kernel's buffer: one call, one allocation, the output)."""
         x, threads = checked_call(x, bias, weights.in_features, weights.out_features, self.min_parallel_macs,
                                   rows_apart=True)
-        rows, cols = x.shape
-        quantize_threads = threads if x.numel() >= QUANTIZE_PARALLEL_MIN_ELEMENTS else 1
-        out = torch.empty(rows, weights.out_features)
-        self._functions[type(weights)](x.data_ptr(), x.stride(0), weights.panels.data_ptr(),
-                                       None if bias is None else bias.data_ptr(), out.data_ptr(), rows, cols,
-                                       weights.out_features, threads, quantize_threads)
+        out, quantize_threads = self._output(x, weights, threads)
+        self._functions[type(weights)](x.data_ptr(), x.stride(0), weights.panels.data_ptr(), _pointer(bias),
+                                       out.data_ptr(), *x.shape, weights.out_features, threads, quantize_threads)
         return out
+
+    def silu_and_mul_linear(self, weights: Q4Panels, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """linear(silu(gate) * up) for gate_up [rows, 2 in] = [gate | up] float32 (rows may lie
+        apart), the activation computed as it is quantized, never stored."""
+        assert gate_up.dim() == 2 and gate_up.shape[1] == 2 * weights.in_features and gate_up.stride(1) == 1
+        x, threads = checked_call(gate_up[:, : weights.in_features], bias, weights.in_features, weights.out_features,
+                                  self.min_parallel_macs, rows_apart=True)
+        out, quantize_threads = self._output(x, weights, threads)
+        self._silu_and_mul(x.data_ptr(), x.stride(0), weights.panels.data_ptr(), _pointer(bias), out.data_ptr(),
+                           *x.shape, weights.out_features, threads, quantize_threads)
+        return out
+
+    def add_norm_linear(self, weights: Q4Panels, x: torch.Tensor, residual: torch.Tensor | None,
+                        norm_weight: torch.Tensor, eps: float,
+                        bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(RMSNorm(h)), h) for h = x + residual, or h = x without one: x, residual [rows, in]
+        float32; the norm computed as it is quantized, never stored."""
+        x, threads = checked_call(x, bias, weights.in_features, weights.out_features, self.min_parallel_macs)
+        assert norm_weight.dtype == torch.float32 and norm_weight.is_contiguous()
+        assert norm_weight.numel() == weights.in_features
+        out, quantize_threads = self._output(x, weights, threads)
+        summed = x if residual is None else torch.empty_like(x)
+        if residual is not None:
+            assert residual.dtype == torch.float32 and residual.shape == x.shape
+            residual = residual.contiguous()
+        self._add_norm(x.data_ptr(), _pointer(residual), norm_weight.data_ptr(), eps, summed.data_ptr(),
+                       weights.panels.data_ptr(), _pointer(bias), out.data_ptr(), *x.shape, weights.out_features,
+                       threads, quantize_threads)
+        return out, summed
+
+    @staticmethod
+    def _output(x: torch.Tensor, weights: Panels, threads: int) -> tuple[torch.Tensor, int]:
+        """The call's output, and the threads of its `threads` that quantize its activations."""
+        quantize_threads = threads if x.numel() >= QUANTIZE_PARALLEL_MIN_ELEMENTS else 1
+        return torch.empty(x.shape[0], weights.out_features), quantize_threads
+
+
+def _bind(function: ctypes._CFuncPtr, argtypes: list) -> ctypes._CFuncPtr:
+    function.restype, function.argtypes = None, argtypes
+    return function
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
 
 
 @functools.cache

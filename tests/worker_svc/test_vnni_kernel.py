@@ -2,7 +2,8 @@
 activation quantization is the one written here in torch, its product is that of the
 quantized activations and exactly the GGUF weights (4-bit and 8-bit), it stays within
 about 1e-5 of the float32 product, and QuantizedLinear and Q8Linear send every step to it
-where it runs."""
+where it runs. The norm and the activation it computes as it quantizes are those of the
+decoder kernels to the bit, so a fused step equals an unfused one."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +12,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from worker_svc import native, vnni_kernel
+from worker_svc import decoder_kernel, native, vnni_kernel
+from worker_svc.decoder_ops import CpuOps
+from worker_svc.layers import RMSNorm
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
 from worker_svc.q8_linear import Q8Linear
 from worker_svc.q8_weights import Q8Blocks
@@ -124,6 +127,59 @@ def test_a_row_does_not_depend_on_its_batch(rows):
     x = torch.randn(rows, 4 * 32)
     together = kernel.linear(panels, x, None)
     assert all(torch.equal(kernel.linear(panels, x[i:i + 1], None)[0], together[i]) for i in range(rows))
+
+
+fused_rows = pytest.mark.parametrize("rows", [1, 7, 37, QUANTIZE_PARALLEL_MIN_ELEMENTS // (18 * 32) + 5],
+                                     ids=lambda rows: f"{rows}rows")  # the last quantized on 2 threads
+needs_both_kernels = pytest.mark.skipif(kernel is None or decoder_kernel.load() is None,
+                                        reason="no AVX-512 VNNI CPU or no compiler")
+
+
+@needs_both_kernels
+@fused_rows
+@pytest.mark.parametrize("with_residual", [False, True], ids=["first_layer", "residual"])
+def test_the_norm_computed_as_it_quantizes_is_the_decoder_kernels_to_the_bit(rows, with_residual):
+    layer = QuantizedLinear(random_blocks(GGMLQuantizationType.Q4_1, 64, 18 * 32), torch.randn(64),
+                            DequantScratch(torch.float32))
+    norm = RMSNorm(18 * 32, 1e-5)
+    norm.weight.data = torch.rand(18 * 32) + 0.5
+    generator = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, 18 * 32, generator=generator) * 4 for _ in range(2))
+    residual = residual if with_residual else None
+    ops = CpuOps(decoder_kernel.load())
+    with torch.inference_mode():
+        fused, fused_sum = ops.add_norm_linear(norm, layer, x, residual)
+        hidden, summed = (ops.norm(norm, x), x) if residual is None else ops.add_norm(norm, x, residual)
+        unfused = layer(hidden)
+    assert torch.equal(fused, unfused) and torch.equal(fused_sum, summed)
+
+
+@needs_both_kernels
+@fused_rows
+def test_the_activation_computed_as_it_quantizes_is_the_decoder_kernels_to_the_bit(rows):
+    layer = QuantizedLinear(random_blocks(GGMLQuantizationType.Q4_0, 32, 18 * 32), None,
+                            DequantScratch(torch.float32))
+    gate_up = torch.randn(rows, 2 * 18 * 32, generator=torch.Generator().manual_seed(rows)) * 6
+    ops = CpuOps(decoder_kernel.load())
+    with torch.inference_mode():
+        fused = ops.silu_and_mul_linear(layer, gate_up)
+        unfused = layer(ops.silu_and_mul(gate_up.clone()))
+    assert torch.equal(fused, unfused)
+
+
+@needs_kernel
+def test_ops_fuse_only_where_the_projection_quantizes_its_input(monkeypatch):
+    norm = RMSNorm(64, 1e-5)
+    dense_layer = torch.nn.Linear(64, 32)
+    x = torch.randn(5, 64)
+    ops = CpuOps(decoder_kernel.load())
+    layer = QuantizedLinear(random_blocks(GGMLQuantizationType.Q4_1, 32, 64), None, DequantScratch(torch.float32))
+    monkeypatch.setattr(layer, "kernel_matmul", lambda rows: pytest.fail("a fusable call took the unfused path"))
+    with torch.inference_mode():
+        ops.add_norm_linear(norm, layer, x, None)
+        ops.silu_and_mul_linear(layer, torch.randn(5, 128))
+        hidden, _ = ops.add_norm_linear(norm, dense_layer, x, x)
+    torch.testing.assert_close(hidden, dense_layer(norm(x + x)))
 
 
 def test_shapes_that_do_not_tile_or_scales_float16_cannot_hold_are_refused():

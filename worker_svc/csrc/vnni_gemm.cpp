@@ -35,10 +35,11 @@
 #include <type_traits>
 
 #include "parallel.h"
+#include "quantized_rows.h"
 
 namespace {
 
-constexpr int64_t kGroup = 32;  // inputs per GGUF block
+using quantized_rows::kGroup;  // inputs per GGUF block
 constexpr int64_t kPanel = 16;  // output rows per panel: one per 32-bit lane of a zmm
 
 inline __m256i load_chunk(const uint8_t* at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)); }
@@ -282,42 +283,16 @@ void linear(const uint8_t* panels, const Call& c, int threads) {
   });
 }
 
-// Row m's block b of x [M, K] (rows x_stride apart) as int16 values q, stored as bytes at xq
-// [M, 2 K]: the block's 32 lo bytes (q & 255), then its 32 hi bytes ((q >> 8) + 128); its scale
-// a (amax / 32767) into scales [M, K / 32] and a * (the sum of its q) into offset_terms, which
-// the offsets multiply.
-void quantize_rows(const float* x, int64_t x_stride, uint8_t* xq, float* scales, float* offset_terms, int64_t M,
-                   int64_t K, int threads) {
-  const int64_t blocks = K / kGroup;
-  parallel::for_each(threads, M * blocks, [&](int64_t i) {
-    const float* block = x + (i / blocks) * x_stride + (i % blocks) * kGroup;
-    const __m512 lo = _mm512_loadu_ps(block), hi = _mm512_loadu_ps(block + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const float scale = amax / 32767.0f;
-    const __m512 inverse = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
-    // Round to nearest even, as the conversion does by default; |values| <= 32767.
-    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse));
-    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
-    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(qlo)),
-                                         _mm512_cvtepi32_epi16(qhi), 1);
-    __m256i* bytes = reinterpret_cast<__m256i*>(xq + i * 2 * kGroup);
-    _mm256_storeu_si256(bytes, _mm512_cvtepi16_epi8(q));
-    const __m256i high = _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8));
-    _mm256_storeu_si256(bytes + 1, _mm256_xor_si256(high, _mm256_set1_epi8(static_cast<char>(0x80))));  // + 128
-    scales[i] = scale;
-    offset_terms[i] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
-  });
-}
-
-// x quantized into the calling thread's buffer, then multiplied with the panels.
-template <class Format>
-void quantized_linear(const float* x, int64_t x_stride, const uint8_t* panels, const float* bias, float* y,
-                      int64_t M, int64_t K, int64_t N, int threads, int quantize_threads) {
+// The source's rows quantized into the calling thread's buffer (quantized_rows.h), then
+// multiplied with the panels.
+template <class Format, class Source>
+void quantized_linear(const Source& source, const uint8_t* panels, const float* bias, float* y, int64_t M,
+                      int64_t K, int64_t N, int threads, int quantize_threads) {
   const int64_t blocks = M * (K / kGroup);
   uint8_t* xq = thread_buffer<Buffer::kQuantizedX>(M * 2 * K + 2 * blocks * int64_t{sizeof(float)});
   float* scales = reinterpret_cast<float*>(xq + M * 2 * K);
   float* offset_terms = scales + blocks;
-  quantize_rows(x, x_stride, xq, scales, offset_terms, M, K, quantize_threads);
+  quantized_rows::quantize(source, xq, scales, offset_terms, M, K, quantize_threads);
   linear<Format>(panels, Call{xq, scales, offset_terms, bias, y, M, K, N}, threads);
 }
 
@@ -329,10 +304,28 @@ void quantized_linear(const float* x, int64_t x_stride, const uint8_t* panels, c
 // split over `threads`.
 extern "C" void q4_vnni_linear(const float* x, int64_t x_stride, const uint8_t* panels, const float* bias, float* y,
                                int64_t M, int64_t K, int64_t N, int threads, int quantize_threads) {
-  quantized_linear<Q4>(x, x_stride, panels, bias, y, M, K, N, threads, quantize_threads);
+  quantized_linear<Q4>(quantized_rows::Plain{x, x_stride}, panels, bias, y, M, K, N, threads, quantize_threads);
 }
 
 extern "C" void q8_vnni_linear(const float* x, int64_t x_stride, const uint8_t* panels, const float* bias, float* y,
                                int64_t M, int64_t K, int64_t N, int threads, int quantize_threads) {
-  quantized_linear<Q8>(x, x_stride, panels, bias, y, M, K, N, threads, quantize_threads);
+  quantized_linear<Q8>(quantized_rows::Plain{x, x_stride}, panels, bias, y, M, K, N, threads, quantize_threads);
+}
+
+// As q4_vnni_linear, of x = silu(gate) * up for gate_up [M, 2 K] = [gate | up], rows
+// gate_up_stride apart.
+extern "C" void q4_vnni_linear_silu_and_mul(const float* gate_up, int64_t gate_up_stride, const uint8_t* panels,
+                                            const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+                                            int threads, int quantize_threads) {
+  quantized_linear<Q4>(quantized_rows::SiluAndMul{gate_up, gate_up_stride, K}, panels, bias, y, M, K, N, threads,
+                       quantize_threads);
+}
+
+// As q4_vnni_linear, of x = RMSNorm(h) with `norm_weight` and `eps`, where h = x + residual,
+// written to `sum`, or with residual null h = x (sum unused); x, residual, sum [M, K], contiguous.
+extern "C" void q4_vnni_linear_add_norm(const float* x, const float* residual, const float* norm_weight, float eps,
+                                        float* sum, const uint8_t* panels, const float* bias, float* y, int64_t M,
+                                        int64_t K, int64_t N, int threads, int quantize_threads) {
+  quantized_linear<Q4>(quantized_rows::AddNorm{x, residual, norm_weight, sum, eps, K}, panels, bias, y, M, K, N,
+                       threads, quantize_threads);
 }

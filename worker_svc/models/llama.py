@@ -42,8 +42,9 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = self.head_dim**-0.5
 
-    def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: object) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, rope: Rope, qkv: torch.Tensor, kv_cache: torch.Tensor, metadata: object) -> torch.Tensor:
+        """Attention of `qkv`, qkv_proj's output (the layer computes it with the norm before it)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -60,8 +61,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's output from gate_up_proj's (the layer computes it with the norm before it)."""
+        return self.group.all_reduce(self.ops.silu_and_mul_linear(self.down_proj, gate_up))
 
 
 class VocabEmbedding(nn.Embedding):
@@ -107,13 +109,11 @@ class DecoderLayer(nn.Module):
         """The MLP's output and the residual stream it is yet to be added to. `hidden` is the
         previous layer's MLP output, not yet in `residual`; or, in a stage's first layer
         (residual None), the whole hidden state."""
-        if residual is None:
-            hidden, residual = self.ops.norm(self.input_layernorm, hidden), hidden
-        else:
-            hidden, residual = self.ops.add_norm(self.input_layernorm, hidden, residual)
-        attn = self.self_attn(rope, hidden, kv_cache, metadata)
-        hidden, residual = self.ops.add_norm(self.post_attention_layernorm, attn, residual)
-        return self.mlp(hidden), residual
+        qkv, residual = self.ops.add_norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        attn = self.self_attn(rope, qkv, kv_cache, metadata)
+        gate_up, residual = self.ops.add_norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, attn,
+                                                     residual)
+        return self.mlp(gate_up), residual
 
 
 class LlamaForCausalLM(nn.Module):

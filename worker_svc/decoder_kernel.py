@@ -30,7 +30,7 @@ class DecoderKernel:
         self._add_rms_norm = _bind(library.add_rms_norm, [_ptr] * 5 + [_i64, _i64, _f32, _int])
         self._silu_and_mul = _bind(library.silu_and_mul, [_ptr, _i64, _i64, _int])
         self._rotary = _bind(library.rotary, [_ptr] * 5 + [_i64] * 6 + [_int])
-        self._write_kv = {dtype: _bind(getattr(library, f"write_kv_{name}"), [_ptr] * 5 + [_i64] * 5, _i64)
+        self._write_kv = {dtype: _bind(getattr(library, f"write_kv_{name}"), [_ptr] * 5 + [_i64] * 5 + [_int], _i64)
                           for dtype, name in CACHE_DTYPES.items()}
         self.parallel_min_elements = PARALLEL_MIN_ELEMENTS if idle_threads_sleep() else 0
 
@@ -80,7 +80,7 @@ class DecoderKernel:
         width = heads * dim
         outside = self._write_kv[kv_cache.dtype](
             key.data_ptr(), value.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slots.data_ptr(), tokens,
-            width, key.stride(0), value.stride(0), kv_cache[0].numel() // width)
+            width, key.stride(0), value.stride(0), kv_cache[0].numel() // width, self._threads(2 * tokens * width))
         if outside:
             raise IndexError(f"{outside} of {tokens} KV slots are outside the cache")
 

@@ -87,3 +87,30 @@ def test_write_kv_copies_rows_to_their_slots_and_refuses_slots_outside_the_cache
     assert torch.equal(cache.view(bits)[~nan], expected.view(bits)[~nan])
     with pytest.raises(IndexError, match="1 of 2 KV slots are outside the cache"):
         kernel.write_kv(k[:2], v[:2], cache, torch.tensor([3, num_blocks * block_size]))
+
+
+def test_a_prompts_kv_rows_are_written_on_two_threads_as_on_one() -> None:
+    """A prompt's rows (PARALLEL_MIN_ELEMENTS and more) are split over the threads; every
+    slot outside the cache is still counted, and every one inside written."""
+    kv_heads, head_dim, num_blocks, block_size = 3, 64, 256, 16
+    tokens = decoder_kernel.PARALLEL_MIN_ELEMENTS // (kv_heads * head_dim) + 7
+    k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    outside = slots.clone()
+    outside[::100] = num_blocks * block_size  # every 100th token's slot lies past the cache
+    caches = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim)
+            kernel.write_kv(k, v, cache, slots)
+            with pytest.raises(IndexError, match=f"{len(outside[::100])} of {tokens} KV slots are outside"):
+                kernel.write_kv(k * 2, v * 2, cache, outside)
+            caches.append(cache)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(caches[0], caches[1])
+    inside = torch.ones(tokens, dtype=torch.bool)
+    inside[::100] = False
+    assert torch.equal(caches[1][0].view(-1, kv_heads, head_dim)[slots[inside]], k[inside] * 2)

@@ -10,6 +10,7 @@
 // another exp polynomial).
 #include <immintrin.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -102,30 +103,31 @@ extern "C" void rotary(float* q, float* k, const int64_t* positions, const float
 }
 
 // Token t's K and V rows (`width` floats each, at row strides key_stride and value_stride)
-// to slot slots[t] of the caches [num_slots, width], in the caches' element type. Returns how
-// many slots were outside the caches: those tokens are not written.
+// to slot slots[t] of the caches [num_slots, width], in the caches' element type, over
+// `threads`: a prompt's first writes to the cache's pages fault them in, in parallel so. Returns
+// how many slots were outside the caches: those tokens are not written.
 template <class Element>
 int64_t write_kv(const float* key, const float* value, typename Element::Stored* key_cache,
                  typename Element::Stored* value_cache, const int64_t* slots, int64_t tokens, int64_t width,
-                 int64_t key_stride, int64_t value_stride, int64_t num_slots) {
-  int64_t outside = 0;
-  for (int64_t t = 0; t < tokens; ++t) {
+                 int64_t key_stride, int64_t value_stride, int64_t num_slots, int threads) {
+  std::atomic<int64_t> outside{0};
+  parallel::for_each(threads, tokens, [&](int64_t t) {
     if (slots[t] < 0 || slots[t] >= num_slots) {
-      ++outside;
-      continue;
+      outside.fetch_add(1, std::memory_order_relaxed);
+      return;
     }
     cache_element::store<Element>(key_cache + slots[t] * width, key + t * key_stride, width);
     cache_element::store<Element>(value_cache + slots[t] * width, value + t * value_stride, width);
-  }
-  return outside;
+  });
+  return outside.load();
 }
 
 #define WRITE_KV(dtype, Element)                                                                                  \
   extern "C" int64_t write_kv_##dtype(const float* key, const float* value, void* key_cache, void* value_cache,  \
                                       const int64_t* slots, int64_t tokens, int64_t width, int64_t key_stride,   \
-                                      int64_t value_stride, int64_t num_slots) {                                 \
+                                      int64_t value_stride, int64_t num_slots, int threads) {                    \
     using Stored = Element::Stored;                                                                               \
     return write_kv<Element>(key, value, static_cast<Stored*>(key_cache), static_cast<Stored*>(value_cache),    \
-                             slots, tokens, width, key_stride, value_stride, num_slots);                          \
+                             slots, tokens, width, key_stride, value_stride, num_slots, threads);                 \
   }
 KVFLEET_FOR_EACH_CACHE_ELEMENT(WRITE_KV)

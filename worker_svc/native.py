@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 # For kernels written with AVX2 intrinsics (the GGUF GEMMs).
 AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"]
 AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
+# For kernels written for the CPU's vector width (AVX-512 where it has it, else AVX2): built
+# for the machine itself, and again where the cache meets another CPU.
+NATIVE_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
 POOL_SOURCE = Path(__file__).parent / "csrc" / "thread_pool.cpp"
 POOL_FLAGS = ["-O2", "-pthread", "-shared", "-fPIC"]
 

@@ -1,9 +1,10 @@
 """The in-place paged prefill kernel against the torch backend's SDPA path (a gathered
 copy and a mask for chunks with cached context), on random caches with scattered block
 tables: whole prompts and chunks continuing cached context, of lengths either side of a
-tile (24 rows) and of a key block (64 keys), GQA groups that do not divide a tile or
-outgrow it, head sizes from 24 to 320, decodes in the same batch, split across threads;
-over float32 and 16-bit caches."""
+tile (24 rows with AVX2, 48 with AVX-512) and of a key block (64 keys), GQA groups that do
+not divide a tile or outgrow it, head sizes from 24 to 320, decodes in the same batch,
+split across threads; over float32 and 16-bit caches. Built for AVX2 alone, it gives the
+same bits as built for this CPU."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from tests.worker_svc.paged_layout import random_layout
 from worker_svc.attention import paged_decode, paged_prefill
 from worker_svc.attention.torch_backend import TorchAttentionBackend
+from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
 
 kernel = paged_prefill.load_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler or no AVX2 to build the kernel")
@@ -70,6 +72,18 @@ def test_with_the_decode_kernel_too() -> None:
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
 
 
+def test_an_avx2_build_gives_the_bits_of_the_native_one() -> None:
+    """Each lane is one row's sums in one order, whatever the vector's width: the AVX2 build
+    (8 lanes, 24-row tiles), which CPUs without AVX-512 run, equals this CPU's to the bit."""
+    avx2 = paged_prefill.PagedPrefillKernel(load_library(paged_prefill.SOURCE, AVX2_FLAGS, "the AVX2 prefill kernel",
+                                                         needs=AVX2_CPU_FLAGS))
+    assert avx2.tile_rows == 24
+    query_lens, seq_lens = [2, 8, 3, 23, 25, 20, 130, 70], [2, 8, 4, 23, 25, 84, 130, 270]
+    outputs = [attend(TorchAttentionBackend(prefill_kernel=built), query_lens, seq_lens, 9, 3, 64, 2)
+               for built in (avx2, kernel)]
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_threads_share_the_keys_read() -> None:
     """One long prompt on two threads: the tiles split where each has read about half the keys."""
     batch = kernel.batch([paged_prefill.PrefillChunk(0, 512, 512, 0)], torch.zeros(1, 32, dtype=torch.int64))
@@ -79,7 +93,7 @@ def test_threads_share_the_keys_read() -> None:
         tiles, bounds = batch.tiles(9, 3)
     finally:
         torch.set_num_threads(previous)
-    keys = [(row + paged_prefill.TILE_ROWS - 1) // 3 + 1 for row in tiles[:, 2].tolist()]  # its last token's
+    keys = [(row + kernel.tile_rows - 1) // 3 + 1 for row in tiles[:, 2].tolist()]  # its last token's
     first, split, last = bounds.tolist()
     assert (first, last) == (0, len(tiles))
     assert abs(sum(keys[:split]) - sum(keys) / 2) <= max(keys)  # within a tile of an even split

@@ -5,11 +5,13 @@ Every chunk of a step, a whole prompt or one that continues cached context, runs
 call per layer: its queries attend to keys and values where they lie in the cache, so a
 chunk with context needs no gathered copy and no mask. Built once per machine
 (worker_svc/native.py; AVX2 and FMA) and called through ctypes, with its threads (the pool's)
-each taking a share of the tiles that reads about the same number of keys. Without a
-compiler or AVX2 (or with KVFLEET_PREFILL_KERNEL=0) the torch backend keeps SDPA.
+each taking a share of the tiles that reads about the same number of keys. It is built for
+the CPU it runs on: a tile's rows fill three vectors, of 16 lanes with AVX-512, else 8.
+Without a compiler or AVX2 (or with KVFLEET_PREFILL_KERNEL=0) the torch backend keeps SDPA.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +19,10 @@ from pathlib import Path
 import torch
 
 from worker_svc.attention.paged_kernel import PagedKernel
-from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
+from worker_svc.native import AVX2_CPU_FLAGS, NATIVE_FLAGS, load_library
 from worker_svc.threads import even_shares
 
 SOURCE = Path(__file__).parents[1] / "csrc" / "paged_prefill.cpp"
-TILE_ROWS = 24  # rows (query token x query head) of a tile: kRows in the kernel
 
 
 @dataclass
@@ -41,6 +42,7 @@ class PrefillBatch:
     chunks: list[PrefillChunk]
     chunk_table: torch.Tensor  # [n, 4] int64: the chunks' fields
     block_tables: torch.Tensor  # [B, max_blocks] int64, contiguous
+    tile_rows: int  # rows (query token x query head) of a tile: the kernel's kRows
     # (num_heads, num_kv_heads) -> the tiles [m, 3] (chunk, kv head, first row) and each
     # thread's [first, last) of them: the first layer splits them, the others reuse it.
     _tiles: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -55,8 +57,8 @@ class PrefillBatch:
         for index, chunk in enumerate(self.chunks):
             rows = chunk.num_tokens * group
             for kv_head in range(num_kv_heads):
-                for first_row in range(0, rows, TILE_ROWS):
-                    last_token = (min(first_row + TILE_ROWS, rows) - 1) // group
+                for first_row in range(0, rows, self.tile_rows):
+                    last_token = (min(first_row + self.tile_rows, rows) - 1) // group
                     tiles.append((index, kv_head, first_row))
                     costs.append(chunk.context - chunk.num_tokens + last_token + 1)  # keys it reads
         # Contiguous shares (a tile's neighbours read its chunk's keys too, from cache).
@@ -69,10 +71,14 @@ class PagedPrefillKernel(PagedKernel):
     work_arrays = 2
     head_dim_multiple = 4
 
-    @staticmethod
-    def batch(chunks: list[PrefillChunk], block_tables: torch.Tensor) -> PrefillBatch:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        super().__init__(library)
+        library.paged_prefill_tile_rows.restype = ctypes.c_int64
+        self.tile_rows = library.paged_prefill_tile_rows()
+
+    def batch(self, chunks: list[PrefillChunk], block_tables: torch.Tensor) -> PrefillBatch:
         table = torch.tensor([(c.first_row, c.num_tokens, c.context, c.seq) for c in chunks], dtype=torch.int64)
-        return PrefillBatch(chunks, table, block_tables.to(torch.int64).contiguous())
+        return PrefillBatch(chunks, table, block_tables.to(torch.int64).contiguous(), self.tile_rows)
 
     def __call__(self, query: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, batch: PrefillBatch,
                  scale: float) -> None:
@@ -85,5 +91,5 @@ class PagedPrefillKernel(PagedKernel):
 @functools.cache
 def load_kernel() -> PagedPrefillKernel | None:
     """The kernel, built if this machine has not built it yet; None where it cannot be."""
-    library = load_library(SOURCE, AVX2_FLAGS, "the paged prefill attention kernel", needs=AVX2_CPU_FLAGS)
+    library = load_library(SOURCE, NATIVE_FLAGS, "the paged prefill attention kernel", needs=AVX2_CPU_FLAGS)
     return None if library is None else PagedPrefillKernel(library)

@@ -42,7 +42,15 @@
 
 namespace {
 
+// A vector's lanes: AVX-512's where the file is built for it (-march=native on a CPU that has
+// it), else AVX2's. A tile's rows are its queries in vector lanes, so its size follows.
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
 constexpr int kLanes = 8;
+#endif
+using L = simd::Lanes<kLanes>;
+using Vector = L::Vector;
 constexpr int kVectors = 3;                  // a tile's rows: three vectors' lanes
 constexpr int kRows = kVectors * kLanes;
 constexpr int kKeys = 4;                     // keys scored at once: 4 x 3 accumulators
@@ -59,22 +67,22 @@ struct Tile {
   std::vector<float> weights;
   // [kBlock][head_dim] each: a 16-bit cache's block of key and value rows, as float32
   std::vector<float> keys, values;
-  __m256 max[kVectors], sum[kVectors], position[kVectors];
+  Vector max[kVectors], sum[kVectors], position[kVectors];
 };
 
 // acc[k][v] = sum_d key_k[d] * query[d][v-th vector]
 template <int64_t kHeadDim>
-inline void score_keys(const float* const keys[kKeys], const float* query, int64_t any_head_dim, __m256 acc[][kVectors]) {
+inline void score_keys(const float* const keys[kKeys], const float* query, int64_t any_head_dim, Vector acc[][kVectors]) {
   const int64_t head_dim = kHeadDim ? kHeadDim : any_head_dim;
-  __m256 sums[kKeys][kVectors];  // local, so they stay in registers: acc's stores would be reloaded
+  Vector sums[kKeys][kVectors];  // local, so they stay in registers: acc's stores would be reloaded
   for (int k = 0; k < kKeys; ++k)
-    for (int v = 0; v < kVectors; ++v) sums[k][v] = _mm256_setzero_ps();
+    for (int v = 0; v < kVectors; ++v) sums[k][v] = L::set1(0.0f);
   for (int64_t d = 0; d < head_dim; ++d) {
-    __m256 q[kVectors];
-    for (int v = 0; v < kVectors; ++v) q[v] = _mm256_loadu_ps(query + d * kRows + v * kLanes);
+    Vector q[kVectors];
+    for (int v = 0; v < kVectors; ++v) q[v] = L::load(query + d * kRows + v * kLanes);
     for (int k = 0; k < kKeys; ++k) {
-      const __m256 key = _mm256_broadcast_ss(keys[k] + d);
-      for (int v = 0; v < kVectors; ++v) sums[k][v] = _mm256_fmadd_ps(key, q[v], sums[k][v]);
+      const Vector key = L::set1(keys[k][d]);
+      for (int v = 0; v < kVectors; ++v) sums[k][v] = L::fmadd(key, q[v], sums[k][v]);
     }
   }
   for (int k = 0; k < kKeys; ++k)
@@ -83,21 +91,21 @@ inline void score_keys(const float* const keys[kKeys], const float* query, int64
 
 // out[d0 .. d0 + kDims)[rows] = correction * out + sum_j value_j[d] * weights[j][rows]
 inline void add_values(float* out, const float* const values[], const float* weights, int64_t n, int64_t d0,
-                       const __m256 correction[kVectors]) {
-  __m256 acc[kDims][kVectors];
+                       const Vector correction[kVectors]) {
+  Vector acc[kDims][kVectors];
   for (int i = 0; i < kDims; ++i)
     for (int v = 0; v < kVectors; ++v)
-      acc[i][v] = _mm256_mul_ps(_mm256_loadu_ps(out + (d0 + i) * kRows + v * kLanes), correction[v]);
+      acc[i][v] = L::mul(L::load(out + (d0 + i) * kRows + v * kLanes), correction[v]);
   for (int64_t j = 0; j < n; ++j) {
-    __m256 w[kVectors];
-    for (int v = 0; v < kVectors; ++v) w[v] = _mm256_loadu_ps(weights + j * kRows + v * kLanes);
+    Vector w[kVectors];
+    for (int v = 0; v < kVectors; ++v) w[v] = L::load(weights + j * kRows + v * kLanes);
     for (int i = 0; i < kDims; ++i) {
-      const __m256 value = _mm256_broadcast_ss(values[j] + d0 + i);
-      for (int v = 0; v < kVectors; ++v) acc[i][v] = _mm256_fmadd_ps(value, w[v], acc[i][v]);
+      const Vector value = L::set1(values[j][d0 + i]);
+      for (int v = 0; v < kVectors; ++v) acc[i][v] = L::fmadd(value, w[v], acc[i][v]);
     }
   }
   for (int i = 0; i < kDims; ++i)
-    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + (d0 + i) * kRows + v * kLanes, acc[i][v]);
+    for (int v = 0; v < kVectors; ++v) L::store(out + (d0 + i) * kRows + v * kLanes, acc[i][v]);
 }
 
 // One block of keys [first, first + n): scores, the softmax update, values.
@@ -105,37 +113,34 @@ template <int64_t kHeadDim>
 void attend_block(Tile& tile, const float* const keys[kBlock], const float* const values[kBlock], int64_t first,
                   int64_t n, int64_t head_dim) {
   for (int64_t j = 0; j < n; j += kKeys) {
-    __m256 acc[kKeys][kVectors];
+    Vector acc[kKeys][kVectors];
     const int64_t here = std::min<int64_t>(kKeys, n - j);
     const float* scored[kKeys];  // past the block's end, its last key again: those scores are not kept
     for (int64_t k = 0; k < kKeys; ++k) scored[k] = keys[j + std::min(k, here - 1)];
     score_keys<kHeadDim>(scored, tile.query.data(), head_dim, acc);
     for (int64_t k = 0; k < here; ++k) {
       // A row sees key first + j + k when its position is at least that.
-      const __m256 key_position = _mm256_set1_ps(static_cast<float>(first + j + k));
-      for (int v = 0; v < kVectors; ++v) {
-        const __m256 visible = _mm256_cmp_ps(key_position, tile.position[v], _CMP_LE_OQ);
-        _mm256_storeu_ps(&tile.weights[(j + k) * kRows + v * kLanes],
-                         _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), acc[k][v], visible));
-      }
+      const Vector key_position = L::set1(static_cast<float>(first + j + k));
+      for (int v = 0; v < kVectors; ++v)
+        L::store(&tile.weights[(j + k) * kRows + v * kLanes],
+                 L::where_less_equal(key_position, tile.position[v], acc[k][v], L::set1(-INFINITY)));
     }
   }
-  __m256 correction[kVectors];
+  Vector correction[kVectors];
   for (int v = 0; v < kVectors; ++v) {
-    __m256 block_max = _mm256_set1_ps(kNoMax);
-    for (int64_t j = 0; j < n; ++j) block_max = _mm256_max_ps(block_max, _mm256_loadu_ps(&tile.weights[j * kRows + v * kLanes]));
-    const __m256 new_max = _mm256_max_ps(tile.max[v], block_max);
-    correction[v] = simd::exp(_mm256_sub_ps(tile.max[v], new_max));
+    Vector block_max = L::set1(kNoMax);
+    for (int64_t j = 0; j < n; ++j) block_max = L::max(block_max, L::load(&tile.weights[j * kRows + v * kLanes]));
+    const Vector new_max = L::max(tile.max[v], block_max);
+    correction[v] = simd::exp(L::sub(tile.max[v], new_max));
     tile.max[v] = new_max;
-    __m256 total = _mm256_setzero_ps();
+    Vector total = L::set1(0.0f);
     for (int64_t j = 0; j < n; ++j) {
       float* w = &tile.weights[j * kRows + v * kLanes];
-      const __m256 s = _mm256_loadu_ps(w);
-      const __m256 e = simd::masked_weight(s, new_max);
-      _mm256_storeu_ps(w, e);
-      total = _mm256_add_ps(total, e);
+      const Vector e = simd::masked_weight(L::load(w), new_max);
+      L::store(w, e);
+      total = L::add(total, e);
     }
-    tile.sum[v] = _mm256_fmadd_ps(tile.sum[v], correction[v], total);
+    tile.sum[v] = L::fmadd(tile.sum[v], correction[v], total);
   }
   for (int64_t d0 = 0; d0 < head_dim; d0 += kDims)
     add_values(tile.out.data(), values, tile.weights.data(), n, d0, correction);
@@ -175,9 +180,9 @@ void attend(const float* query, float* out, const typename Element::Stored* key_
     }
     std::fill(tile.out.begin(), tile.out.end(), 0.0f);
     for (int v = 0; v < kVectors; ++v) {
-      tile.position[v] = _mm256_loadu_ps(positions + v * kLanes);
-      tile.max[v] = _mm256_set1_ps(kNoMax);
-      tile.sum[v] = _mm256_setzero_ps();
+      tile.position[v] = L::load(positions + v * kLanes);
+      tile.max[v] = L::set1(kNoMax);
+      tile.sum[v] = L::set1(0.0f);
     }
     const int64_t num_keys = context - num_tokens + (first_row + rows - 1) / group + 1;
     for (int64_t first = 0; first < num_keys; first += kBlock) {
@@ -200,7 +205,7 @@ void attend(const float* query, float* out, const typename Element::Stored* key_
       attend_block<kHeadDim>(tile, keys, values, first, n, head_dim);
     }
     float sums[kRows];
-    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(sums + v * kLanes, tile.sum[v]);
+    for (int v = 0; v < kVectors; ++v) L::store(sums + v * kLanes, tile.sum[v]);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t token = (first_row + r) / group, head = kv * group + (first_row + r) % group;
       float* o = out + ((first_token_row + token) * num_heads + head) * head_dim;
@@ -227,3 +232,6 @@ void attend(const float* query, float* out, const typename Element::Stored* key_
     });                                                                                                           \
   }
 KVFLEET_FOR_EACH_CACHE_ELEMENT(PAGED_PREFILL_ATTENTION)
+
+// The rows (query token x query head) of a tile, as the caller splits a chunk's rows.
+extern "C" int64_t paged_prefill_tile_rows() { return kRows; }

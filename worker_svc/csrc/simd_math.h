@@ -35,6 +35,9 @@ struct Lanes;
 
 template <>
 struct Lanes<8> {
+  using Vector = __m256;
+  static __m256 load(const float* at) { return _mm256_loadu_ps(at); }
+  static void store(float* at, __m256 v) { _mm256_storeu_ps(at, v); }
   static __m256 set1(float v) { return _mm256_set1_ps(v); }
   static __m256 min(__m256 a, __m256 b) { return _mm256_min_ps(a, b); }
   static __m256 max(__m256 a, __m256 b) { return _mm256_max_ps(a, b); }
@@ -45,6 +48,13 @@ struct Lanes<8> {
   static __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
   static __m256 fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
   static __m256 round(__m256 a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // Lane for lane, a <= b ? if_true : if_false, and a > b ? if_true : 0 (for NaN, as false).
+  static __m256 where_less_equal(__m256 a, __m256 b, __m256 if_true, __m256 if_false) {
+    return _mm256_blendv_ps(if_false, if_true, _mm256_cmp_ps(a, b, _CMP_LE_OQ));
+  }
+  static __m256 where_greater(__m256 a, __m256 b, __m256 if_true) {
+    return _mm256_and_ps(if_true, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
+  }
   // 2^n for whole n within float32's exponents.
   static __m256 exp2(__m256 n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
@@ -54,6 +64,9 @@ struct Lanes<8> {
 #ifdef __AVX512F__
 template <>
 struct Lanes<16> {
+  using Vector = __m512;
+  static __m512 load(const float* at) { return _mm512_loadu_ps(at); }
+  static void store(float* at, __m512 v) { _mm512_storeu_ps(at, v); }
   static __m512 set1(float v) { return _mm512_set1_ps(v); }
   static __m512 min(__m512 a, __m512 b) { return _mm512_min_ps(a, b); }
   static __m512 max(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
@@ -64,6 +77,12 @@ struct Lanes<16> {
   static __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
   static __m512 fnmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fnmadd_ps(a, b, c); }
   static __m512 round(__m512 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static __m512 where_less_equal(__m512 a, __m512 b, __m512 if_true, __m512 if_false) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LE_OQ), if_false, if_true);
+  }
+  static __m512 where_greater(__m512 a, __m512 b, __m512 if_true) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), if_true);
+  }
   static __m512 exp2(__m512 n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
   }
@@ -98,8 +117,10 @@ inline V silu_times(V gate, V up) {
 }
 
 // A softmax weight e^(s - max), exactly 0 for a masked score (s = -inf) rather than exp's floor.
-inline __m256 masked_weight(__m256 s, __m256 max) {
-  return _mm256_and_ps(exp(_mm256_sub_ps(s, max)), _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ));
+template <class V>
+inline V masked_weight(V s, V max) {
+  using L = Lanes<sizeof(V) / sizeof(float)>;
+  return L::where_greater(s, L::set1(-INFINITY), exp(L::sub(s, max)));
 }
 
 }  // namespace simd

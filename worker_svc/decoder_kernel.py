@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from worker_svc.kv_cache import CACHE_DTYPES
-from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
+from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, bind, load_library
 from worker_svc.threads import idle_threads_sleep
 
 SOURCE = Path(__file__).parent / "csrc" / "decoder_ops.cpp"
@@ -27,10 +27,10 @@ _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_
 
 class DecoderKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._add_rms_norm = _bind(library.add_rms_norm, [_ptr] * 5 + [_i64, _i64, _f32, _int])
-        self._silu_and_mul = _bind(library.silu_and_mul, [_ptr, _i64, _i64, _int])
-        self._rotary = _bind(library.rotary, [_ptr] * 5 + [_i64] * 6 + [_int])
-        self._write_kv = {dtype: _bind(getattr(library, f"write_kv_{name}"), [_ptr] * 5 + [_i64] * 5 + [_int], _i64)
+        self._add_rms_norm = bind(library.add_rms_norm, [_ptr] * 5 + [_i64, _i64, _f32, _int])
+        self._silu_and_mul = bind(library.silu_and_mul, [_ptr, _i64, _i64, _int])
+        self._rotary = bind(library.rotary, [_ptr] * 5 + [_i64] * 6 + [_int])
+        self._write_kv = {dtype: bind(getattr(library, f"write_kv_{name}"), [_ptr] * 5 + [_i64] * 5 + [_int], _i64)
                           for dtype, name in CACHE_DTYPES.items()}
         self.parallel_min_elements = PARALLEL_MIN_ELEMENTS if idle_threads_sleep() else 0
 
@@ -83,11 +83,6 @@ class DecoderKernel:
             width, key.stride(0), value.stride(0), kv_cache[0].numel() // width, self._threads(2 * tokens * width))
         if outside:
             raise IndexError(f"{outside} of {tokens} KV slots are outside the cache")
-
-
-def _bind(function: ctypes._CFuncPtr, argtypes: list, restype: type | None = None) -> ctypes._CFuncPtr:
-    function.restype, function.argtypes = restype, argtypes
-    return function
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

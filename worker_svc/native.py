@@ -59,6 +59,12 @@ def cpu_signature() -> bytes:
     return "\n".join(sorted({line for line in lines if line.startswith(wanted)})).encode()
 
 
+def bind(function: ctypes._CFuncPtr, argtypes: list, restype: type | None = None) -> ctypes._CFuncPtr:
+    """`function` declared with its argument and result types, as the kernels' callers do."""
+    function.restype, function.argtypes = restype, argtypes
+    return function
+
+
 def load_library(source: Path, flags: Sequence[str], what: str, needs: Sequence[str] = ()) -> ctypes.CDLL | None:
     """`source` built with `flags` (C++ for .cpp, else C), linked with the thread pool, and
     loaded; None, warned, where it cannot be. `needs`: CPU flags the code requires; `what`

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
+from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, bind, load_library
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
 from worker_svc.threads import idle_threads_sleep
 
@@ -41,12 +41,8 @@ def checked_call(x: torch.Tensor, bias: torch.Tensor | None, in_features: int, o
 class Q4Kernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self.library = library
-        self._function = library.q4_linear
-        self._function.restype = None
-        self._function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        self._dequantize = library.q4_dequantize
-        self._dequantize.restype = None
-        self._dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        self._function = bind(library.q4_linear, [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int])
+        self._dequantize = bind(library.q4_dequantize, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int])
         self.min_parallel_macs = PASSIVE_PARALLEL_MIN_MACS if idle_threads_sleep() else 0
 
     def linear(self, packed: PackedQ4, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

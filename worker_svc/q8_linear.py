@@ -28,7 +28,7 @@ from torch import nn
 
 from worker_svc import vnni_kernel
 from worker_svc.layers import Linear
-from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
+from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, bind, load_library
 from worker_svc.q8_weights import Q8Blocks
 from worker_svc.vnni_kernel import Q8Panels
 
@@ -65,9 +65,7 @@ class Q8Kernel:
     """csrc/q8_gemm.cpp through ctypes."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._function = library.q8_linear
-        self._function.restype = None
-        self._function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self._function = bind(library.q8_linear, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int])
 
     def linear(self, blocks: Q8Blocks, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] float32, contiguous -> x @ W.T [rows, out] float32."""

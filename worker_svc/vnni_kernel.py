@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from worker_svc.native import load_library
+from worker_svc.native import bind, load_library
 from worker_svc.q4_kernel import PASSIVE_PARALLEL_MIN_MACS, checked_call
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
 from worker_svc.q8_weights import Q8Blocks
@@ -113,9 +113,9 @@ class VnniKernel:
         _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         # x (or what it is made from) and its row stride, panels, bias, y, M, K, N, threads, quantize threads.
         gemm = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int]
-        self._functions = {panels: _bind(getattr(library, panels.function), gemm) for panels in (Q4Panels, Q8Panels)}
-        self._silu_and_mul = _bind(library.q4_vnni_linear_silu_and_mul, gemm)
-        self._add_norm = _bind(library.q4_vnni_linear_add_norm,
+        self._functions = {panels: bind(getattr(library, panels.function), gemm) for panels in (Q4Panels, Q8Panels)}
+        self._silu_and_mul = bind(library.q4_vnni_linear_silu_and_mul, gemm)
+        self._add_norm = bind(library.q4_vnni_linear_add_norm,
                                [_ptr, _ptr, _ptr, ctypes.c_float, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int])
         # As for the float32 kernel: waking a sleeping thread costs more than a small call.
         self.min_parallel_macs = PASSIVE_PARALLEL_MIN_MACS if idle_threads_sleep() else 0
@@ -150,10 +150,10 @@ class VnniKernel:
         assert norm_weight.dtype == torch.float32 and norm_weight.is_contiguous()
         assert norm_weight.numel() == weights.in_features
         out, quantize_threads = self._output(x, weights, threads)
-        summed = x if residual is None else torch.empty_like(x)
+        summed = x
         if residual is not None:
             assert residual.dtype == torch.float32 and residual.shape == x.shape
-            residual = residual.contiguous()
+            residual, summed = residual.contiguous(), torch.empty_like(x)
         self._add_norm(x.data_ptr(), _pointer(residual), norm_weight.data_ptr(), eps, summed.data_ptr(),
                        weights.panels.data_ptr(), _pointer(bias), out.data_ptr(), *x.shape, weights.out_features,
                        threads, quantize_threads)
@@ -164,11 +164,6 @@ class VnniKernel:
         """The call's output, and the threads of its `threads` that quantize its activations."""
         quantize_threads = threads if x.numel() >= QUANTIZE_PARALLEL_MIN_ELEMENTS else 1
         return torch.empty(x.shape[0], weights.out_features), quantize_threads
-
-
-def _bind(function: ctypes._CFuncPtr, argtypes: list) -> ctypes._CFuncPtr:
-    function.restype, function.argtypes = None, argtypes
-    return function
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

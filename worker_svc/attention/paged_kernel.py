@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from worker_svc.kv_cache import CACHE_DTYPES
+from worker_svc.native import bind
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -25,8 +26,7 @@ class PagedKernel:
         argtypes = [_ptr] * 5 + [_i64, _i64] + [_ptr] * self.work_arrays + [_i64] * 4 + [ctypes.c_float, _ptr, _i64]
         self._functions: dict[torch.dtype, ctypes._CFuncPtr] = {}
         for dtype, suffix in CACHE_DTYPES.items():
-            function = self._functions[dtype] = getattr(library, f"{self.entry_point}_{suffix}")
-            function.restype, function.argtypes = None, argtypes
+            self._functions[dtype] = bind(getattr(library, f"{self.entry_point}_{suffix}"), argtypes)
 
     @classmethod
     def supports(cls, dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:

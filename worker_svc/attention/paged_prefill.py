@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from worker_svc.attention.paged_kernel import PagedKernel
-from worker_svc.native import AVX2_CPU_FLAGS, NATIVE_FLAGS, load_library
+from worker_svc.native import AVX2_CPU_FLAGS, NATIVE_FLAGS, bind, load_library
 from worker_svc.threads import even_shares
 
 SOURCE = Path(__file__).parents[1] / "csrc" / "paged_prefill.cpp"
@@ -73,8 +73,7 @@ class PagedPrefillKernel(PagedKernel):
 
     def __init__(self, library: ctypes.CDLL) -> None:
         super().__init__(library)
-        library.paged_prefill_tile_rows.restype = ctypes.c_int64
-        self.tile_rows = library.paged_prefill_tile_rows()
+        self.tile_rows = bind(library.paged_prefill_tile_rows, [], ctypes.c_int64)()
 
     def batch(self, chunks: list[PrefillChunk], block_tables: torch.Tensor) -> PrefillBatch:
         table = torch.tensor([(c.first_row, c.num_tokens, c.context, c.seq) for c in chunks], dtype=torch.int64)

@@ -76,6 +76,8 @@ class _Replica:
     # Another process answers at its address: this one died, and never serves again
     # (its successor has a lease, so an entry, of its own).
     superseded: bool = False
+    # It refused a request as full since the last poll (whatever its queue bound says).
+    refused_as_full: bool = False
 
     @property
     def instance_id(self) -> str:
@@ -90,7 +92,7 @@ class _Replica:
     def full(self) -> bool:
         """Its queue is at its bound (--max-queued-requests), as far as we know."""
         bound = self.member.metadata.get("max_queued_requests")
-        return bool(bound) and self.waiting >= int(bound)
+        return self.refused_as_full or (bool(bound) and self.waiting >= int(bound))
 
     @classmethod
     def open(cls, member: Member, on_lost: Callable[[_Replica, str], None]) -> _Replica:
@@ -281,16 +283,21 @@ class ClusterEngineClient:
             return replica
 
     def _reroute(self, refused: _Replica, ids: list[str], code: grpc.StatusCode) -> _Replica | None:
-        """Sets a refusing replica aside until the next poll (for good if a successor
-        refused in its place); claims another, if any is routable."""
+        """Sets a refusing replica aside until the next poll: a full one as full, so that
+        what comes meanwhile is told to retry (429) rather than that nothing serves (503);
+        a draining one as unroutable, for good if a successor refused in its place.
+        Claims another, if any can take the request."""
         with self._lock:
-            refused.routable = False
-            refused.superseded |= code is grpc.StatusCode.FAILED_PRECONDITION
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                refused.refused_as_full = True
+            else:
+                refused.routable = False
+                refused.superseded |= code is grpc.StatusCode.FAILED_PRECONDITION
             refused.load -= 1
             refused.waiting -= 1
         try:
             return self._claim(ids)
-        except EngineUnavailable:
+        except (EngineUnavailable, EngineOverloaded):
             return None
 
     def _release(self, ids: list[str]) -> None:
@@ -451,6 +458,12 @@ class ClusterEngineClient:
             if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
                 self._lost(replica, f"was replaced by another process ({exc.details()})", superseded=True)
                 return None
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                # Busy, not gone (a dead one refuses the connection, and a hung one loses
+                # its lease): it keeps what the last poll said rather than turning healthy
+                # work away for a slow answer.
+                logger.warning("scheduler %s answers its poll late; keeping it as it was", replica.member.address)
+                return None
             logger.warning("scheduler %s does not answer: %s", replica.member.address, exc.code().name)
             with self._lock:
                 replica.routable = False
@@ -458,6 +471,7 @@ class ClusterEngineClient:
         with self._lock:
             replica.load = stats.num_requests_running + stats.num_requests_waiting
             replica.waiting = stats.num_requests_waiting
+            replica.refused_as_full = False
             replica.routable = worker_live and serving and not replica.superseded
         return stats
 

@@ -108,10 +108,10 @@ def run_scheduler(args: argparse.Namespace) -> int:
         server = start_scheduler_server(loop, hub, f"{args.host}:{args.port}")
         if args.engine_port is not None:
             servicer = VllmEngineServicer(loop, hub, kv_events, EngineText.for_engine(config),
-                                          grpc_serving(args.worker_address), args.model,
+                                          grpc_serving(args.worker_address, args.lease_ttl), args.model,
                                           (args.served_model_name or [args.model])[0])
             engine_server = start_vllm_engine_server(servicer, f"{args.engine_host or args.host}:{args.engine_port}")
-        _follow_worker(args.worker_address, server, loop)
+        _follow_worker(args.worker_address, args.lease_ttl, server, loop)
         with registered(args, lambda: _scheduler_lease(args, server.port, loop, hub)):
             serve_until_signalled(server, args.shutdown_timeout)
     finally:
@@ -121,14 +121,15 @@ def run_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
-def _follow_worker(address: str, server: RoleServer, loop: StepLoop) -> None:
-    """Not ready while the worker does not answer its health check: a dead worker is seen
-    within WORKER_CHECK_S (its connection is refused), and gateways stop routing here at
-    their next poll, instead of a worker lease later. When it answers again, the loop
+def _follow_worker(address: str, patience_s: float, server: RoleServer, loop: StepLoop) -> None:
+    """Not ready while the worker does not answer its health check (a busy one: past
+    `patience_s`, see grpc_serving): a dead worker is seen within WORKER_CHECK_S (its
+    connection is refused), and gateways stop routing here at their next poll, instead
+    of a worker lease later. When it answers again, the loop
     first checks whether it is the same worker (a restarted one lost every KV block), and
     is ready once the engine's own client reaches it too: that channel may still be
     backing off from the outage while this probe's already connects."""
-    serving = grpc_serving(address)
+    serving = grpc_serving(address, patience_s)
 
     def follow() -> None:
         was_up = True
@@ -165,7 +166,7 @@ def _scheduler_lease(args: argparse.Namespace, port: int, loop: StepLoop, hub: N
     can validate requests. Healthy while it serves (or drains) and reaches NATS: a
     scheduler cut off from NATS for a lease TTL loses its lease, and gateways fail its
     requests (within that TTL, what it publishes waits in its replay window)."""
-    serving = grpc_serving(f"127.0.0.1:{port}")
+    serving = grpc_serving(f"127.0.0.1:{port}", args.lease_ttl)
     metadata = lease_metadata(args.worker_address, args.model, loop.core, loop.max_queued_requests)
     member = Member("scheduler", new_member_id(), advertised(args, port), metadata)
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import signal
 import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -33,19 +35,31 @@ def registered(args: argparse.Namespace, lease: Callable[[], AbstractContextMana
 def role_lease(role: str, args: argparse.Namespace, port: int, metadata: dict[str, str] | None = None) -> Lease:
     """A lease held while the role's gRPC health says SERVING."""
     member = Member(role, new_member_id(), advertised(args, port), {"model": args.model, **(metadata or {})})
-    return Lease(Registry(args.redis_url), member, args.lease_ttl, healthy=grpc_serving(f"127.0.0.1:{port}"))
+    return Lease(Registry(args.redis_url), member, args.lease_ttl,
+                 healthy=grpc_serving(f"127.0.0.1:{port}", args.lease_ttl))
 
 
-def grpc_serving(address: str) -> Callable[[], bool]:
-    """A check that the gRPC server at `address` reports SERVING (false while it is down)."""
+def grpc_serving(address: str, patience_s: float) -> Callable[[], bool]:
+    """A check that the gRPC server at `address` reports SERVING (false while it is down).
+
+    A server too busy to answer within a second counts as serving for `patience_s` after
+    its last SERVING answer: a late reply is not a lost process (a dead one refuses the
+    connection at once), and one slow beat under load must not drop a healthy role from
+    the cluster. One that stays silent past its patience (hung) is taken as down."""
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address, options=RECONNECT_OPTIONS))
+    last_serving = -math.inf
 
     def check() -> bool:
+        nonlocal last_serving
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-        except grpc.RpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError as exc:
+            late = exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            return late and time.monotonic() - last_serving < patience_s
+        serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+        if serving:
+            last_serving = time.monotonic()
+        return serving
 
     return check
 

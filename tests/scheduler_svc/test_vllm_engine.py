@@ -85,7 +85,7 @@ class Replica:
         self.loop = StepLoop(EngineCore(EngineConfig(**ENGINE), self.remote), hub)
         self.scheduler_server = start_scheduler_server(self.loop, hub, "127.0.0.1:0")
         servicer = VllmEngineServicer(self.loop, hub, self.kv_events, EngineText.for_engine(EngineConfig(**ENGINE)),
-                                      grpc_serving(self.worker_server.address), "smollm2", "smollm2")
+                                      grpc_serving(self.worker_server.address, 3.0), "smollm2", "smollm2")
         self.server = start_vllm_engine_server(servicer, "127.0.0.1:0")
         self.channel = grpc.insecure_channel(self.server.address)
         self.stub = pb_grpc.VllmEngineStub(self.channel)

@@ -33,7 +33,7 @@ from scheduler_svc.server import start_scheduler_server
 from scheduler_svc.step_loop import StepLoop
 from scheduler_svc.worker_client import RemoteWorker
 from services.config import EngineConfig
-from services.engine_client import RequestFailed
+from services.engine_client import EngineOverloaded, RequestFailed
 from services.messages import TokenDelta
 from services.nats_link import subject
 from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2
@@ -258,6 +258,49 @@ def test_a_replica_that_refuses_is_passed_over_for_another(cluster, client, nats
     finally:
         lease.stop()
         server.stop(0)
+
+
+def test_a_replica_found_full_turns_requests_away_as_full_until_the_next_poll(cluster, nats, redis_url,
+                                                                              prompts) -> None:
+    """A replica whose queue filled since the last poll refuses Submit as full: that
+    request, and those that come before the next poll, are told to retry (a 429), never
+    that no scheduler serves (a 503)."""
+    own_registry = redis_url.rsplit("/", 1)[0] + "/2"  # the full replica is the only one there
+    registry = Registry(own_registry)
+    core = EngineCore(EngineConfig(**ENGINE), cluster.remote)
+    hub = NatsOutputHub(nats.url, core.instance_id)
+    full = StepLoop(core, hub, max_queued_requests=0)
+    server = start_scheduler_server(full, hub, "127.0.0.1:0")
+    # Its lease names no queue bound, so only its answer to Submit says it is full.
+    metadata = lease_metadata(cluster.worker.address, "smollm2", full.core)
+    leases = [Lease(registry, member, TTL_S).start() for member in (
+        Member("worker", "w", cluster.worker.address), Member("tokenizer", "t", cluster.tokenizer.address),
+        Member("scheduler", "full", server.address, metadata))]
+    client = ClusterEngineClient(own_registry, nats.url, poll_interval_s=600)  # no poll within the test
+    try:
+        deadline = time.monotonic() + 10
+        while not registry.members("scheduler"):
+            assert time.monotonic() < deadline, "the full replica never registered"
+            time.sleep(0.05)
+        client.start()
+        assert client.is_ready()
+
+        async def refused(request_id: str) -> None:
+            with pytest.raises(EngineOverloaded, match="queue is full"):
+                await collect(client.generate(request_id, prompts[0], GREEDY))
+
+        async def main() -> None:
+            await refused("full-0")
+            await asyncio.gather(*(refused(f"full-{i}") for i in range(1, 4)))
+
+        asyncio.run(main())
+        assert client.is_ready()
+    finally:
+        client.shutdown()
+        for lease in leases:
+            lease.stop()
+        server.stop(0)
+        registry.close()
 
 
 @pytest.mark.serial

@@ -144,11 +144,14 @@ def regions_slept_through(calls: int) -> int:
 def test_helpers_sleep_between_regions_where_busy_processes_want_their_cores(two_threads) -> None:
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     try:
-        slept = regions_slept_through(200)
+        # A helper judges contention a 100 ms window at a time, and the kernel's balancer
+        # may leave it a core of its own for a while (once, in a CI run, for a whole
+        # attempt): it must notice within three attempts of half a second.
+        slept = [regions_slept_through(200) for _ in range(3)]
     finally:
         for process in busy:
             process.kill()
             process.wait()
     # Polling, a helper sleeps only where a region is over 10 ms late (none of 200 here when
     # the machine's housekeeping alone preempted it); made to yield, before 35-45% of them.
-    assert slept > 20
+    assert max(slept) > 20, slept

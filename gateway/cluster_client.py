@@ -286,7 +286,8 @@ class ClusterEngineClient:
         """Sets a refusing replica aside until the next poll: a full one as full, so that
         what comes meanwhile is told to retry (429) rather than that nothing serves (503);
         a draining one as unroutable, for good if a successor refused in its place.
-        Claims another, if any can take the request."""
+        Claims another, if any can take the request; where every routable one is full,
+        raises EngineOverloaded, whatever this one's refusal was."""
         with self._lock:
             if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
                 refused.refused_as_full = True
@@ -297,7 +298,9 @@ class ClusterEngineClient:
             refused.waiting -= 1
         try:
             return self._claim(ids)
-        except (EngineUnavailable, EngineOverloaded):
+        except EngineOverloaded:  # the request's answer: retry, not the last refusal's code
+            raise
+        except EngineUnavailable:
             return None
 
     def _release(self, ids: list[str]) -> None:

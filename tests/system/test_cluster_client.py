@@ -260,27 +260,36 @@ def test_a_replica_that_refuses_is_passed_over_for_another(cluster, client, nats
         server.stop(0)
 
 
-def test_a_replica_found_full_turns_requests_away_as_full_until_the_next_poll(cluster, nats, redis_url,
-                                                                              prompts) -> None:
+@pytest.mark.parametrize("tried_first", ["full", "draining"])
+def test_a_replica_found_full_turns_requests_away_as_full_until_the_next_poll(cluster, nats, redis_url, prompts,
+                                                                              tried_first) -> None:
     """A replica whose queue filled since the last poll refuses Submit as full: that
     request, and those that come before the next poll, are told to retry (a 429), never
-    that no scheduler serves (a 503)."""
-    own_registry = redis_url.rsplit("/", 1)[0] + "/2"  # the full replica is the only one there
+    that no scheduler serves (a 503), also where the only other replica began draining,
+    whichever of the two the first request tries first."""
+    own_registry = redis_url.rsplit("/", 1)[0] + "/2"  # these replicas are the only ones there
     registry = Registry(own_registry)
-    core = EngineCore(EngineConfig(**ENGINE), cluster.remote)
-    hub = NatsOutputHub(nats.url, core.instance_id)
-    full = StepLoop(core, hub, max_queued_requests=0)
-    server = start_scheduler_server(full, hub, "127.0.0.1:0")
-    # Its lease names no queue bound, so only its answer to Submit says it is full.
-    metadata = lease_metadata(cluster.worker.address, "smollm2", full.core)
+    schedulers = []
+    for name, max_queued in (("full", 0), ("draining", None)):
+        core = EngineCore(EngineConfig(**ENGINE), cluster.remote)
+        hub = NatsOutputHub(nats.url, core.instance_id)
+        loop = StepLoop(core, hub, max_queued_requests=max_queued)
+        server = start_scheduler_server(loop, hub, "127.0.0.1:0")
+        # Its lease names no queue bound, and its health still says SERVING: only its
+        # answer to Submit says it is full, or draining.
+        # Equally loaded replicas are tried in the order of their ids.
+        member_id = f"{0 if name == tried_first else 1}-{name}"
+        schedulers.append((loop, server, Member("scheduler", member_id, server.address,
+                                                 lease_metadata(cluster.worker.address, "smollm2", core))))
+    schedulers[1][0].stop()
     leases = [Lease(registry, member, TTL_S).start() for member in (
         Member("worker", "w", cluster.worker.address), Member("tokenizer", "t", cluster.tokenizer.address),
-        Member("scheduler", "full", server.address, metadata))]
+        *(member for _, _, member in schedulers))]
     client = ClusterEngineClient(own_registry, nats.url, poll_interval_s=600)  # no poll within the test
     try:
         deadline = time.monotonic() + 10
-        while not registry.members("scheduler"):
-            assert time.monotonic() < deadline, "the full replica never registered"
+        while len(registry.members("scheduler")) < 2:
+            assert time.monotonic() < deadline, "the replicas never registered"
             time.sleep(0.05)
         client.start()
         assert client.is_ready()
@@ -299,7 +308,8 @@ def test_a_replica_found_full_turns_requests_away_as_full_until_the_next_poll(cl
         client.shutdown()
         for lease in leases:
             lease.stop()
-        server.stop(0)
+        for _, server, _ in schedulers:
+            server.stop(0)
         registry.close()
 
 

@@ -125,10 +125,10 @@ def _follow_worker(address: str, patience_s: float, server: RoleServer, loop: St
     """Not ready while the worker does not answer its health check (a busy one: past
     `patience_s`, see grpc_serving): a dead worker is seen within WORKER_CHECK_S (its
     connection is refused), and gateways stop routing here at their next poll, instead
-    of a worker lease later. When it answers again, the loop
-    first checks whether it is the same worker (a restarted one lost every KV block), and
-    is ready once the engine's own client reaches it too: that channel may still be
-    backing off from the outage while this probe's already connects."""
+    of a worker lease later. When it answers again, the loop first checks whether it is
+    the same worker (a restarted one lost every KV block), and is ready once the engine's
+    own client reaches it too: that channel may still be backing off from the outage
+    while this probe's already connects."""
     serving = grpc_serving(address, patience_s)
 
     def follow() -> None:

@@ -25,8 +25,12 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.file_cache import cache_root
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +67,11 @@ def bind(function: ctypes._CFuncPtr, argtypes: list, restype: type | None = None
     """`function` declared with its argument and result types, as the kernels' callers do."""
     function.restype, function.argtypes = restype, argtypes
     return function
+
+
+def pointer(tensor: torch.Tensor | None) -> int | None:
+    """A kernel argument for an optional tensor (a bias, a residual): its data, or NULL."""
+    return None if tensor is None else tensor.data_ptr()
 
 
 def load_library(source: Path, flags: Sequence[str], what: str, needs: Sequence[str] = ()) -> ctypes.CDLL | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, bind, load_library
+from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, bind, load_library, pointer
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
 from worker_svc.threads import idle_threads_sleep
 
@@ -52,7 +52,7 @@ class Q4Kernel:
         out = torch.empty(rows, packed.out_features)
         # ctypes releases the GIL for the call; the kernel splits output rows over `threads`.
         self._function(x.data_ptr(), packed.codes.data_ptr(), packed.scale_offsets.data_ptr(),
-                       None if bias is None else bias.data_ptr(), out.data_ptr(), rows, cols, packed.out_features,
+                       pointer(bias), out.data_ptr(), rows, cols, packed.out_features,
                        threads)
         return out
 

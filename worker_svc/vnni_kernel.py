@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from worker_svc.native import bind, load_library
+from worker_svc.native import bind, load_library, pointer
 from worker_svc.q4_kernel import PASSIVE_PARALLEL_MIN_MACS, checked_call
 from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
 from worker_svc.q8_weights import Q8Blocks
@@ -126,7 +126,7 @@ class VnniKernel:
         x, threads = checked_call(x, bias, weights.in_features, weights.out_features, self.min_parallel_macs,
                                   rows_apart=True)
         out, quantize_threads = self._output(x, weights, threads)
-        self._functions[type(weights)](x.data_ptr(), x.stride(0), weights.panels.data_ptr(), _pointer(bias),
+        self._functions[type(weights)](x.data_ptr(), x.stride(0), weights.panels.data_ptr(), pointer(bias),
                                        out.data_ptr(), *x.shape, weights.out_features, threads, quantize_threads)
         return out
 
@@ -137,7 +137,7 @@ class VnniKernel:
         x, threads = checked_call(gate_up[:, : weights.in_features], bias, weights.in_features, weights.out_features,
                                   self.min_parallel_macs, rows_apart=True)
         out, quantize_threads = self._output(x, weights, threads)
-        self._silu_and_mul(x.data_ptr(), x.stride(0), weights.panels.data_ptr(), _pointer(bias), out.data_ptr(),
+        self._silu_and_mul(x.data_ptr(), x.stride(0), weights.panels.data_ptr(), pointer(bias), out.data_ptr(),
                            *x.shape, weights.out_features, threads, quantize_threads)
         return out
 
@@ -154,8 +154,8 @@ class VnniKernel:
         if residual is not None:
             assert residual.dtype == torch.float32 and residual.shape == x.shape
             residual, summed = residual.contiguous(), torch.empty_like(x)
-        self._add_norm(x.data_ptr(), _pointer(residual), norm_weight.data_ptr(), eps, summed.data_ptr(),
-                       weights.panels.data_ptr(), _pointer(bias), out.data_ptr(), *x.shape, weights.out_features,
+        self._add_norm(x.data_ptr(), pointer(residual), norm_weight.data_ptr(), eps, summed.data_ptr(),
+                       weights.panels.data_ptr(), pointer(bias), out.data_ptr(), *x.shape, weights.out_features,
                        threads, quantize_threads)
         return out, summed
 
@@ -164,10 +164,6 @@ class VnniKernel:
         """The call's output, and the threads of its `threads` that quantize its activations."""
         quantize_threads = threads if x.numel() >= QUANTIZE_PARALLEL_MIN_ELEMENTS else 1
         return torch.empty(x.shape[0], weights.out_features), quantize_threads
-
-
-def _pointer(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
 
 
 @functools.cache

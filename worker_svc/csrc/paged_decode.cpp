@@ -53,12 +53,14 @@ inline void partial_dots(const float* q, const typename Element::Stored* const k
   }
 }
 
-// The next chunk's token rows (offsets into one cache), requested into L1 a few cache
-// lines a step, between the computation's own loads. A burst of a whole row group's lines
-// at once filled the core's miss buffers and stalled the loads behind it until memory had
-// answered, so reading and computing took turns: spread out, the 64 decodes x 30 layers
-// of a batched step (416 keys on average) went from 109 to 64 ms on one thread and from 60
-// to 40 on two. (An AVX-512 build then ran no faster: the reads set the pace.)
+// The next chunk's token rows (offsets into one cache), requested a few cache lines a step,
+// between the computation's own loads. A burst of a whole row group's lines at once filled
+// the core's miss buffers and stalled the loads behind it until memory had answered, so
+// reading and computing took turns: spread out, the 64 decodes x 30 layers of a batched
+// step (416 keys on average) went from 109 to 64 ms on one thread and from 60 to 40 on
+// two. (An AVX-512 build then ran no faster: the reads set the pace.) Into L2, not L1: on
+// two threads that read 3-7% more GB/s at 150-768 keys a decode (alternated in one
+// process, three batches; alike on one thread); into L2 a second chunk ahead, 8-13% less.
 template <class Stored>
 class Prefetcher {
  public:
@@ -74,7 +76,7 @@ class Prefetcher {
  private:
   void issue(int64_t lines) {
     for (; lines > 0 && row_ < n_; --lines) {
-      _mm_prefetch(reinterpret_cast<const char*>(cache_ + rows_[row_] + d_), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(cache_ + rows_[row_] + d_), _MM_HINT_T1);
       if ((d_ += kPerLine) >= token_stride_) d_ = 0, ++row_;
     }
   }

@@ -58,9 +58,10 @@ inline void partial_dots(const float* q, const typename Element::Stored* const k
 // the core's miss buffers and stalled the loads behind it until memory had answered, so
 // reading and computing took turns: spread out, the 64 decodes x 30 layers of a batched
 // step (416 keys on average) went from 109 to 64 ms on one thread and from 60 to 40 on
-// two. (An AVX-512 build then ran no faster: the reads set the pace.) Into L2, not L1: on
-// two threads that read 3-7% more GB/s at 150-768 keys a decode (alternated in one
-// process, three batches; alike on one thread); into L2 a second chunk ahead, 8-13% less.
+// two. (An AVX-512 build then ran no faster: the reads set the pace.) Requested into L2,
+// not L1, they were read 3-7% faster on two threads at 150-768 keys a decode (alternated in
+// one process, three batches; alike on one thread); a second chunk ahead into L2 as well
+// made the reads 8-13% slower.
 template <class Stored>
 class Prefetcher {
  public:

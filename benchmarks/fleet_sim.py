@@ -50,8 +50,8 @@ from scheduler_svc.engine_core import EngineCore  # noqa: E402
 from services.block_hash import extend_block_hashes  # noqa: E402
 from services.config import EngineConfig  # noqa: E402
 from services.messages import StepPlan, StepResult, WorkerDescription  # noqa: E402
-from services.pb.kvfleet.v1 import scheduler_pb2  # noqa: E402
 from services.sampling_params import SamplingParams  # noqa: E402
+from services.scheduler_messages import NumberedKvEvents  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 16
@@ -229,8 +229,8 @@ def simulate(policy: str, trace: list[tuple[float, Session]], replicas: int, cos
             replica = fleet[number]
             if events is not None:  # the router hears of them when the step is over
                 replica.seq += 1
-                index[str(number)].receive(scheduler_pb2.KvEvents(
-                    seq=replica.seq, cleared=events.cleared, removed=events.removed, stored=events.stored))
+                index[str(number)].receive(
+                    NumberedKvEvents(str(number), replica.seq, events.cleared, events.removed, events.stored))
             for delta in deltas:
                 turn = live[delta.request_id]
                 if turn.first_token is None and delta.new_token_ids:

@@ -21,9 +21,10 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
+
+import msgspec  # noqa: E402
 
 from kvfleet import LLM, SamplingParams  # noqa: E402
 
@@ -70,7 +71,7 @@ def main() -> None:
         os.environ["KVFLEET_NUM_THREADS"] = str(2 // world)  # the same 2 cores whatever the layout
         llm = LLM("smollm2", max_model_len=1024, **layout)
         if name == "pp2_one_plan_in_flight":  # the pipeline without overlap: a stage idles while the other works
-            llm.engine.description = replace(llm.engine.description, max_plans_in_flight=1)
+            llm.engine.description = msgspec.structs.replace(llm.engine.description, max_plans_in_flight=1)
         table[name] = [measure(llm, size) for size in SIZES]
         llm.engine.worker.close()
         del llm

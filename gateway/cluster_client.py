@@ -26,9 +26,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
+import msgspec
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -45,17 +46,26 @@ from services.histogram_counts import HistogramCounts
 from services.messages import CacheConfigInfo, EngineInfo, EngineStats, TokenDelta
 from services.metric_buckets import ITERATION_TOKENS
 from services.parallel_sampling import engine_request_ids, num_children
-from services.pb.kvfleet.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.registry import DEFAULT_TTL_S, ClusterView, Member, Registry
 from services.sampling_params import SamplingParams
+from services.scheduler_messages import (
+    AbortRequest,
+    KvSnapshotRequest,
+    KvSnapshotResponse,
+    ReplayOutputsRequest,
+    StatsRequest,
+    StepOutputs,
+    SubmitRequest,
+)
 from services.transport.channel import open_channel
-from services.transport.convert import sampling_params_to_proto, stats_from_proto
 from services.transport.futures import invalid_argument
+from services.transport.role_services import SCHEDULER
+from services.transport.rpc import Stub
 
 logger = logging.getLogger(__name__)
 
 # Its health says SERVING while the scheduler takes requests and its worker link is up.
-SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+SCHEDULER_SERVICE = SCHEDULER.name
 
 _NO_STATS = EngineStats(0, 0, 0.0, 0, 0, 0, 0, HistogramCounts.zero(ITERATION_TOKENS), None)
 # Submit refusals after which another replica may take the request.
@@ -66,7 +76,7 @@ _TRY_ANOTHER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION
 class _Replica:
     member: Member
     channel: grpc.Channel
-    stub: scheduler_pb2_grpc.SchedulerStub
+    stub: Stub
     health: health_pb2_grpc.HealthStub
     # Its worker holds a lease, it answered the last Stats, and its health said SERVING
     # (a draining scheduler says NOT_SERVING while it finishes what it holds).
@@ -97,7 +107,7 @@ class _Replica:
     @classmethod
     def open(cls, member: Member, on_lost: Callable[[_Replica, str], None]) -> _Replica:
         channel = open_channel(member.address)
-        replica = cls(member, channel, scheduler_pb2_grpc.SchedulerStub(channel), health_pb2_grpc.HealthStub(channel))
+        replica = cls(member, channel, SCHEDULER.stub(channel), health_pb2_grpc.HealthStub(channel))
 
         def changed(state: grpc.ChannelConnectivity) -> None:
             # Its connection failed (a dead process refuses it): evidence about the
@@ -142,8 +152,7 @@ class ClusterEngineClient:
         # Where each request of ours runs, by its id and by its children's ids.
         self._placed: dict[str, _Replica] = {}
         self._aborts: set[grpc.Future] = set()  # in flight; held so they are not collected
-        self._batcher: PassBatcher[Scheduler, scheduler_pb2.SubmitRequest, None] = (
-            PassBatcher(submit_batch(submit_timeout_s)))
+        self._batcher: PassBatcher[Scheduler, SubmitRequest, None] = PassBatcher(submit_batch(submit_timeout_s))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # Replaced (never mutated) by the poller, so any thread may read them.
@@ -220,11 +229,8 @@ class ClusterEngineClient:
         try:
             replica = self._claim(placed, prompt_token_ids, cache_salt, tried)
             if resumed:  # the prompt's logprobs went out with its first delta
-                params = replace(params, prompt_logprobs=None)
-            request = scheduler_pb2.SubmitRequest(
-                request_id=request_id, prompt_token_ids=prompt_token_ids, gateway_id=self.gateway_id,
-                sampling_params=sampling_params_to_proto(params), cache_salt=cache_salt, output_token_ids=resumed,
-            )
+                params = msgspec.structs.replace(params, prompt_logprobs=None)
+            request = SubmitRequest(request_id, prompt_token_ids, params, self.gateway_id, cache_salt, resumed)
             while True:
                 tried.add(replica)
                 self._subscriber.expect(request_id, replica.instance_id)
@@ -315,7 +321,7 @@ class ClusterEngineClient:
     def _send_abort(self, replica: _Replica, request_id: str) -> None:
         """Fire and forget, from any thread."""
         try:
-            call = replica.stub.Abort.future(scheduler_pb2.AbortRequest(request_id=request_id), timeout=5.0)
+            call = replica.stub.Abort.future(AbortRequest(request_id), timeout=5.0)
         except ValueError:  # its channel is closed: the replica is gone, and the request with it
             return
         with self._lock:
@@ -330,26 +336,24 @@ class ClusterEngineClient:
 
     # -- replaying the token stream (the subscriber's ReplaySource) ----------------------
 
-    def replay(self, instance_id: str, after_seq: int) -> list[scheduler_pb2.StepOutputs] | None:
+    def replay(self, instance_id: str, after_seq: int) -> list[StepOutputs] | None:
         replica = self._replica_of(instance_id)
         if replica is None:  # retired: its requests were failed then
             return None
-        request = scheduler_pb2.ReplayOutputsRequest(gateway_id=self.gateway_id, after_seq=after_seq,
-                                                     scheduler_instance_id=instance_id)
+        request = ReplayOutputsRequest(self.gateway_id, after_seq, instance_id)
         try:
             return list(replica.stub.ReplayOutputs(request, timeout=self._submit_timeout_s))
         except grpc.RpcError as exc:
             self._lost(replica, f"could not replay its token stream: {exc.code().name}: {exc.details()}")
             return None
 
-    def _kv_snapshot(self, instance_id: str) -> scheduler_pb2.KvSnapshotResponse | None:
+    def _kv_snapshot(self, instance_id: str) -> KvSnapshotResponse | None:
         """For the KV index: the replica's cached hashes, or None once it is gone."""
         replica = self._replica_of(instance_id)
         if replica is None:
             return None
         try:
-            return replica.stub.KvSnapshot(scheduler_pb2.KvSnapshotRequest(scheduler_instance_id=instance_id),
-                                           timeout=self._submit_timeout_s)
+            return replica.stub.KvSnapshot(KvSnapshotRequest(instance_id), timeout=self._submit_timeout_s)
         except grpc.RpcError as exc:
             logger.warning("no KV snapshot from scheduler %s: %s", replica.member.address, exc.code().name)
             return None
@@ -405,8 +409,7 @@ class ClusterEngineClient:
         calls = [
             (
                 replica,
-                replica.stub.Stats.future(scheduler_pb2.StatsRequest(scheduler_instance_id=replica.instance_id),
-                                          timeout=2.0),
+                replica.stub.Stats.future(StatsRequest(replica.instance_id), timeout=2.0),
                 replica.health.Check.future(health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=2.0),
             )
             for replica in replicas
@@ -423,7 +426,7 @@ class ClusterEngineClient:
         message = f"scheduler {replica.member.id} at {replica.member.address} is gone (its lease lapsed)"
         logger.warning("%s; failing its %d requests", message, len(request_ids))
         self._subscriber.fail(request_ids, lambda request_id: RequestLost(request_id, message))
-        aborts = [replica.stub.Abort.future(scheduler_pb2.AbortRequest(request_id=i), timeout=5.0) for i in request_ids]
+        aborts = [replica.stub.Abort.future(AbortRequest(i), timeout=5.0) for i in request_ids]
         pending = len(aborts)
         lock = threading.Lock()
 
@@ -455,7 +458,7 @@ class ClusterEngineClient:
 
     def _poll(self, replica: _Replica, call: grpc.Future, health: grpc.Future, worker_live: bool) -> EngineStats | None:
         try:
-            stats = stats_from_proto(call.result())
+            stats = call.result()
             serving = health.result().status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError as exc:
             if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
@@ -515,5 +518,5 @@ def _fleet_cache_config(configs: list[CacheConfigInfo]) -> CacheConfigInfo | Non
     with the settings they share (replicas of one model run one configuration)."""
     if not configs:
         return None
-    return replace(configs[0], num_gpu_blocks=sum(c.num_gpu_blocks for c in configs),
-                   num_cpu_blocks=sum(c.num_cpu_blocks for c in configs))
+    return msgspec.structs.replace(configs[0], num_gpu_blocks=sum(c.num_gpu_blocks for c in configs),
+                                   num_cpu_blocks=sum(c.num_cpu_blocks for c in configs))

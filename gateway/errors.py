@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 
 from gateway.protocol import ErrorInfo, ErrorResponse
 from services.engine_client import EngineOverloaded, EngineUnavailable, RequestFailed, RequestLost
-from services.sampling_params import InvalidParameter
+from services.invalid_parameter import InvalidParameter
 
 logger = logging.getLogger(__name__)
 

@@ -14,15 +14,17 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 from nats.aio.msg import Msg
 
 from services.nats_link import NatsThread, kv_subject
-from services.pb.kvfleet.v1 import scheduler_pb2
+from services.scheduler_messages import KvSnapshotResponse, NumberedKvEvents
 
 logger = logging.getLogger(__name__)
 
 # A replica's snapshot, or None when it cannot be had (the replica is gone).
-Snapshot = Callable[[str], scheduler_pb2.KvSnapshotResponse | None]
+Snapshot = Callable[[str], KvSnapshotResponse | None]
+_decode_events = msgspec.msgpack.Decoder(NumberedKvEvents).decode
 
 
 @dataclass
@@ -31,10 +33,10 @@ class ReplicaBlocks:
 
     seq: int = 0  # every event up to this number is applied
     hashes: set[bytes] = field(default_factory=set)
-    held: dict[int, scheduler_pb2.KvEvents] = field(default_factory=dict)  # after a gap, until a snapshot
+    held: dict[int, NumberedKvEvents] = field(default_factory=dict)  # after a gap, until a snapshot
     syncing: bool = False
 
-    def receive(self, events: scheduler_pb2.KvEvents) -> None:
+    def receive(self, events: NumberedKvEvents) -> None:
         """Holds the events, and applies what is now in order (a gap waits for a snapshot)."""
         if events.seq > self.seq:
             self.held[events.seq] = events
@@ -93,7 +95,7 @@ class KvIndex:
         await self._nats.nc.flush()
 
     async def _on_message(self, msg: Msg) -> None:
-        events = scheduler_pb2.KvEvents.FromString(msg.data)
+        events = _decode_events(msg.data)
         with self._lock:
             replica = self._replicas.get(events.scheduler_instance_id)
             if replica is None:  # a replica we have not synced yet: its snapshot first

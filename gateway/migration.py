@@ -20,9 +20,10 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from services.engine_client import EngineUnavailable, RequestLost
+from services.invalid_parameter import InvalidParameter
 from services.messages import TokenDelta
 from services.parallel_sampling import num_children
-from services.sampling_params import InvalidParameter, SamplingParams
+from services.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

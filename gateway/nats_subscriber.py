@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.errors import SlowConsumerError
 
@@ -26,18 +27,19 @@ from services.engine_client import EngineUnavailable, RequestFailed, RequestLost
 from services.messages import TokenDelta
 from services.nats_link import NatsThread, subject
 from services.parallel_sampling import engine_request_ids
-from services.pb.kvfleet.v1 import scheduler_pb2
 from services.request_routes import RequestRoutes, Route
 from services.request_stream import Item, RequestStream, post
-from services.transport.convert import delta_from_proto
+from services.scheduler_messages import StepOutputs
 
 logger = logging.getLogger(__name__)
+
+_decode_outputs = msgspec.msgpack.Decoder(StepOutputs).decode
 
 
 class ReplaySource(Protocol):
     """Who can send a scheduler's messages again: the gateway's cluster client."""
 
-    def replay(self, instance_id: str, after_seq: int) -> list[scheduler_pb2.StepOutputs] | None:
+    def replay(self, instance_id: str, after_seq: int) -> list[StepOutputs] | None:
         """That scheduler's messages to us numbered after `after_seq`; None when it
         cannot say (gone, or they are no longer held), having failed the requests
         of ours it held."""
@@ -117,9 +119,9 @@ class OutputSubscriber:
         await self._nats.nc.flush()  # the server knows the subscription: submits may start
 
     async def _on_message(self, msg: Msg) -> None:
-        self._accept(scheduler_pb2.StepOutputs.FromString(msg.data))
+        self._accept(_decode_outputs(msg.data))
 
-    def _accept(self, outputs: scheduler_pb2.StepOutputs) -> None:
+    def _accept(self, outputs: StepOutputs) -> None:
         """Any thread: from NATS, or from a replay."""
         with self._lock:
             sequence = self._sequences[outputs.scheduler_instance_id]
@@ -127,28 +129,28 @@ class OutputSubscriber:
             if sequence.has_hole:
                 self._replay(outputs.scheduler_instance_id)
 
-    def _deliver(self, messages: Sequence[scheduler_pb2.StepOutputs]) -> None:
+    def _deliver(self, messages: Sequence[StepOutputs]) -> None:
         """Under the lock, so that messages of one scheduler reach their streams in order."""
         items: defaultdict[RequestStream, list[Item]] = defaultdict(list)
         for outputs in messages:
-            for message in outputs.deltas:
-                route = self._routes.of(message.request_id)
+            for delta in outputs.deltas:
+                route = self._routes.of(delta.request_id)
                 if route is None:  # ended here already (e.g. its client left): drop
                     continue
                 if self._expected.get(route.target.request_id, outputs.scheduler_instance_id) != (
                         outputs.scheduler_instance_id):  # from where it ran before it was migrated
                     continue
-                stream, delta = route.target, delta_from_proto(message)
-                if message.error:  # one engine request failed: the whole request does
+                stream = route.target
+                if delta.error:  # one engine request failed: the whole request does
                     if delta.new_token_ids:
                         items[stream].append(TokenDelta(delta.request_id, delta.new_token_ids, logprobs=delta.logprobs))
-                    failure = RequestLost if message.lost else RequestFailed
-                    items[stream].append(failure(stream.request_id, message.error))
+                    failure = RequestLost if delta.lost else RequestFailed
+                    items[stream].append(failure(stream.request_id, delta.error))
                     self._drop(route)
                     continue
                 items[stream].append(delta)
                 if delta.finish_reason is not None:
-                    self._routes.end(message.request_id)
+                    self._routes.end(delta.request_id)
         post(items)
 
     def _replay(self, instance_id: str) -> None:

@@ -8,8 +8,9 @@ from typing import Any
 
 from gateway.errors import bad_request
 from gateway.protocol import ResponseFormat, SamplingFields
+from services.invalid_parameter import InvalidParameter
 from services.prompt import bad_word_spellings, bad_words_token_ids
-from services.sampling_params import InvalidParameter, SamplingParams
+from services.sampling_params import SamplingParams
 from services.structured_outputs import StructuredOutputsParams
 from services.tokenizer_api import PromptEncoder
 

@@ -3,21 +3,21 @@ order: duplicates dropped, early ones held until the hole before them is filled 
 replay (Scheduler.ReplayOutputs), and the hole itself made visible."""
 from __future__ import annotations
 
-from services.pb.kvfleet.v1 import scheduler_pb2
+from services.scheduler_messages import StepOutputs
 
 
 class StepSequence:
     def __init__(self) -> None:
         self.delivered = 0  # every message up to this number has been delivered
         self.replaying = False  # a replay is under way (owned by the subscriber)
-        self._held: dict[int, scheduler_pb2.StepOutputs] = {}
+        self._held: dict[int, StepOutputs] = {}
         self._announced = 0  # the highest number the scheduler said it sent
 
     @property
     def has_hole(self) -> bool:
         return bool(self._held) or self._announced > self.delivered
 
-    def accept(self, outputs: scheduler_pb2.StepOutputs) -> list[scheduler_pb2.StepOutputs]:
+    def accept(self, outputs: StepOutputs) -> list[StepOutputs]:
         """The messages that may be delivered now, in order (none while a hole is before them)."""
         if outputs.announce:
             self._announced = max(self._announced, outputs.seq)
@@ -29,7 +29,7 @@ class StepSequence:
             self.delivered += 1
         return ready
 
-    def skip_hole(self) -> list[scheduler_pb2.StepOutputs]:
+    def skip_hole(self) -> list[StepOutputs]:
         """Gives up on what is missing (the requests it carried are failed elsewhere):
         the held messages, in order, and numbering goes on after the last one known."""
         ready = [self._held[seq] for seq in sorted(self._held)]

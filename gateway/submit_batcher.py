@@ -9,8 +9,9 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from services.pb.kvfleet.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler_messages import SubmitBatchRequest, SubmitRequest
 from services.transport.futures import finished
+from services.transport.rpc import Stub
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -24,20 +25,20 @@ class SubmitRefused(Exception):
         self.details = details
 
 
-# A scheduler: its stub, and the instance (process) the caller means there.
-Scheduler = tuple[scheduler_pb2_grpc.SchedulerStub, str]
+# A scheduler: its stub (services/transport/role_services.py's SCHEDULER), and the
+# instance (process) the caller means there.
+Scheduler = tuple[Stub, str]
 
 
 def submit_batch(
     timeout_s: float,
-) -> Callable[[Scheduler, list[scheduler_pb2.SubmitRequest]], Awaitable[list[None | BaseException]]]:
+) -> Callable[[Scheduler, list[SubmitRequest]], Awaitable[list[None | BaseException]]]:
     """PassBatcher's send for SubmitBatch, keyed by the scheduler."""
 
-    async def send(scheduler: Scheduler, requests: list[scheduler_pb2.SubmitRequest]) -> list[None | BaseException]:
+    async def send(scheduler: Scheduler, requests: list[SubmitRequest]) -> list[None | BaseException]:
         stub, instance_id = scheduler
-        batch = scheduler_pb2.SubmitBatchRequest(requests=requests, scheduler_instance_id=instance_id)
         try:
-            call = stub.SubmitBatch.future(batch, timeout=timeout_s)
+            call = stub.SubmitBatch.future(SubmitBatchRequest(requests, instance_id), timeout=timeout_s)
         except ValueError as exc:  # its channel is closed: the scheduler was retired
             raise SubmitRefused(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
         await finished(call)

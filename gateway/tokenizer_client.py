@@ -29,14 +29,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.pass_batcher import PassBatcher
 from services.engine_client import EngineUnavailable
+from services.messages import Empty
 from services.packed_token_ids import unpack_token_ids
-from services.pb.kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.registry import DEFAULT_TTL_S
 from services.tokenizer_api import ChatPrompt, EncodedPrompt
 from services.tokenizer_archive import unpack
+from services.tokenizer_messages import TokenizeBatchRequest, TokenizeBatchResponse, TokenizeRequest, TokenizeResponse
 from services.transport.channel import open_async_channel, open_channel
-from services.transport.convert import chat_to_proto
 from services.transport.futures import invalid_argument
+from services.transport.role_services import TOKENIZER
+from services.transport.rpc import Stub
 from tokenizer_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -63,14 +65,12 @@ class RemoteTokenizer:
         self._lock = threading.Lock()  # guards the channels
         # The watcher thread's channels (they also watch each replica's connection), and
         # the callers', by event loop (an asyncio channel serves only its own loop).
-        self._channels: dict[str, tuple[grpc.Channel, tokenizer_pb2_grpc.TokenizerStub, health_pb2_grpc.HealthStub]] = {}
-        self._async_channels: dict[
-            tuple[asyncio.AbstractEventLoop, str], tuple[grpc.aio.Channel, tokenizer_pb2_grpc.TokenizerStub]] = {}
+        self._channels: dict[str, tuple[grpc.Channel, Stub, health_pb2_grpc.HealthStub]] = {}
+        self._async_channels: dict[tuple[asyncio.AbstractEventLoop, str], tuple[grpc.aio.Channel, Stub]] = {}
         self._turn = itertools.count()
         self._decoder: Tokenizer | None = None
         self._files: tempfile.TemporaryDirectory | None = None
-        self._batcher: PassBatcher[None, tokenizer_pb2.TokenizeRequest, tokenizer_pb2.TokenizeResponse] = (
-            PassBatcher(self._send))
+        self._batcher: PassBatcher[None, TokenizeRequest, TokenizeResponse] = PassBatcher(self._send)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="kvfleet-tokenizer-client", daemon=True)
 
@@ -97,30 +97,25 @@ class RemoteTokenizer:
         return self._decoder
 
     async def encode(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
-        requests = [tokenizer_pb2.TokenizeRequest(text=t, add_special_tokens=add_special_tokens, packed_token_ids=True)
-                    for t in texts]
+        requests = [TokenizeRequest(t, add_special_tokens=add_special_tokens, packed_token_ids=True) for t in texts]
         responses = await asyncio.gather(*(self._tokenize(r) for r in requests))
         return [await _ids(response) for response in responses]
 
     async def encode_chat(self, chat: ChatPrompt) -> EncodedPrompt:
-        request = tokenizer_pb2.TokenizeRequest(chat=chat_to_proto(chat), add_special_tokens=chat.add_special_tokens,
-                                                packed_token_ids=True)
-        response = await self._tokenize(request)
+        response = await self._tokenize(TokenizeRequest(chat=chat, packed_token_ids=True))
         return EncodedPrompt(response.prompt, await _ids(response))
 
     # -- batching, on the caller's event loop ------------------------------------------
 
-    async def _tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> tokenizer_pb2.TokenizeResponse:
+    async def _tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         return await self._batcher.submit(None, request)
 
-    async def _send(
-        self, _: None, requests: list[tokenizer_pb2.TokenizeRequest]
-    ) -> list[tokenizer_pb2.TokenizeResponse | BaseException]:
-        reply = await self._call_any(tokenizer_pb2.TokenizeBatchRequest(requests=requests))
-        return [invalid_argument(result.invalid_argument) if result.WhichOneof("result") == "invalid_argument"
-                else result.response for result in reply.results]
+    async def _send(self, _: None, requests: list[TokenizeRequest]) -> list[TokenizeResponse | BaseException]:
+        reply = await self._call_any(TokenizeBatchRequest(requests))
+        return [result.response if result.response is not None else invalid_argument(result.invalid_argument)
+                for result in reply.results]
 
-    async def _call_any(self, request: tokenizer_pb2.TokenizeBatchRequest) -> tokenizer_pb2.TokenizeBatchResponse:
+    async def _call_any(self, request: TokenizeBatchRequest) -> TokenizeBatchResponse:
         addresses = self._addresses
         if not addresses:
             raise EngineUnavailable("no tokenizer service is listed in the registry")
@@ -137,17 +132,17 @@ class RemoteTokenizer:
                 failures.append(f"{address}: {exc.code().name}: {exc.details()}")
         raise EngineUnavailable(f"the tokenizer service is unavailable ({'; '.join(failures)})")
 
-    def _async_stub(self, address: str) -> tokenizer_pb2_grpc.TokenizerStub:
+    def _async_stub(self, address: str) -> Stub:
         key = (asyncio.get_running_loop(), address)
         with self._lock:
             if key not in self._async_channels:
                 for closed in [k for k in self._async_channels if k[0].is_closed()]:  # their channels died with them
                     del self._async_channels[closed]
                 channel = open_async_channel(address)
-                self._async_channels[key] = (channel, tokenizer_pb2_grpc.TokenizerStub(channel))
+                self._async_channels[key] = (channel, TOKENIZER.stub(channel))
             return self._async_channels[key][1]
 
-    def _stub(self, address: str) -> tokenizer_pb2_grpc.TokenizerStub:
+    def _stub(self, address: str) -> Stub:
         return self._watched(address)[1]
 
     def _stub_health(self, address: str) -> health_pb2_grpc.HealthStub:
@@ -155,13 +150,13 @@ class RemoteTokenizer:
 
     def _watched(
         self, address: str
-    ) -> tuple[grpc.Channel, tokenizer_pb2_grpc.TokenizerStub, health_pb2_grpc.HealthStub]:
+    ) -> tuple[grpc.Channel, Stub, health_pb2_grpc.HealthStub]:
         with self._lock:
             if address not in self._channels:
                 channel = open_channel(address)
                 channel.subscribe(lambda state: self._connectivity(address, state))
                 self._channels[address] = (
-                    channel, tokenizer_pb2_grpc.TokenizerStub(channel), health_pb2_grpc.HealthStub(channel))
+                    channel, TOKENIZER.stub(channel), health_pb2_grpc.HealthStub(channel))
             return self._channels[address]
 
     def _forget(self, address: str) -> None:
@@ -238,8 +233,8 @@ class RemoteTokenizer:
         for address in self._addresses:
             stub = self._stub(address)
             try:
-                description = stub.Describe(tokenizer_pb2.DescribeTokenizerRequest(), timeout=_CALL_TIMEOUT_S)
-                chunks = stub.GetTokenizer(tokenizer_pb2.GetTokenizerRequest(), timeout=_CALL_TIMEOUT_S)
+                description = stub.Describe(Empty(), timeout=_CALL_TIMEOUT_S)
+                chunks = stub.GetTokenizer(Empty(), timeout=_CALL_TIMEOUT_S)
                 files = tempfile.TemporaryDirectory(prefix="kvfleet-tokenizer-")
                 unpack(((chunk.data, chunk.sha256) for chunk in chunks), Path(files.name))
             except grpc.RpcError as exc:
@@ -251,7 +246,7 @@ class RemoteTokenizer:
             return
 
 
-async def _ids(response: tokenizer_pb2.TokenizeResponse) -> list[int]:
+async def _ids(response: TokenizeResponse) -> list[int]:
     """A reply's ids as a list; a multi-megabyte prompt's in slices, with the event
     loop free between them (millions of ids take tens of milliseconds)."""
     token_ids = unpack_token_ids(response.token_ids_packed)

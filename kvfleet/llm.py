@@ -6,9 +6,10 @@ import itertools
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import fields, replace
+from dataclasses import fields
 from typing import Any
 
+import msgspec
 from tqdm.auto import tqdm
 
 from scheduler_svc.engine_core import EngineCore
@@ -72,7 +73,8 @@ class LLM:
         try:
             for prompt, params in zip(prompt_list, params_list):
                 if params.bad_words:
-                    params = replace(params, bad_words_token_ids=self.tokenizer.bad_words_token_ids(params.bad_words))
+                    banned = self.tokenizer.bad_words_token_ids(params.bad_words)
+                    params = msgspec.structs.replace(params, bad_words_token_ids=banned)
                 text, token_ids = self._tokenize(prompt)
                 token_ids = fit_prompt(token_ids, params, self.engine.max_model_len)
                 request_id = str(next(self._request_ids))

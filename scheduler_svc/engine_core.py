@@ -10,13 +10,15 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import Protocol
+
+import msgspec
 
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from services.config import EngineConfig
 from services.engine_client import EngineUnavailable
+from services.invalid_parameter import InvalidParameter
 from services.messages import (
     CacheConfigInfo,
     EngineStats,
@@ -26,7 +28,7 @@ from services.messages import (
     WorkerDescription,
 )
 from services.parallel_sampling import child_params, child_request_id, num_children
-from services.sampling_params import InvalidParameter, SamplingParams
+from services.sampling_params import SamplingParams
 from services.structured_outputs import StructuredOutputsParams
 
 
@@ -229,7 +231,7 @@ class EngineCore:
             described = self.worker.describe()
         except Exception as exc:
             raise EngineUnavailable(f"the worker is unavailable: {exc}") from exc
-        if replace(described, instance_id="") != replace(self.description, instance_id=""):
+        if msgspec.structs.replace(described, instance_id="") != msgspec.structs.replace(self.description, instance_id=""):
             raise EngineUnavailable(
                 f"the worker came back with another shape ({described}, was {self.description}); "
                 "restart the scheduler to take it up"

@@ -13,7 +13,8 @@ import logging
 from scheduler_svc.block_pool import KvEvents
 from scheduler_svc.kv_mirror import KvMirror
 from services.nats_link import NatsThread, kv_subject
-from services.pb.kvfleet.v1 import scheduler_pb2
+from services.scheduler_messages import KvSnapshotResponse, NumberedKvEvents
+from services.transport.rpc import encode
 
 logger = logging.getLogger(__name__)
 
@@ -27,14 +28,12 @@ class KvEventPublisher:
     def publish(self, events: KvEvents) -> int:
         """From the step thread; never waits on the network."""
         seq = self._mirror.apply(events)
-        payload = scheduler_pb2.KvEvents(scheduler_instance_id=self._instance_id, seq=seq,
-                                         cleared=events.cleared, removed=events.removed,
-                                         stored=events.stored).SerializeToString()
+        payload = encode(NumberedKvEvents(self._instance_id, seq, events.cleared, events.removed, events.stored))
         # FIFO on the NATS loop: messages leave in number order (one step thread publishes).
         self._nats.loop.call_soon_threadsafe(self._nats.loop.create_task, self._send(payload))
         return seq
 
-    def snapshot(self) -> scheduler_pb2.KvSnapshotResponse:
+    def snapshot(self) -> KvSnapshotResponse:
         return self._mirror.snapshot()
 
     async def _send(self, payload: bytes) -> None:

@@ -9,7 +9,7 @@ import threading
 from typing import Protocol
 
 from scheduler_svc.block_pool import KvEvents
-from services.pb.kvfleet.v1 import scheduler_pb2
+from services.scheduler_messages import KvSnapshotResponse
 
 
 class KvEventSink(Protocol):
@@ -18,7 +18,7 @@ class KvEventSink(Protocol):
         the step thread; never waits on the network."""
         ...
 
-    def snapshot(self) -> scheduler_pb2.KvSnapshotResponse:
+    def snapshot(self) -> KvSnapshotResponse:
         """The hashes indexed as of the last number, with that number."""
         ...
 
@@ -46,6 +46,6 @@ class KvMirror:
         """A KvEventSink that only keeps the mirror."""
         return self.apply(events)
 
-    def snapshot(self) -> scheduler_pb2.KvSnapshotResponse:
+    def snapshot(self) -> KvSnapshotResponse:
         with self._lock:
-            return scheduler_pb2.KvSnapshotResponse(seq=self._seq, block_hashes=list(self._hashes))
+            return KvSnapshotResponse(self._seq, list(self._hashes))

@@ -16,33 +16,36 @@ from scheduler_svc.gateway_watch import GatewayWatch
 from scheduler_svc.kv_event_publisher import KvEventPublisher
 from scheduler_svc.output_hub import OutputHub
 from scheduler_svc.replay_window import ReplayWindow
+from services.messages import TokenDelta
 from services.nats_link import NatsThread, subject
-from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2
+from services.scheduler_messages import StepOutputs
+from services.transport.rpc import encode
 
 logger = logging.getLogger(__name__)
 
-_Batches = Mapping[str, Sequence[common_pb2.TokenDelta]]
-# A repeated message field costs its tag and a length varint on top of the element.
-_FIELD_OVERHEAD = 6
-# What the replay window's stamp adds: the instance id and the sequence number.
+_Batches = Mapping[str, Sequence[TokenDelta]]
+# What the replay window's stamp adds (the instance id, the sequence number) and the
+# array's header: an upper bound.
 _STAMP_BYTES = 64
 
 
-def _messages(deltas: Sequence[common_pb2.TokenDelta], max_bytes: int) -> Iterator[scheduler_pb2.StepOutputs]:
-    """StepOutputs messages of at most max_bytes each once stamped: normally one."""
+def _messages(deltas: list[TokenDelta], max_bytes: int) -> Iterator[StepOutputs]:
+    """StepOutputs messages of at most max_bytes each once stamped: normally one, whose
+    size is measured as a whole; only a larger batch is measured delta by delta."""
     max_bytes -= _STAMP_BYTES
-    message, size = scheduler_pb2.StepOutputs(), 0
+    if len(encode(deltas)) <= max_bytes:
+        yield StepOutputs(deltas)
+        return
+    message, size = StepOutputs(), 0
     for delta in deltas:
-        cost = delta.ByteSize() + _FIELD_OVERHEAD
+        cost = len(encode(delta))
         if cost > max_bytes:  # cannot travel at all: end the request, saying why
-            delta = common_pb2.TokenDelta(
-                request_id=delta.request_id, finish_reason=common_pb2.FINISH_REASON_ABORT,
-                error=f"a step's output of {cost} bytes exceeds the NATS max_payload of {max_bytes}",
-            )
-            cost = delta.ByteSize() + _FIELD_OVERHEAD
+            delta = TokenDelta(delta.request_id, [], "abort",
+                               error=f"a step's output of {cost} bytes exceeds the NATS max_payload of {max_bytes}")
+            cost = len(encode(delta))
         if size + cost > max_bytes:
             yield message
-            message, size = scheduler_pb2.StepOutputs(), 0
+            message, size = StepOutputs(), 0
         message.deltas.append(delta)
         size += cost
     if message.deltas:
@@ -83,7 +86,7 @@ class OutputPublisher:
             pending = [await self._queue.get()]
             while not self._queue.empty():
                 pending.append(self._queue.get_nowait())
-            merged: defaultdict[str, list[common_pb2.TokenDelta]] = defaultdict(list)
+            merged: defaultdict[str, list[TokenDelta]] = defaultdict(list)
             for batches in pending:
                 if batches is None:
                     closing = True
@@ -94,7 +97,7 @@ class OutputPublisher:
                 await self._send(gateway_id, deltas)
         await self.nats.nc.flush()
 
-    async def _send(self, gateway_id: str, deltas: list[common_pb2.TokenDelta]) -> None:
+    async def _send(self, gateway_id: str, deltas: list[TokenDelta]) -> None:
         for message in _messages(deltas, self.nats.nc.max_payload):
             payload = self.window.record(gateway_id, message)  # kept, even if it cannot go now
             try:
@@ -128,7 +131,7 @@ class NatsOutputHub(OutputHub):
     def has_subscriber(self, gateway_id: str) -> bool:
         return True
 
-    def publish(self, batches: dict[str, list[common_pb2.TokenDelta]]) -> list[str]:
+    def publish(self, batches: dict[str, list[TokenDelta]]) -> list[str]:
         super().publish(batches)  # gRPC StreamOutputs readers, if there are any
         self.publisher.publish(batches)
         return [gateway_id for gateway_id in batches if self._gateways is not None and self._gateways.gone(gateway_id)]

@@ -13,9 +13,9 @@ from collections import defaultdict
 from scheduler_svc.kv_mirror import KvEventSink
 from scheduler_svc.replay_window import ReplayWindow
 from services.engine_client import EngineUnavailable
-from services.pb.kvfleet.v1 import common_pb2
+from services.messages import TokenDelta
 
-_Batch = list[common_pb2.TokenDelta]
+_Batch = list[TokenDelta]
 
 
 class Subscription:

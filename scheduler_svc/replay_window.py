@@ -14,7 +14,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.pb.kvfleet.v1 import scheduler_pb2
+from services.scheduler_messages import StepOutputs
+from services.transport.rpc import encode
 
 # Longer than any NATS restart or reconnect worth waiting for: a gateway fails its
 # streams after a lease TTL without NATS (10 s by default).
@@ -51,14 +52,14 @@ class ReplayWindow:
         self._lock = threading.Lock()
         self._logs: dict[str, _GatewayLog] = {}
 
-    def record(self, gateway_id: str, message: scheduler_pb2.StepOutputs) -> bytes:
-        """Numbers `message` as the gateway's next, keeps it, and returns it serialized."""
+    def record(self, gateway_id: str, message: StepOutputs) -> bytes:
+        """Numbers `message` as the gateway's next, keeps it, and returns it encoded."""
         now = time.monotonic()
         with self._lock:
             log = self._logs.setdefault(gateway_id, _GatewayLog())
             log.last_seq += 1
             message.scheduler_instance_id, message.seq = self.instance_id, log.last_seq
-            payload = message.SerializeToString()
+            payload = encode(message)
             log.messages.append(_Sent(log.last_seq, payload, now))
             log.size += len(payload)
             log.trim(now, self._max_age_s, self._max_bytes)
@@ -82,8 +83,7 @@ class ReplayWindow:
         now = time.monotonic()
         with self._lock:
             return {
-                gateway_id: scheduler_pb2.StepOutputs(
-                    scheduler_instance_id=self.instance_id, seq=log.last_seq, announce=True).SerializeToString()
+                gateway_id: encode(StepOutputs(scheduler_instance_id=self.instance_id, seq=log.last_seq, announce=True))
                 for gateway_id, log in self._logs.items()
                 if log.messages and now - log.messages[-1].at <= self._max_age_s
             }

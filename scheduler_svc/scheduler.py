@@ -18,6 +18,7 @@ from scheduler_svc.block_pool import BlockPool, StoredBlock
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.histogram_counts import BucketCounter
+from services.invalid_parameter import InvalidParameter
 from services.messages import (
     CachedRequestData,
     FirstTokenTimes,
@@ -27,7 +28,6 @@ from services.messages import (
     TokenDelta,
 )
 from services.metric_buckets import ITERATION_TOKENS
-from services.sampling_params import InvalidParameter
 
 
 @dataclass(frozen=True)

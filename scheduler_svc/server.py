@@ -5,15 +5,29 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import grpc
+import msgspec
 
 from scheduler_svc.output_hub import OutputHub
-from scheduler_svc.step_loop import StepLoop, Submission
+from scheduler_svc.step_loop import StepLoop
 from services.engine_client import EngineOverloaded, EngineUnavailable
-from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.transport.convert import sampling_params_from_proto, stats_to_proto
+from services.messages import Empty, EngineStats
+from services.scheduler_messages import (
+    AbortRequest,
+    KvSnapshotRequest,
+    KvSnapshotResponse,
+    ReplayOutputsRequest,
+    StatsRequest,
+    StepOutputs,
+    StreamOutputsRequest,
+    SubmitBatchRequest,
+    SubmitBatchResponse,
+    SubmitRequest,
+    SubmitResult,
+)
+from services.transport.role_services import SCHEDULER
 from services.transport.server import RoleServer
 
-SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+SERVICE_NAME = SCHEDULER.name
 # Each open StreamOutputs holds a server thread for its lifetime (one or a few per
 # gateway replica); the rest serve Submit, Abort, Stats and health checks.
 MAX_WORKERS = 64
@@ -26,36 +40,33 @@ class _Refused(Exception):
         self.message = message
 
 
-class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+class SchedulerServicer:
     def __init__(self, loop: StepLoop, hub: OutputHub) -> None:
         self._loop = loop
         self._hub = hub
 
-    def Submit(
-        self, request: scheduler_pb2.SubmitRequest, context: grpc.ServicerContext
-    ) -> scheduler_pb2.SubmitResponse:
+    def Submit(self, request: SubmitRequest, context: grpc.ServicerContext) -> Empty:
         [(code, message)] = self._submit([request])
         if code is not grpc.StatusCode.OK:
             context.abort(code, message)
-        return scheduler_pb2.SubmitResponse()
+        return Empty()
 
-    def SubmitBatch(
-        self, request: scheduler_pb2.SubmitBatchRequest, context: grpc.ServicerContext
-    ) -> scheduler_pb2.SubmitBatchResponse:
+    def SubmitBatch(self, request: SubmitBatchRequest, context: grpc.ServicerContext) -> SubmitBatchResponse:
         self._check_instance(request.scheduler_instance_id, context)
-        results = [scheduler_pb2.SubmitResult(code=code.value[0], message=message)
-                   for code, message in self._submit(request.requests)]
-        return scheduler_pb2.SubmitBatchResponse(results=results)
+        results = [SubmitResult(code.value[0], message) for code, message in self._submit(request.requests)]
+        return SubmitBatchResponse(results)
 
-    def _submit(self, requests: Sequence[scheduler_pb2.SubmitRequest]) -> list[tuple[grpc.StatusCode, str]]:
+    def _submit(self, requests: Sequence[SubmitRequest]) -> list[tuple[grpc.StatusCode, str]]:
         """Each request's status, as Submit answers it; the valid ones go to the loop together."""
         results: list[tuple[grpc.StatusCode, str]] = [(grpc.StatusCode.OK, "")] * len(requests)
-        valid: list[tuple[int, Submission]] = []
+        valid: list[tuple[int, SubmitRequest]] = []
         for index, request in enumerate(requests):
             try:
-                valid.append((index, self._submission(request)))
+                self._check(request)
             except _Refused as refused:
                 results[index] = (refused.code, refused.message)
+            else:
+                valid.append((index, request))
         try:
             accepted = self._loop.submit([submission for _, submission in valid])
         except EngineUnavailable as exc:
@@ -72,34 +83,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 results[index] = (grpc.StatusCode.UNAVAILABLE, str(exc))
         return results
 
-    def _submission(self, request: scheduler_pb2.SubmitRequest) -> Submission:
-        for name in ("request_id", "gateway_id"):
-            if not getattr(request, name):
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: must not be empty")
+    def _check(self, request: SubmitRequest) -> None:
+        """What decoding the request could not check (its fields were): raises _Refused."""
         if not self._hub.has_subscriber(request.gateway_id):
             raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
                            f"gateway_id: no StreamOutputs is open for gateway {request.gateway_id!r}; open one first")
         try:
-            params = sampling_params_from_proto(request.sampling_params)
-        except ValueError as exc:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
-        try:
-            self._loop.core.compile_grammar(params)  # on this gRPC thread: never on the step loop
+            self._loop.core.compile_grammar(request.sampling_params)  # on this gRPC thread: never on the step loop
         except ValueError as exc:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         except Exception as exc:  # the worker is away: the request may well succeed later
             raise _Refused(grpc.StatusCode.UNAVAILABLE, f"the worker could not compile the constraint: {exc}") from exc
-        cache_salt = request.cache_salt if request.HasField("cache_salt") else None
-        return Submission(request.request_id, list(request.prompt_token_ids), params, cache_salt, request.gateway_id,
-                          list(request.output_token_ids))
 
-    def Abort(self, request: scheduler_pb2.AbortRequest, context: grpc.ServicerContext) -> scheduler_pb2.AbortResponse:
+    def Abort(self, request: AbortRequest, context: grpc.ServicerContext) -> Empty:
         self._loop.abort(request.request_id)
-        return scheduler_pb2.AbortResponse()
+        return Empty()
 
-    def Stats(self, request: scheduler_pb2.StatsRequest, context: grpc.ServicerContext) -> common_pb2.EngineStats:
+    def Stats(self, request: StatsRequest, context: grpc.ServicerContext) -> EngineStats:
         self._check_instance(request.scheduler_instance_id, context)
-        return stats_to_proto(self._loop.stats())
+        return self._loop.stats()
 
     def _check_instance(self, meant: str, context: grpc.ServicerContext) -> None:
         """A caller that means another process (a dead one whose address this one took
@@ -108,11 +110,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"this is scheduler instance {self._loop.core.instance_id}, not {meant}")
 
-    def StreamOutputs(
-        self, request: scheduler_pb2.StreamOutputsRequest, context: grpc.ServicerContext
-    ) -> Iterator[scheduler_pb2.StepOutputs]:
-        if not request.gateway_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "gateway_id: must not be empty")
+    def StreamOutputs(self, request: StreamOutputsRequest, context: grpc.ServicerContext) -> Iterator[StepOutputs]:
         try:
             subscription = self._hub.subscribe(request.gateway_id)
         except EngineUnavailable as exc:
@@ -121,15 +119,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if not context.add_callback(subscription.close):
             subscription.close()
         try:
-            yield scheduler_pb2.StepOutputs()  # subscribed: this gateway's Submits are accepted from now on
+            yield StepOutputs()  # subscribed: this gateway's Submits are accepted from now on
             while (batch := subscription.next_batch()) is not None:
-                yield scheduler_pb2.StepOutputs(deltas=batch)
+                yield StepOutputs(batch)
         finally:
             self._hub.unsubscribe(subscription)
 
     def ReplayOutputs(
-        self, request: scheduler_pb2.ReplayOutputsRequest, context: grpc.ServicerContext
-    ) -> Iterator[scheduler_pb2.StepOutputs]:
+        self, request: ReplayOutputsRequest, context: grpc.ServicerContext
+    ) -> Iterator[msgspec.Raw]:
         self._check_instance(request.scheduler_instance_id, context)
         window = self._hub.replay_window
         if window is None:
@@ -139,13 +137,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             context.abort(grpc.StatusCode.OUT_OF_RANGE,
                           f"after_seq: message {request.after_seq + 1} to gateway {request.gateway_id!r} "
                           "is no longer held")
-        for payload in payloads:
-            yield scheduler_pb2.StepOutputs.FromString(payload)
+        for payload in payloads:  # StepOutputs, as they were sent on NATS
+            yield msgspec.Raw(payload)
 
-
-    def KvSnapshot(
-        self, request: scheduler_pb2.KvSnapshotRequest, context: grpc.ServicerContext
-    ) -> scheduler_pb2.KvSnapshotResponse:
+    def KvSnapshot(self, request: KvSnapshotRequest, context: grpc.ServicerContext) -> KvSnapshotResponse:
         self._check_instance(request.scheduler_instance_id, context)
         if self._hub.kv_events is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this scheduler publishes no KV events")
@@ -160,7 +155,7 @@ def start_scheduler_server(loop: StepLoop, hub: OutputHub, address: str) -> Role
     server = RoleServer(
         address,
         SERVICE_NAME,
-        lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop, hub), s),
+        lambda s: s.add_generic_rpc_handlers([SCHEDULER.handler(SchedulerServicer(loop, hub))]),
         max_workers=MAX_WORKERS,
         drain=loop.drain,
     )

@@ -13,7 +13,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from scheduler_svc.block_pool import KvEventLog
 from scheduler_svc.engine_core import EngineCore
@@ -22,27 +22,15 @@ from scheduler_svc.output_hub import OutputHub
 from services.engine_client import EngineOverloaded, EngineUnavailable
 from services.messages import TokenDelta
 from services.parallel_sampling import num_children
-from services.pb.kvfleet.v1 import common_pb2
 from services.request_routes import Route
-from services.sampling_params import SamplingParams
-from services.transport.convert import delta_to_proto
+from services.scheduler_messages import SubmitRequest
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Submission:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    gateway_id: str
-    output_token_ids: list[int] = field(default_factory=list)  # resumed: generated elsewhere already
-
-
-@dataclass
 class _Submit:
-    submission: Submission
+    request: SubmitRequest
     accepted: Future[None]
 
 
@@ -77,7 +65,7 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker | _FlushCache, str])
         # Owned by the loop thread: set from drain(), the event to set once idle.
         self._idle_event: threading.Event | None = None
         # Owned by the loop thread: the deltas not yet published, per gateway.
-        self._outputs: defaultdict[str, list[common_pb2.TokenDelta]] = defaultdict(list)
+        self._outputs: defaultdict[str, list[TokenDelta]] = defaultdict(list)
         # The prefix cache's changes, when the hub has routers to tell.
         self._kv_log: KvEventLog | None = None
         if hub.kv_events is not None:
@@ -108,11 +96,11 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker | _FlushCache, str])
         self.stop()
         return drained
 
-    def submit(self, submissions: Sequence[Submission]) -> list[Future[None]]:
+    def submit(self, requests: Sequence[SubmitRequest]) -> list[Future[None]]:
         """Posts the requests together, so the loop takes them in one pass. Each future
         resolves once the engine has queued its request, or raises InvalidParameter or
         ValueError for rejected input. Raises EngineUnavailable once the loop is stopping."""
-        commands = [_Submit(submission, Future()) for submission in submissions]
+        commands = [_Submit(request, Future()) for request in requests]
         with self._lock:  # reentrant: _send takes it too, so no drain slips in between
             if self._draining:
                 raise EngineUnavailable("the scheduler is draining: it takes no new requests")
@@ -161,31 +149,31 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker | _FlushCache, str])
         self._check_drained()
 
     def _submit(self, command: _Submit) -> None:
-        new = command.submission
+        new = command.request
         waiting = len(self.core.scheduler.waiting)
         if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
             command.accepted.set_exception(
                 EngineOverloaded(f"the scheduler's queue is full ({waiting} requests waiting)"))
             return
         try:
-            self.core.add_request(new.request_id, new.prompt_token_ids, new.params, new.cache_salt,
+            self.core.add_request(new.request_id, new.prompt_token_ids, new.sampling_params, new.cache_salt,
                                   new.output_token_ids)
         except Exception as exc:  # rejected input: the caller gets the error, the loop goes on
             command.accepted.set_exception(exc)
             return
         # With n or best_of > 1 the deltas carry each child's id; the gateway gathers them.
-        self._routes.add(new.request_id, num_children(new.params), new.gateway_id)
+        self._routes.add(new.request_id, num_children(new.sampling_params), new.gateway_id)
         command.accepted.set_result(None)
 
     def _emit(self, route: Route[str], delta: TokenDelta) -> None:
-        self._outputs[route.target].append(delta_to_proto(delta))
+        self._outputs[route.target].append(delta)
 
     def _fail(self, engine_ids: list[str], reason: str, lost: bool = False) -> None:
         self._abort_in_core(engine_ids)
         for engine_id in engine_ids:
             route = self._routes.end(engine_id)
             if route is not None:
-                self._outputs[route.target].append(delta_to_proto(TokenDelta(engine_id, [], "abort"), reason, lost))
+                self._outputs[route.target].append(TokenDelta(engine_id, [], "abort", error=reason, lost=lost))
 
     def _publish(self) -> None:
         if not self._outputs:

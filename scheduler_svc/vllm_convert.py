@@ -13,12 +13,10 @@ from dataclasses import dataclass, field
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from scheduler_svc.vllm_text import StopStrings
-from services.pb.kvfleet.v1 import common_pb2
-from services.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
+from services.invalid_parameter import InvalidParameter
+from services.messages import TokenDelta
+from services.sampling_params import MAX_LOGPROBS, SamplingParams
 from services.structured_outputs import StructuredOutputsParams
-
-FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-                  common_pb2.FINISH_REASON_ABORT: "abort"}
 
 
 def prompt_from_request(request: pb.GenerateRequest, encode: Callable[[str], list[int]]) -> list[int]:
@@ -91,28 +89,29 @@ def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def output_logprobs(token_ids: list[int], positions: common_pb2.Logprobs, top_k: int) -> pb.OutputLogProbs:
+def _top(position: dict[int, float], top_k: int) -> pb.TopLogProbs:
+    top = list(position.items())[:top_k]
+    return pb.TopLogProbs(token_ids=[token for token, _ in top], values=[logprob for _, logprob in top])
+
+
+def output_logprobs(token_ids: list[int], positions: list[dict[int, float]], top_k: int) -> pb.OutputLogProbs:
     """kvfleet's positions list the top-k best first, then the sampled token when it is not among them."""
     result = pb.OutputLogProbs()
-    for token, position in zip(token_ids, positions.positions):
-        logprob_of = dict(zip(position.token_ids, position.logprobs))
+    for token, position in zip(token_ids, positions):
         result.token_ids.append(token)
-        result.token_logprobs.append(logprob_of[token])
-        result.top_logprobs.append(pb.TopLogProbs(token_ids=position.token_ids[:top_k],
-                                                  values=position.logprobs[:top_k]))
+        result.token_logprobs.append(position[token])
+        result.top_logprobs.append(_top(position, top_k))
     return result
 
 
-def input_logprobs(prompt: list[int], positions: common_pb2.Logprobs, top_k: int) -> pb.InputLogProbs:
+def input_logprobs(prompt: list[int], positions: list[dict[int, float]], top_k: int) -> pb.InputLogProbs:
     """The first prompt token has no logprob: an empty entry, as vLLM sends it."""
     result = pb.InputLogProbs(token_ids=prompt)
     result.token_logprobs.append(pb.InputTokenLogProb())
     result.top_logprobs.append(pb.TopLogProbs())
-    for token, position in zip(prompt[1:], positions.positions):
-        logprob_of = dict(zip(position.token_ids, position.logprobs))
-        result.token_logprobs.append(pb.InputTokenLogProb(value=logprob_of[token]))
-        result.top_logprobs.append(pb.TopLogProbs(token_ids=position.token_ids[:top_k],
-                                                  values=position.logprobs[:top_k]))
+    for token, position in zip(prompt[1:], positions):
+        result.token_logprobs.append(pb.InputTokenLogProb(value=position[token]))
+        result.top_logprobs.append(_top(position, top_k))
     return result
 
 
@@ -128,9 +127,9 @@ class Completion:
     logprobs: pb.OutputLogProbs = field(default_factory=pb.OutputLogProbs)
     prompt_logprobs: pb.InputLogProbs | None = None
     cached_tokens: int = 0  # of the prompt, from the prefix cache: told with the first token
-    last: common_pb2.TokenDelta | None = None  # the final delta, once it came
+    last: TokenDelta | None = None  # the final delta, once it came
 
-    def add(self, delta: common_pb2.TokenDelta) -> pb.GenerateStreamChunk:
+    def add(self, delta: TokenDelta) -> pb.GenerateStreamChunk:
         """Takes the delta in; returns it as a stream chunk."""
         chunk = pb.GenerateStreamChunk(token_ids=delta.new_token_ids, prompt_tokens=len(self.prompt),
                                        index=self.index)
@@ -138,23 +137,22 @@ class Completion:
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         chunk.completion_tokens, chunk.cached_tokens = len(self.token_ids), self.cached_tokens
         if self.params.logprobs is not None and delta.new_token_ids:
-            chunk.output_logprobs.CopyFrom(
-                output_logprobs(list(delta.new_token_ids), delta.logprobs, self.params.logprobs))
+            chunk.output_logprobs.CopyFrom(output_logprobs(delta.new_token_ids, delta.logprobs, self.params.logprobs))
             self.logprobs.MergeFrom(chunk.output_logprobs)
-        if delta.HasField("prompt_logprobs"):
+        if delta.prompt_logprobs is not None:
             self.prompt_logprobs = input_logprobs(self.prompt, delta.prompt_logprobs, self.params.prompt_logprobs or 0)
             chunk.input_logprobs.CopyFrom(self.prompt_logprobs)
         return chunk
 
-    def complete(self, last: common_pb2.TokenDelta, with_outputs: bool) -> pb.GenerateComplete:
+    def complete(self, last: TokenDelta, with_outputs: bool) -> pb.GenerateComplete:
         """The final message; `with_outputs`: it carries every token (not streamed: no chunk did)."""
-        complete = pb.GenerateComplete(finish_reason=FINISH_REASONS[last.finish_reason],
-                                       prompt_tokens=len(self.prompt), completion_tokens=len(self.token_ids),
-                                       cached_tokens=self.cached_tokens, index=self.index)
-        if last.WhichOneof("stop_reason") == "stop_token_id":
-            complete.matched_token_id = last.stop_token_id
-        elif last.WhichOneof("stop_reason") == "stop_string":
-            complete.matched_stop_str = last.stop_string
+        complete = pb.GenerateComplete(finish_reason=last.finish_reason, prompt_tokens=len(self.prompt),
+                                       completion_tokens=len(self.token_ids), cached_tokens=self.cached_tokens,
+                                       index=self.index)
+        if isinstance(last.stop_reason, int):
+            complete.matched_token_id = last.stop_reason
+        elif isinstance(last.stop_reason, str):
+            complete.matched_stop_str = last.stop_reason
         if with_outputs:
             complete.output_ids.extend(self.token_ids)
             if self.params.logprobs is not None:

@@ -18,12 +18,13 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from scheduler_svc.output_hub import OutputHub
-from scheduler_svc.step_loop import StepLoop, Submission
+from scheduler_svc.step_loop import StepLoop
 from scheduler_svc.vllm_convert import Completion, prompt_from_request, sampling_params_from_proto
 from scheduler_svc.vllm_kv_events import KvEventStream
 from scheduler_svc.vllm_text import EngineText
 from services.engine_client import EngineOverloaded, EngineUnavailable
 from services.parallel_sampling import num_children
+from services.scheduler_messages import SubmitRequest
 from services.tokenizer_archive import chunks
 from services.transport.server import RoleServer
 
@@ -71,7 +72,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             subscription.close()
         finished = False
         try:
-            self._submit(Submission(request.request_id, prompt, params, None, gateway_id), context)
+            self._submit(SubmitRequest(request.request_id, prompt, params, gateway_id), context)
             completions = [Completion(index, prompt, params, self._text.stop_strings(prompt, params))
                            for index in range(num_children(params))]
             live = len(completions)
@@ -83,10 +84,12 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
                     completion = completions[_index(request.request_id, delta.request_id)]
                     if completion.last is not None:  # in flight when a stop string ended it
                         continue
-                    if completion.stop_strings is not None and completion.stop_strings.check(delta):
-                        self._loop.abort(delta.request_id)
+                    if completion.stop_strings is not None:
+                        delta, still_running = completion.stop_strings.check(delta)
+                        if still_running:
+                            self._loop.abort(delta.request_id)
                     chunk = completion.add(delta)
-                    if request.stream and (delta.new_token_ids or delta.HasField("prompt_logprobs")):
+                    if request.stream and (delta.new_token_ids or delta.prompt_logprobs is not None):
                         yield pb.GenerateResponse(chunk=chunk)
                     if delta.finish_reason:
                         live -= 1
@@ -102,7 +105,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             if not finished:  # the client went away, or the request failed: free its blocks now
                 self._loop.abort(request.request_id)
 
-    def _submit(self, submission: Submission, context: grpc.ServicerContext) -> None:
+    def _submit(self, submission: SubmitRequest, context: grpc.ServicerContext) -> None:
         try:
             [accepted] = self._loop.submit([submission])
             accepted.result()

@@ -17,7 +17,7 @@ from smg_grpc_proto.generated import common_pb2 as smg
 
 from scheduler_svc.block_pool import KvEvents
 from scheduler_svc.kv_mirror import KvEventSink, KvMirror
-from services.pb.kvfleet.v1 import scheduler_pb2
+from services.scheduler_messages import KvSnapshotResponse
 
 # Batches kept for resuming subscribers: a few minutes of a busy engine's steps.
 REPLAY_BATCHES = 4096
@@ -88,7 +88,7 @@ class KvEventStream:
                 subscriber.put(batch)
         return seq
 
-    def snapshot(self) -> scheduler_pb2.KvSnapshotResponse:
+    def snapshot(self) -> KvSnapshotResponse:
         return self._inner.snapshot()
 
     def subscribe(self, start: int) -> queue.SimpleQueue[smg.KvEventBatch | None] | None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import threading
 from functools import cached_property
 
+import msgspec
+
 from services.config import EngineConfig
-from services.pb.kvfleet.v1 import common_pb2
-from services.sampling_params import InvalidParameter, SamplingParams
-from services.transport.convert import delta_from_proto
+from services.invalid_parameter import InvalidParameter
+from services.messages import TokenDelta
+from services.sampling_params import SamplingParams
 from tokenizer_svc.text_output import TextStream
 from tokenizer_svc.tokenizer import Tokenizer
 
@@ -25,15 +27,14 @@ class StopStrings:
     def __init__(self, tokenizer: Tokenizer, prompt: list[int], params: SamplingParams) -> None:
         self._stream = TextStream(tokenizer, prompt, params)
 
-    def check(self, delta: common_pb2.TokenDelta) -> bool:
-        """Marks `delta` finished by the stop string it completes, if it completes one.
-        True when the engine's request is still running and must be aborted."""
-        text = self._stream.apply(delta_from_proto(delta))
+    def check(self, delta: TokenDelta) -> tuple[TokenDelta, bool]:
+        """`delta`, finished by the stop string it completes if it completes one (then a
+        copy: the step loop's delta may have other readers), and whether the engine's
+        request is still running and must be aborted."""
+        text = self._stream.apply(delta)
         if not isinstance(text.stop_reason, str):
-            return False
-        delta.finish_reason = common_pb2.FINISH_REASON_STOP
-        delta.stop_string = text.stop_reason
-        return text.hit_stop_string
+            return delta, False
+        return msgspec.structs.replace(delta, finish_reason="stop", stop_reason=text.stop_reason), text.hit_stop_string
 
 
 class EngineText:

@@ -6,20 +6,13 @@ from concurrent.futures import Future
 from typing import Any
 
 import grpc
-from google.protobuf.message import Message
 
 from scheduler_svc.engine_core import WorkerLost
-from services.messages import StepPlan, StepResult, WorkerDescription
-from services.pb.kvfleet.v1 import worker_pb2, worker_pb2_grpc
+from services.messages import Empty, StepPlan, StepResult, WorkerDescription
 from services.structured_outputs import StructuredOutputsParams
 from services.transport.channel import open_channel
-from services.transport.convert import (
-    description_from_proto,
-    plan_to_proto,
-    result_from_proto,
-    structured_outputs_to_proto,
-)
 from services.transport.futures import invalid_argument
+from services.transport.role_services import WORKER
 
 
 class WorkerError(RuntimeError):
@@ -54,18 +47,16 @@ class RemoteWorker:
         self._described = False
         self._plans_in_flight = 1  # as the worker describes itself
         self._channel = open_channel(address)
-        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._stub = WORKER.stub(self._channel)
 
     def describe(self) -> WorkerDescription:
         """The first call waits for the worker to come up; later ones (checking on a
         worker that was lost) answer within seconds."""
-        request = worker_pb2.DescribeWorkerRequest()
         if self._described:
-            reply = self._call(self._stub.Describe, request, timeout=_RECHECK_TIMEOUT_S)
+            described = self._call(self._stub.Describe, Empty(), timeout=_RECHECK_TIMEOUT_S)
         else:
-            reply = self._call(self._stub.Describe, request, wait_for_ready=True, timeout=self._ready_timeout_s)
+            described = self._call(self._stub.Describe, Empty(), wait_for_ready=True, timeout=self._ready_timeout_s)
             self._described = True
-        described = description_from_proto(reply)
         self._plans_in_flight = described.max_plans_in_flight
         return described
 
@@ -73,19 +64,19 @@ class RemoteWorker:
         # No waiting for a lost worker: every request's KV is gone with it, so the
         # step fails at once and the scheduler ends them all with this error.
         deadline_s = step_deadline_s(self._step_timeout_s, sum(plan.num_scheduled_tokens.values()))
-        return result_from_proto(self._call(self._stub.ExecuteStep, plan_to_proto(plan), timeout=deadline_s))
+        return self._call(self._stub.ExecuteStep, plan, timeout=deadline_s)
 
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         """For plans in flight (a pipelined group, or async scheduling's one ahead): the
         worker takes plans in step order, whatever order its server threads see them in. A
         plan's deadline covers the ones ahead of it."""
         deadline_s = step_deadline_s(self._step_timeout_s, sum(plan.num_scheduled_tokens.values()))
-        call = self._stub.ExecuteStep.future(plan_to_proto(plan), timeout=deadline_s * max(self._plans_in_flight, 2))
+        call = self._stub.ExecuteStep.future(plan, timeout=deadline_s * max(self._plans_in_flight, 2))
         result: Future[StepResult] = Future()
 
         def settle(done: grpc.Future) -> None:
             try:
-                result.set_result(result_from_proto(done.result()))
+                result.set_result(done.result())
             except grpc.RpcError as exc:
                 result.set_exception(self._error(exc))
 
@@ -94,7 +85,7 @@ class RemoteWorker:
 
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
         try:
-            self._call(self._stub.CompileGrammar, structured_outputs_to_proto(params))
+            self._call(self._stub.CompileGrammar, params)
         except WorkerError as exc:
             cause = exc.__cause__
             if isinstance(cause, grpc.RpcError) and cause.code() is grpc.StatusCode.INVALID_ARGUMENT:
@@ -104,7 +95,7 @@ class RemoteWorker:
     def close(self) -> None:
         self._channel.close()
 
-    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: Message, **kwargs: Any) -> Any:
+    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object, **kwargs: Any) -> Any:
         try:
             return method(request, **kwargs)
         except grpc.RpcError as exc:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.sampling_params import InvalidParameter, SamplingParams
+from services.invalid_parameter import InvalidParameter
+from services.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

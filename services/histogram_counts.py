@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 
-@dataclass(frozen=True)
-class HistogramCounts:
+class HistogramCounts(msgspec.Struct, frozen=True):
     counts: tuple[int, ...]  # observations per bucket (not cumulative), the +Inf bucket last
     sum: float
 

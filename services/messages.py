@@ -1,4 +1,10 @@
-"""Typed messages that cross the scheduler <-> worker boundary.
+"""The engine's messages: what the scheduler and its worker exchange every step, the
+token deltas every front end reads, and the engine's stats.
+
+Each is a msgspec Struct, the one definition of the message, in process and on the
+wire (msgpack; services/transport/rpc.py). Those sent every step are arrays on the
+wire (`array_like`: no field names) and untracked by the garbage collector (`gc=False`:
+they hold no cycles); the roles of one cluster run one version of these definitions.
 
 Step plans are deltas: a request new to the worker arrives with all its token ids
 and blocks once; after that each step carries only its new block ids and its
@@ -6,14 +12,20 @@ computed-token count. The worker keeps the rest between steps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from services.histogram_counts import HistogramCounts
 from services.sampling_params import SamplingParams
 
+# Sent every step: field order is the wire format.
+_HOT = {"array_like": True, "gc": False, "omit_defaults": True}
 
-@dataclass
-class NewRequestData:
+
+class Empty(msgspec.Struct):
+    """A call that takes or answers nothing."""
+
+
+class NewRequestData(msgspec.Struct, **_HOT):
     request_id: str
     # Prompt plus any tokens already generated (a request resumed after preemption).
     token_ids: list[int]
@@ -23,32 +35,30 @@ class NewRequestData:
     sampling_params: SamplingParams
 
 
-@dataclass
-class CachedRequestData:
+class CachedRequestData(msgspec.Struct, **_HOT):
     request_id: str
     new_block_ids: list[int]
     # Tokens whose KV the worker already holds; lets the worker check it is in sync.
     num_computed_tokens: int
     # Tokens sampled since the worker last heard of the request (its next inputs).
-    new_token_ids: list[int] = field(default_factory=list)
+    new_token_ids: list[int] = []
 
 
-@dataclass
-class StepPlan:
+class StepPlan(msgspec.Struct, **_HOT):
     step_id: int
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    new_requests: list[NewRequestData] = []
+    cached_requests: list[CachedRequestData] = []
     # Tokens to compute this step per request, in batch order.
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    num_scheduled_tokens: dict[str, int] = {}
     # Finished, aborted or preempted since the last plan: the worker drops their state.
-    finished_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = []
     # Copy-on-write of forked parallel samples: (source block, destination block),
     # applied first, before anything else can write to either.
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = []
     # Swap preemption, applied before the forward pass: (device block, host block)
     # pairs to copy out, then (host block, device block) pairs to copy back in.
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = []
+    blocks_to_swap_in: list[tuple[int, int]] = []
     # The worker instance this plan was made for: a restarted worker holds none of the
     # state the deltas build on, so it must refuse the plan rather than run it.
     worker_instance_id: str = ""
@@ -60,21 +70,19 @@ class StepPlan:
         return sum(self.num_scheduled_tokens.values())
 
 
-@dataclass
-class StepResult:
+class StepResult(msgspec.Struct, **_HOT):
     step_id: int
     # Only the requests that reached the end of their known tokens get a token.
-    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = {}
     # For requests that asked for logprobs: per sampled token, {token id: logprob}
     # holding the top-`logprobs` tokens (best first) and the sampled one.
-    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, float]]] = {}
     # For requests that asked for prompt_logprobs: entries for the prompt positions
     # computed this step (position p holds the logprob of prompt token p + 1).
-    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, float]]] = {}
 
 
-@dataclass(frozen=True)
-class WorkerDescription:
+class WorkerDescription(msgspec.Struct, frozen=True, omit_defaults=True):
     """What the scheduler needs to know about the worker group it drives."""
 
     num_kv_blocks: int
@@ -89,8 +97,7 @@ class WorkerDescription:
     max_plans_in_flight: int = 1
 
 
-@dataclass(frozen=True)
-class FirstTokenTimes:
+class FirstTokenTimes(msgspec.Struct, frozen=True, **_HOT):
     """How a request reached its first token, measured by the scheduler: durations on its
     own clock, since the front end's may be another host's."""
 
@@ -98,8 +105,7 @@ class FirstTokenTimes:
     prefill_s: float  # from being first scheduled to the first token
 
 
-@dataclass
-class TokenDelta:
+class TokenDelta(msgspec.Struct, **_HOT):
     """New tokens of one request after a step, as streamed to the request's front end."""
 
     request_id: str
@@ -112,10 +118,13 @@ class TokenDelta:
     first_token_times: FirstTokenTimes | None = None  # on the delta with the first token
     # On the delta with the first token: prompt tokens the prefix cache supplied (vLLM's num_cached_tokens).
     num_cached_tokens: int = 0
+    # On a final "abort" delta: the failure that ended the request, if one did; `lost`:
+    # a failure of what carried it (a worker or scheduler gone), not of the request.
+    error: str = ""
+    lost: bool = False
 
 
-@dataclass(frozen=True)
-class CacheConfigInfo:
+class CacheConfigInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     """The KV cache's configuration, as the labels of vLLM's vllm:cache_config_info
     (the names of vLLM's CacheConfig fields)."""
 
@@ -129,8 +138,7 @@ class CacheConfigInfo:
     cache_dtype: str
 
 
-@dataclass
-class EngineStats:
+class EngineStats(msgspec.Struct, omit_defaults=True):
     """A scheduler's gauges, counters and histograms, exported with vLLM's metric names."""
 
     num_requests_running: int
@@ -146,8 +154,7 @@ class EngineStats:
     cache_config: CacheConfigInfo | None  # None: no engine known yet (a cluster still starting)
 
 
-@dataclass(frozen=True)
-class EngineInfo:
+class EngineInfo(msgspec.Struct, frozen=True):
     """What a front end must know of the engine to validate requests."""
 
     max_model_len: int

@@ -6,7 +6,7 @@ gathers the children back into one RequestOutput.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import msgspec
 
 from services.sampling_params import SamplingParams
 
@@ -31,4 +31,4 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     logprobs = params.logprobs
     if params.best_of and params.best_of > params.n and logprobs is None:
         logprobs = 0
-    return replace(params, n=1, best_of=None, seed=seed, logprobs=logprobs)
+    return msgspec.structs.replace(params, n=1, best_of=None, seed=seed, logprobs=logprobs)

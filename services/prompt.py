@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.sampling_params import InvalidParameter, SamplingParams
+from services.invalid_parameter import InvalidParameter
+from services.sampling_params import SamplingParams
 
 
 def fit_prompt(

@@ -1,15 +1,16 @@
 """SamplingParams with vLLM's field names, defaults and validation.
 
 Validation raises `ValueError` whose message starts with the offending field name,
-so every front end (SDK, REST, gRPC) can report which parameter was wrong.
+so every front end (SDK, REST, gRPC) can report which parameter was wrong. The class
+is also what crosses processes (msgpack, services/transport/rpc.py): decoding runs the
+same validation, so a role never holds parameters that the SDK would have refused.
 """
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass, field
-from typing import TYPE_CHECKING
+import msgspec
 
-if TYPE_CHECKING:
-    from services.structured_outputs import StructuredOutputsParams
+from services.invalid_parameter import InvalidParameter
+from services.structured_outputs import StructuredOutputsParams
 
 MAX_PARALLEL_SAMPLES = 128
 # Bounds on the work one request may ask for, checked by every front door (HTTP, both
@@ -27,14 +28,7 @@ MAX_BAD_WORDS = 256
 MAX_BAD_WORD_CHARS = 256
 
 
-class InvalidParameter(ValueError):
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-
-
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct, omit_defaults=True, repr_omit_defaults=True):
     n: int = 1
     best_of: int | None = None  # sample this many, return the n with the best cumulative logprob
     presence_penalty: float = 0.0
@@ -48,8 +42,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16
@@ -62,15 +56,16 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Filled by the front end that owns the tokenizer: each bad word as token ids,
     # with and without a leading space, as vLLM does.
-    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = []
     structured_outputs: StructuredOutputsParams | None = None
-    guided_decoding: InitVar[StructuredOutputsParams | None] = None  # vLLM's older name for structured_outputs
+    # vLLM's older name for structured_outputs: moved there on construction, so always None after.
+    guided_decoding: StructuredOutputsParams | None = None
 
-    def __post_init__(self, guided_decoding: StructuredOutputsParams | None) -> None:
-        if guided_decoding is not None:
+    def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
             if self.structured_outputs is not None:
                 raise InvalidParameter("guided_decoding", "set structured_outputs or guided_decoding, not both")
-            self.structured_outputs = guided_decoding
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)

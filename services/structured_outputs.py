@@ -1,26 +1,26 @@
 """StructuredOutputsParams: constrain a request's output to a JSON schema, any JSON,
 a regex, a choice of strings, an EBNF grammar or a structural tag, with vLLM's names.
 
-Exactly one constraint is set. The constraint travels as text (`kind`, `spec`): it is
-what the worker's grammar compiler reads and what its cache is keyed by, so one
-schema sent by many requests compiles once. Whether the text is a valid schema,
-regex or grammar is the compiler's to say (the worker's, worker_svc/grammar.py),
-with its own message, as a 400 on the field that carried it.
+Exactly one constraint is set. The worker's grammar compiler reads it as text (`kind`,
+`spec`), and its cache is keyed by that text, so one schema sent by many requests
+compiles once (a schema as a dict equals the same schema as text). Whether the text is
+a valid schema, regex or grammar is the compiler's to say (the worker's,
+worker_svc/grammar.py), with its own message, as a 400 on the field that carried it.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
-from services.sampling_params import InvalidParameter
+import msgspec
+
+from services.invalid_parameter import InvalidParameter
 
 # The constraint kinds, as the worker compiles them.
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
-@dataclass(frozen=True, eq=False)
-class StructuredOutputsParams:
+class StructuredOutputsParams(msgspec.Struct, frozen=True, omit_defaults=True):
     json: str | dict[str, Any] | None = None  # a JSON schema, as text or as a dict
     regex: str | None = None
     choice: list[str] | None = None
@@ -29,8 +29,9 @@ class StructuredOutputsParams:
     structural_tag: str | None = None  # vLLM's structural tag, as JSON text
     # JSON output on one line, without free whitespace between tokens.
     disable_any_whitespace: bool = False
-    # Which request field carried the constraint, named in errors (e.g. "response_format").
-    field_name: str = field(default="structured_outputs", compare=False)
+    # Which request field carried the constraint, named in errors (e.g. "response_format");
+    # not part of equality.
+    field_name: str = "structured_outputs"
     # With a reasoning parser: the tokens that end the reasoning ("</think>"); the
     # constraint applies from the token after them. Empty: from the first token.
     reasoning_end_token_ids: tuple[int, ...] = ()
@@ -69,22 +70,6 @@ class StructuredOutputsParams:
         if isinstance(value, str):
             return value
         return json.dumps(value, ensure_ascii=False)
-
-    @classmethod
-    def from_spec(
-        cls, kind: str, spec: str, disable_any_whitespace: bool = False, field_name: str = "structured_outputs",
-        reasoning_end_token_ids: tuple[int, ...] = (),
-    ) -> StructuredOutputsParams:
-        """The inverse of (kind, spec): how a constraint is rebuilt after a process boundary."""
-        if kind not in KINDS:
-            raise InvalidParameter(field_name, f"unknown constraint kind {kind!r}; expected one of {', '.join(KINDS)}")
-        value: Any = spec
-        if kind == "json_object":
-            value = True
-        elif kind == "choice":
-            value = json.loads(spec)
-        return cls(**{kind: value}, disable_any_whitespace=disable_any_whitespace, field_name=field_name,
-                   reasoning_end_token_ids=tuple(reasoning_end_token_ids))
 
 
 # vLLM's older name for the same parameters.

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import asdict
 from itertools import accumulate
 from typing import Protocol
 
+import msgspec
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector
@@ -72,7 +72,7 @@ class EngineStatsCollector(Collector):
 def _cache_config_info(stats: EngineStats | None) -> Metric:
     """An info metric as vLLM makes one: a gauge at 1 whose labels are the config (and no model_name)."""
     config = stats.cache_config if stats is not None else None
-    labels = {key: str(value) for key, value in asdict(config).items()} if config is not None else {}
+    labels = {key: str(value) for key, value in msgspec.structs.asdict(config).items()} if config is not None else {}
     family = GaugeMetricFamily("vllm:cache_config_info", "The KV cache configuration, as labels.", labels=list(labels))
     if config is not None:
         family.add_metric(list(labels.values()), 1)

@@ -9,12 +9,15 @@ files, fetched at start-up in a cluster, so a gateway needs no model files.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 
-@dataclass(frozen=True)
-class ChatPrompt:
+
+class ChatPrompt(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A chat to render with the model's template, in process and on the wire alike:
+    the template sees the same messages in every mode."""
+
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
     # The chat template writes the special tokens it wants: none are added by default.
@@ -22,10 +25,9 @@ class ChatPrompt:
     tools: list[dict[str, Any]] | None = None  # OpenAI's tool definitions, rendered by the template
 
 
-@dataclass(frozen=True)
-class EncodedPrompt:
+class EncodedPrompt(msgspec.Struct, frozen=True):
     text: str  # what was encoded: the text itself, or the rendered chat
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = []
 
 
 class PromptEncoder(Protocol):

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from services.sampling_params import InvalidParameter
+from services.invalid_parameter import InvalidParameter
 from services.tokenizer_api import ChatPrompt, EncodedPrompt
 from tokenizer_svc.tokenizer import NoChatTemplateError, Tokenizer
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
+from services.invalid_parameter import InvalidParameter
 from services.model_source import ModelFormat, ModelSource
-from services.sampling_params import InvalidParameter
 from services.structured_outputs import StructuredOutputsParams
 from worker_svc.gguf_header import read_gguf_header
 

@@ -10,21 +10,16 @@ from contextlib import contextmanager
 
 import grpc
 
-from services.messages import StepPlan
-from services.pb.kvfleet.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.transport.convert import (
-    description_to_proto,
-    plan_from_proto,
-    result_to_proto,
-    structured_outputs_from_proto,
-)
+from services.messages import Empty, StepPlan, StepResult, WorkerDescription
+from services.structured_outputs import StructuredOutputsParams
+from services.transport.role_services import WORKER
 from services.transport.server import RoleServer
 from worker_svc.plan_check import InvalidPlan, WrongWorkerInstance
 from worker_svc.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+SERVICE_NAME = WORKER.name
 SCHEDULER_GONE_S = 1.0
 TURN_TIMEOUT_S = 2.0
 
@@ -66,7 +61,7 @@ class StepOrder:
                 self._turns.notify_all()
 
 
-class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+class WorkerServicer:
     def __init__(self, worker: Worker) -> None:
         self._worker = worker
         # The worker's per-request state assumes one step at a time (a pipeline's leader
@@ -74,16 +69,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.lock = threading.Lock()
         self._order = StepOrder(worker.instance_id)
 
-    def Describe(
-        self, request: worker_pb2.DescribeWorkerRequest, context: grpc.ServicerContext
-    ) -> worker_pb2.WorkerDescription:
-        return description_to_proto(self._worker.describe())
+    def Describe(self, request: Empty, context: grpc.ServicerContext) -> WorkerDescription:
+        return self._worker.describe()
 
-    def ExecuteStep(self, request: worker_pb2.StepPlan, context: grpc.ServicerContext) -> worker_pb2.StepResult:
-        try:
-            plan = plan_from_proto(request)
-        except ValueError as exc:  # sampling params the scheduler should have rejected
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    def ExecuteStep(self, plan: StepPlan, context: grpc.ServicerContext) -> StepResult:
         try:
             with self._order.turn(plan), self.lock:
                 outcome = self._worker.submit(plan)
@@ -95,16 +84,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as exc:
             logger.exception("step %d failed", plan.step_id)
             context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {exc!r}")
-        return result_to_proto(result)
+        return result
 
-    def CompileGrammar(
-        self, request: common_pb2.StructuredOutputs, context: grpc.ServicerContext
-    ) -> worker_pb2.CompileGrammarResponse:
+    def CompileGrammar(self, params: StructuredOutputsParams, context: grpc.ServicerContext) -> Empty:
         try:
-            self._worker.compile_grammar(structured_outputs_from_proto(request))
+            self._worker.compile_grammar(params)
         except ValueError as exc:  # InvalidParameter: "field: the compiler's message"
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return worker_pb2.CompileGrammarResponse()
+        return Empty()
 
 
 def start_worker_server(worker: Worker, address: str) -> RoleServer:
@@ -114,7 +101,7 @@ def start_worker_server(worker: Worker, address: str) -> RoleServer:
     # Steps run one at a time; the other threads answer Describe, CompileGrammar and health checks.
     servicer = WorkerServicer(worker)
     server = RoleServer(
-        address, SERVICE_NAME, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s),
+        address, SERVICE_NAME, lambda s: s.add_generic_rpc_handlers([WORKER.handler(servicer)]),
         max_workers=4, drain=lambda timeout_s: _wait_until_released(worker, servicer.lock, timeout_s),
     )
     server.start()

@@ -4,8 +4,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
-from dataclasses import replace
 
+import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -78,7 +78,8 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
     if params.structured_outputs is not None and reader.reasoning is not None and reader.reasoning.thinks_after(prompt.text):
         [end] = await ctx.encoder.encode([END_THINK], add_special_tokens=False)
         # The grammar starts once the reasoning has ended.
-        params = replace(params, structured_outputs=replace(params.structured_outputs, reasoning_end_token_ids=tuple(end)))
+        constraint = msgspec.structs.replace(params.structured_outputs, reasoning_end_token_ids=tuple(end))
+        params = msgspec.structs.replace(params, structured_outputs=constraint)
     prompt_token_ids = fit_prompt(
         prompt.token_ids, params, ctx.max_model_len, "messages",
         "max_completion_tokens" if uses_completion_tokens else "max_tokens",

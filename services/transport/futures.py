@@ -5,7 +5,7 @@ import asyncio
 
 import grpc
 
-from services.sampling_params import InvalidParameter
+from services.invalid_parameter import InvalidParameter
 
 
 async def finished(call: grpc.Future) -> None:

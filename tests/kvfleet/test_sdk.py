@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvfleet import LLM, SamplingParams
-from services.sampling_params import InvalidParameter
+from services.invalid_parameter import InvalidParameter
 
 
 def test_output_shape_and_text_match_tokens(llm):

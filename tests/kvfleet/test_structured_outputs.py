@@ -12,7 +12,7 @@ import pytest
 from structured_schemas import SCHEMAS
 
 from kvfleet import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
-from services.sampling_params import InvalidParameter
+from services.invalid_parameter import InvalidParameter
 
 from conftest import assert_no_leaks
 

@@ -16,10 +16,11 @@ from scheduler_svc.async_engine import AsyncEngine
 from scheduler_svc.engine_core import EngineCore
 from services.config import EngineConfig
 from services.engine_client import EngineUnavailable, RequestFailed
+from services.invalid_parameter import InvalidParameter
 from services.messages import TokenDelta
 from services.model_source import resolve_model
 from services.parallel_sampling import child_request_id
-from services.sampling_params import InvalidParameter, SamplingParams
+from services.sampling_params import SamplingParams
 from tokenizer_svc.tokenizer import Tokenizer
 from worker_svc.worker import Worker
 

@@ -34,11 +34,12 @@ from scheduler_svc.step_loop import StepLoop
 from scheduler_svc.worker_client import RemoteWorker
 from services.config import EngineConfig
 from services.engine_client import EngineOverloaded, RequestFailed
+from services.invalid_parameter import InvalidParameter
 from services.messages import TokenDelta
 from services.nats_link import subject
 from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2
 from services.registry import Lease, Member, Registry
-from services.sampling_params import InvalidParameter, SamplingParams
+from services.sampling_params import SamplingParams
 from tokenizer_svc.server import start_tokenizer_server
 from worker_svc.server import start_worker_server
 

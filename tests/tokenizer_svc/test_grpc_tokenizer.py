@@ -18,10 +18,10 @@ from transformers import PreTrainedTokenizerFast
 from gateway.tokenizer_client import RemoteTokenizer
 from kvfleet.processes import free_port
 from services.engine_client import EngineUnavailable
+from services.invalid_parameter import InvalidParameter
 from services.model_source import resolve_model
 from services.packed_token_ids import unpack_token_ids
 from services.pb.kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.sampling_params import InvalidParameter
 from services.tokenizer_api import ChatPrompt
 from services.transport.convert import chat_to_proto
 from tokenizer_svc.encode_process import HUGE_TEXT_CHARS

@@ -231,7 +231,6 @@ def test_the_roles_stream_tokens_with_the_charts_nats_users(manifests, nats_url,
     from scheduler_svc.nats_publisher import OutputPublisher
     from services.messages import TokenDelta
     from services.nats_link import NATS_PASSWORD_ENV, NATS_USER_ENV
-    from services.transport.convert import delta_to_proto
 
     def log_in_as(deployment: str, role: str) -> None:
         credentials = nats_credentials(manifests, deployment, role)
@@ -246,8 +245,8 @@ def test_the_roles_stream_tokens_with_the_charts_nats_users(manifests, nats_url,
 
     async def main() -> list[TokenDelta]:
         stream = subscriber.open("r1")
-        publisher.publish({gateway_id: [delta_to_proto(TokenDelta("r1", [1, 2]))]})
-        publisher.publish({gateway_id: [delta_to_proto(TokenDelta("r1", [3], "length"))]})
+        publisher.publish({gateway_id: [TokenDelta("r1", [1, 2])]})
+        publisher.publish({gateway_id: [TokenDelta("r1", [3], "length")]})
         deltas = []
         while not deltas or deltas[-1].finish_reason is None:
             item = await asyncio.wait_for(stream.get(), 10)

@@ -4,14 +4,14 @@ be filled skipped so the stream goes on."""
 from __future__ import annotations
 
 from gateway.step_sequence import StepSequence
-from services.pb.kvfleet.v1 import scheduler_pb2
+from services.scheduler_messages import StepOutputs
 
 
-def numbered(seq: int, announce: bool = False) -> scheduler_pb2.StepOutputs:
-    return scheduler_pb2.StepOutputs(scheduler_instance_id="s1", seq=seq, announce=announce)
+def numbered(seq: int, announce: bool = False) -> StepOutputs:
+    return StepOutputs(scheduler_instance_id="s1", seq=seq, announce=announce)
 
 
-def seqs(messages: list[scheduler_pb2.StepOutputs]) -> list[int]:
+def seqs(messages: list[StepOutputs]) -> list[int]:
     return [m.seq for m in messages]
 
 

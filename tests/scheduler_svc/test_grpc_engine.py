@@ -1,6 +1,6 @@
 """The worker and scheduler roles over real gRPC on 127.0.0.1, with the real smollm2 in
 float32: greedy tokens equal the in-process engine's (preemption included), a client
-with nothing but the generated stubs streams a completion, bad input is
+with nothing but grpc and the service's description streams a completion, bad input is
 INVALID_ARGUMENT naming the parameter, failures end requests explicitly, and no block
 leaks. The servers run in this process, on threads, over one module Worker."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import msgspec
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -19,9 +20,11 @@ from scheduler_svc.server import start_scheduler_server
 from scheduler_svc.step_loop import StepLoop
 from scheduler_svc.worker_client import RemoteWorker
 from services.config import EngineConfig
+from services.messages import TokenDelta
 from services.model_source import resolve_model
-from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.sampling_params import SamplingParams
+from services.scheduler_messages import AbortRequest, StatsRequest, StepOutputs, StreamOutputsRequest, SubmitRequest
+from services.transport.role_services import SCHEDULER
 from services.transport.server import RoleServer
 from tokenizer_svc.tokenizer import Tokenizer
 from worker_svc import server as worker_server
@@ -35,7 +38,6 @@ from corpus import TEXT
 ENGINE = dict(dtype="float32", num_gpu_blocks_override=8, max_model_len=128)
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-UNFINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
 
 
 @pytest.fixture(scope="module")
@@ -71,20 +73,21 @@ class Cluster:
         self.loop = StepLoop(EngineCore(EngineConfig(**ENGINE), self.remote), self.hub)
         self.server = start_scheduler_server(self.loop, self.hub, "127.0.0.1:0")
         self.channel = grpc.insecure_channel(self.server.address)
-        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.stub = SCHEDULER.stub(self.channel)
 
     def open_stream(self, gateway_id: str) -> grpc.Future:
-        outputs = self.stub.StreamOutputs(scheduler_pb2.StreamOutputsRequest(gateway_id=gateway_id))
+        outputs = self.stub.StreamOutputs(StreamOutputsRequest(gateway_id))
         assert not next(outputs).deltas  # the subscription is live
         return outputs
 
     def submit(self, request_id: str, prompt: list[int], gateway_id: str = "g", resumed: list[int] = (),
                **params) -> None:
-        sampling = common_pb2.SamplingParams(**{"temperature": 0.0, "ignore_eos": True, **params})
-        self.stub.Submit(scheduler_pb2.SubmitRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling, gateway_id=gateway_id,
-            output_token_ids=resumed,
-        ))
+        sampling = SamplingParams(**{"temperature": 0.0, "ignore_eos": True, "max_tokens": None, **params})
+        self.stub.Submit(SubmitRequest(request_id, prompt, sampling, gateway_id, output_token_ids=list(resumed)))
+
+    def submit_payload(self, fields: dict) -> None:
+        """Submits a payload built by hand: values SubmitRequest would refuse to build."""
+        self.channel.unary_unary(f"/{SCHEDULER.name}/Submit")(msgspec.msgpack.encode(fields))
 
     def close(self) -> None:
         self.channel.close()
@@ -126,11 +129,11 @@ def wait_idle(core: EngineCore, worker: Worker, timeout_s: float = 10.0) -> None
 
 
 def read_until_finished(
-    outputs, request_ids: set[str], messages: list[scheduler_pb2.StepOutputs] | None = None
-) -> dict[str, list[common_pb2.TokenDelta]]:
+    outputs, request_ids: set[str], messages: list[StepOutputs] | None = None
+) -> dict[str, list[TokenDelta]]:
     """Each request's deltas, read from the stream until all have finished; the
     messages read are appended to `messages` when given."""
-    deltas: dict[str, list[common_pb2.TokenDelta]] = {request_id: [] for request_id in request_ids}
+    deltas: dict[str, list[TokenDelta]] = {request_id: [] for request_id in request_ids}
     pending = set(request_ids)
     while pending:
         message = next(outputs)
@@ -138,12 +141,12 @@ def read_until_finished(
             messages.append(message)
         for delta in message.deltas:
             deltas[delta.request_id].append(delta)
-            if delta.finish_reason != UNFINISHED:
+            if delta.finish_reason is not None:
                 pending.remove(delta.request_id)
     return deltas
 
 
-def tokens_of(deltas: list[common_pb2.TokenDelta]) -> list[int]:
+def tokens_of(deltas: list[TokenDelta]) -> list[int]:
     return [token for delta in deltas for token in delta.new_token_ids]
 
 
@@ -170,27 +173,29 @@ def test_remote_worker_matches_the_in_process_llm(make_llm, worker, worker_srv, 
 
 
 def stub_generate(address: str, prompt_token_ids: list[int]) -> list[int]:
-    """A client built of nothing but grpc and the generated stubs, as the README's example
-    is (tests/system/test_readme.py runs that one as written, against `cluster up`)."""
+    """A client built of nothing but grpc and the service's description, as the README's
+    example is (tests/system/test_readme.py runs that one as written, against `cluster up`)."""
     import grpc
 
-    from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+    from services.sampling_params import SamplingParams
+    from services.scheduler_messages import StreamOutputsRequest, SubmitRequest
+    from services.transport.role_services import SCHEDULER
 
     with grpc.insecure_channel(address) as channel:
-        scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
-        outputs = scheduler.StreamOutputs(scheduler_pb2.StreamOutputsRequest(gateway_id="stub"))
+        scheduler = SCHEDULER.stub(channel)
+        outputs = scheduler.StreamOutputs(StreamOutputsRequest(gateway_id="stub"))
         next(outputs)  # the stream is live: Submits for this gateway are accepted from now on
-        scheduler.Submit(scheduler_pb2.SubmitRequest(
+        scheduler.Submit(SubmitRequest(
             request_id="stub-1",
             prompt_token_ids=prompt_token_ids,
-            sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
             gateway_id="stub",
         ))
         tokens = []
         for message in outputs:
             for delta in message.deltas:
                 tokens.extend(delta.new_token_ids)
-                if delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                if delta.finish_reason is not None:
                     outputs.cancel()  # reading on after cancel() would raise CANCELLED
                     return tokens
         raise AssertionError("the stream ended before the request finished")
@@ -204,14 +209,14 @@ def test_a_batch_streams_one_message_per_step(cluster, prompts, reference, idle_
     outputs = cluster.open_stream("g")
     for index, prompt in enumerate(prompts):
         cluster.submit(str(index), prompt, max_tokens=NEW_TOKENS)
-    messages: list[scheduler_pb2.StepOutputs] = []
+    messages: list[StepOutputs] = []
     deltas = read_until_finished(outputs, {str(index) for index in range(len(prompts))}, messages)
     outputs.cancel()
     assert [tokens_of(deltas[str(index)]) for index in range(len(prompts))] == reference
     # A message carries a whole step's deltas: several requests' tokens at once.
     assert max(len({delta.request_id for delta in message.deltas}) for message in messages) > 1
     assert len(messages) < sum(map(len, reference)) / 2
-    assert all(d[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH and not d[-1].error for d in deltas.values())
+    assert all(d[-1].finish_reason == "length" and not d[-1].error for d in deltas.values())
     assert cluster.loop.stats().num_preemptions > 0
 
 
@@ -227,7 +232,7 @@ def test_a_resumed_request_continues_as_if_uninterrupted(cluster, prompts, refer
     resumed = read_until_finished(outputs, {"greedy", "seeded"})
     assert tokens_of(resumed["greedy"]) == reference[0][3:]
     assert tokens_of(resumed["seeded"]) == sampled[3:]
-    assert resumed["greedy"][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert resumed["greedy"][-1].finish_reason == "length"
     for bad, params in ((list(range(NEW_TOKENS)), {}), ([1], {"n": 2})):  # nothing left to do; not one sequence
         with pytest.raises(grpc.RpcError) as refused:
             cluster.submit("bad", prompts[0], "resume", resumed=bad, max_tokens=NEW_TOKENS, **params)
@@ -250,12 +255,10 @@ def test_health_reports_serving(cluster, worker_srv) -> None:
     [
         ({"prompt_token_ids": [5] * 129}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),  # max_model_len is 128
         ({"prompt_token_ids": [5, 49152]}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),  # outside the vocabulary
-        ({"sampling_params": common_pb2.SamplingParams(temperature=-1.0)}, grpc.StatusCode.INVALID_ARGUMENT,
-         "temperature"),
-        ({"sampling_params": common_pb2.SamplingParams(max_tokens=0)}, grpc.StatusCode.INVALID_ARGUMENT,
-         "max_tokens"),
-        ({"sampling_params": common_pb2.SamplingParams(n=3, best_of=2)}, grpc.StatusCode.INVALID_ARGUMENT,
-         "best_of"),
+        ({"sampling_params": {"temperature": -1.0}}, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        ({"sampling_params": {"max_tokens": 0}}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        ({"sampling_params": {"n": 3, "best_of": 2}}, grpc.StatusCode.INVALID_ARGUMENT, "best_of"),
+        ({"sampling_params": {"top_p": "high"}}, grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.top_p"),
         ({"request_id": ""}, grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
         ({"gateway_id": "nobody-listens"}, grpc.StatusCode.FAILED_PRECONDITION, "gateway_id"),
     ],
@@ -264,9 +267,10 @@ def test_bad_input_is_rejected_by_name_and_serving_goes_on(
     cluster, prompts, reference, idle_after, request_fields, code, param
 ) -> None:
     outputs = cluster.open_stream("g")
-    fields = {"request_id": "bad", "prompt_token_ids": prompts[0], "gateway_id": "g", **request_fields}
+    fields = {"request_id": "bad", "prompt_token_ids": prompts[0], "gateway_id": "g", "sampling_params": {},
+              **request_fields}
     with pytest.raises(grpc.RpcError) as caught:
-        cluster.stub.Submit(scheduler_pb2.SubmitRequest(**fields))
+        cluster.submit_payload(fields)
     assert caught.value.code() == code and caught.value.details().startswith(f"{param}: "), caught.value.details()
     cluster.submit("good", prompts[0], max_tokens=NEW_TOKENS)
     assert tokens_of(read_until_finished(outputs, {"good"})["good"]) == reference[0]
@@ -280,8 +284,8 @@ def test_a_live_request_id_cannot_be_reused(cluster, prompts, idle_after) -> Non
         cluster.submit("twice", prompts[1])
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details().startswith("request_id: ")
-    cluster.stub.Abort(scheduler_pb2.AbortRequest(request_id="twice"))
-    assert read_until_finished(outputs, {"twice"})["twice"][-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    cluster.stub.Abort(AbortRequest("twice"))
+    assert read_until_finished(outputs, {"twice"})["twice"][-1].finish_reason == "abort"
     outputs.cancel()
 
 
@@ -294,9 +298,9 @@ def test_parallel_samples_stream_under_child_ids_and_abort_together(cluster, pro
     cluster.submit("par-long", prompts[3], max_tokens=100, n=2, best_of=3)
     while not any(delta.new_token_ids for delta in next(outputs).deltas):
         pass
-    cluster.stub.Abort(scheduler_pb2.AbortRequest(request_id="par-long"))  # the parent's id: every child
+    cluster.stub.Abort(AbortRequest("par-long"))  # the parent's id: every child
     ended = read_until_finished(outputs, {f"par-long#{index}" for index in range(3)})
-    assert {d[-1].finish_reason for d in ended.values()} == {common_pb2.FINISH_REASON_ABORT}
+    assert {d[-1].finish_reason for d in ended.values()} == {"abort"}
     outputs.cancel()
 
 
@@ -305,10 +309,10 @@ def test_abort_ends_a_request_on_its_stream(cluster, prompts, idle_after) -> Non
     cluster.submit("long", prompts[1], max_tokens=100)
     while not any(delta.new_token_ids for delta in next(outputs).deltas):
         pass
-    cluster.stub.Abort(scheduler_pb2.AbortRequest(request_id="long"))
-    cluster.stub.Abort(scheduler_pb2.AbortRequest(request_id="never-submitted"))  # a no-op
+    cluster.stub.Abort(AbortRequest("long"))
+    cluster.stub.Abort(AbortRequest("never-submitted"))  # a no-op
     [last] = read_until_finished(outputs, {"long"})["long"][-1:]
-    assert last.finish_reason == common_pb2.FINISH_REASON_ABORT and not last.error
+    assert last.finish_reason == "abort" and not last.error
     outputs.cancel()
 
 
@@ -321,7 +325,7 @@ def test_a_gateway_that_leaves_has_its_requests_aborted(cluster, worker, prompts
     wait_idle(cluster.loop.core, worker)  # long before its 100 tokens
     # The engine thread publishes its stats just after the abort: give it that moment.
     deadline = time.monotonic() + 5
-    while (stats := cluster.stub.Stats(scheduler_pb2.StatsRequest())).num_requests_running and time.monotonic() < deadline:
+    while (stats := cluster.stub.Stats(StatsRequest())).num_requests_running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert (stats.num_requests_running, stats.num_requests_waiting, stats.num_kv_blocks) == (0, 0, 8)
 
@@ -338,7 +342,7 @@ def test_a_lost_worker_ends_requests_with_an_error_and_the_loop_goes_on(worker, 
             pass
         lost.stop(0)
         for deltas in read_until_finished(outputs, {"long-0", "long-1"}).values():
-            assert deltas[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+            assert deltas[-1].finish_reason == "abort"
             assert "unreachable" in deltas[-1].error and deltas[-1].lost, deltas[-1]  # a 503: nothing was wrong with it
         # With no worker to run them, new requests are refused at once, explicitly.
         with pytest.raises(grpc.RpcError) as caught:
@@ -395,7 +399,7 @@ def test_a_restarted_worker_is_taken_up_with_an_empty_cache(worker, prompts, ref
             time.sleep(0.1)
         cluster.submit("stale", prompts[5], max_tokens=NEW_TOKENS)
         [last] = read_until_finished(outputs, {"stale"})["stale"][-1:]
-        assert last.finish_reason == common_pb2.FINISH_REASON_ABORT and "restarted" in last.error, last.error
+        assert last.finish_reason == "abort" and "restarted" in last.error, last.error
         cluster.submit("after", prompts[5], max_tokens=NEW_TOKENS)
         assert tokens_of(read_until_finished(outputs, {"after"})["after"]) == reference[5]
         outputs.cancel()

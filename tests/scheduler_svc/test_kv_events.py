@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Coroutine
 
+import msgspec
 from smg_grpc_proto.generated import common_pb2 as smg
 
 from scheduler_svc.block_pool import BlockPool, KvEventLog, KvEvents
@@ -18,8 +19,8 @@ from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.vllm_kv_events import KvEventStream, block_hash_int64, to_batch
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.messages import StepResult
-from services.pb.kvfleet.v1 import scheduler_pb2
 from services.sampling_params import SamplingParams
+from services.scheduler_messages import KvSnapshotResponse, NumberedKvEvents
 
 
 def test_stores_evictions_and_resets_rebuild_the_index() -> None:
@@ -53,7 +54,7 @@ def test_stores_evictions_and_resets_rebuild_the_index() -> None:
     events = pool.events.take()
     assert events == KvEvents(True, [], [b"E"])  # what came before the reset no longer matters
     mirror.apply(events)
-    assert mirror.snapshot() == scheduler_pb2.KvSnapshotResponse(seq=3, block_hashes=[b"E"])
+    assert mirror.snapshot() == KvSnapshotResponse(seq=3, block_hashes=[b"E"])
 
 
 def test_a_hash_stored_and_evicted_within_one_take_is_one_removal() -> None:
@@ -71,7 +72,7 @@ class FakeNats:
 
     def __init__(self) -> None:
         self.loop = self.nc = self
-        self.sent: list[scheduler_pb2.KvEvents] = []
+        self.sent: list[NumberedKvEvents] = []
 
     def call_soon_threadsafe(self, create_task: Callable[[Coroutine[None, None, None]], None],
                              send: Coroutine[None, None, None]) -> None:
@@ -81,7 +82,7 @@ class FakeNats:
         asyncio.run(send)
 
     async def publish(self, subject: str, payload: bytes) -> None:
-        self.sent.append(scheduler_pb2.KvEvents.FromString(payload))
+        self.sent.append(msgspec.msgpack.decode(payload, type=NumberedKvEvents))
 
 
 STEPS = [KvEvents(False, [], [b"A", b"B"]), KvEvents(False, [b"B"], [b"C"]), KvEvents(True, [], [b"E"])]
@@ -97,7 +98,7 @@ def test_the_engine_stream_numbers_and_mirrors_through_the_nats_publisher_it_wra
 
     assert [(m.seq, m.cleared, list(m.removed), list(m.stored)) for m in nats.sent] == [
         (1, False, [], [b"A", b"B"]), (2, False, [b"B"], [b"C"]), (3, True, [], [b"E"])]
-    assert stream.snapshot() == publisher.snapshot() == scheduler_pb2.KvSnapshotResponse(seq=3, block_hashes=[b"E"])
+    assert stream.snapshot() == publisher.snapshot() == KvSnapshotResponse(seq=3, block_hashes=[b"E"])
     resumed = stream.subscribe(2)
     assert resumed is not None
     assert [resumed.get_nowait().sequence_number for _ in range(2)] == [2, 3]

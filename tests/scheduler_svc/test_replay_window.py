@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import time
 
+import msgspec
+
 from scheduler_svc.replay_window import ReplayWindow
-from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2
+from services.messages import TokenDelta
+from services.scheduler_messages import StepOutputs
+
+decode = msgspec.msgpack.Decoder(StepOutputs).decode
 
 
-def message(*request_ids: str) -> scheduler_pb2.StepOutputs:
-    return scheduler_pb2.StepOutputs(deltas=[common_pb2.TokenDelta(request_id=r, new_token_ids=[1]) for r in request_ids])
+def message(*request_ids: str) -> StepOutputs:
+    return StepOutputs([TokenDelta(r, [1]) for r in request_ids])
 
 
 def numbers(payloads: list[bytes] | None) -> list[int]:
     assert payloads is not None
-    return [scheduler_pb2.StepOutputs.FromString(p).seq for p in payloads]
+    return [decode(p).seq for p in payloads]
 
 
 def test_each_gateway_is_numbered_from_one_and_replayed_in_order() -> None:
     window = ReplayWindow("s1")
     for index in range(3):
-        stamped = scheduler_pb2.StepOutputs.FromString(window.record("g1", message(f"a{index}")))
+        stamped = decode(window.record("g1", message(f"a{index}")))
         assert (stamped.scheduler_instance_id, stamped.seq, stamped.deltas[0].request_id) == ("s1", index + 1, f"a{index}")
     window.record("g2", message("b"))
     assert numbers(window.after("g1", 0)) == [1, 2, 3]
@@ -51,7 +56,7 @@ def test_announcements_name_each_recent_gateways_last_number() -> None:
     for _ in range(2):
         window.record("new", message("b"))
     (announcement,) = window.announcements().values()
-    parsed = scheduler_pb2.StepOutputs.FromString(announcement)
+    parsed = decode(announcement)
     assert (parsed.announce, parsed.seq, parsed.scheduler_instance_id, list(parsed.deltas)) == (True, 2, "s1", [])
     assert list(window.announcements()) == ["new"]
     window.record("old", message("c"))  # numbering goes on where it was

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import Counter
 
+import msgspec
 import nats as nats_client
 import pytest
 
@@ -21,9 +22,8 @@ from scheduler_svc.replay_window import ReplayWindow
 from services.engine_client import EngineUnavailable, RequestFailed, RequestLost
 from services.messages import TokenDelta
 from services.nats_link import subject
-from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2
 from services.request_stream import RequestStream
-from services.transport.convert import delta_to_proto, logprobs_to_proto
+from services.scheduler_messages import StepOutputs
 
 from servers import HOST, nats, nats_server  # noqa: F401  (fixture)
 
@@ -31,15 +31,15 @@ STEPS = 5
 REQUESTS = {"g1": ["a", "b", "c"], "g2": ["d", "e"]}
 
 
-def step_batches(step: int) -> dict[str, list[common_pb2.TokenDelta]]:
+def step_batches(step: int) -> dict[str, list[TokenDelta]]:
     """Every request gets two tokens per step (as with speculative decoding); the last step finishes all."""
     last = step == STEPS - 1
     return {
         gateway: [
-            delta_to_proto(TokenDelta(
+            TokenDelta(
                 request_id, [100 * step + i, 100 * step + i + 50], "length" if last else None,
                 logprobs=[{100 * step + i: -0.5}, {100 * step + i + 50: -0.25}],
-            ))
+            )
             for i, request_id in enumerate(requests)
         ]
         for gateway, requests in REQUESTS.items()
@@ -54,11 +54,11 @@ class WindowSource:
         self.gateway_id = gateway_id
         self.replays: list[int] = []
 
-    def replay(self, instance_id: str, after_seq: int) -> list[scheduler_pb2.StepOutputs] | None:
+    def replay(self, instance_id: str, after_seq: int) -> list[StepOutputs] | None:
         assert instance_id == self.window.instance_id
         self.replays.append(after_seq)
         payloads = self.window.after(self.gateway_id, after_seq)
-        return None if payloads is None else [scheduler_pb2.StepOutputs.FromString(p) for p in payloads]
+        return None if payloads is None else [msgspec.msgpack.decode(p, type=StepOutputs) for p in payloads]
 
     def instances(self) -> list[str]:
         return [self.window.instance_id]
@@ -78,7 +78,7 @@ class Spy:
         return self
 
     async def _count(self, msg) -> None:
-        assert scheduler_pb2.StepOutputs.FromString(msg.data).deltas
+        assert msgspec.msgpack.decode(msg.data, type=StepOutputs).deltas
         self.counts[msg.subject] += 1
         self.arrived.set()
 
@@ -174,11 +174,11 @@ def test_errors_unknown_requests_and_discards(nats) -> None:
         carried = subscriber.open("carried")
         subscriber.discard("dropped")
         publisher.publish({"g": [
-            delta_to_proto(TokenDelta("failing", [], "abort"), "engine step failed: a bug"),
-            delta_to_proto(TokenDelta("carried", [], "abort"), "engine step failed: worker unreachable", lost=True),
-            delta_to_proto(TokenDelta("unknown", [1])),
-            delta_to_proto(TokenDelta("dropped", [2])),
-            delta_to_proto(TokenDelta("kept", [3], "stop", stop_reason=3)),
+            TokenDelta("failing", [], "abort", error="engine step failed: a bug"),
+            TokenDelta("carried", [], "abort", error="engine step failed: worker unreachable", lost=True),
+            TokenDelta("unknown", [1]),
+            TokenDelta("dropped", [2]),
+            TokenDelta("kept", [3], "stop", stop_reason=3),
         ]})
         error = await asyncio.wait_for(failing.get(), 10)
         assert isinstance(error, RequestFailed) and not isinstance(error, RequestLost) and "a bug" in str(error)
@@ -203,9 +203,9 @@ def test_child_requests_stream_into_their_parent_until_the_last_ends(nats) -> No
         queue = subscriber.open("p", 2)  # p#0 and p#1
         with pytest.raises(ValueError):
             subscriber.open("p")
-        publisher.publish({"g": [delta_to_proto(TokenDelta("p#0", [1])), delta_to_proto(TokenDelta("p#1", [2]))]})
-        publisher.publish({"g": [delta_to_proto(TokenDelta("p#1", [3], "length"))]})
-        publisher.publish({"g": [delta_to_proto(TokenDelta("p#0", [4], "stop")), delta_to_proto(TokenDelta("p#1", [5]))]})
+        publisher.publish({"g": [TokenDelta("p#0", [1]), TokenDelta("p#1", [2])]})
+        publisher.publish({"g": [TokenDelta("p#1", [3], "length")]})
+        publisher.publish({"g": [TokenDelta("p#0", [4], "stop"), TokenDelta("p#1", [5])]})
         deltas = [await asyncio.wait_for(queue.get(), 10) for _ in range(4)]
         assert queue.empty()  # p#1's delta after its end came in the same message, and was dropped
         subscriber.open("p")  # both children ended: the request's routes are gone
@@ -225,14 +225,13 @@ def test_oversized_batches_split_and_an_oversized_delta_fails_its_request(nats) 
     publisher = OutputPublisher(nats.url, "s1")
     subscriber = OutputSubscriber(nats.url, "g", WindowSource(publisher))
 
-    def big(request_id: str, positions: int) -> common_pb2.TokenDelta:
-        delta = delta_to_proto(TokenDelta(request_id, [7], "length"))
-        # One position with as many candidates as it takes: ~9 bytes each.
-        delta.prompt_logprobs.CopyFrom(logprobs_to_proto([{t: -1.0 for t in range(10_000, 10_000 + positions)}]))
-        return delta
+    def big(request_id: str, positions: int) -> TokenDelta:
+        # One position with as many candidates as it takes: 12 bytes each.
+        return TokenDelta(request_id, [7], "length",
+                          prompt_logprobs=[{t: -1.0 for t in range(10_000, 10_000 + positions)}])
 
     async def main() -> None:
-        # 1 MiB is nats-server's default max_payload: two 0.55 MiB deltas need two messages.
+        # 1 MiB is nats-server's default max_payload: two 0.9 MiB deltas need two messages.
         queues = {r: subscriber.open(r) for r in ("x", "y", "huge")}
         publisher.publish({"g": [big("x", 80_000), big("y", 80_000), big("huge", 200_000)]})
         for request_id in ("x", "y"):
@@ -280,10 +279,10 @@ def test_a_lost_message_is_replayed_in_its_place(nats) -> None:
 
     async def main() -> None:
         queue = subscriber.open("a")
-        publisher.publish({"g": [delta_to_proto(TokenDelta("a", [1]))]})
+        publisher.publish({"g": [TokenDelta("a", [1])]})
         assert (await asyncio.wait_for(queue.get(), 10)).new_token_ids == [1]
-        publisher.window.record("g", scheduler_pb2.StepOutputs(deltas=[delta_to_proto(TokenDelta("a", [2]))]))  # lost
-        publisher.publish({"g": [delta_to_proto(TokenDelta("a", [3], "length"))]})
+        publisher.window.record("g", StepOutputs([TokenDelta("a", [2])]))  # lost
+        publisher.publish({"g": [TokenDelta("a", [3], "length")]})
         assert tokens(await read_all(queue)) == [2, 3]
         assert source.replays == [1]
 
@@ -304,8 +303,8 @@ def test_a_hole_no_longer_held_is_skipped_and_the_stream_goes_on(nats) -> None:
 
     async def main() -> None:
         queue = subscriber.open("a")
-        publisher.window.record("g", scheduler_pb2.StepOutputs(deltas=[delta_to_proto(TokenDelta("a", [1]))]))  # lost
-        publisher.publish({"g": [delta_to_proto(TokenDelta("a", [2], "length"))]})
+        publisher.window.record("g", StepOutputs([TokenDelta("a", [1])]))  # lost
+        publisher.publish({"g": [TokenDelta("a", [2], "length")]})
         assert tokens(await read_all(queue)) == [2]
         assert source.replays == [0]
 
@@ -329,17 +328,17 @@ def test_a_nats_restart_loses_no_delta() -> None:
         async def main() -> None:
             nonlocal restarted
             queue = subscriber.open("a")
-            publisher.publish({"g": [delta_to_proto(TokenDelta("a", [0]))]})
+            publisher.publish({"g": [TokenDelta("a", [0])]})
             assert (await asyncio.wait_for(queue.get(), 60)).new_token_ids == [0]  # generous: a loaded machine
             server.process.kill()
             server.process.wait()
             big = list(range(1, 200_001))  # ~0.6 MB a step: past the client's 2 MiB buffer within a few
             for step in range(8):
-                publisher.publish({"g": [delta_to_proto(TokenDelta("a", big if step % 2 else [step + 1]))]})
+                publisher.publish({"g": [TokenDelta("a", big if step % 2 else [step + 1])]})
                 await asyncio.sleep(0.1)
             restarted = start_nats(HOST, port)
             wait_for_port(HOST, port, restarted)
-            publisher.publish({"g": [delta_to_proto(TokenDelta("a", [7], "length"))]})
+            publisher.publish({"g": [TokenDelta("a", [7], "length")]})
             expected = [*[t for step in range(8) for t in (big if step % 2 else [step + 1])], 7]
             assert tokens(await read_all(queue, timeout_s=60)) == expected
 

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 from pathlib import Path
 
+import msgspec
 import nats as nats_client
 import pytest
 
@@ -37,9 +38,9 @@ from services.engine_client import EngineOverloaded, RequestFailed
 from services.invalid_parameter import InvalidParameter
 from services.messages import TokenDelta
 from services.nats_link import subject
-from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2
 from services.registry import Lease, Member, Registry
 from services.sampling_params import SamplingParams
+from services.scheduler_messages import StepOutputs
 from tokenizer_svc.server import start_tokenizer_server
 from worker_svc.server import start_worker_server
 
@@ -156,11 +157,11 @@ async def collect(stream: AsyncIterator[TokenDelta]) -> list[int]:
     return tokens
 
 
-async def spy_on(url: str, gateway_id: str) -> tuple[object, list[scheduler_pb2.StepOutputs]]:
-    messages: list[scheduler_pb2.StepOutputs] = []
+async def spy_on(url: str, gateway_id: str) -> tuple[object, list[StepOutputs]]:
+    messages: list[StepOutputs] = []
 
     async def keep(msg) -> None:
-        messages.append(scheduler_pb2.StepOutputs.FromString(msg.data))
+        messages.append(msgspec.msgpack.decode(msg.data, type=StepOutputs))
 
     connection = await nats_client.connect(url)
     await connection.subscribe(subject(gateway_id), cb=keep)
@@ -169,7 +170,7 @@ async def spy_on(url: str, gateway_id: str) -> tuple[object, list[scheduler_pb2.
 
 
 def test_greedy_tokens_equal_the_offline_llm_one_message_per_step(client, cluster, nats, prompts, reference) -> None:
-    async def main() -> tuple[list[list[int]], list[scheduler_pb2.StepOutputs]]:
+    async def main() -> tuple[list[list[int]], list[StepOutputs]]:
         spy, messages = await spy_on(nats.url, client.gateway_id)
         outputs = await asyncio.gather(
             *(collect(client.generate(f"parity-{i}", prompt, GREEDY)) for i, prompt in enumerate(prompts))
@@ -217,7 +218,7 @@ def test_bad_input_names_the_parameter_and_disturbs_nothing(client, prompts, ref
 
 
 def test_a_consumer_that_leaves_aborts_its_request(client, cluster, nats, prompts) -> None:
-    async def main() -> list[common_pb2.TokenDelta]:
+    async def main() -> list[TokenDelta]:
         spy, messages = await spy_on(nats.url, client.gateway_id)
         params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
         async with aclosing(client.generate("leaver", prompts[0], params)) as deltas:
@@ -230,7 +231,7 @@ def test_a_consumer_that_leaves_aborts_its_request(client, cluster, nats, prompt
         return [d for m in messages for d in m.deltas]
 
     deltas = asyncio.run(main())
-    assert deltas[-1].finish_reason == common_pb2.FINISH_REASON_ABORT and not deltas[-1].error
+    assert deltas[-1].finish_reason == "abort" and not deltas[-1].error
     assert sum(len(d.new_token_ids) for d in deltas) < 100
     assert cluster.loop.stats().num_requests_running == 0
 

@@ -27,7 +27,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvfleet.processes import free_port
-from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.sampling_params import SamplingParams
+from services.scheduler_messages import SubmitRequest
+from services.transport.role_services import SCHEDULER
 
 from servers import RoleProcess, nats, redis_url  # noqa: F401  (fixtures)
 
@@ -204,9 +206,9 @@ def test_a_cluster_drains_open_streams_on_sigterm_then_exits_0(processes, nats, 
     wait_not_serving(address["scheduler"])
     wait_not_serving(address["worker"])
     with grpc.insecure_channel(address["scheduler"]) as channel, pytest.raises(grpc.RpcError) as refused:
-        scheduler_pb2_grpc.SchedulerStub(channel).Submit(scheduler_pb2.SubmitRequest(
+        SCHEDULER.stub(channel).Submit(SubmitRequest(
             request_id="late", prompt_token_ids=[1, 2, 3], gateway_id="someone",
-            sampling_params=common_pb2.SamplingParams(max_tokens=4),
+            sampling_params=SamplingParams(max_tokens=4),
         ), timeout=5)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
 

@@ -18,13 +18,11 @@ import grpc
 import pytest
 
 from kvfleet.processes import free_port
-from services.pb.kvfleet.v1 import (
-    common_pb2,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-    tokenizer_pb2,
-    tokenizer_pb2_grpc,
-)
+from services.messages import TokenDelta
+from services.sampling_params import SamplingParams
+from services.scheduler_messages import StreamOutputsRequest, SubmitRequest
+from services.tokenizer_messages import DetokenizeRequest, TokenizeRequest
+from services.transport.role_services import SCHEDULER, TOKENIZER
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_FLAGS = ["--dtype", "float32", "--num-gpu-blocks-override", "8", "--max-model-len", "128"]
@@ -90,24 +88,24 @@ def test_cluster_of_role_processes_serves_and_stops_gracefully(roles) -> None:
     tokenizer = roles("tokenizer")
 
     with grpc.insecure_channel(tokenizer.address()) as channel:
-        tokenize = tokenizer_pb2_grpc.TokenizerStub(channel)
-        prompt = tokenize.Tokenize(tokenizer_pb2.TokenizeRequest(text="The capital of France is")).token_ids
+        tokenize = TOKENIZER.stub(channel)
+        prompt = tokenize.Tokenize(TokenizeRequest("The capital of France is")).token_ids
         with grpc.insecure_channel(scheduler.address()) as scheduler_channel:
-            stub = scheduler_pb2_grpc.SchedulerStub(scheduler_channel)
-            outputs = stub.StreamOutputs(scheduler_pb2.StreamOutputsRequest(gateway_id="g"))
+            stub = SCHEDULER.stub(scheduler_channel)
+            outputs = stub.StreamOutputs(StreamOutputsRequest("g"))
             next(outputs)
             for request_id, max_tokens in [("short", 8), ("long", 100)]:
-                stub.Submit(scheduler_pb2.SubmitRequest(
+                stub.Submit(SubmitRequest(
                     request_id=request_id, prompt_token_ids=prompt, gateway_id="g",
-                    sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                    sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                 ))
-            deltas: dict[str, list[common_pb2.TokenDelta]] = {"short": [], "long": []}
-            while not deltas["short"] or deltas["short"][-1].finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+            deltas: dict[str, list[TokenDelta]] = {"short": [], "long": []}
+            while not deltas["short"] or deltas["short"][-1].finish_reason is None:
                 for delta in next(outputs).deltas:
                     deltas[delta.request_id].append(delta)
             short = [token for delta in deltas["short"] for token in delta.new_token_ids]
-            assert len(short) == 8 and deltas["short"][-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-            text = tokenize.Detokenize(tokenizer_pb2.DetokenizeRequest(token_ids=short)).text
+            assert len(short) == 8 and deltas["short"][-1].finish_reason == "length"
+            text = tokenize.Detokenize(DetokenizeRequest(short)).text
             assert text.strip()
 
             # "long" is still running, with no time to finish: stopping the scheduler ends it
@@ -115,7 +113,7 @@ def test_cluster_of_role_processes_serves_and_stops_gracefully(roles) -> None:
             assert scheduler.stop(signal.SIGTERM) == 0, "".join(scheduler.log)
             deltas["long"].extend(delta for message in outputs for delta in message.deltas)
             last = deltas["long"][-1]
-            assert last.finish_reason == common_pb2.FINISH_REASON_ABORT and "shut down" in last.error
+            assert last.finish_reason == "abort" and "shut down" in last.error
             assert len([token for delta in deltas["long"] for token in delta.new_token_ids]) < 100
 
     assert worker.stop(signal.SIGTERM) == 0, "".join(worker.log)

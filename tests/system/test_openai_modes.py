@@ -52,8 +52,10 @@ from openai_servers import (
 )
 
 from kvfleet import LLM, SamplingParams
+from services.messages import Empty
 from services.outputs import CompletionOutput
-from services.pb.kvfleet.v1 import scheduler_pb2, tokenizer_pb2, worker_pb2
+from services.scheduler_messages import StatsRequest
+from services.transport.rpc import encode
 
 from corpus import CHAT, PROMPTS
 
@@ -534,9 +536,9 @@ def test_cluster_roles_take_calls_with_the_cluster_token_only(server: Server) ->
     the command line); without it each role's gRPC port refuses every call."""
     if server.mode != "cluster" or not PROC:
         pytest.skip("cluster up's roles, seen through /proc")
-    calls = {"tokenizer": ("/kvfleet.v1.Tokenizer/Describe", tokenizer_pb2.DescribeTokenizerRequest()),
-             "worker": ("/kvfleet.v1.Worker/Describe", worker_pb2.DescribeWorkerRequest()),
-             "scheduler": ("/kvfleet.v1.Scheduler/Stats", scheduler_pb2.StatsRequest())}
+    calls = {"tokenizer": ("/kvfleet.v1.Tokenizer/Describe", Empty()),
+             "worker": ("/kvfleet.v1.Worker/Describe", Empty()),
+             "scheduler": ("/kvfleet.v1.Scheduler/Stats", StatsRequest())}
     tokens = set()
     for role, (method, request) in calls.items():
         pid = role_pid(server, role)
@@ -548,7 +550,7 @@ def test_cluster_roles_take_calls_with_the_cluster_token_only(server: Server) ->
         tokens.add(token)
         port = argv[argv.index("--port") + 1]
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.unary_unary(method, request_serializer=type(request).SerializeToString)
+            call = channel.unary_unary(method, request_serializer=encode)
             with pytest.raises(grpc.RpcError) as refused:
                 call(request, timeout=10)
             assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED, role

@@ -21,13 +21,14 @@ from scheduler_svc.kv_event_publisher import KvEventPublisher
 from scheduler_svc.main import lease_metadata
 from scheduler_svc.nats_publisher import NatsOutputHub
 from scheduler_svc.server import start_scheduler_server
-from scheduler_svc.step_loop import StepLoop, Submission
+from scheduler_svc.step_loop import StepLoop
 from scheduler_svc.worker_client import RemoteWorker
 from services.block_hash import extend_block_hashes
 from services.config import EngineConfig
 from services.model_source import resolve_model
 from services.registry import Lease, Member, Registry
 from services.sampling_params import SamplingParams
+from services.scheduler_messages import SubmitRequest
 from tokenizer_svc.server import start_tokenizer_server
 from tokenizer_svc.tokenizer import Tokenizer
 from worker_svc.server import start_worker_server
@@ -140,7 +141,7 @@ def test_a_shared_prefix_goes_where_it_is_cached(replicas, tokenizer, nats, redi
     following = started_client(redis_url, nats.url, "prefix")
     try:
         warm = prompts(tokenizer, 1)[0]
-        [accepted] = b.loop.submit([Submission("warm", warm, GREEDY, None, "nobody")])
+        [accepted] = b.loop.submit([SubmitRequest("warm", warm, GREEDY, "nobody")])
         accepted.result(10)
         wait_until(b.idle, "the warm-up request did not finish")
         wait_until(lambda: holds_prefix(following._kv_index, b.core.instance_id, warm),

@@ -19,11 +19,12 @@ from gateway.tokenizer_client import RemoteTokenizer
 from kvfleet.processes import free_port
 from services.engine_client import EngineUnavailable
 from services.invalid_parameter import InvalidParameter
+from services.messages import Empty
 from services.model_source import resolve_model
 from services.packed_token_ids import unpack_token_ids
-from services.pb.kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer_api import ChatPrompt
-from services.transport.convert import chat_to_proto
+from services.tokenizer_messages import DetokenizeRequest, TokenizeRequest
+from services.transport.role_services import TOKENIZER
 from tokenizer_svc.encode_process import HUGE_TEXT_CHARS
 from tokenizer_svc.server import SERVICE_NAME, TokenizerServicer, start_tokenizer_server
 from tokenizer_svc.tokenizer import Tokenizer
@@ -138,7 +139,7 @@ def test_chat_without_a_template_names_the_messages(tokenizer, tmp_path: Path) -
     bare = Tokenizer(PreTrainedTokenizerFast.from_pretrained(tmp_path, local_files_only=True), "bare")
     with serving(bare) as (client, address):
         with grpc.insecure_channel(address) as channel:
-            described = tokenizer_pb2_grpc.TokenizerStub(channel).Describe(tokenizer_pb2.DescribeTokenizerRequest())
+            described = TOKENIZER.stub(channel).Describe(Empty())
         assert not described.has_chat_template
         with pytest.raises(InvalidParameter, match="'bare' has no chat template") as caught:
             asyncio.run(client.encode_chat(ChatPrompt(MESSAGES)))
@@ -149,12 +150,12 @@ def test_describe_detokenize_and_health_over_the_stubs(tokenizer, remote) -> Non
     _, address = remote
     ids = tokenizer.encode(TEXTS[1])
     with grpc.insecure_channel(address) as channel:
-        stub = tokenizer_pb2_grpc.TokenizerStub(channel)
-        described = stub.Describe(tokenizer_pb2.DescribeTokenizerRequest())
+        stub = TOKENIZER.stub(channel)
+        described = stub.Describe(Empty())
         assert (described.name, described.vocab_size, described.eos_token_id, described.bos_token_id) == (
             tokenizer.name, 49152, 2, 1
         )
-        assert stub.Detokenize(tokenizer_pb2.DetokenizeRequest(token_ids=ids)).text == tokenizer.decode(ids)
+        assert stub.Detokenize(DetokenizeRequest(ids)).text == tokenizer.decode(ids)
         health = health_pb2_grpc.HealthStub(channel)
         for name in ("", SERVICE_NAME):
             status = health.Check(health_pb2.HealthCheckRequest(service=name)).status
@@ -164,14 +165,14 @@ def test_describe_detokenize_and_health_over_the_stubs(tokenizer, remote) -> Non
 def test_packed_ids_equal_the_repeated_ones_and_only_chats_are_echoed(tokenizer, remote) -> None:
     _, address = remote
     with grpc.insecure_channel(address) as channel:
-        stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+        stub = TOKENIZER.stub(channel)
         for text in TEXTS:
-            plain = stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text))
-            packed = stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text, packed_token_ids=True))
+            plain = stub.Tokenize(TokenizeRequest(text))
+            packed = stub.Tokenize(TokenizeRequest(text, packed_token_ids=True))
             assert list(plain.token_ids) == unpack_token_ids(packed.token_ids_packed).tolist() == tokenizer.encode(text)
             assert (plain.token_ids_packed, list(packed.token_ids), plain.prompt, packed.prompt) == (b"", [], "", "")
         chat = ChatPrompt(MESSAGES)
-        reply = stub.Tokenize(tokenizer_pb2.TokenizeRequest(chat=chat_to_proto(chat), packed_token_ids=True))
+        reply = stub.Tokenize(TokenizeRequest(chat=chat, packed_token_ids=True))
         assert reply.prompt == tokenizer.render_chat(MESSAGES, add_generation_prompt=True)
         assert unpack_token_ids(reply.token_ids_packed).tolist() == tokenizer.encode(reply.prompt, False)
 

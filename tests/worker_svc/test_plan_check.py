@@ -10,10 +10,9 @@ import grpc
 import pytest
 
 from kvfleet.processes import free_port
-from services.messages import CachedRequestData, NewRequestData, StepPlan
-from services.pb.kvfleet.v1 import worker_pb2, worker_pb2_grpc
+from services.messages import CachedRequestData, Empty, NewRequestData, StepPlan
 from services.sampling_params import SamplingParams
-from services.transport.convert import plan_to_proto, result_from_proto
+from services.transport.role_services import WORKER
 from worker_svc.plan_check import InvalidPlan, WrongWorkerInstance, check_plan
 
 from servers import RoleProcess
@@ -57,8 +56,8 @@ def test_the_worker_role_refuses_bad_plans_with_clear_codes_and_serves_on() -> N
                          "--port", str(port))
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = worker_pb2_grpc.WorkerStub(channel)
-            described = stub.Describe(worker_pb2.DescribeWorkerRequest(), wait_for_ready=True, timeout=120)
+            stub = WORKER.stub(channel)
+            described = stub.Describe(Empty(), wait_for_ready=True, timeout=120)
             refusals = {
                 "none": StepPlan(1, [_new("a", [0])], num_scheduled_tokens={"a": 4}),
                 "out of range": StepPlan(1, [_new("a", [0, 32])], num_scheduled_tokens={"a": 4},
@@ -67,13 +66,13 @@ def test_the_worker_role_refuses_bad_plans_with_clear_codes_and_serves_on() -> N
             codes = {}
             for name, plan in refusals.items():
                 with pytest.raises(grpc.RpcError) as refused:
-                    stub.ExecuteStep(plan_to_proto(plan), timeout=30)
+                    stub.ExecuteStep(plan, timeout=30)
                 codes[name] = (refused.value.code(), refused.value.details())
             assert codes["none"][0] is grpc.StatusCode.FAILED_PRECONDITION
             assert codes["out of range"] == (grpc.StatusCode.INVALID_ARGUMENT,
                                              "a block id 32 is outside this worker's pool of 32")
             good = StepPlan(1, [_new("a", [0])], num_scheduled_tokens={"a": 4}, worker_instance_id=described.instance_id)
-            result = result_from_proto(stub.ExecuteStep(plan_to_proto(good), timeout=60))
+            result = stub.ExecuteStep(good, timeout=60)
             assert len(result.sampled_token_ids["a"]) == 1
     finally:
         worker.kill()

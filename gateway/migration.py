@@ -2,7 +2,7 @@
 
 When the replica running a request dies (its worker or its scheduler), the gateway
 submits the request to another replica with the tokens generated so far as its
-output (scheduler.proto's SubmitRequest.output_token_ids), and the client's stream goes
+output (SubmitRequest.output_token_ids), and the client's stream goes
 on: no token lost, repeated or reordered; greedy text as an uninterrupted run gives,
 and seeded sampling draws what it would have drawn. `--migration-limit` caps the
 re-submissions of one request (0: none); when no other replica can take it, the

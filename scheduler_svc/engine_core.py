@@ -113,7 +113,7 @@ class EngineCore:
     ) -> None:
         """Queue a request; with n > 1 (or best_of) as child requests named by
         `child_request_id`, which share the prompt's KV. `output_token_ids` resumes a
-        request that generated them elsewhere (scheduler.proto's SubmitRequest)."""
+        request that generated them elsewhere (SubmitRequest.output_token_ids)."""
         if self._worker_lost:
             self._reconnect()
         count = num_children(params)

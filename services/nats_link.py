@@ -1,8 +1,9 @@
 """kvfleet's NATS connection, shared by the scheduler's publisher and the gateway's subscriber.
 
-Subject `kvfleet.out.<gateway_id>` carries scheduler.proto's StepOutputs: one message
-per engine step per gateway with every new delta of that gateway's requests, never
-one per token; `kvfleet.kv.<scheduler_instance_id>` carries each scheduler's KvEvents.
+Subject `kvfleet.out.<gateway_id>` carries StepOutputs (services/scheduler_messages.py,
+msgpack): one message per engine step per gateway with every new delta of that
+gateway's requests, never one per token; `kvfleet.kv.<scheduler_instance_id>` carries
+each scheduler's NumberedKvEvents.
 Each end keeps its NATS client on an asyncio loop in a daemon thread:
 the publisher is called from the scheduler's step-loop thread, which must never wait
 on the network, and the subscriber serves consumers on any event loop.
@@ -33,7 +34,7 @@ def subject(gateway_id: str) -> str:
 
 
 def kv_subject(scheduler_instance_id: str) -> str:
-    """A scheduler's KV events (scheduler.proto's KvEvents); `kv_subject("*")` is all of them."""
+    """A scheduler's KV events (NumberedKvEvents); `kv_subject("*")` is all of them."""
     return f"kvfleet.kv.{scheduler_instance_id}"
 
 

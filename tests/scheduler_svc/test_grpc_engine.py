@@ -173,7 +173,7 @@ def test_remote_worker_matches_the_in_process_llm(make_llm, worker, worker_srv, 
 
 
 def stub_generate(address: str, prompt_token_ids: list[int]) -> list[int]:
-    """A client built of nothing but grpc and the service's description, as the README's
+    """A client built of nothing but grpc and the service's description, as docs/cluster.md's
     example is (tests/system/test_readme.py runs that one as written, against `cluster up`)."""
     import grpc
 

@@ -55,7 +55,7 @@ from kvfleet import LLM, SamplingParams
 from services.messages import Empty
 from services.outputs import CompletionOutput
 from services.scheduler_messages import StatsRequest
-from services.transport.rpc import encode
+from services.transport import rpc
 
 from corpus import CHAT, PROMPTS
 
@@ -550,7 +550,7 @@ def test_cluster_roles_take_calls_with_the_cluster_token_only(server: Server) ->
         tokens.add(token)
         port = argv[argv.index("--port") + 1]
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.unary_unary(method, request_serializer=encode)
+            call = channel.unary_unary(method, request_serializer=rpc.encode)
             with pytest.raises(grpc.RpcError) as refused:
                 call(request, timeout=10)
             assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED, role

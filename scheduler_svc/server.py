@@ -68,7 +68,7 @@ class SchedulerServicer:
             else:
                 valid.append((index, request))
         try:
-            accepted = self._loop.submit([submission for _, submission in valid])
+            accepted = self._loop.submit([request for _, request in valid])
         except EngineUnavailable as exc:
             return [(grpc.StatusCode.UNAVAILABLE, str(exc)) if code is grpc.StatusCode.OK else (code, message)
                     for code, message in results]

@@ -105,9 +105,9 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             if not finished:  # the client went away, or the request failed: free its blocks now
                 self._loop.abort(request.request_id)
 
-    def _submit(self, submission: SubmitRequest, context: grpc.ServicerContext) -> None:
+    def _submit(self, request: SubmitRequest, context: grpc.ServicerContext) -> None:
         try:
-            [accepted] = self._loop.submit([submission])
+            [accepted] = self._loop.submit([request])
             accepted.result()
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -1,6 +1,7 @@
 """Infrastructure processes on this machine: nats-server and a Redis-compatible server
-on free ports, and children that die with their launcher. Used by `cluster up` and
-by the tests, which start their own servers."""
+on free ports (started again on another port when one dies before it listens), and
+children that die with their launcher. Used by `cluster up` and by the tests, which
+start their own servers."""
 from __future__ import annotations
 
 import errno
@@ -16,7 +17,8 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -153,6 +155,54 @@ def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: fl
         except OSError:
             time.sleep(0.05)
     raise RuntimeError(f"{process.args[0]} is not listening on {host}:{port} after {timeout_s} s")
+
+
+START_ATTEMPTS = 3
+LOG_TAIL_LINES = 20
+
+
+class ServerStartError(RuntimeError):
+    """A server that never listened; the message ends with its log's last lines."""
+
+
+@dataclass
+class Listening:
+    process: subprocess.Popen
+    port: int
+
+
+def start_listening(start: Callable[..., subprocess.Popen], host: str, log: Path, attempts: int = START_ATTEMPTS,
+                    pick_port: Callable[[], int] | None = None, timeout_s: float = 30.0) -> Listening:
+    """`start(port, stdout=..., stderr=...)` (e.g. `start_nats` with its host bound) on a
+    free port, until the server listens there. One that exits before it listens is
+    started again on another port (another process may have taken the first), up to
+    `attempts` starts in all, each logged with its log's tail. Every start's output is
+    appended to `log`, which stays, as the server's log and the evidence of a failure."""
+    pick_port = pick_port or (lambda: free_port(host))
+    for attempt in itertools.count(1):
+        port = pick_port()
+        offset = log.stat().st_size if log.exists() else 0
+        with log.open("ab") as output:  # the child holds its own copy once started
+            process = start(port, stdout=output, stderr=subprocess.STDOUT)
+        try:
+            wait_for_port(host, port, process, timeout_s)
+            return Listening(process, port)
+        except RuntimeError as error:
+            tail = log_tail(log, offset)
+            if process.poll() is None:  # running but deaf: another start would wait as long again
+                stop(process)
+                raise ServerStartError(f"{error}; {log} ends:\n{tail}") from None
+            if attempt == attempts:
+                raise ServerStartError(f"{error} before listening, {attempts} times; {log} ends:\n{tail}") from None
+            logger.warning("%s before listening on port %d (start %d of %d), starting it again on another port; "
+                           "%s ends:\n%s", error, port, attempt, attempts, log, tail)
+
+
+def log_tail(log: Path, offset: int = 0, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines `log` gained past `offset`."""
+    with log.open("rb") as file:
+        file.seek(offset)
+        return "".join(file.read().decode(errors="replace").splitlines(keepends=True)[-lines:]) or "(nothing)\n"
 
 
 def _exit_status(code: int) -> str:

@@ -1,15 +1,61 @@
-"""Children start without running this process's fork handlers, and die with their launcher."""
+"""Starting the real nats-server and Redis-compatible server: one that dies before it
+listens is started again on another port, its log kept; children start without running
+this process's fork handlers, and die with their launcher."""
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from kvfleet.processes import spawn
+from kvfleet.processes import ServerStartError, free_port, spawn, start_listening, start_nats, start_redis, stop
+
+HOST = "127.0.0.1"
+SERVERS = {"nats": partial(start_nats, HOST), "redis": partial(start_redis, HOST)}
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port another socket holds: a server started there fails to bind, and exits. Bound
+    but not listening, so that nothing answers there meanwhile as if the server did."""
+    with socket.socket() as holder:
+        holder.bind((HOST, 0))
+        yield holder.getsockname()[1]
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_server_that_dies_before_it_listens_is_started_again_on_another_port(
+        server: str, taken_port: int, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ports = iter([taken_port, free_port(HOST)])
+    log = tmp_path / f"{server}.log"
+    with caplog.at_level(logging.WARNING, logger="kvfleet.processes"):
+        started = start_listening(SERVERS[server], HOST, log, pick_port=lambda: next(ports))
+    try:
+        assert started.port != taken_port
+        socket.create_connection((HOST, started.port), timeout=5).close()
+        # The first start's own words stay in the log, and in the warning about it.
+        first_start = log.read_text()
+        assert "address already in use" in first_start.lower(), first_start
+        [warning] = caplog.records
+        assert f"port {taken_port} (start 1 of 3)" in warning.getMessage()
+        assert "address already in use" in warning.getMessage().lower()
+    finally:
+        stop(started.process, grace_s=5.0)
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_server_that_never_listens_fails_with_its_log_tail(server: str, taken_port: int, tmp_path: Path) -> None:
+    log = tmp_path / f"{server}.log"
+    with pytest.raises(ServerStartError, match="(?is)exited with 1 before listening, 2 times.*address already in use"):
+        start_listening(SERVERS[server], HOST, log, attempts=2, pick_port=lambda: taken_port)
+    assert log.read_text().lower().count("address already in use") == 2  # both starts' output, kept
 
 
 def _python(code: str, **kwargs: object) -> subprocess.Popen:

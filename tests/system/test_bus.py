@@ -10,6 +10,7 @@ import asyncio
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import nats as nats_client
 import pytest
@@ -248,8 +249,8 @@ def test_oversized_batches_split_and_an_oversized_delta_fails_its_request(nats) 
         subscriber.close()
 
 
-def test_nats_away_past_the_grace_fails_open_streams() -> None:
-    with nats_server() as server:
+def test_nats_away_past_the_grace_fails_open_streams(tmp_path: Path) -> None:
+    with nats_server(tmp_path) as server:
         publisher = OutputPublisher(server.url, "s1")
         subscriber = OutputSubscriber(server.url, "g", WindowSource(publisher), grace_s=1.0)
 
@@ -316,11 +317,11 @@ def test_a_hole_no_longer_held_is_skipped_and_the_stream_goes_on(nats) -> None:
         subscriber.close()
 
 
-def test_a_nats_restart_loses_no_delta() -> None:
+def test_a_nats_restart_loses_no_delta(tmp_path: Path) -> None:
     """kill -9 of nats-server mid-stream, restarted on its port: what was published while
     it was away (some of it lost in flight, some held in the client's buffer, some past
     that buffer) reaches the stream once, in order."""
-    with nats_server() as server:
+    with nats_server(tmp_path) as server:
         port = int(server.url.rsplit(":", 1)[1])
         publisher = OutputPublisher(server.url, "s1")
         subscriber = OutputSubscriber(server.url, "g", WindowSource(publisher))

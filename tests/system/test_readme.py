@@ -366,6 +366,11 @@ def test_serve_block_serves(serve: Running) -> None:
 
 
 def test_cluster_up_block_logs_where_each_part_listens(cluster: Running) -> None:
+    # The launcher says it serves at its own next poll of /health (every 0.5 s), which
+    # may come after the fixture's saw it answer.
+    deadline = time.monotonic() + 5.0
+    while f"cluster serving on {cluster.url}" not in cluster.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
     log = cluster.log()
     for line in (rf"NATS on nats://{LOCAL}:\d+, Redis on redis://{LOCAL}:\d+",
                  *(rf"{role}: gRPC on {LOCAL}:\d+" for role in ROLE_PORTS),

@@ -60,7 +60,7 @@ def attention(heads, kv_heads, head_dim, block_size, dtype, batch=3, context=300
     paged_prefill.paged_prefill_attention(chunk, cache, tables, starts, seq_lens, 5, 0.1)
 
 
-def decoder_ops(hidden, heads, kv_heads, head_dim, intermediate, dtype):
+def elementwise(hidden, heads, kv_heads, head_dim, intermediate, dtype):
     x = torch.zeros(4, hidden, dtype=dtype)
     decoder_ops.rms_norm(x, torch.ones(hidden, dtype=dtype), 1e-5)
     decoder_ops.rms_norm(x, torch.ones(hidden, dtype=dtype), 1e-5, x.clone())
@@ -68,7 +68,7 @@ def decoder_ops(hidden, heads, kv_heads, head_dim, intermediate, dtype):
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     table = torch.zeros(64, head_dim)
     decoder_ops.rotary_(q.view(4, heads, head_dim), k.view(4, kv_heads, head_dim), torch.zeros(4, dtype=torch.long),
-                       table, table)
+                        table, table)
     decoder_ops.silu_and_mul(torch.zeros(4, 2 * intermediate, dtype=dtype))
 
 
@@ -78,8 +78,8 @@ attention(9, 3, 64, 16, torch.float32)
 attention(6, 2, 64, 32, torch.bfloat16)
 attention(8, 8, 128, 32, torch.float16)
 attention(64, 8, 128, 16, torch.bfloat16)
-decoder_ops(4096, 32, 8, 128, 14336, torch.bfloat16)
-decoder_ops(576, 9, 3, 64, 1536, torch.float32)
+elementwise(4096, 32, 8, 128, 14336, torch.bfloat16)
+elementwise(576, 9, 3, 64, 1536, torch.float32)
 
 
 def signature(kernel, args, kwargs):

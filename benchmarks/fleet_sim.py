@@ -107,8 +107,8 @@ class SimWorker:
 
 def calibrate() -> tuple[StepCost, list[dict]]:
     """Times the real worker's steps and fits the cost model to them."""
-    from worker_svc.threads import configure_torch_threads
-    from worker_svc.worker import Worker
+    from worker_svc.kernels.cpu.threads import configure_torch_threads
+    from worker_svc.runtime.worker import Worker
 
     configure_torch_threads()
     config = EngineConfig(dtype="float32", max_model_len=2048, max_num_batched_tokens=2048)

@@ -73,7 +73,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     from services.nats_link import NATS_PASSWORD_ENV, NATS_USER_ENV
     from services.registry import REDIS_PASSWORD_ENV
     from services.transport.cluster_token import TOKEN_ENV, cluster_token
-    from worker_svc.preflight import check_device, check_model
+    from worker_svc.runtime.preflight import check_device, check_model
 
     configure_logging()
     # What can be checked here is, before anything starts; torch's build is the worker's to check.

@@ -4,7 +4,7 @@ a regex, a choice of strings, an EBNF grammar or a structural tag, with vLLM's n
 Exactly one constraint is set. The constraint travels as text (`kind`, `spec`): it is
 what the worker's grammar compiler reads and what its cache is keyed by, so one
 schema sent by many requests compiles once. Whether the text is a valid schema,
-regex or grammar is the compiler's to say (the worker's, worker_svc/grammar.py),
+regex or grammar is the compiler's to say (the worker's, worker_svc/runtime/sampling/grammar.py),
 with its own message, as a 400 on the field that carried it.
 """
 from __future__ import annotations

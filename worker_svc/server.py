@@ -19,8 +19,8 @@ from services.transport.convert import (
     structured_outputs_from_proto,
 )
 from services.transport.server import RoleServer
-from worker_svc.plan_check import InvalidPlan, WrongWorkerInstance
-from worker_svc.worker import Worker
+from worker_svc.runtime.plan_check import InvalidPlan, WrongWorkerInstance
+from worker_svc.runtime.worker import Worker
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from services.messages import EngineStats
 from services.model_source import resolve_model
 from tokenizer_svc.in_process import InProcessEncoder
 from tokenizer_svc.tokenizer import Tokenizer
-from worker_svc.worker import Worker
+from worker_svc.runtime.worker import Worker
 
 from conftest import assert_no_leaks
 from corpus import CHAT, PROMPTS

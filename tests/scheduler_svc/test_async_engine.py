@@ -21,7 +21,7 @@ from services.model_source import resolve_model
 from services.parallel_sampling import child_request_id
 from services.sampling_params import InvalidParameter, SamplingParams
 from tokenizer_svc.tokenizer import Tokenizer
-from worker_svc.worker import Worker
+from worker_svc.runtime.worker import Worker
 
 from conftest import assert_no_leaks
 

@@ -36,8 +36,8 @@ from services.sampling_params import SamplingParams
 from services.structured_outputs import StructuredOutputsParams
 from services.tokenizer_archive import unpack
 from tokenizer_svc.tokenizer import Tokenizer
+from worker_svc.runtime.worker import Worker
 from worker_svc.server import start_worker_server
-from worker_svc.worker import Worker
 
 from corpus import TEXT
 from servers import RoleProcess

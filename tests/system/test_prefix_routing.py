@@ -30,8 +30,8 @@ from services.registry import Lease, Member, Registry
 from services.sampling_params import SamplingParams
 from tokenizer_svc.server import start_tokenizer_server
 from tokenizer_svc.tokenizer import Tokenizer
+from worker_svc.runtime.worker import Worker
 from worker_svc.server import start_worker_server
-from worker_svc.worker import Worker
 
 from corpus import TEXT
 from servers import nats, redis_url  # noqa: F401  (fixtures)

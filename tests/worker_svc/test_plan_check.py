@@ -14,7 +14,7 @@ from services.messages import CachedRequestData, NewRequestData, StepPlan
 from services.pb.kvfleet.v1 import worker_pb2, worker_pb2_grpc
 from services.sampling_params import SamplingParams
 from services.transport.convert import plan_to_proto, result_from_proto
-from worker_svc.plan_check import InvalidPlan, WrongWorkerInstance, check_plan
+from worker_svc.runtime.plan_check import InvalidPlan, WrongWorkerInstance, check_plan
 
 from servers import RoleProcess
 

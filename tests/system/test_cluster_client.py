@@ -23,7 +23,7 @@ from pathlib import Path
 import nats as nats_client
 import pytest
 
-from gateway.cluster_client import ClusterEngineClient
+from gateway.cluster.client import ClusterEngineClient
 from kvfleet import LLM
 from kvfleet.processes import free_port
 from scheduler_svc.engine_core import EngineCore

@@ -13,8 +13,8 @@ from contextlib import aclosing
 
 import pytest
 
-from gateway.cluster_client import ClusterEngineClient
-from gateway.kv_index import KvIndex
+from gateway.cluster.client import ClusterEngineClient
+from gateway.cluster.kv_index import KvIndex
 from scheduler_svc.block_pool import KvEvents
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.kv_event_publisher import KvEventPublisher

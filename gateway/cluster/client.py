@@ -4,8 +4,8 @@ generate() opens the request's stream on this gateway's NATS subscription, submi
 request to a scheduler replica over gRPC (batched with those that arrive together),
 then yields the deltas NATS brings back. Replicas come from the Redis registry, read
 by a poller thread that also fetches each replica's Stats and health: routing picks
-among the ready replicas by --routing-policy (gateway/routing.py; by default where the
-prompt's prefix is cached, from the replicas' KV events: gateway/kv_index.py, balanced
+among the ready replicas by --routing-policy (gateway/cluster/routing.py; by default where the
+prompt's prefix is cached, from the replicas' KV events: gateway/cluster/kv_index.py, balanced
 with load), and /metrics gets the sum.
 
 A replica is declared dead only on evidence about it, and then its requests end here
@@ -16,7 +16,7 @@ answers (a hung scheduler, or one cut off from NATS for a TTL). A slow
 answer is no evidence, nor is a lease missing right after Redis came back (an empty,
 restarted Redis is refilled within a TTL), so a busy scheduler or a Redis restart
 fails nothing. Nor does a NATS restart: messages missed meanwhile are replayed by their
-scheduler (gateway/nats_subscriber.py).
+scheduler (gateway/cluster/nats_subscriber.py).
 """
 from __future__ import annotations
 
@@ -32,13 +32,13 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.gateway_id import new_gateway_id
-from gateway.kv_index import KvIndex
-from gateway.migration import DEFAULT_MIGRATION_LIMIT, migrating
-from gateway.nats_subscriber import OutputSubscriber
-from gateway.pass_batcher import PassBatcher
-from gateway.routing import Candidate, pick
-from gateway.submit_batcher import Scheduler, SubmitRefused, submit_batch
+from gateway.cluster.gateway_id import new_gateway_id
+from gateway.cluster.kv_index import KvIndex
+from gateway.cluster.migration import DEFAULT_MIGRATION_LIMIT, migrating
+from gateway.cluster.nats_subscriber import OutputSubscriber
+from gateway.cluster.pass_batcher import PassBatcher
+from gateway.cluster.routing import Candidate, pick
+from gateway.cluster.submit_batcher import Scheduler, SubmitRefused, submit_batch
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.engine_client import EngineOverloaded, EngineUnavailable, RequestLost
 from services.histogram_counts import HistogramCounts
@@ -209,7 +209,7 @@ class ClusterEngineClient:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None,
         resumed: list[int], tried: set[_Replica],
     ) -> AsyncIterator[TokenDelta]:
-        """One placement of the request on a replica (gateway/migration.py); `resumed`:
+        """One placement of the request on a replica (gateway/cluster/migration.py); `resumed`:
         the tokens it generated on replicas that died."""
         # With n or best_of > 1 the scheduler runs child requests; each ends with one final delta.
         count = num_children(params)

@@ -1,5 +1,5 @@
-"""The offline SDK end to end on the real model: chat, stopping, bad input (the README's
-examples run in tests/system/test_readme.py)."""
+"""The offline SDK end to end on the real model: chat, stopping, bad input (the examples
+of README.md and docs/ run in tests/system/test_readme.py)."""
 from __future__ import annotations
 
 import pytest

@@ -170,8 +170,8 @@ def test_remote_worker_matches_the_in_process_llm(make_llm, worker, worker_srv, 
 
 
 def stub_generate(address: str, prompt_token_ids: list[int]) -> list[int]:
-    """A client built of nothing but grpc and the generated stubs, as the README's example
-    is (tests/system/test_readme.py runs that one as written, against `cluster up`)."""
+    """A client built of nothing but grpc and the generated stubs, as docs/cluster.md's
+    example is (tests/system/test_readme.py runs that one as written, against `cluster up`)."""
     import grpc
 
     from services.pb.kvfleet.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc

@@ -1,6 +1,7 @@
-"""README.md's examples, run as written against real processes, ports aside.
+"""The examples of README.md and of the reference pages under docs/, run as written
+against real processes, ports aside.
 
-Every fenced code block of the README is marked by an HTML comment on the line before
+Every fenced code block of those pages is marked by an HTML comment on the line before
 its fence (GitHub renders nothing of it), and the first test fails on a block marked
 neither way:
 
@@ -12,10 +13,11 @@ neither way:
   prints is checked where `CHECKS` knows the block.
 - `starts=KIND` is a server: each of its commands runs as a long-running process until
   the gateway's /health answers 200, and SIGTERM must end each with exit code 0. The
-  blocks that say `needs=KIND` run while it serves (one server per kind, shared).
+  blocks that say `needs=KIND` run while it serves (one server per kind, shared), on
+  whichever page each stands: ids and server kinds are unique across all the pages.
 - `needs=nats,redis`: nats-server and a Redis-compatible server are started first.
 
-The README's ports (8000, the roles' 50051-50053, NATS's 4222, Redis's 6379) are replaced
+The pages' ports (8000, the roles' 50051-50053, NATS's 4222, Redis's 6379) are replaced
 by the real ones: free ports for what a block starts; for `kvfleet cluster up`, whose roles
 listen on ports of its choosing, the addresses it logs (`scheduler: gRPC on HOST:PORT`).
 """
@@ -41,10 +43,11 @@ import pytest
 from kvfleet.processes import free_port, spawn, start_nats, start_redis, stop, wait_for_port
 
 REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
+# The front door and every reference page: examples move between them freely.
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LOCAL = "127.0.0.1"
-HTTP_PORT = 8000  # the README's gateway / `kvfleet serve` port
-# The README's ports of the roles started by hand, which `cluster up` picks itself.
+HTTP_PORT = 8000  # the pages' gateway / `kvfleet serve` port
+# The pages' ports of the roles started by hand, which `cluster up` picks itself.
 ROLE_PORTS = {"worker": 50051, "scheduler": 50052, "tokenizer": 50053}
 INFRA_PORTS = {"nats": 4222, "redis": 6379}
 START_TIMEOUT_S = 300.0  # two shared cores, several model loads
@@ -53,13 +56,14 @@ STOP_TIMEOUT_S = 90.0
 
 MARK = re.compile(r"^<!--\s*(runnable|not run)\s*:(.*?)-->\s*$")
 FENCE = re.compile(r"^```(.*)$")
-# Where the README writes a port: a loopback address (in a URL or not), or a --port flag.
+# Where a page writes a port: a loopback address (in a URL or not), or a --port flag.
 PORT = re.compile(r"(127\.0\.0\.1:|localhost:|--port\s+)(\d{2,5})\b")
 SERVER_KINDS = ("serve", "cluster", "roles")
 
 
 @dataclass
 class Block:
+    page: str  # the page's path, relative to the repository
     line: int  # of the opening fence, 1-based
     lang: str
     code: str
@@ -76,11 +80,11 @@ class Block:
         return [need for need in self.attrs.get("needs", "").split(",") if need]
 
     def __repr__(self) -> str:
-        return f"README.md:{self.line} ({self.id})"
+        return f"{self.page}:{self.line} ({self.id})"
 
 
-def readme_blocks(text: str | None = None) -> list[Block]:
-    lines = (README.read_text() if text is None else text).splitlines()
+def code_blocks(text: str, page: str) -> list[Block]:
+    lines = text.splitlines()
     blocks: list[Block] = []
     index = 0
     while index < len(lines):
@@ -89,20 +93,22 @@ def readme_blocks(text: str | None = None) -> list[Block]:
             index += 1
             continue
         end = next((i for i in range(index + 1, len(lines)) if lines[i].strip() == "```"), None)
-        assert end is not None, f"README.md:{index + 1}: a code block that never closes"
+        assert end is not None, f"{page}:{index + 1}: a code block that never closes"
         mark = MARK.match(lines[index - 1]) if index > 0 else None
         note = mark.group(2).strip() if mark else ""
         runnable = mark is not None and mark.group(1) == "runnable"
         attrs = dict(pair.split("=", 1) for pair in note.split() if "=" in pair) if runnable else {}
-        blocks.append(Block(index + 1, opening.group(1).strip(), "\n".join(lines[index + 1:end]) + "\n",
+        blocks.append(Block(page, index + 1, opening.group(1).strip(), "\n".join(lines[index + 1:end]) + "\n",
                             mark.group(1) if mark else None, note, attrs))
         index = end + 1
     return blocks
 
 
-BLOCKS = readme_blocks()
+BLOCKS = [block for path in PAGES for block in code_blocks(path.read_text(), str(path.relative_to(REPO)))]
 RUNNABLE = [block for block in BLOCKS if block.mark == "runnable"]
-SCRIPTS = [block for block in RUNNABLE if "starts" not in block.attrs]
+# Those that need no server first, whatever their page: a server, once up, serves the rest
+# of the module, and would share the machine with them.
+SCRIPTS = sorted((block for block in RUNNABLE if "starts" not in block.attrs), key=lambda block: bool(block.needs))
 SERVERS = [block for block in RUNNABLE if "starts" in block.attrs]
 
 
@@ -112,7 +118,7 @@ def server_block(kind: str) -> Block:
 
 
 def substitute(code: str, ports: dict[int, int], where: str) -> str:
-    """`code` with every port the README names replaced by the real one; each must be known."""
+    """`code` with every port a page names replaced by the real one; each must be known."""
     def replace(match: re.Match[str]) -> str:
         port = int(match.group(2))
         assert port in ports, f"{where} names port {port}, which nothing started here listens on ({ports})"
@@ -131,7 +137,7 @@ def block_env() -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key != "KVFLEET_API_KEY"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(KVFLEET_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
-    # As the README says to export it: the roles it starts and the programs that call them share it.
+    # As docs/cluster.md says to export it: the roles it starts and the programs that call them share it.
     env["KVFLEET_CLUSTER_TOKEN"] = "readme-cluster-token"
     return env
 
@@ -141,7 +147,7 @@ def block_env() -> dict[str, str]:
 
 @dataclass
 class Running:
-    """A server block's processes, in start order, and the real port of each README port."""
+    """A server block's processes, in start order, and the real port of each port its page names."""
 
     block: Block
     processes: list[subprocess.Popen]
@@ -247,7 +253,7 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    """`kvfleet cluster up` as the README starts it; its roles' ports are the ones it logs."""
+    """`kvfleet cluster up` as its block starts it; its roles' ports are the ones it logs."""
     with serving("cluster", tmp_path_factory) as up:
         for role, host, port in re.findall(r"(\w+): gRPC on ([\d.]+):(\d+)", up.log()):
             assert host == LOCAL, up.log_tail()
@@ -304,7 +310,7 @@ CHECKS: dict[str, Callable[[str, Running | None], None]] = {
 
 
 def test_every_code_block_is_marked_runnable_or_why_not() -> None:
-    assert BLOCKS, "README.md has no code blocks?"
+    assert BLOCKS, f"no code blocks in {PAGES}?"
     unmarked = [block for block in BLOCKS if block.mark is None]
     assert not unmarked, f"mark each with <!-- runnable: id=... --> or <!-- not run: why -->: {unmarked}"
     assert all(block.note for block in BLOCKS if block.mark == "not run"), "a `not run` mark says why"
@@ -324,9 +330,10 @@ def test_every_code_block_is_marked_runnable_or_why_not() -> None:
 
 def test_the_parser_and_the_port_mapping() -> None:
     text = "<!-- not run: needs docker -->\n```sh\ndocker build .\n```\n\n```python\nx = 1\n```\n"
-    marked, unmarked = readme_blocks(text)
+    marked, unmarked = code_blocks(text, "docs/page.md")
     assert (marked.mark, marked.note, marked.code, unmarked.mark, unmarked.line) == (
         "not run", "needs docker", "docker build .\n", None, 6)
+    assert repr(unmarked) == "docs/page.md:6 (line-6)"
     code = 'kvfleet scheduler --port  50052 --worker-address 127.0.0.1:50051 # 8000\ncurl http://localhost:8000/v1'
     assert substitute(code, {50052: 1, 50051: 2, 8000: 3}, "t") == (
         'kvfleet scheduler --port  1 --worker-address 127.0.0.1:2 # 8000\ncurl http://localhost:3/v1')

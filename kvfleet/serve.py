@@ -26,7 +26,7 @@ def serve_embedded(args: argparse.Namespace) -> None:
     from gateway.app import build_app
     from gateway.limits import RequestLimits
     from gateway.tool_calls import ChatOptions
-    from scheduler_svc.async_engine import AsyncEngine
+    from kvfleet.async_engine import AsyncEngine
     from scheduler_svc.engine_core import EngineCore
     from tokenizer_svc.in_process import InProcessEncoder
     from tokenizer_svc.tokenizer import Tokenizer

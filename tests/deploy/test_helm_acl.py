@@ -37,7 +37,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from gateway.gateway_id import new_gateway_id
+from gateway.cluster.gateway_id import new_gateway_id
 from kvfleet.processes import free_port, redis_server_binary, spawn, start_listening, start_nats, stop
 from services.nats_link import kv_subject, subject
 from services.registry import REDIS_PASSWORD_ENV, REDIS_USERNAME_ENV, Lease, Member, Registry
@@ -229,7 +229,7 @@ class NoReplays:
 def test_the_roles_stream_tokens_with_the_charts_nats_users(manifests, nats_url, monkeypatch):
     """The scheduler's publisher and a named gateway's subscriber (kvfleet's own classes,
     each logging in as its container does) carry a request's tokens."""
-    from gateway.nats_subscriber import OutputSubscriber
+    from gateway.cluster.nats_subscriber import OutputSubscriber
     from scheduler_svc.nats_publisher import OutputPublisher
     from services.messages import TokenDelta
     from services.nats_link import NATS_PASSWORD_ENV, NATS_USER_ENV

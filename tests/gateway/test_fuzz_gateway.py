@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.app import build_app
-from scheduler_svc.async_engine import AsyncEngine
+from kvfleet.async_engine import AsyncEngine
 from scheduler_svc.engine_core import EngineCore
 from services.config import EngineConfig
 from services.model_source import resolve_model

@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from gateway.app import build_app
 from gateway.limits import RequestLimits
 from kvfleet import LLM
-from scheduler_svc.async_engine import AsyncEngine
+from kvfleet.async_engine import AsyncEngine
 from scheduler_svc.engine_core import EngineCore
 from services.config import EngineConfig
 from services.messages import EngineStats

@@ -15,7 +15,7 @@ from pathlib import Path
 import nats as nats_client
 import pytest
 
-from gateway.nats_subscriber import OutputSubscriber
+from gateway.cluster.nats_subscriber import OutputSubscriber
 from kvfleet.processes import start_nats, stop, wait_for_port
 from scheduler_svc.nats_publisher import OutputPublisher
 from scheduler_svc.replay_window import ReplayWindow
@@ -297,7 +297,7 @@ def test_a_lost_message_is_replayed_in_its_place(nats) -> None:
 
 def test_a_hole_no_longer_held_is_skipped_and_the_stream_goes_on(nats) -> None:
     """The window lost it (here: aged out at once); the cluster client then fails the
-    requests it carried (gateway/cluster_client.py), and later messages still flow."""
+    requests it carried (gateway/cluster/streams.py), and later messages still flow."""
     publisher = OutputPublisher(nats.url, "s1")
     publisher.window = ReplayWindow("s1", max_age_s=0.0)
     source = WindowSource(publisher)

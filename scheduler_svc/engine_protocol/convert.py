@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from scheduler_svc.vllm_text import StopStrings
+from scheduler_svc.engine_protocol.text import StopStrings
 from services.pb.kvfleet.v1 import common_pb2
 from services.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from services.structured_outputs import StructuredOutputsParams
@@ -56,7 +56,7 @@ def _constraint(message: pb.SamplingParams) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(**{kind: getattr(message, kind)}, field_name=kind)
 
 
-def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
+def sampling_params_from_engine_protocol(message: pb.SamplingParams) -> SamplingParams:
     """vLLM's servicer reads proto3 zeros as "unset": top_p 0 is 1, repetition_penalty 0 is
     1, n 0 is 1. Raises InvalidParameter (a ValueError) naming the offending field."""
     for name in ("logprobs", "prompt_logprobs"):

@@ -5,7 +5,7 @@ one `call_soon_threadsafe` per loop per NATS message (never one per token).
 Core NATS is at-most-once, so each scheduler numbers its messages to us: a hole in the
 numbers (a NATS restart, a message the client had to drop, a scheduler announcing a
 tail we never got) is filled by a replay over gRPC from that scheduler
-(gateway/step_sequence.py, Scheduler.ReplayOutputs), and the streams go on intact.
+(gateway/cluster/step_sequence.py, Scheduler.ReplayOutputs), and the streams go on intact.
 Streams fail only when NATS stays away longer than `grace_s`, or a scheduler can no
 longer replay what is missing (then its ReplaySource fails that scheduler's requests).
 """
@@ -21,7 +21,7 @@ from typing import Protocol
 from nats.aio.msg import Msg
 from nats.errors import SlowConsumerError
 
-from gateway.step_sequence import StepSequence
+from gateway.cluster.step_sequence import StepSequence
 from services.engine_client import EngineUnavailable, RequestFailed, RequestLost
 from services.messages import TokenDelta
 from services.nats_link import NatsThread, subject

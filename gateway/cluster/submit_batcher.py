@@ -1,5 +1,5 @@
 """Submits to one scheduler that arrive in one pass of the gateway's event loop go out
-as one SubmitBatch call (gateway/pass_batcher.py): a beam search round of 128
+as one SubmitBatch call (gateway/cluster/pass_batcher.py): a beam search round of 128
 candidates, or a burst of clients, costs the scheduler one handler thread and one pass
 of its loop, not one of each per request, so its health checks and Stats never queue
 behind them."""

@@ -17,11 +17,11 @@ from smg_grpc_proto.generated import common_pb2 as smg
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
+from scheduler_svc.engine_protocol.convert import Completion, prompt_from_request, sampling_params_from_engine_protocol
+from scheduler_svc.engine_protocol.kv_events import KvEventStream
+from scheduler_svc.engine_protocol.text import EngineText
 from scheduler_svc.output_hub import OutputHub
 from scheduler_svc.step_loop import StepLoop, Submission
-from scheduler_svc.vllm_convert import Completion, prompt_from_request, sampling_params_from_proto
-from scheduler_svc.vllm_kv_events import KvEventStream
-from scheduler_svc.vllm_text import EngineText
 from services.engine_client import EngineOverloaded, EngineUnavailable
 from services.parallel_sampling import num_children
 from services.tokenizer_archive import chunks
@@ -55,7 +55,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         try:
             prompt = prompt_from_request(request, self._text.encode)
-            params = sampling_params_from_proto(request.sampling_params)
+            params = sampling_params_from_engine_protocol(request.sampling_params)
             self._loop.core.compile_grammar(params)  # on this thread: never on the step loop
         except ValueError as exc:  # InvalidParameter's message starts with the field
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from scheduler_svc.async_engine import AsyncEngine
+from kvfleet.async_engine import AsyncEngine
 from scheduler_svc.engine_core import EngineCore
 from services.config import EngineConfig
 from services.engine_client import EngineUnavailable, RequestFailed

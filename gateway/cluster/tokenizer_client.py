@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.pass_batcher import PassBatcher
+from gateway.cluster.pass_batcher import PassBatcher
 from services.engine_client import EngineUnavailable
 from services.packed_token_ids import unpack_token_ids
 from services.pb.kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc

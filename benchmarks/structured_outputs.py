@@ -28,7 +28,7 @@ import os
 
 # Before torch loads OpenMP: idle threads sleep rather than spin on the shared cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# LLM() applies KVFLEET_NUM_THREADS (worker_svc.threads.configure_torch_threads): 2, as the other benchmarks.
+# LLM() applies KVFLEET_NUM_THREADS (worker_svc.kernels.cpu.threads.configure_torch_threads): 2, as the other benchmarks.
 NUM_THREADS = 2
 os.environ["KVFLEET_NUM_THREADS"] = str(NUM_THREADS)
 

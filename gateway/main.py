@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from gateway.gateway_id import checked_gateway_name
-from gateway.migration import DEFAULT_MIGRATION_LIMIT
-from gateway.routing import ROUTING_POLICIES
+from gateway.cluster.gateway_id import checked_gateway_name
+from gateway.cluster.migration import DEFAULT_MIGRATION_LIMIT
+from gateway.cluster.routing import ROUTING_POLICIES
 from services.cli_args import add_http_args, add_nats_arg, add_registry_args, add_tls_args, at_least
 from services.registry import Lease, Member, Registry
 from services.role_process import advertised
@@ -24,7 +24,7 @@ GATEWAY_NAME_ENV = "KVFLEET_GATEWAY_NAME"
 
 
 def gateway_name(text: str) -> str:
-    """--gateway-name, checked as gateway/gateway_id.py has it; argparse shows the reason."""
+    """--gateway-name, checked as gateway/cluster/gateway_id.py has it; argparse shows the reason."""
     try:
         return checked_gateway_name(text)
     except ValueError as exc:
@@ -52,10 +52,10 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
 
 def run_gateway(args: argparse.Namespace) -> int:
     from gateway.app import build_app
-    from gateway.cluster_client import ClusterEngineClient
+    from gateway.cluster.client import ClusterEngineClient
+    from gateway.cluster.tokenizer_client import RemoteTokenizer
     from gateway.drain import bind, serve
     from gateway.limits import RequestLimits
-    from gateway.tokenizer_client import RemoteTokenizer
     from gateway.tool_calls import ChatOptions
     from services.transport.tls import configure_tls
 

@@ -1,6 +1,7 @@
 """`kvfleet cluster up`: a whole cluster on this machine, each part its own OS process.
 
-Starts nats-server and a Redis-compatible server on free ports, then the tokenizer,
+Starts nats-server and a Redis-compatible server on free ports (one that dies before it
+listens is started again on another port, kvfleet/processes.py), then the tokenizer,
 worker, scheduler and gateway roles, and waits until the gateway's /health says the
 cluster serves. SIGTERM or Ctrl-C stops the roles first, one at a time, each drained
 within --shutdown-timeout: the gateway (its requests in flight finish), then the
@@ -24,15 +25,16 @@ import tempfile
 import threading
 import urllib.request
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from kvfleet.processes import (
     free_port,
     spawn_labelled,
+    start_listening,
     start_nats,
     start_redis,
     stop,
-    wait_for_port,
     write_secret_file,
 )
 from kvfleet.supervisor import CONFIG_ERROR_EXIT, Supervised
@@ -71,7 +73,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     from services.nats_link import NATS_PASSWORD_ENV, NATS_USER_ENV
     from services.registry import REDIS_PASSWORD_ENV
     from services.transport.cluster_token import TOKEN_ENV, cluster_token
-    from worker_svc.preflight import check_device, check_model
+    from worker_svc.runtime.preflight import check_device, check_model
 
     configure_logging()
     # What can be checked here is, before anything starts; torch's build is the worker's to check.
@@ -85,7 +87,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stopping.set())
     local = "127.0.0.1"
-    ports = {name: free_port(local) for name in ("nats", "redis", "tokenizer", "worker", "scheduler")}
+    ports = {name: free_port(local) for name in ("tokenizer", "worker", "scheduler")}
     # NATS and Redis say little worth reading next to the roles: their lines go to files.
     log_dir = Path(tempfile.mkdtemp(prefix="kvfleet-cluster-"))
     # NATS and Redis take clients with this cluster's credentials only; the servers read
@@ -94,16 +96,17 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     nats_config = write_secret_file(log_dir / "nats.conf",
                                     f'authorization {{ user: kvfleet, password: "{nats_password}" }}\n')
     redis_config = write_secret_file(log_dir / "redis.conf", f"requirepass {redis_password}\n")
-    infra = [Supervised("nats", lambda: _logged(start_nats, local, ports["nats"], log_dir / "nats.log", nats_config)),
-             Supervised("redis", lambda: _logged(start_redis, local, ports["redis"], log_dir / "redis.log",
-                                                 redis_config))]
+    infra: list[Supervised] = []
     roles: list[Supervised] = []  # in start order; stopped in reverse
     exit_code = 0
     try:
-        for part in infra:
-            part.launch()
-        wait_for_port(local, ports["nats"], infra[0].process)
-        wait_for_port(local, ports["redis"], infra[1].process)
+        for name, start, config in (("nats", start_nats, nats_config), ("redis", start_redis, redis_config)):
+            log = log_dir / f"{name}.log"
+            # On another port if it dies before it listens; restarted later on the port it got, which the roles know.
+            started = start_listening(partial(start, local, config=config), local, log)
+            ports[name] = started.port
+            infra.append(Supervised(name, partial(_logged, start, local, started.port, log, config)))
+            infra[-1].adopt(started.process)
         logger.info("NATS on nats://%s:%d, Redis on redis://%s:%d; their logs: %s", local, ports["nats"], local,
                     ports["redis"], log_dir)
         cluster = ["--redis-url", f"redis://{local}:{ports['redis']}/0", "--lease-ttl", str(args.lease_ttl),

@@ -21,8 +21,8 @@ from services.sampling_params import SamplingParams
 from services.telemetry import LOG_FORMAT
 from tokenizer_svc.text_output import OutputProcessor
 from tokenizer_svc.tokenizer import Tokenizer
-from worker_svc.preflight import check_device, check_model
-from worker_svc.threads import configure_torch_threads
+from worker_svc.kernels.cpu.threads import configure_torch_threads
+from worker_svc.runtime.preflight import check_device, check_model
 from worker_svc.worker_group import start_worker
 
 logger = logging.getLogger(__name__)

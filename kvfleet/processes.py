@@ -1,9 +1,10 @@
 """Infrastructure processes on this machine: nats-server and a Redis-compatible server
-on free ports, and children that die with their launcher. Used by `cluster up` and
-by the tests, which start their own servers."""
+on free ports (started again on another port when one dies before it listens), and
+children that die with their launcher. Used by `cluster up` and by the tests, which
+start their own servers."""
 from __future__ import annotations
 
-import ctypes
+import errno
 import itertools
 import logging
 import os
@@ -16,7 +17,8 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -76,19 +78,34 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no free port on {host} in {_PORTS.start}-{_PORTS.stop}")
 
 
-# Loaded here, not in the forked child, where a dlopen could wait on a lock of another thread.
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM when the launcher goes, however it goes."""
-    _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# On Linux a child gets SIGTERM when its launcher goes (PR_SET_PDEATHSIG), set by this
+# small program, which then execs the command. Not by a preexec_fn: that makes subprocess
+# fork() instead of vfork(), and fork() runs every loaded library's pthread_atfork handlers
+# in the child. gRPC's (grpcio 1.80 on, grpc/grpc#43055) restart its epoll poller thread
+# there; once subprocess closes the inherited descriptors before exec, that thread aborts
+# the child ("epoll_wait error: Bad file descriptor", SIGABRT), so a server never started.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
+    "if os.getppid() != int(sys.argv[1]):\n"  # the launcher went before that took hold
+    "    os.kill(os.getpid(), signal.SIGTERM)\n"
+    "os.execv(sys.argv[2], sys.argv[3:])\n"
+)
 
 
 def spawn(argv: list[str], env: dict[str, str] | None = None, **kwargs: object) -> subprocess.Popen:
-    """In a process group of its own, so a terminal's Ctrl-C reaches only the launcher."""
-    preexec = _die_with_parent if _LIBC is not None else None
-    return subprocess.Popen(argv, env=env, process_group=0, preexec_fn=preexec, **kwargs)  # type: ignore[arg-type]
+    """In a process group of its own, so a terminal's Ctrl-C reaches only the launcher;
+    on Linux it also dies with the launcher, however that goes."""
+    if not sys.platform.startswith("linux"):
+        return subprocess.Popen(argv, env=env, process_group=0, **kwargs)  # type: ignore[arg-type]
+    search_path = (os.environ if env is None else env).get("PATH", os.defpath)
+    executable = argv[0] if os.sep in argv[0] else shutil.which(argv[0], path=search_path)
+    if executable is None:  # refused here, as Popen refuses it, not as a child that exits 1
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
+    process = subprocess.Popen([sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), executable,
+                                *argv], env=env, process_group=0, **kwargs)  # type: ignore[arg-type]
+    process.args = argv  # for messages: the command, not the program that starts it
+    return process
 
 
 def spawn_labelled(name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -131,13 +148,69 @@ def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: fl
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{process.args[0]} exited with {process.returncode}")
+            raise RuntimeError(f"{process.args[0]} exited with {_exit_status(process.returncode)}")
         try:
             socket.create_connection((host, port), timeout=1.0).close()
             return
         except OSError:
             time.sleep(0.05)
     raise RuntimeError(f"{process.args[0]} is not listening on {host}:{port} after {timeout_s} s")
+
+
+START_ATTEMPTS = 3
+LOG_TAIL_LINES = 20
+
+
+class ServerStartError(RuntimeError):
+    """A server that never listened; the message ends with its log's last lines."""
+
+
+@dataclass
+class Listening:
+    process: subprocess.Popen
+    port: int
+
+
+def start_listening(start: Callable[..., subprocess.Popen], host: str, log: Path, attempts: int = START_ATTEMPTS,
+                    pick_port: Callable[[], int] | None = None, timeout_s: float = 30.0) -> Listening:
+    """`start(port, stdout=..., stderr=...)` (e.g. `start_nats` with its host bound) on a
+    free port, until the server listens there. One that exits before it listens is
+    started again on another port (another process may have taken the first), up to
+    `attempts` starts in all, each logged with its log's tail. Every start's output is
+    appended to `log`, which stays, as the server's log and the evidence of a failure."""
+    pick_port = pick_port or (lambda: free_port(host))
+    for attempt in itertools.count(1):
+        port = pick_port()
+        offset = log.stat().st_size if log.exists() else 0
+        with log.open("ab") as output:  # the child holds its own copy once started
+            process = start(port, stdout=output, stderr=subprocess.STDOUT)
+        try:
+            wait_for_port(host, port, process, timeout_s)
+            return Listening(process, port)
+        except RuntimeError as error:
+            tail = log_tail(log, offset)
+            if process.poll() is None:  # running but deaf: another start would wait as long again
+                stop(process)
+                raise ServerStartError(f"{error}; {log} ends:\n{tail}") from None
+            if attempt == attempts:
+                raise ServerStartError(f"{error} before listening, {attempts} times; {log} ends:\n{tail}") from None
+            logger.warning("%s before listening on port %d (start %d of %d), starting it again on another port; "
+                           "%s ends:\n%s", error, port, attempt, attempts, log, tail)
+
+
+def log_tail(log: Path, offset: int = 0, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines `log` gained past `offset`."""
+    with log.open("rb") as file:
+        file.seek(offset)
+        return "".join(file.read().decode(errors="replace").splitlines(keepends=True)[-lines:]) or "(nothing)\n"
+
+
+def _exit_status(code: int) -> str:
+    """A returncode, with the signal's name where a signal ended the process."""
+    try:
+        return f"{code} ({signal.Signals(-code).name})" if code < 0 else str(code)
+    except ValueError:  # a signal without a name
+        return str(code)
 
 
 def stop(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:

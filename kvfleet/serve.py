@@ -12,7 +12,7 @@ from gateway.drain import bind, serve
 from services.cli_args import engine_args
 from services.config import EngineConfig
 from services.telemetry import configure_logging
-from worker_svc.preflight import check_device, check_model
+from worker_svc.runtime.preflight import check_device, check_model
 
 
 def serve_embedded(args: argparse.Namespace) -> None:
@@ -26,11 +26,11 @@ def serve_embedded(args: argparse.Namespace) -> None:
     from gateway.app import build_app
     from gateway.limits import RequestLimits
     from gateway.tool_calls import ChatOptions
-    from scheduler_svc.async_engine import AsyncEngine
+    from kvfleet.async_engine import AsyncEngine
     from scheduler_svc.engine_core import EngineCore
     from tokenizer_svc.in_process import InProcessEncoder
     from tokenizer_svc.tokenizer import Tokenizer
-    from worker_svc.threads import configure_torch_threads
+    from worker_svc.kernels.cpu.threads import configure_torch_threads
     from worker_svc.worker_group import start_worker
 
     configure_torch_threads()

@@ -34,7 +34,11 @@ class Supervised:
         return self.process is not None and self.process.poll() == CONFIG_ERROR_EXIT
 
     def launch(self) -> None:
-        self.process = self.start()
+        self.adopt(self.start())
+
+    def adopt(self, process: subprocess.Popen) -> None:
+        """Supervises `process`, started elsewhere, as if `launch` had started it."""
+        self.process = process
         self._started_at = time.monotonic()
 
     def check(self) -> None:

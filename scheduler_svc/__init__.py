@@ -6,5 +6,5 @@ It serves gRPC `Scheduler` (submit, abort, stats, output streams), calls its wor
 over gRPC (scheduler_svc/worker_client.py), publishes token deltas on NATS and holds
 a lease in Redis. It imports only `services`; never torch, and no model files.
 Entry point: `kvfleet scheduler` (scheduler_svc/main.py). The embedded engine
-(AsyncEngine) is the same EngineCore, streamed to asyncio in-process.
+(kvfleet/async_engine.py) is the same EngineCore, streamed to asyncio in-process.
 """

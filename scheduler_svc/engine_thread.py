@@ -4,7 +4,7 @@ EngineCore is not thread-safe, so every call to it happens on this thread. Calle
 on other threads post commands (adds, aborts) to the inbox, which the thread drains
 before each step; with no work it blocks on the inbox (no busy-wait). Each live
 request has a route to its target (an asyncio stream, a gateway). What differs
-between the embedded engine (AsyncEngine: asyncio streams) and the scheduler role
+between the embedded engine (kvfleet's AsyncEngine: asyncio streams) and the scheduler role
 (StepLoop: one batch per gateway per step) is how commands are taken and outputs
 delivered: the subclasses' hooks.
 

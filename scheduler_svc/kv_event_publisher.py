@@ -1,6 +1,6 @@
 """The scheduler's KV events on NATS (`kvfleet.kv.<instance_id>`): after each step that
 changed the prefix cache, what it stored and evicted, numbered from 1, so routers keep
-an index of which replica holds which prefix (gateway/kv_index.py).
+an index of which replica holds which prefix (gateway/cluster/kv_index.py).
 
 Core NATS may lose a message; a router that sees a gap (or starts late) asks for a
 snapshot (Scheduler.KvSnapshot), which comes from the KvMirror kept here: the hashes as

@@ -74,14 +74,14 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
 
 def run_scheduler(args: argparse.Namespace) -> int:
     from scheduler_svc.engine_core import EngineCore
+    from scheduler_svc.engine_protocol.kv_events import KvEventStream
+    from scheduler_svc.engine_protocol.server import VllmEngineServicer, start_vllm_engine_server
+    from scheduler_svc.engine_protocol.text import EngineText
     from scheduler_svc.gateway_watch import GatewayWatch
     from scheduler_svc.nats_publisher import NatsOutputHub
     from scheduler_svc.output_hub import OutputHub
     from scheduler_svc.server import start_scheduler_server
     from scheduler_svc.step_loop import StepLoop
-    from scheduler_svc.vllm_engine import VllmEngineServicer, start_vllm_engine_server
-    from scheduler_svc.vllm_kv_events import KvEventStream
-    from scheduler_svc.vllm_text import EngineText
     from scheduler_svc.worker_client import RemoteWorker
     from services.transport.tls import configure_tls
 

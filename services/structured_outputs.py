@@ -5,7 +5,8 @@ Exactly one constraint is set. The worker's grammar compiler reads it as text (`
 `spec`), and its cache is keyed by that text, so one schema sent by many requests
 compiles once (a schema as a dict equals the same schema as text). Whether the text is
 a valid schema, regex or grammar is the compiler's to say (the worker's,
-worker_svc/grammar.py), with its own message, as a 400 on the field that carried it.
+worker_svc/runtime/sampling/grammar.py), with its own message, as a 400 on the field
+that carried it.
 """
 from __future__ import annotations
 

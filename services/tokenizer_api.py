@@ -2,7 +2,7 @@
 
 Embedded mode answers in-process (tokenizer_svc.in_process); in a cluster the gateway
 calls the tokenizer role over gRPC, batching the requests that arrive together
-(gateway.tokenizer_client). Either way the work never runs on the gateway's event
+(gateway.cluster.tokenizer_client). Either way the work never runs on the gateway's event
 loop, and the gateway detokenizes locally with `decoder`: the tokenizer role's own
 files, fetched at start-up in a cluster, so a gateway needs no model files.
 """

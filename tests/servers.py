@@ -10,11 +10,12 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from kvfleet.processes import free_port, start_nats, start_redis, stop, wait_for_port
+from kvfleet.processes import start_listening, start_nats, start_redis, stop
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parent.parent
@@ -30,36 +31,34 @@ class Server:
 
 
 @contextmanager
-def nats_server() -> Iterator[Server]:
-    port = free_port(HOST)
-    process = start_nats(HOST, port, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def nats_server(log_dir: Path) -> Iterator[Server]:
+    """Its output in `log_dir`/nats.log; started again on another port if it dies before it listens."""
+    started = start_listening(partial(start_nats, HOST), HOST, log_dir / "nats.log")
     try:
-        wait_for_port(HOST, port, process)
-        yield Server(f"nats://{HOST}:{port}", process)
+        yield Server(f"nats://{HOST}:{started.port}", started.process)
     finally:
-        stop(process, grace_s=5.0)
+        stop(started.process, grace_s=5.0)
 
 
 @contextmanager
-def redis_server() -> Iterator[Server]:
-    port = free_port(HOST)
-    process = start_redis(HOST, port, stdout=subprocess.DEVNULL)
+def redis_server(log_dir: Path) -> Iterator[Server]:
+    """As `nats_server`, its output in `log_dir`/redis.log."""
+    started = start_listening(partial(start_redis, HOST), HOST, log_dir / "redis.log")
     try:
-        wait_for_port(HOST, port, process)
-        yield Server(f"redis://{HOST}:{port}/0", process)
+        yield Server(f"redis://{HOST}:{started.port}/0", started.process)
     finally:
-        stop(process, grace_s=5.0)
+        stop(started.process, grace_s=5.0)
 
 
 @pytest.fixture(scope="module")
-def nats() -> Iterator[Server]:
-    with nats_server() as server:
+def nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with nats_server(tmp_path_factory.mktemp("nats")) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    with redis_server() as server:
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as server:
         yield server.url
 
 

@@ -7,5 +7,5 @@ only `services`, and it is the one role that imports torch. Entry point:
 """
 import os
 
-# Before torch loads OpenMP: idle threads sleep instead of spinning (see worker_svc/threads.py).
+# Before torch loads OpenMP: idle threads sleep instead of spinning (see worker_svc/kernels/cpu/threads.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

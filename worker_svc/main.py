@@ -26,13 +26,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 
 def run_worker(args: argparse.Namespace) -> int:
     from services.transport.tls import configure_tls
-    from worker_svc.preflight import check_model
+    from worker_svc.runtime.preflight import check_model
 
     config = EngineConfig(**engine_args(args))
     check_model(config)  # a model the flags cannot fit (or split) fails before torch loads
 
+    from worker_svc.kernels.cpu.threads import configure_torch_threads
     from worker_svc.server import start_worker_server
-    from worker_svc.threads import configure_torch_threads
     from worker_svc.worker_group import start_worker
 
     configure_logging()

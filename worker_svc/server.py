@@ -14,8 +14,8 @@ from services.messages import Empty, StepPlan, StepResult, WorkerDescription
 from services.structured_outputs import StructuredOutputsParams
 from services.transport.role_services import WORKER
 from services.transport.server import RoleServer
-from worker_svc.plan_check import InvalidPlan, WrongWorkerInstance
-from worker_svc.worker import Worker
+from worker_svc.runtime.plan_check import InvalidPlan, WrongWorkerInstance
+from worker_svc.runtime.worker import Worker
 
 logger = logging.getLogger(__name__)
 

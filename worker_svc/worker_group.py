@@ -3,7 +3,7 @@ as one worker.
 
 The process that starts the group is rank 0, the leader. It holds a shard like every
 rank, and it alone takes plans (over gRPC, or in-process calls), which it broadcasts to
-the others (worker_svc/rank_group.py): the scheduler sends each plan once. The other
+the others (worker_svc/group/rank_group.py): the scheduler sends each plan once. The other
 ranks are processes it spawns on this machine; they follow the plans until it closes.
 
 A rank that dies takes the group down, never leaving it hung: the leader watches its
@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable
 
 from services.config import EngineConfig
-from worker_svc.device import torch_device
-from worker_svc.rank_group import RankGroup
-from worker_svc.shard import Shard
-from worker_svc.threads import configure_torch_threads
-from worker_svc.worker import Worker
+from worker_svc.group.rank_group import RankGroup
+from worker_svc.group.shard import Shard
+from worker_svc.kernels.cpu.threads import configure_torch_threads
+from worker_svc.runtime.device import torch_device
+from worker_svc.runtime.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def start_worker(config: EngineConfig, on_lost: Callable[[str], None] | None = N
     """The worker `config` asks for: a single one, or the leader of a group whose other
     ranks run in spawned processes. `on_lost(reason)` is called once if a rank dies;
     by default the leader's later steps fail with that reason. Every caller has checked
-    the model against the flags already (worker_svc.preflight), so no rank starts for a
+    the model against the flags already (worker_svc.runtime.preflight), so no rank starts for a
     split the model cannot take."""
     world_size = config.tensor_parallel_size * config.pipeline_parallel_size
     if world_size == 1:

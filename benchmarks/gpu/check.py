@@ -16,7 +16,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 # Triton picks its interpreter when the kernels' modules are defined, so worker_svc's
 # choice must come before anything (transformers) imports triton.
-import worker_svc.triton_runtime  # noqa: E402,F401,I001
+import worker_svc.kernels.triton.interpreter  # noqa: E402,F401,I001
 
 # isort: split
 import argparse  # noqa: E402
@@ -36,7 +36,7 @@ import triton  # noqa: E402
 
 from benchmarks.gpu import engine_speed, kernel_accuracy, kernel_speed, parity  # noqa: E402
 from benchmarks.gpu.common import DRY_RUN, GPU, Profile, free_device  # noqa: E402
-from worker_svc.threads import configure_torch_threads  # noqa: E402
+from worker_svc.kernels.cpu.threads import configure_torch_threads  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS: dict[str, Callable[[Profile, Path], dict[str, Any]]] = {
@@ -51,7 +51,7 @@ def _environment(profile: Profile) -> dict[str, Any]:
     device = torch.cuda.get_device_name() if profile.device.type == "cuda" else platform.processor() or "cpu"
     return {"device": device, "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "triton": triton.__version__, "transformers": transformers.__version__,
-            "triton_interpreter": worker_svc.triton_runtime.INTERPRETED}
+            "triton_interpreter": worker_svc.kernels.triton.interpreter.INTERPRETED}
 
 
 def summary(report: dict[str, Any]) -> str:

@@ -26,12 +26,12 @@ import torch.nn.functional as F
 
 from benchmarks.gpu.common import Profile, target
 from worker_svc.attention.backend import AttentionBackend, BatchLayout
-from worker_svc.attention.torch_backend import TorchAttentionBackend
-from worker_svc.attention.triton_backend import TritonAttentionBackend
-from worker_svc.attention.triton_cache import reshape_and_cache
-from worker_svc.attention.triton_decode import MAX_SPLITS
-from worker_svc.layers import RMSNorm, RotaryEmbedding, apply_rotary
-from worker_svc.triton_ops import rms_norm, rotary_, silu_and_mul
+from worker_svc.attention.cpu import TorchAttentionBackend
+from worker_svc.attention.gpu import TritonAttentionBackend
+from worker_svc.kernels.triton.cache_write import reshape_and_cache
+from worker_svc.kernels.triton.decoder_ops import rms_norm, rotary_, silu_and_mul
+from worker_svc.kernels.triton.paged_decode import MAX_SPLITS
+from worker_svc.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 TOLERANCES = {torch.bfloat16: (1e-2, 2**-6), torch.float32: (1e-5, 1e-5)}  # (atol, rtol)
 EPS = 1e-5

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu.common import CALLS_PER_SAMPLE, Profile, copy_bandwidth, free_device, median_seconds, target
-from worker_svc.attention.triton_decode import choose_num_splits, paged_decode_attention
+from worker_svc.kernels.triton.paged_decode import choose_num_splits, paged_decode_attention
 
 DTYPE = torch.bfloat16
 

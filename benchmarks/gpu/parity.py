@@ -21,7 +21,7 @@ from benchmarks.gpu.common import Profile, free_device, target
 from benchmarks.gpu.models import random_llama, random_prompts, save_checkpoint
 from kvfleet import SamplingParams
 from kvfleet.llm import LLM
-from worker_svc.cuda_graphs import DecodeGraphs
+from worker_svc.runtime.cuda_graphs import DecodeGraphs
 
 MAX_NUM_SEQS = 4  # below the prompt count: requests wait, and decode batches take odd sizes
 CPU_LADDER = (1, 2, 4)

@@ -478,7 +478,7 @@ def test_bundled_nats_gives_each_role_only_its_subjects(gateways):
     Secret; schedulers publish the token streams and KV events and subscribe to
     nothing; gateway i only subscribes, to its own token streams (its --gateway-name's
     subjects) and the KV events. tests/deploy/test_helm_acl.py runs this config."""
-    from gateway.cluster_client import new_gateway_id
+    from gateway.cluster.gateway_id import new_gateway_id
     from services.nats_link import kv_subject, subject
 
     with helm.Chart.load(CHART) as chart:

@@ -37,8 +37,8 @@ from nats.errors import TimeoutError as NatsTimeout
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from gateway.gateway_id import new_gateway_id
-from kvfleet.processes import free_port, redis_server_binary, spawn, start_nats, stop, wait_for_port
+from gateway.cluster.gateway_id import new_gateway_id
+from kvfleet.processes import free_port, redis_server_binary, spawn, start_listening, start_nats, stop
 from services.nats_link import kv_subject, subject
 from services.registry import REDIS_PASSWORD_ENV, REDIS_USERNAME_ENV, Lease, Member, Registry
 
@@ -92,22 +92,24 @@ def gateway_name(manifests: list[dict], slot: int) -> str:
 
 @pytest.fixture(scope="module")
 def nats_url(manifests, tmp_path_factory) -> Iterator[str]:
-    conf = one(manifests, "ConfigMap", f"{RELEASE}-nats")["data"]["nats.conf"]
-    port, monitor = free_port(HOST), free_port(HOST)
-    conf, count = re.subn(r"(?m)^port: 4222$", f"port: {port}", conf)
-    conf, monitors = re.subn(r"(?m)^http_port: 8222$", f"http_port: {monitor}", conf)
-    assert count == monitors == 1, conf
-    path = tmp_path_factory.mktemp("nats") / "nats.conf"
-    path.write_text(conf)
+    chart_conf = one(manifests, "ConfigMap", f"{RELEASE}-nats")["data"]["nats.conf"]
+    directory = tmp_path_factory.mktemp("nats")
     (server,) = one(manifests, "Deployment", f"{RELEASE}-nats")["spec"]["template"]["spec"]["containers"]
     assert server["args"] == ["--config", "/etc/nats/nats.conf"]
     env = {"PATH": os.environ.get("PATH", ""), **environment(manifests, server)}
-    process = start_nats(HOST, port, config=path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def start(port: int, **output: object) -> subprocess.Popen:
+        conf, count = re.subn(r"(?m)^port: 4222$", f"port: {port}", chart_conf)
+        conf, monitors = re.subn(r"(?m)^http_port: 8222$", f"http_port: {free_port(HOST)}", conf)
+        assert count == monitors == 1, conf
+        (directory / "nats.conf").write_text(conf)
+        return start_nats(HOST, port, config=directory / "nats.conf", env=env, **output)
+
+    started = start_listening(start, HOST, directory / "nats.log")
     try:
-        wait_for_port(HOST, port, process)
-        yield f"nats://{HOST}:{port}"
+        yield f"nats://{HOST}:{started.port}"
     finally:
-        stop(process, grace_s=5.0)
+        stop(started.process, grace_s=5.0)
 
 
 def nats_credentials(manifests: list[dict], deployment: str, name: str) -> dict[str, str]:
@@ -227,7 +229,7 @@ class NoReplays:
 def test_the_roles_stream_tokens_with_the_charts_nats_users(manifests, nats_url, monkeypatch):
     """The scheduler's publisher and a named gateway's subscriber (kvfleet's own classes,
     each logging in as its container does) carry a request's tokens."""
-    from gateway.nats_subscriber import OutputSubscriber
+    from gateway.cluster.nats_subscriber import OutputSubscriber
     from scheduler_svc.nats_publisher import OutputPublisher
     from services.messages import TokenDelta
     from services.nats_link import NATS_PASSWORD_ENV, NATS_USER_ENV
@@ -266,22 +268,24 @@ def test_the_roles_stream_tokens_with_the_charts_nats_users(manifests, nats_url,
 
 
 @pytest.fixture(scope="module")
-def redis_port(manifests) -> Iterator[int]:
+def redis_port(manifests, tmp_path_factory) -> Iterator[int]:
     (server,) = one(manifests, "Deployment", f"{RELEASE}-redis")["spec"]["template"]["spec"]["containers"]
     assert server["command"][:2] == ["sh", "-c"]
-    port = free_port(HOST)
-    start = "exec redis-server - "
+    chart_start = "exec redis-server - "
     script = server["command"][2]
-    assert script.startswith(start), script
-    # The same script, with this machine's binary, on a free port of loopback.
-    script = f"exec {shlex.quote(redis_server_binary())} - --bind {HOST} --port {port} " + script[len(start):]
+    assert script.startswith(chart_start), script
     env = {"PATH": os.environ.get("PATH", ""), **environment(manifests, server)}
-    process = spawn(["sh", "-c", script], env=env, stdout=subprocess.DEVNULL)
+
+    def start(port: int, **output: object) -> subprocess.Popen:
+        # The same script, with this machine's binary, on a free port of loopback.
+        ours = f"exec {shlex.quote(redis_server_binary())} - --bind {HOST} --port {port} " + script[len(chart_start):]
+        return spawn(["sh", "-c", ours], env=env, **output)
+
+    started = start_listening(start, HOST, tmp_path_factory.mktemp("redis") / "redis.log")
     try:
-        wait_for_port(HOST, port, process)
-        yield port
+        yield started.port
     finally:
-        stop(process, grace_s=5.0)
+        stop(started.process, grace_s=5.0)
 
 
 @pytest.fixture

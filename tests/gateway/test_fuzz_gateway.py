@@ -24,13 +24,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.app import build_app
-from scheduler_svc.async_engine import AsyncEngine
+from kvfleet.async_engine import AsyncEngine
 from scheduler_svc.engine_core import EngineCore
 from services.config import EngineConfig
 from services.model_source import resolve_model
 from tokenizer_svc.in_process import InProcessEncoder
 from tokenizer_svc.tokenizer import Tokenizer
-from worker_svc.worker import Worker
+from worker_svc.runtime.worker import Worker
 
 from conftest import assert_no_leaks
 from test_gateway import MODEL, ServerThread, wait_until_idle

@@ -26,14 +26,14 @@ from fastapi import FastAPI
 from gateway.app import build_app
 from gateway.limits import RequestLimits
 from kvfleet import LLM
-from scheduler_svc.async_engine import AsyncEngine
+from kvfleet.async_engine import AsyncEngine
 from scheduler_svc.engine_core import EngineCore
 from services.config import EngineConfig
 from services.messages import EngineStats
 from services.model_source import resolve_model
 from tokenizer_svc.in_process import InProcessEncoder
 from tokenizer_svc.tokenizer import Tokenizer
-from worker_svc.worker import Worker
+from worker_svc.runtime.worker import Worker
 
 from conftest import assert_no_leaks
 from corpus import CHAT, PROMPTS

@@ -1,7 +1,7 @@
 """The routing policies: prefix weighs the prefill a replica saves against its load."""
 from __future__ import annotations
 
-from gateway.routing import LOAD_BLOCKS, Candidate, pick
+from gateway.cluster.routing import LOAD_BLOCKS, Candidate, pick
 
 
 def test_prefix_goes_where_the_prompt_is_cached_unless_that_replica_is_much_busier() -> None:

@@ -3,7 +3,7 @@ early ones held behind a hole, announced tails seen as holes, and a hole that ca
 be filled skipped so the stream goes on."""
 from __future__ import annotations
 
-from gateway.step_sequence import StepSequence
+from gateway.cluster.step_sequence import StepSequence
 from services.scheduler_messages import StepOutputs
 
 

@@ -29,7 +29,7 @@ VLLM_LAUNCH = ["--tensor-parallel-size", "1", "--dtype", "half", "--max-model-le
                "--uvicorn-log-level", "warning", "--served-model-name", "a", "b", "--generation-config", "auto",
                "--trust-remote-code"]
 ERROR_WITHIN_S = 3.0
-# What a person needs to see once the server is up (worker_svc/worker.py, gateway/drain.py).
+# What a person needs to see once the server is up (worker_svc/runtime/worker.py, gateway/drain.py).
 SUMMARY_FIELDS = ("model smollm2:", "(llama, 30 layers)",
                   "weights: GGUF Q4_1+Q8_0, its 4-bit projections and 8-bit embedding run as stored",
                   "the rest in float32 on cpu", "GB, loaded in", "KV cache:", "blocks of 16 tokens",

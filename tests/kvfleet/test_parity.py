@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvfleet import SamplingParams
-from worker_svc.quantized_linear import QuantizedLinear
+from worker_svc.model.q4_linear import Q4Linear
 
 from conftest import DENSE, hf_greedy
 from corpus import TEXT, parity_prompts
@@ -44,7 +44,7 @@ def test_prompt_shapes(prompts):
 
 
 def test_default_settings_match_transformers(dense_llm, prompts, reference):
-    assert not any(isinstance(module, QuantizedLinear) for module in dense_llm.engine.worker.model.modules())
+    assert not any(isinstance(module, Q4Linear) for module in dense_llm.engine.worker.model.modules())
     assert generate_tokens(dense_llm, prompts) == reference
 
 
@@ -152,7 +152,7 @@ def test_4bit_weights_run_as_stored_stay_close_to_transformers(make_llm, prompts
     Where neither kernel can build, small steps take torch's int4 kernel, with bfloat16
     scales, activations and outputs, and only its 70% bound holds (it kept 80%)."""
     llm = make_llm(dtype="float32")
-    layers = [module for module in llm.engine.worker.model.modules() if isinstance(module, QuantizedLinear)]
+    layers = [module for module in llm.engine.worker.model.modules() if isinstance(module, Q4Linear)]
     assert len(layers) == 4 * llm.engine.worker.model_config.num_hidden_layers  # qkv, o, gate_up, down
     tokens = generate_tokens(llm, prompts)
     agreed = agreed_positions(tokens, reference)

@@ -112,7 +112,7 @@ def test_unknown_model_is_a_clear_error():
 
 
 def test_kv_pool_too_small_for_max_model_len_fails_at_startup():
-    from worker_svc.kv_cache import KVCacheTooSmall
+    from worker_svc.runtime.kv_cache import KVCacheTooSmall
 
     with pytest.raises(KVCacheTooSmall, match="max_model_len=8192.*--max-model-len"):
         LLM("smollm2", num_gpu_blocks_override=100)

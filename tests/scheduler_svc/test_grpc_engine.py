@@ -28,8 +28,8 @@ from services.transport.role_services import SCHEDULER
 from services.transport.server import RoleServer
 from tokenizer_svc.tokenizer import Tokenizer
 from worker_svc import server as worker_server
+from worker_svc.runtime.worker import Worker
 from worker_svc.server import start_worker_server
-from worker_svc.worker import Worker
 
 from corpus import TEXT
 

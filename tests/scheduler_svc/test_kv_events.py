@@ -11,12 +11,12 @@ import msgspec
 from smg_grpc_proto.generated import common_pb2 as smg
 
 from scheduler_svc.block_pool import BlockPool, KvEventLog, KvEvents
+from scheduler_svc.engine_protocol.kv_events import KvEventStream, block_hash_int64, to_batch
 from scheduler_svc.kv_event_publisher import KvEventPublisher
 from scheduler_svc.kv_mirror import KvMirror
 from scheduler_svc.output_hub import OutputHub
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.vllm_kv_events import KvEventStream, block_hash_int64, to_batch
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.messages import StepResult
 from services.sampling_params import SamplingParams

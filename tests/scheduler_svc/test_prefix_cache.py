@@ -18,7 +18,7 @@ from services.block_hash import (
     extra_keys_bytes,
     hash_block,
 )
-from worker_svc.kv_sizing import profile_run
+from worker_svc.runtime.kv_sizing import profile_run
 
 from conftest import assert_no_leaks
 

@@ -20,13 +20,13 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from kvfleet import LLM
 from kvfleet.processes import free_port
 from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.engine_protocol.convert import sampling_params_from_engine_protocol
+from scheduler_svc.engine_protocol.kv_events import KvEventStream, block_hash_int64
+from scheduler_svc.engine_protocol.server import SERVICE_NAME, VllmEngineServicer, start_vllm_engine_server
+from scheduler_svc.engine_protocol.text import EngineText
 from scheduler_svc.output_hub import OutputHub
 from scheduler_svc.server import start_scheduler_server
 from scheduler_svc.step_loop import StepLoop
-from scheduler_svc.vllm_convert import sampling_params_from_proto
-from scheduler_svc.vllm_engine import SERVICE_NAME, VllmEngineServicer, start_vllm_engine_server
-from scheduler_svc.vllm_kv_events import KvEventStream, block_hash_int64
-from scheduler_svc.vllm_text import EngineText
 from scheduler_svc.worker_client import RemoteWorker
 from services.block_hash import extend_block_hashes
 from services.config import EngineConfig
@@ -36,8 +36,8 @@ from services.sampling_params import SamplingParams
 from services.structured_outputs import StructuredOutputsParams
 from services.tokenizer_archive import unpack
 from tokenizer_svc.tokenizer import Tokenizer
+from worker_svc.runtime.worker import Worker
 from worker_svc.server import start_worker_server
-from worker_svc.worker import Worker
 
 from corpus import TEXT
 from servers import RoleProcess
@@ -347,16 +347,16 @@ def test_every_sampling_field_maps_to_kvfleets_and_proto_zeros_mean_unset() -> N
         repetition_penalty=1.25, max_tokens=20, min_tokens=2, stop_token_ids=[7], ignore_eos=True, n=2, logprobs=3,
         prompt_logprobs=1, seed=11, include_stop_str_in_output=True, logit_bias={5: -1.5}, truncate_prompt_tokens=9,
         skip_special_tokens=True, spaces_between_special_tokens=True, regex="[0-9]+")
-    assert sampling_params_from_proto(message) == SamplingParams(
+    assert sampling_params_from_engine_protocol(message) == SamplingParams(
         # Each float is exact in the protocol's float32.
         temperature=0.5, top_p=0.75, top_k=40, min_p=0.0625, frequency_penalty=0.125, presence_penalty=0.25,
         repetition_penalty=1.25, max_tokens=20, min_tokens=2, stop_token_ids=[7], ignore_eos=True, n=2,
         logprobs=3, prompt_logprobs=1, seed=11, include_stop_str_in_output=True, logit_bias={5: -1.5},
         truncate_prompt_tokens=9, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
-    defaults = sampling_params_from_proto(pb.SamplingParams())
+    defaults = sampling_params_from_engine_protocol(pb.SamplingParams())
     assert (defaults.n, defaults.temperature, defaults.top_p, defaults.repetition_penalty, defaults.max_tokens,
             defaults.logprobs, defaults.seed) == (1, 1.0, 1.0, 1.0, None, None, None)
-    choice = sampling_params_from_proto(pb.SamplingParams(choice=pb.ChoiceConstraint(choices=["yes", "no"])))
+    choice = sampling_params_from_engine_protocol(pb.SamplingParams(choice=pb.ChoiceConstraint(choices=["yes", "no"])))
     assert choice.structured_outputs == StructuredOutputsParams(choice=["yes", "no"])
 
 

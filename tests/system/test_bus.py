@@ -10,12 +10,13 @@ import asyncio
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import msgspec
 import nats as nats_client
 import pytest
 
-from gateway.nats_subscriber import OutputSubscriber
+from gateway.cluster.nats_subscriber import OutputSubscriber
 from kvfleet.processes import start_nats, stop, wait_for_port
 from scheduler_svc.nats_publisher import OutputPublisher
 from scheduler_svc.replay_window import ReplayWindow
@@ -247,8 +248,8 @@ def test_oversized_batches_split_and_an_oversized_delta_fails_its_request(nats) 
         subscriber.close()
 
 
-def test_nats_away_past_the_grace_fails_open_streams() -> None:
-    with nats_server() as server:
+def test_nats_away_past_the_grace_fails_open_streams(tmp_path: Path) -> None:
+    with nats_server(tmp_path) as server:
         publisher = OutputPublisher(server.url, "s1")
         subscriber = OutputSubscriber(server.url, "g", WindowSource(publisher), grace_s=1.0)
 
@@ -295,7 +296,7 @@ def test_a_lost_message_is_replayed_in_its_place(nats) -> None:
 
 def test_a_hole_no_longer_held_is_skipped_and_the_stream_goes_on(nats) -> None:
     """The window lost it (here: aged out at once); the cluster client then fails the
-    requests it carried (gateway/cluster_client.py), and later messages still flow."""
+    requests it carried (gateway/cluster/streams.py), and later messages still flow."""
     publisher = OutputPublisher(nats.url, "s1")
     publisher.window = ReplayWindow("s1", max_age_s=0.0)
     source = WindowSource(publisher)
@@ -315,11 +316,11 @@ def test_a_hole_no_longer_held_is_skipped_and_the_stream_goes_on(nats) -> None:
         subscriber.close()
 
 
-def test_a_nats_restart_loses_no_delta() -> None:
+def test_a_nats_restart_loses_no_delta(tmp_path: Path) -> None:
     """kill -9 of nats-server mid-stream, restarted on its port: what was published while
     it was away (some of it lost in flight, some held in the client's buffer, some past
     that buffer) reaches the stream once, in order."""
-    with nats_server() as server:
+    with nats_server(tmp_path) as server:
         port = int(server.url.rsplit(":", 1)[1])
         publisher = OutputPublisher(server.url, "s1")
         subscriber = OutputSubscriber(server.url, "g", WindowSource(publisher))

@@ -24,7 +24,7 @@ import msgspec
 import nats as nats_client
 import pytest
 
-from gateway.cluster_client import ClusterEngineClient
+from gateway.cluster.client import ClusterEngineClient
 from kvfleet import LLM
 from kvfleet.processes import free_port
 from scheduler_svc.engine_core import EngineCore
@@ -248,7 +248,7 @@ def test_a_replica_that_refuses_is_passed_over_for_another(cluster, client, nats
     lease = Lease(cluster.registry, Member("scheduler", "refusing", server.address, metadata), TTL_S).start()
     try:
         deadline = time.monotonic() + 5
-        while len([r for r in client._replicas.values() if r.routable]) < 2:
+        while len(client._replicas.routable()) < 2:
             assert time.monotonic() < deadline, "the client never saw the second replica"
             time.sleep(0.05)
 

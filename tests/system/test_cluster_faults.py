@@ -23,12 +23,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import httpx
 import openai
 import pytest
 
-from kvfleet.processes import free_port, start_nats, start_redis, stop, wait_for_port
+from kvfleet.processes import free_port, start_listening, start_nats, start_redis, stop, wait_for_port
 
 from servers import HOST, RoleProcess
 from streamed_chat import StreamedChat, in_flight
@@ -71,14 +72,12 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    redis_port, nats_port = free_port(), free_port()
-    redis = start_redis(HOST, redis_port, stdout=subprocess.DEVNULL)
-    wait_for_port(HOST, redis_port, redis)
-    nats = start_nats(HOST, nats_port, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_port(HOST, nats_port, nats)
-    nats_url = f"nats://{HOST}:{nats_port}"
-    registry = ["--redis-url", f"redis://{HOST}:{redis_port}/0", "--lease-ttl", str(LEASE_TTL_S)]
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    logs = tmp_path_factory.mktemp("servers")
+    redis = start_listening(partial(start_redis, HOST), HOST, logs / "redis.log")
+    nats = start_listening(partial(start_nats, HOST), HOST, logs / "nats.log")
+    nats_url = f"nats://{HOST}:{nats.port}"
+    registry = ["--redis-url", f"redis://{HOST}:{redis.port}/0", "--lease-ttl", str(LEASE_TTL_S)]
     worker_address, gateway_port = f"{HOST}:{free_port()}", free_port()
     roles = {
         "tokenizer": RoleProcess("tokenizer", "--port", "0", *registry),
@@ -87,7 +86,7 @@ def cluster() -> Iterator[Cluster]:
                                  "--nats-url", nats_url, *registry),
         "gateway": RoleProcess("gateway", "--port", str(gateway_port), "--nats-url", nats_url, *registry),
     }
-    running = Cluster(f"http://{HOST}:{gateway_port}", redis_port, redis, nats_port, nats, roles)
+    running = Cluster(f"http://{HOST}:{gateway_port}", redis.port, redis.process, nats.port, nats.process, roles)
     try:
         wait_for(lambda: health(running.url) == 200, 180, "the cluster is not healthy", list(roles.values()))
         yield running

@@ -605,7 +605,7 @@ def test_the_start_up_summary_says_what_serves(server: Server) -> None:
     log = server.log_path.read_text(errors="replace")
     lines = {
         "model smollm2:": "(llama, 30 layers)",
-        "worker_svc.worker: weights:": "GGUF Q4_1+Q8_0, its 4-bit projections and 8-bit embedding run as stored",
+        "worker_svc.runtime.worker: weights:": "GGUF Q4_1+Q8_0, its 4-bit projections and 8-bit embedding run as stored",
         "KV cache:": f"{NUM_BLOCKS} blocks of 16 tokens = {NUM_BLOCKS * 16} tokens",
         "maximum concurrency at": f"max_model_len {MAX_MODEL_LEN}: {NUM_BLOCKS * 16 / MAX_MODEL_LEN:.1f}x",
         "routes:": "POST /v1/chat/completions",

@@ -13,8 +13,8 @@ from contextlib import aclosing
 
 import pytest
 
-from gateway.cluster_client import ClusterEngineClient
-from gateway.kv_index import KvIndex
+from gateway.cluster.client import ClusterEngineClient
+from gateway.cluster.kv_index import KvIndex
 from scheduler_svc.block_pool import KvEvents
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.kv_event_publisher import KvEventPublisher
@@ -31,8 +31,8 @@ from services.sampling_params import SamplingParams
 from services.scheduler_messages import SubmitRequest
 from tokenizer_svc.server import start_tokenizer_server
 from tokenizer_svc.tokenizer import Tokenizer
+from worker_svc.runtime.worker import Worker
 from worker_svc.server import start_worker_server
-from worker_svc.worker import Worker
 
 from corpus import TEXT
 from servers import nats, redis_url  # noqa: F401  (fixtures)
@@ -102,7 +102,7 @@ def replicas(nats, redis_url, tokenizer) -> Iterator[dict[str, Replica]]:
 def started_client(redis_url: str, nats_url: str, policy: str) -> ClusterEngineClient:
     client = ClusterEngineClient(redis_url, nats_url, poll_interval_s=0.2, routing_policy=policy)
     client.start()
-    wait_until(lambda: client.is_ready() and sum(r.routable for r in client._replicas.values()) == 2,
+    wait_until(lambda: client.is_ready() and len(client._replicas.routable()) == 2,
                "the client never saw both replicas")
     return client
 
@@ -144,7 +144,7 @@ def test_a_shared_prefix_goes_where_it_is_cached(replicas, tokenizer, nats, redi
         [accepted] = b.loop.submit([SubmitRequest("warm", warm, GREEDY, "nobody")])
         accepted.result(10)
         wait_until(b.idle, "the warm-up request did not finish")
-        wait_until(lambda: holds_prefix(following._kv_index, b.core.instance_id, warm),
+        wait_until(lambda: holds_prefix(following._placement.kv_index, b.core.instance_id, warm),
                    "the gateway's index never learnt that b holds the prefix")
 
         run_each(following, prompts(tokenizer, 3, first=1), "following")
@@ -153,7 +153,7 @@ def test_a_shared_prefix_goes_where_it_is_cached(replicas, tokenizer, nats, redi
 
         late = started_client(redis_url, nats.url, "prefix")  # no events since: it loads snapshots
         try:
-            wait_until(lambda: holds_prefix(late._kv_index, b.core.instance_id, warm),
+            wait_until(lambda: holds_prefix(late._placement.kv_index, b.core.instance_id, warm),
                        "the late gateway's index never loaded b's snapshot")
             before = b.hits
             run_each(late, prompts(tokenizer, 2, first=4), "late")

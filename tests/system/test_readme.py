@@ -35,12 +35,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 
-from kvfleet.processes import free_port, spawn, start_nats, start_redis, stop, wait_for_port
+from kvfleet.processes import free_port, spawn, start_listening, start_nats, start_redis, stop
 
 REPO = Path(__file__).resolve().parents[2]
 # The front door and every reference page: examples move between them freely.
@@ -209,11 +210,10 @@ def start_server(block: Block, log_dir: Path) -> Running:
         with open(log_path, "ab") as log:  # O_APPEND: every child writes here
             for need in block.needs:
                 assert need in INFRA_PORTS, f"{block!r}: unknown need {need!r}"
-                port = free_port()
-                infra.append((start_nats if need == "nats" else start_redis)(LOCAL, port, stdout=log,
-                                                                             stderr=subprocess.STDOUT))
-                wait_for_port(LOCAL, port, infra[-1])
-                ports[INFRA_PORTS[need]] = port
+                started = start_listening(partial(start_nats if need == "nats" else start_redis, LOCAL), LOCAL,
+                                          log_path)
+                infra.append(started.process)
+                ports[INFRA_PORTS[need]] = started.port
             for _, port in PORT.findall(block.code):
                 if int(port) not in ports:
                     ports[int(port)] = free_port()
@@ -366,6 +366,11 @@ def test_serve_block_serves(serve: Running) -> None:
 
 
 def test_cluster_up_block_logs_where_each_part_listens(cluster: Running) -> None:
+    # The launcher says it serves at its own next poll of /health (every 0.5 s), which
+    # may come after the fixture's saw it answer.
+    deadline = time.monotonic() + 5.0
+    while f"cluster serving on {cluster.url}" not in cluster.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
     log = cluster.log()
     for line in (rf"NATS on nats://{LOCAL}:\d+, Redis on redis://{LOCAL}:\d+",
                  *(rf"{role}: gRPC on {LOCAL}:\d+" for role in ROLE_PORTS),

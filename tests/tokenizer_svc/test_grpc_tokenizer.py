@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import PreTrainedTokenizerFast
 
-from gateway.tokenizer_client import RemoteTokenizer
+from gateway.cluster.tokenizer_client import RemoteTokenizer
 from kvfleet.processes import free_port
 from services.engine_client import EngineUnavailable
 from services.invalid_parameter import InvalidParameter

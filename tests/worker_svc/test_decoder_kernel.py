@@ -1,4 +1,4 @@
-"""The CPU decoder kernels (worker_svc/decoder_kernel.py) against the torch operators they
+"""The CPU decoder kernels (worker_svc/kernels/cpu/decoder_ops.py) against the torch operators they
 replace: the residual add, rotary embedding and cache write bit for bit; the norm and
 SiLU within float32 rounding (another summation order, another exp). Odd widths, q and k
 as strided views of a fused qkv projection, and one thread and two."""
@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker_svc import decoder_kernel
-from worker_svc.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from worker_svc.kernels.cpu import decoder_ops
+from worker_svc.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
-kernel = decoder_kernel.load()
+kernel = decoder_ops.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no AVX2/FMA CPU or no compiler")
 # Rows enough that the two-thread path runs too (PARALLEL_MIN_ELEMENTS).
 TOKENS = [1, 7, 600]
@@ -93,7 +93,7 @@ def test_a_prompts_kv_rows_are_written_on_two_threads_as_on_one() -> None:
     """A prompt's rows (PARALLEL_MIN_ELEMENTS and more) are split over the threads; every
     slot outside the cache is still counted, and every one inside written."""
     kv_heads, head_dim, num_blocks, block_size = 3, 64, 256, 16
-    tokens = decoder_kernel.PARALLEL_MIN_ELEMENTS // (kv_heads * head_dim) + 7
+    tokens = decoder_ops.PARALLEL_MIN_ELEMENTS // (kv_heads * head_dim) + 7
     k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
     slots = torch.randperm(num_blocks * block_size)[:tokens]
     outside = slots.clone()

@@ -10,8 +10,8 @@ import torch
 
 from services.config import EngineConfig
 from services.model_source import resolve_model
-from worker_svc.device import runs_q4_as_stored
-from worker_svc.model_config import ModelConfig, read_model_config
+from worker_svc.formats.model_config import ModelConfig, read_model_config
+from worker_svc.runtime.device import runs_q4_as_stored
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_float_weights_have_nothing_to_keep(smollm2_config):
 
 
 def test_a_gpu_dequantizes_and_warns_only_when_gguf_was_asked_for(smollm2_config, caplog):
-    with caplog.at_level(logging.WARNING, logger="worker_svc.device"):
+    with caplog.at_level(logging.WARNING, logger="worker_svc.runtime.device"):
         assert not runs_q4_as_stored(EngineConfig(model="smollm2"), torch.device("cuda"), smollm2_config)
         assert not caplog.records
         assert not runs_q4_as_stored(EngineConfig(model="smollm2", quantization="gguf"), torch.device("cuda"),

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
-from worker_svc.kv_cache import allocate_kv_cache
-from worker_svc.model_config import ModelConfig
+from worker_svc.formats.model_config import ModelConfig
+from worker_svc.runtime.kv_cache import allocate_kv_cache
 
 CONFIG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4,

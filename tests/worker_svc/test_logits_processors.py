@@ -15,9 +15,9 @@ from transformers.generation.logits_process import (
 
 from services.messages import StepPlan
 from services.sampling_params import SamplingParams
-from worker_svc.batch import InputBatch, RequestState
-from worker_svc.logits_processors import LogitsAdjustments
-from worker_svc.sampler import SamplingBatch, apply_top_k_top_p, sample
+from worker_svc.runtime.batch import InputBatch, RequestState
+from worker_svc.runtime.sampling.logits_processors import LogitsAdjustments
+from worker_svc.runtime.sampling.sampler import SamplingBatch, apply_top_k_top_p, sample
 
 VOCAB = 64
 EOS = (2,)

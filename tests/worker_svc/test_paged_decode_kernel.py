@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.worker_svc.paged_layout import random_layout
-from worker_svc.attention.paged_decode import load_kernel
-from worker_svc.attention.torch_backend import TorchAttentionBackend
+from worker_svc.attention.cpu import TorchAttentionBackend
+from worker_svc.kernels.cpu.paged_decode import load_kernel
 
 kernel = load_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler or no AVX2 to build the kernel")

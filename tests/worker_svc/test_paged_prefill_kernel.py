@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tests.worker_svc.paged_layout import random_layout
-from worker_svc.attention import paged_decode, paged_prefill
-from worker_svc.attention.torch_backend import TorchAttentionBackend
-from worker_svc.native import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
+from worker_svc.attention.cpu import TorchAttentionBackend
+from worker_svc.kernels.cpu import paged_decode, paged_prefill
+from worker_svc.kernels.cpu.library import AVX2_CPU_FLAGS, AVX2_FLAGS, load_library
 
 kernel = paged_prefill.load_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler or no AVX2 to build the kernel")

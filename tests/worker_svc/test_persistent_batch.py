@@ -6,7 +6,7 @@ import torch
 
 from kvfleet import SamplingParams
 from services.messages import StepPlan
-from worker_svc.batch import InputBatch, RequestState
+from worker_svc.runtime.batch import InputBatch, RequestState
 
 BLOCK = 16
 

@@ -13,7 +13,7 @@ from kvfleet.processes import free_port
 from services.messages import CachedRequestData, Empty, NewRequestData, StepPlan
 from services.sampling_params import SamplingParams
 from services.transport.role_services import WORKER
-from worker_svc.plan_check import InvalidPlan, WrongWorkerInstance, check_plan
+from worker_svc.runtime.plan_check import InvalidPlan, WrongWorkerInstance, check_plan
 
 from servers import RoleProcess
 

@@ -1,5 +1,5 @@
-"""The float32 4-bit GEMM kernel (worker_svc/csrc/q4_gemm.cpp) computes x @ W.T + bias over
-exactly the GGUF weights, for every step size it serves, and QuantizedLinear routes to it
+"""The float32 4-bit GEMM kernel (worker_svc/kernels/cpu/csrc/q4_gemm.cpp) computes x @ W.T + bias over
+exactly the GGUF weights, for every step size it serves, and Q4Linear routes to it
 where the int16 kernel (test_vnni_kernel.py) does not run."""
 from __future__ import annotations
 
@@ -9,21 +9,21 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from worker_svc import native, q4_kernel, vnni_kernel
-from worker_svc.q4_kernel import PackedQ4
-from worker_svc.q4_weights import Q4Blocks
-from worker_svc.quantized_linear import KERNEL_MAX_ROWS, DequantScratch, QuantizedLinear
+from worker_svc.formats.q4_weights import Q4Blocks
+from worker_svc.kernels.cpu import library, q4_gemm, vnni_gemm
+from worker_svc.kernels.cpu.q4_gemm import PackedQ4
+from worker_svc.model.q4_linear import KERNEL_MAX_ROWS, DequantScratch, Q4Linear
 
 KINDS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
 
-kernel = q4_kernel.load()
+kernel = q4_gemm.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no AVX2/FMA/F16C CPU or no compiler")
 
 
 @pytest.fixture(autouse=True)
 def without_the_int16_kernel(monkeypatch):
-    """QuantizedLinear as on a CPU without AVX-512 VNNI, whose steps these kernels serve."""
-    monkeypatch.setattr(vnni_kernel, "load", lambda: None)
+    """Q4Linear as on a CPU without AVX-512 VNNI, whose steps these kernels serve."""
+    monkeypatch.setattr(vnni_gemm, "load", lambda: None)
 
 
 def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> Q4Blocks:
@@ -68,7 +68,7 @@ def test_packing_dequantizes_and_unpacks_to_exactly_the_blocks(kind):
 @needs_kernel
 def test_big_steps_dequantize_the_packing_and_keep_no_blocks():
     blocks = random_blocks(GGMLQuantizationType.Q4_0, 64, 96)
-    layer = QuantizedLinear(blocks, None, DequantScratch(torch.float32))
+    layer = Q4Linear(blocks, None, DequantScratch(torch.float32))
     assert layer.blocks is None  # only the packing holds the weights
     x = torch.randn(KERNEL_MAX_ROWS + 1, 96)
     torch.testing.assert_close(layer(x), reference(blocks, x, None), rtol=1e-5, atol=1e-5)
@@ -79,7 +79,7 @@ def test_big_steps_dequantize_the_packing_and_keep_no_blocks():
 @pytest.mark.parametrize("rows", [2, KERNEL_MAX_ROWS + 1])
 def test_a_bfloat16_model_keeps_its_blocks_for_big_steps(rows):
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 64, 96)
-    layer = QuantizedLinear(blocks, None, DequantScratch(torch.bfloat16))
+    layer = Q4Linear(blocks, None, DequantScratch(torch.bfloat16))
     assert layer.blocks is not None and layer.packed is not None  # the kernel dequantizes to float32 only
     x = torch.randn(rows, 96)
     out = layer(x.bfloat16())
@@ -114,16 +114,16 @@ def test_threads_split_output_rows_without_changing_a_bit(monkeypatch):
 @needs_kernel
 def test_under_a_passive_wait_policy_small_calls_stay_on_one_thread(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    assert q4_kernel.Q4Kernel(kernel.library).min_parallel_macs == q4_kernel.PASSIVE_PARALLEL_MIN_MACS
+    assert q4_gemm.Q4Kernel(kernel.library).min_parallel_macs == q4_gemm.PASSIVE_PARALLEL_MIN_MACS
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # idle threads spin: waking them costs nothing
-    assert q4_kernel.Q4Kernel(kernel.library).min_parallel_macs == 0
+    assert q4_gemm.Q4Kernel(kernel.library).min_parallel_macs == 0
 
 
 def test_a_scale_float16_cannot_hold_keeps_the_layer_off_the_kernel():
     blocks = random_blocks(GGMLQuantizationType.Q4_0, 16, 64)
     huge = Q4Blocks(blocks.codes, blocks.scales * 1e4, blocks.offsets * 1e4)  # -8 x scale beyond float16
     assert PackedQ4.from_blocks(huge) is None
-    assert QuantizedLinear(huge, None, DequantScratch(torch.float32)).int4_weight is not None
+    assert Q4Linear(huge, None, DequantScratch(torch.float32)).int4_weight is not None
 
 
 @needs_kernel
@@ -131,7 +131,7 @@ def test_a_scale_float16_cannot_hold_keeps_the_layer_off_the_kernel():
 def test_quantized_linear_routes_small_steps_to_the_kernel(rows, monkeypatch):
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 64, 96)
     bias = torch.randn(64)
-    layer = QuantizedLinear(blocks, bias, DequantScratch(torch.float32))
+    layer = Q4Linear(blocks, bias, DequantScratch(torch.float32))
     assert layer.int4_weight is None  # torch's int4 copy is not kept beside the kernel's
     monkeypatch.setattr(layer, "dequantized_matmul", lambda rows: pytest.fail("took the dequantized GEMM"))
     x = torch.randn(rows, 96)
@@ -139,9 +139,9 @@ def test_quantized_linear_routes_small_steps_to_the_kernel(rows, monkeypatch):
 
 
 def test_without_the_kernel_small_steps_take_torchs_int4(monkeypatch):
-    monkeypatch.setattr(q4_kernel, "load", lambda: None)
+    monkeypatch.setattr(q4_gemm, "load", lambda: None)
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 64, 96)
-    layer = QuantizedLinear(blocks, None, DequantScratch(torch.float32))
+    layer = Q4Linear(blocks, None, DequantScratch(torch.float32))
     assert layer.packed is None and layer.int4_weight is not None
     x = torch.randn(3, 96)
     torch.testing.assert_close(layer(x), reference(blocks, x, None), rtol=0.02, atol=0.02)
@@ -151,12 +151,12 @@ def test_without_the_kernel_small_steps_take_torchs_int4(monkeypatch):
 def test_a_missing_or_failing_compiler_warns_and_serves_on(compiler, monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CXX", compiler)
-    monkeypatch.setattr(native, "cpu_flags", lambda: set(native.AVX2_CPU_FLAGS))
-    q4_kernel.load.cache_clear()
+    monkeypatch.setattr(library, "cpu_flags", lambda: set(library.AVX2_CPU_FLAGS))
+    q4_gemm.load.cache_clear()
     try:
-        assert q4_kernel.load() is None
+        assert q4_gemm.load() is None
     finally:
-        q4_kernel.load.cache_clear()
+        q4_gemm.load.cache_clear()
     assert "the 4-bit GEMM kernel" in caplog.text and "using torch instead" in caplog.text
     assert not list(tmp_path.rglob("*.so"))
 
@@ -164,12 +164,12 @@ def test_a_missing_or_failing_compiler_warns_and_serves_on(compiler, monkeypatch
 @needs_kernel
 def test_the_build_is_cached_and_loads_without_compiling(monkeypatch, tmp_path):
     monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
-    q4_kernel.load.cache_clear()
+    q4_gemm.load.cache_clear()
     try:
-        assert q4_kernel.load() is not None
+        assert q4_gemm.load() is not None
         (library,) = tmp_path.glob("kernels/q4_gemm-*.so")
         monkeypatch.setenv("CXX", "no-such-compiler")  # a second process finds the library built
-        q4_kernel.load.cache_clear()
-        assert q4_kernel.load() is not None
+        q4_gemm.load.cache_clear()
+        assert q4_gemm.load() is not None
     finally:
-        q4_kernel.load.cache_clear()
+        q4_gemm.load.cache_clear()

@@ -11,11 +11,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from kvfleet import LLM
-from worker_svc import q8_linear
-from worker_svc.q8_linear import KERNEL_MAX_ROWS, Q8Linear
-from worker_svc.q8_weights import Q8Blocks
+from worker_svc.formats.q8_weights import Q8Blocks
+from worker_svc.kernels.cpu import q8_gemm, vnni_gemm
+from worker_svc.model.q8_linear import KERNEL_MAX_ROWS, Q8Linear
 
-kernel = q8_linear.load_kernel()
+kernel = q8_gemm.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no AVX2/FMA/F16C CPU or no compiler")
 
 
@@ -46,9 +46,9 @@ def test_head_equals_the_float32_product(rows, use_kernel, monkeypatch):
     if use_kernel and kernel is None:
         pytest.skip("no kernel here")
     # The float32 paths, which a CPU without AVX-512 VNNI takes (tests/worker_svc/test_vnni_kernel.py has the int16 one).
-    monkeypatch.setattr(q8_linear.vnni_kernel, "load", lambda: None)
+    monkeypatch.setattr(vnni_gemm, "load", lambda: None)
     if not use_kernel:
-        monkeypatch.setattr(q8_linear, "load_kernel", lambda: None)
+        monkeypatch.setattr(q8_gemm, "load", lambda: None)
     # 203 outputs (not a multiple of the kernel's tiles) of 5 blocks (an odd count).
     raw = random_raw(203, 5 * 32, seed=rows)
     head = Q8Linear(Q8Blocks.from_gguf(raw), torch.float32)

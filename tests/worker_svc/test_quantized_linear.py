@@ -1,5 +1,5 @@
 """4-bit GGUF weights run as stored: the blocks read back exactly what gguf's own
-dequantizer reads, and QuantizedLinear's kernels compute the dense layer's product: the
+dequantizer reads, and Q4Linear's kernels compute the dense layer's product: the
 float32 ones exactly, the int16 one (AVX-512 VNNI, where it runs) within about 1e-5."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from worker_svc import vnni_kernel
-from worker_svc.q4_weights import Q4Blocks
-from worker_svc.quantized_linear import INT4_MAX_ROWS, KERNEL_MAX_ROWS, DequantScratch, QuantizedLinear
-from worker_svc.weights import _unpermute_rotary
+from worker_svc.formats.q4_weights import Q4Blocks
+from worker_svc.kernels.cpu import vnni_gemm
+from worker_svc.model.q4_linear import INT4_MAX_ROWS, KERNEL_MAX_ROWS, DequantScratch, Q4Linear
+from worker_svc.model.weights import _unpermute_rotary
 
 KINDS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
 SMALL_MAX_ROWS = max(KERNEL_MAX_ROWS, INT4_MAX_ROWS)  # beyond it every step takes the dequantized GEMM
@@ -52,10 +52,10 @@ def test_row_operations_match_the_dense_ones():
 @pytest.mark.parametrize("int16_kernel", [True, False], ids=["int16", "float32"])
 def test_the_kernels_compute_the_dense_product(kind, rows, int16_kernel, monkeypatch):
     if not int16_kernel:
-        monkeypatch.setattr(vnni_kernel, "load", lambda: None)
+        monkeypatch.setattr(vnni_gemm, "load", lambda: None)
     raw, weight = random_q4(kind, 192, 256)
     bias = torch.randn(192)
-    layer = QuantizedLinear(Q4Blocks.from_gguf(raw, kind), bias, DequantScratch(torch.float32))
+    layer = Q4Linear(Q4Blocks.from_gguf(raw, kind), bias, DequantScratch(torch.float32))
     x = torch.randn(rows, 256)
     out, expected = layer(x), F.linear(x, weight, bias)
     assert out.dtype == torch.float32 and out.shape == expected.shape
@@ -68,12 +68,12 @@ def test_the_kernels_compute_the_dense_product(kind, rows, int16_kernel, monkeyp
 
 
 def test_layers_share_one_scratch_buffer_sized_for_the_largest(monkeypatch):
-    monkeypatch.setattr(vnni_kernel, "load", lambda: None)  # which never dequantizes
+    monkeypatch.setattr(vnni_gemm, "load", lambda: None)  # which never dequantizes
     kind = GGMLQuantizationType.Q4_1
     scratch = DequantScratch(torch.float32)
-    small = QuantizedLinear(Q4Blocks.from_gguf(random_q4(kind, 32, 64)[0], kind), None, scratch)
+    small = Q4Linear(Q4Blocks.from_gguf(random_q4(kind, 32, 64)[0], kind), None, scratch)
     large_raw, large_weight = random_q4(kind, 64, 128)
-    large = QuantizedLinear(Q4Blocks.from_gguf(large_raw, kind), None, scratch)
+    large = Q4Linear(Q4Blocks.from_gguf(large_raw, kind), None, scratch)
     assert scratch.buffer.numel() == 64 * 128
     x = torch.randn(SMALL_MAX_ROWS + 3, 128)
     small(torch.randn(SMALL_MAX_ROWS + 3, 64))  # leaves its weights in the buffer

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker_svc import decoder_kernel
-from worker_svc.native import thread_pool
-from worker_svc.threads import step_threads
+from worker_svc.kernels.cpu import decoder_ops
+from worker_svc.kernels.cpu.library import thread_pool
+from worker_svc.kernels.cpu.threads import step_threads
 
-kernel = decoder_kernel.load()
+kernel = decoder_ops.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no AVX2/FMA CPU or no compiler")
 ROWS, WIDTH = 512, 1536  # past PARALLEL_MIN_ELEMENTS: the call runs on two threads
 

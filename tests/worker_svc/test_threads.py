@@ -1,4 +1,4 @@
-"""A CPU step's thread count (worker_svc/threads.py): small steps on the calling thread
+"""A CPU step's thread count (worker_svc/kernels/cpu/threads.py): small steps on the calling thread
 alone under OMP_WAIT_POLICY=PASSIVE, the configured count back after them, and bigger
 steps, other devices and a spinning policy untouched."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker_svc.threads import SINGLE_THREAD_MAX_TOKENS, even_shares, step_threads
+from worker_svc.kernels.cpu.threads import SINGLE_THREAD_MAX_TOKENS, even_shares, step_threads
 
 CPU = torch.device("cpu")
 

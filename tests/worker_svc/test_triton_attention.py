@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import worker_svc.triton_runtime  # noqa: F401  (before the kernels: the interpreter without CUDA)
+import worker_svc.kernels.triton.interpreter  # noqa: F401  (before the kernels: the interpreter without CUDA)
 from worker_svc.attention.backend import BatchLayout
-from worker_svc.attention.torch_backend import TorchAttentionBackend
-from worker_svc.attention.triton_backend import TritonAttentionBackend
-from worker_svc.attention.triton_cache import reshape_and_cache
-from worker_svc.attention.triton_decode import MAX_SPLITS, choose_num_splits, paged_decode_attention
-from worker_svc.attention.triton_prefill import paged_prefill_attention
+from worker_svc.attention.cpu import TorchAttentionBackend
+from worker_svc.attention.gpu import TritonAttentionBackend
+from worker_svc.kernels.triton.cache_write import reshape_and_cache
+from worker_svc.kernels.triton.paged_decode import MAX_SPLITS, choose_num_splits, paged_decode_attention
+from worker_svc.kernels.triton.paged_prefill import paged_prefill_attention
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 

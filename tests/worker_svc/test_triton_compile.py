@@ -26,8 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from worker_svc import triton_ops
-from worker_svc.attention import triton_cache, triton_decode, triton_prefill
+from worker_svc.kernels.triton import cache_write, decoder_ops, paged_decode, paged_prefill
 
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 launches = []
@@ -41,7 +40,7 @@ class Recorder:
         return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
 
 
-for module in (triton_cache, triton_decode, triton_prefill, triton_ops):
+for module in (cache_write, paged_decode, paged_prefill, decoder_ops):
     for name, value in list(vars(module).items()):
         if isinstance(value, JITFunction) and name.endswith("_kernel"):
             setattr(module, name, Recorder(value))
@@ -52,25 +51,25 @@ def attention(heads, kv_heads, head_dim, block_size, dtype, batch=3, context=300
     tables = torch.zeros(batch, -(-context // block_size), dtype=torch.int32)
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
     key = torch.zeros(batch, kv_heads, head_dim, dtype=dtype)
-    triton_cache.reshape_and_cache(key, key, cache, torch.zeros(batch, dtype=torch.int64))
+    cache_write.reshape_and_cache(key, key, cache, torch.zeros(batch, dtype=torch.int64))
     query = torch.zeros(batch, heads, head_dim, dtype=dtype)
-    triton_decode.paged_decode_attention(query, cache, tables, seq_lens, 0.1, num_splits=4)
-    triton_decode.paged_decode_attention(query, cache, tables, seq_lens, 0.1, num_splits=1)
+    paged_decode.paged_decode_attention(query, cache, tables, seq_lens, 0.1, num_splits=4)
+    paged_decode.paged_decode_attention(query, cache, tables, seq_lens, 0.1, num_splits=1)
     starts = torch.arange(batch + 1, dtype=torch.int32) * 5
     chunk = torch.zeros(batch * 5, heads, head_dim, dtype=dtype)
-    triton_prefill.paged_prefill_attention(chunk, cache, tables, starts, seq_lens, 5, 0.1)
+    paged_prefill.paged_prefill_attention(chunk, cache, tables, starts, seq_lens, 5, 0.1)
 
 
-def decoder_ops(hidden, heads, kv_heads, head_dim, intermediate, dtype):
+def elementwise(hidden, heads, kv_heads, head_dim, intermediate, dtype):
     x = torch.zeros(4, hidden, dtype=dtype)
-    triton_ops.rms_norm(x, torch.ones(hidden, dtype=dtype), 1e-5)
-    triton_ops.rms_norm(x, torch.ones(hidden, dtype=dtype), 1e-5, x.clone())
+    decoder_ops.rms_norm(x, torch.ones(hidden, dtype=dtype), 1e-5)
+    decoder_ops.rms_norm(x, torch.ones(hidden, dtype=dtype), 1e-5, x.clone())
     qkv = torch.zeros(4, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     table = torch.zeros(64, head_dim)
-    triton_ops.rotary_(q.view(4, heads, head_dim), k.view(4, kv_heads, head_dim), torch.zeros(4, dtype=torch.long),
-                       table, table)
-    triton_ops.silu_and_mul(torch.zeros(4, 2 * intermediate, dtype=dtype))
+    decoder_ops.rotary_(q.view(4, heads, head_dim), k.view(4, kv_heads, head_dim), torch.zeros(4, dtype=torch.long),
+                        table, table)
+    decoder_ops.silu_and_mul(torch.zeros(4, 2 * intermediate, dtype=dtype))
 
 
 # Llama-3-8B, SmolLM2 (GQA 3, head dim 64, also as one TP=2 rank: 6 heads on 2), GQA 1 and 8, both block sizes.
@@ -79,8 +78,8 @@ attention(9, 3, 64, 16, torch.float32)
 attention(6, 2, 64, 32, torch.bfloat16)
 attention(8, 8, 128, 32, torch.float16)
 attention(64, 8, 128, 16, torch.bfloat16)
-decoder_ops(4096, 32, 8, 128, 14336, torch.bfloat16)
-decoder_ops(576, 9, 3, 64, 1536, torch.float32)
+elementwise(4096, 32, 8, 128, 14336, torch.bfloat16)
+elementwise(576, 9, 3, 64, 1536, torch.float32)
 
 
 def signature(kernel, args, kwargs):

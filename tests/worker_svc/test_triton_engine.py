@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvfleet import SamplingParams
-from worker_svc.attention.triton_backend import TritonAttentionBackend
-from worker_svc.cuda_graphs import DecodeGraphs
-from worker_svc.decoder_ops import TritonOps
+from worker_svc.attention.gpu import TritonAttentionBackend
+from worker_svc.model.ops import TritonOps
+from worker_svc.runtime.cuda_graphs import DecodeGraphs
 
 from conftest import hf_greedy, save_tiny_llama
 

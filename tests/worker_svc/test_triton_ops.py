@@ -1,8 +1,8 @@
-"""The fused Triton kernels (worker_svc/triton_ops.py) against the torch operators they
+"""The fused Triton kernels (worker_svc/kernels/triton/decoder_ops.py) against the torch operators they
 replace, run through Triton's interpreter on this CPU: odd widths, several head layouts,
 q/k as strided views of a fused qkv projection; and a tiny random Llama that gives the
 same hidden states and logits with torch's operators, the Triton kernels and the CPU
-decoder kernels (worker_svc/decoder_kernel.py, whose own tests are test_decoder_kernel.py).
+decoder kernels (worker_svc/kernels/cpu/decoder_ops.py, whose own tests are test_decoder_kernel.py).
 
 bfloat16 is compared loosely: the interpreter rounds float32 to bfloat16 toward zero
 (a GPU rounds to nearest), so its results sit up to an ulp or two from torch's."""
@@ -12,14 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker_svc import decoder_kernel, triton_ops
 from worker_svc.attention.backend import BatchLayout
-from worker_svc.attention.torch_backend import TorchAttentionBackend
-from worker_svc.decoder_ops import CpuOps, Ops, TorchOps, TritonOps
-from worker_svc.layers import RMSNorm, RotaryEmbedding, apply_rotary
-from worker_svc.model_config import ModelConfig
-from worker_svc.models.llama import LlamaForCausalLM
-from worker_svc.rank_group import RankGroup
+from worker_svc.attention.cpu import TorchAttentionBackend
+from worker_svc.formats.model_config import ModelConfig
+from worker_svc.group.rank_group import RankGroup
+from worker_svc.kernels.cpu import decoder_ops as cpu_kernels
+from worker_svc.kernels.triton import decoder_ops as triton_kernels
+from worker_svc.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from worker_svc.model.llama import LlamaForCausalLM
+from worker_svc.model.ops import CpuOps, Ops, TorchOps, TritonOps
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=2e-2)}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -38,8 +39,8 @@ def test_rms_norm_matches_rmsnorm(width: int, num_tokens: int, dtype: torch.dtyp
     norm = RMSNorm(width, 1e-5).to(dtype).requires_grad_(False)
     norm.weight.normal_(1.0, 0.3)
     x, residual = (torch.randn(num_tokens, width, dtype=dtype) for _ in range(2))
-    assert_close(triton_ops.rms_norm(x, norm.weight, norm.eps), norm(x))
-    normed, summed = triton_ops.rms_norm(x, norm.weight, norm.eps, residual)
+    assert_close(triton_kernels.rms_norm(x, norm.weight, norm.eps), norm(x))
+    normed, summed = triton_kernels.rms_norm(x, norm.weight, norm.eps, residual)
     assert_close(summed, x + residual)
     assert_close(normed, norm(x + residual))
 
@@ -50,7 +51,7 @@ def test_rms_norm_reads_rows_of_a_wider_tensor() -> None:
     norm.weight.normal_(1.0, 0.3)
     wide = torch.randn(7, 1000)
     x, residual = wide[:, :576], wide[:, 400:976]
-    normed, summed = triton_ops.rms_norm(x, norm.weight, norm.eps, residual)
+    normed, summed = triton_kernels.rms_norm(x, norm.weight, norm.eps, residual)
     assert_close(summed, x + residual)
     assert_close(normed, norm(x + residual))
 
@@ -70,7 +71,7 @@ def test_rotary_in_place_on_qkv_views_matches_apply_rotary(
     q, k = q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim)
     expected_q, expected_k = apply_rotary(rotary.tables(positions, dtype), q, k)
     untouched = v.clone()
-    triton_ops.rotary_(q, k, positions, rotary.cos, rotary.sin)
+    triton_kernels.rotary_(q, k, positions, rotary.cos, rotary.sin)
     assert_close(q, expected_q)
     assert_close(k, expected_k)
     assert torch.equal(v, untouched)
@@ -83,7 +84,7 @@ def test_silu_and_mul_matches_torch(inner: int, num_tokens: int, dtype: torch.dt
     torch.manual_seed(0)
     x = torch.randn(num_tokens, 2 * inner, dtype=dtype) * 3
     gate, up = x.chunk(2, dim=-1)
-    assert_close(triton_ops.silu_and_mul(x), F.silu(gate) * up)
+    assert_close(triton_kernels.silu_and_mul(x), F.silu(gate) * up)
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +131,8 @@ def _run(config: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops) -> lis
 @pytest.mark.parametrize("fused", ["triton", "cpu"])
 def test_llama_gives_the_same_hidden_states_with_fused_ops(tiny_llama, fused: str) -> None:
     config, weights = tiny_llama
-    if fused == "cpu" and decoder_kernel.load() is None:
+    if fused == "cpu" and cpu_kernels.load() is None:
         pytest.skip("the CPU decoder kernels need a C++ compiler and AVX2")
-    ops = TritonOps() if fused == "triton" else CpuOps(decoder_kernel.load())
+    ops = TritonOps() if fused == "triton" else CpuOps(cpu_kernels.load())
     for torch_out, fused_out in zip(_run(config, weights, TorchOps()), _run(config, weights, ops), strict=True):
         torch.testing.assert_close(fused_out, torch_out, atol=1e-4, rtol=1e-4)

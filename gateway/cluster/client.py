@@ -1,0 +1,86 @@
+"""ClusterEngineClient: the gateway's EngineClient in cluster mode.
+
+generate() places the request on a scheduler replica and streams its deltas back
+(streams.py), resubmitting it elsewhere when its replica dies (migration.py). The
+replicas, their health and their summed Stats are the replica set's (replica_set.py);
+which one takes a request is placement's (placement.py: by --routing-policy, by default
+where the prompt's prefix is cached, from the replicas' KV events, balanced with load).
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from gateway.cluster.gateway_id import new_gateway_id
+from gateway.cluster.migration import DEFAULT_MIGRATION_LIMIT, migrating
+from gateway.cluster.placement import Placement
+from gateway.cluster.replica import Replica
+from gateway.cluster.replica_set import ReplicaSet
+from gateway.cluster.streams import RequestStreams
+from services.engine_client import EngineUnavailable
+from services.messages import EngineInfo, EngineStats, TokenDelta
+from services.registry import DEFAULT_TTL_S
+from services.sampling_params import SamplingParams
+
+
+class ClusterEngineClient:
+    def __init__(
+        self,
+        redis_url: str,
+        nats_url: str,
+        gateway_id: str | None = None,
+        gateway_name: str | None = None,
+        poll_interval_s: float = 0.5,
+        submit_timeout_s: float = 60.0,
+        lease_ttl_s: float = DEFAULT_TTL_S,
+        routing_policy: str = "prefix",
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+    ) -> None:
+        self.gateway_id = gateway_id or new_gateway_id(gateway_name)
+        self._nats_url = nats_url
+        self._lease_ttl_s = lease_ttl_s
+        self._migration_limit = migration_limit
+        self._replicas = ReplicaSet(redis_url, poll_interval_s, lease_ttl_s)
+        self._placement = Placement(self._replicas, routing_policy, submit_timeout_s)
+        self._streams = RequestStreams(self.gateway_id, self._replicas, self._placement, submit_timeout_s)
+
+    def start(self) -> None:
+        if self._replicas.started:
+            raise RuntimeError("the client was already started")
+        self._streams.start(self._nats_url, self._lease_ttl_s)
+        self._placement.start(self._nats_url)
+        self._replicas.start(self._streams.fail, self._placement.kv_index)
+
+    def shutdown(self) -> None:
+        if not self._replicas.running:
+            return
+        self._replicas.stop()
+        self._streams.close()
+        self._placement.close()
+        self._replicas.close()
+
+    def is_ready(self) -> bool:
+        return self._replicas.running and self._replicas.ready and self._streams.connected
+
+    def stats(self) -> EngineStats:
+        return self._replicas.stats
+
+    def engine_info(self) -> EngineInfo | None:
+        return self._replicas.info
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> AsyncIterator[TokenDelta]:
+        if not self._replicas.running:
+            raise EngineUnavailable("the cluster client is not running")
+
+        def attempt(resumed: list[int], tried: set[Replica]) -> AsyncIterator[TokenDelta]:
+            return self._streams.place(request_id, prompt_token_ids, params, cache_salt, resumed, tried)
+
+        async with aclosing(migrating(attempt, request_id, params, self._migration_limit)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def abort(self, request_id: str) -> None:
+        """A request id aborts the request and its children; a child id, that child only."""
+        await self._streams.abort(request_id)

@@ -1,0 +1,44 @@
+"""The replicas' Stats and lease metadata as one engine's, for /metrics and the
+gateway's limits."""
+from __future__ import annotations
+
+import msgspec
+
+from services.histogram_counts import HistogramCounts
+from services.messages import CacheConfigInfo, EngineInfo, EngineStats
+from services.metric_buckets import ITERATION_TOKENS
+from services.registry import Member
+
+NO_STATS = EngineStats(0, 0, 0.0, 0, 0, 0, 0, HistogramCounts.zero(ITERATION_TOKENS), None)
+
+
+def engine_info(schedulers: list[Member]) -> EngineInfo:
+    """What the schedulers know from their workers; replicas of one model agree on it."""
+    eos = schedulers[0].metadata["eos_token_ids"]
+    return EngineInfo(min(int(s.metadata["max_model_len"]) for s in schedulers),
+                      tuple(int(t) for t in eos.split(",") if t))
+
+
+def total(stats: list[EngineStats]) -> EngineStats:
+    """Every replica's stats as one: gauges, counters and histograms add up, usage is block-weighted."""
+    blocks = sum(s.num_kv_blocks for s in stats)
+    return EngineStats(
+        num_requests_running=sum(s.num_requests_running for s in stats),
+        num_requests_waiting=sum(s.num_requests_waiting for s in stats),
+        kv_cache_usage=sum(s.kv_cache_usage * s.num_kv_blocks for s in stats) / blocks if blocks else 0.0,
+        num_preemptions=sum(s.num_preemptions for s in stats),
+        num_kv_blocks=blocks,
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+        iteration_tokens=sum((s.iteration_tokens for s in stats), HistogramCounts.zero(ITERATION_TOKENS)),
+        cache_config=_fleet_cache_config([s.cache_config for s in stats if s.cache_config is not None]),
+    )
+
+
+def _fleet_cache_config(configs: list[CacheConfigInfo]) -> CacheConfigInfo | None:
+    """The replicas' KV cache as one, as their other stats are: the blocks of all of them,
+    with the settings they share (replicas of one model run one configuration)."""
+    if not configs:
+        return None
+    return msgspec.structs.replace(configs[0], num_gpu_blocks=sum(c.num_gpu_blocks for c in configs),
+                                   num_cpu_blocks=sum(c.num_cpu_blocks for c in configs))

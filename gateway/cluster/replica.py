@@ -1,0 +1,61 @@
+"""One scheduler replica as the gateway sees it: its lease, its channel, and what the
+last poll (and the requests sent since) say of its state."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from services.registry import Member
+from services.transport.channel import open_channel
+from services.transport.role_services import SCHEDULER
+from services.transport.rpc import Stub
+
+
+@dataclass(eq=False)
+class Replica:
+    member: Member
+    channel: grpc.Channel
+    stub: Stub  # SCHEDULER's
+    health: health_pb2_grpc.HealthStub
+    # Its worker holds a lease, it answered the last Stats, and its health said SERVING
+    # (a draining scheduler says NOT_SERVING while it finishes what it holds).
+    routable: bool = False
+    load: int = 0  # running + waiting at the last poll, plus what we sent it since
+    waiting: int = 0  # waiting at the last poll, plus what we sent it since
+    # Another process answers at its address: this one died, and never serves again
+    # (its successor has a lease, so an entry, of its own).
+    superseded: bool = False
+    # It refused a request as full since the last poll (whatever its queue bound says).
+    refused_as_full: bool = False
+
+    @property
+    def instance_id(self) -> str:
+        """Named in Stats and SubmitBatch, so only this process answers them."""
+        return self.member.metadata.get("instance_id", "")
+
+    @property
+    def block_size(self) -> int:
+        return int(self.member.metadata.get("block_size", "16"))
+
+    @property
+    def full(self) -> bool:
+        """Its queue is at its bound (--max-queued-requests), as far as we know."""
+        bound = self.member.metadata.get("max_queued_requests")
+        return self.refused_as_full or (bool(bound) and self.waiting >= int(bound))
+
+    @classmethod
+    def open(cls, member: Member, on_lost: Callable[[Replica, str], None]) -> Replica:
+        channel = open_channel(member.address)
+        replica = cls(member, channel, SCHEDULER.stub(channel), health_pb2_grpc.HealthStub(channel))
+
+        def changed(state: grpc.ChannelConnectivity) -> None:
+            # Its connection failed (a dead process refuses it): evidence about the
+            # scheduler itself, seen within milliseconds rather than a lease later.
+            if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                on_lost(replica, "is unreachable")
+
+        channel.subscribe(changed, try_to_connect=True)
+        return replica

@@ -1,0 +1,63 @@
+"""What is checked of a worker's configuration before anything loads: the model's files
+and metadata against the flags, and whether the machine has the device asked for.
+Each failure is a ConfigError naming the setting and what to do, raised in
+milliseconds (no torch import), where loading first would fail a minute later.
+worker_svc/runtime/device.py checks the rest, once torch is loaded: that its build can use it."""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+from services.config import ConfigError, EngineConfig
+from services.generation_config import sampling_defaults
+from services.model_source import ModelFormat, ModelSource, resolve_model, resolve_tokenizer
+from worker_svc.formats.model_config import ModelConfig, read_model_config
+from worker_svc.group.shard import Shard
+
+# vLLM's variable, so its launch scripts carry over.
+ALLOW_LONG_MAX_MODEL_LEN = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+@dataclass(frozen=True)
+class CheckedModel:
+    source: ModelSource
+    config: ModelConfig
+    max_model_len: int
+
+
+def check_model(config: EngineConfig) -> CheckedModel:
+    source = resolve_model(config.model, config.revision, require_tokenizer=config.tokenizer is None)
+    model_config = read_model_config(source)
+    if config.tokenizer is not None:
+        resolve_tokenizer(config.tokenizer, config.tokenizer_revision)
+    sampling_defaults(source, config.generation_config)
+    if config.quantization == "gguf" and source.format is not ModelFormat.GGUF:
+        raise ConfigError(f"--quantization gguf: {config.model} is not a GGUF file")
+    Shard(tp_size=config.tensor_parallel_size, pp_size=config.pipeline_parallel_size).check(model_config)
+    limit = model_config.max_position_embeddings
+    max_model_len = config.max_model_len or limit
+    if max_model_len > limit and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN, "").lower() not in ("1", "true"):
+        raise ConfigError(
+            f"--max-model-len {max_model_len}: {source.name} has {limit} positions; use at most {limit}, or set "
+            f"{ALLOW_LONG_MAX_MODEL_LEN}=1 to allow more (outputs past {limit} tokens may be wrong)"
+        )
+    return CheckedModel(source, model_config, max_model_len)
+
+
+def check_device(config: EngineConfig) -> None:
+    if config.device.startswith("cuda") and _cuda_driver_devices() == 0:
+        raise ConfigError(f"--device {config.device}: this machine has no CUDA device (no NVIDIA driver answers); "
+                          "use --device cpu")
+
+
+def _cuda_driver_devices() -> int:
+    """GPUs the NVIDIA driver sees, asked of the driver library itself, as torch would."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value

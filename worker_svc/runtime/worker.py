@@ -1,0 +1,315 @@
+"""A worker: weights, the KV cache and per-request state on one device; runs step plans."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.config import EngineConfig
+from services.messages import StepPlan, StepResult, WorkerDescription
+from services.structured_outputs import StructuredOutputsParams
+from worker_svc.group.outcomes import Outcomes
+from worker_svc.group.rank_group import RankGroup
+from worker_svc.kernels.cpu.threads import step_threads
+from worker_svc.model.llama import LlamaForCausalLM
+from worker_svc.model.q4_linear import Q4Linear
+from worker_svc.model.q8_linear import Q8Linear
+from worker_svc.model.weights import load_weights
+from worker_svc.runtime import kernel_choice
+from worker_svc.runtime.batch import InputBatch, RequestState
+from worker_svc.runtime.device import kv_cache_dtype, runs_q4_as_stored, torch_device, torch_dtype
+from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
+from worker_svc.runtime.kv_sizing import size_kv_cache
+from worker_svc.runtime.plan_check import check_plan
+from worker_svc.runtime.preflight import check_model
+from worker_svc.runtime.sampling.step_outputs import StepOutputs
+
+if TYPE_CHECKING:
+    from worker_svc.runtime.sampling.grammar import Grammars
+
+logger = logging.getLogger(__name__)
+
+class Worker:
+    def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
+        """One rank of a worker group (worker_svc/worker_group.py), or a whole worker when `group` is None."""
+        self.config = config
+        self.group = group = group or RankGroup()
+        self.instance_id = uuid.uuid4().hex
+        self.group_lost: str | None = None  # why the group is down, once a rank died
+        self.closed = False
+        # With async scheduling a plan is handed over while the one before it runs: a
+        # thread of its own runs them in order, so the caller can plan the next meanwhile.
+        self._step_thread = (ThreadPoolExecutor(1, thread_name_prefix="kvfleet-step")
+                             if config.async_scheduling and not group.distributed else None)
+        self._state_lock = threading.RLock()  # a step, or dropping a gone scheduler's requests: one at a time
+        checked = check_model(config)  # before any loading: a bad flag fails in milliseconds
+        self.source = checked.source
+        self.max_model_len = checked.max_model_len
+        self.device = torch_device(config, group.shard.rank)
+        self.dtype = torch_dtype(config, self.device)
+        self.kv_dtype = kv_cache_dtype(config, self.dtype)
+        torch.manual_seed(config.seed)  # what requests without a seed of their own draw from, as in vLLM
+        started = time.perf_counter()
+        self.runs_q4 = runs_q4_as_stored(config, self.device, checked.config)
+        self.model_config, weights = load_weights(self.source, self.dtype, keep_quantized=self.runs_q4, shard=group.shard)
+        self.local_config = group.shard.local_config(self.model_config)  # the heads and layers this rank computes
+        self.load_seconds = time.perf_counter() - started
+        self.weights_bytes = sum(tensor.nbytes for tensor in weights.values())
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()  # CompileGrammar calls come on several threads
+        self.attention_backend = kernel_choice.attention_backend(config, self.device, self.local_config, self.dtype)
+        with torch.device("meta"):
+            self.model = LlamaForCausalLM(self.model_config, self.attention_backend, self.max_model_len, self.device,
+                                          group, kernel_choice.decoder_ops(config, self.device, self.dtype))
+        self.model.load_weights({name: t.to(self.device) for name, t in weights.items()})
+        self.model.eval()
+        self.block_size = config.block_size
+        self.requests: dict[str, RequestState] = {}
+        self.batch = InputBatch(-(-self.max_model_len // self.block_size), self.block_size, self.device)
+        self.outputs = StepOutputs(self.model, self.model_config, self.batch, lambda: self.grammars)
+        self.scheduler_instance_id = ""  # whose requests those are
+        self.last_step_at = time.monotonic()  # when a step last began or ended
+        # Block ids are the group's: every rank holds the same number, its own heads' and layers' share of each.
+        self.num_blocks = group.minimum(size_kv_cache(self))
+        self.kv_caches = allocate_kv_cache(self.local_config, self.num_blocks, self.block_size, self.kv_dtype, self.device)
+        block_bytes = bytes_per_block(self.local_config, self.block_size, self.kv_dtype)
+        swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
+        self.num_host_blocks = group.minimum(swap_blocks)
+        self.host_kv_caches = (
+            allocate_kv_cache(self.local_config, self.num_host_blocks, self.block_size, self.kv_dtype,
+                              torch.device("cpu"))
+            if self.num_host_blocks
+            else []
+        )
+        self.graphs = kernel_choice.decode_graphs(config, self.device, group, self.model, self.attention_backend,
+                                            self.kv_caches, self.batch)
+        # A pipeline's leader gets each plan's outcome later, from the last stage.
+        self._outcomes = Outcomes(group) if group.shard.rank == 0 and not group.shard.samples else None
+        for line in self.summary():
+            logger.info("%s", line)
+
+    def summary(self) -> list[str]:
+        """The start-up summary's lines on the model and its KV cache."""
+        model, dtype = self.model_config, str(self.dtype).removeprefix("torch.")
+        if self.runs_q4:
+            int16 = any(isinstance(module, (Q4Linear, Q8Linear)) and module.panels is not None
+                        for module in self.model.modules())
+            activations = " against int16 activations (AVX-512 VNNI)" if int16 else ""
+            stored = (f"{model.quantization}, its 4-bit projections and 8-bit embedding run as stored{activations}, "
+                      f"the rest in {dtype}")
+        else:
+            stored = f"{model.quantization} dequantized to {dtype}" if model.quantization else dtype
+        kv_tokens = self.num_blocks * self.block_size
+        kv_bytes = self.num_blocks * bytes_per_block(self.local_config, self.block_size, self.kv_dtype)
+        shard, local = self.group.shard, self.local_config
+        rank = [f"rank {shard.rank} of {shard.tp_size} TP x {shard.pp_size} PP: {local.num_hidden_layers} layers, "
+                f"{local.num_attention_heads} heads, {local.num_key_value_heads} KV heads"] if self.group.distributed else []
+        return [
+            f"model {self.config.model}: {self.source.path} ({model.architecture}, {model.num_hidden_layers} layers)",
+            *rank,
+            f"weights: {stored} on {self.device}, {self.weights_bytes / 1e9:.2f} GB, loaded in {self.load_seconds:.1f} s",
+            f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = {kv_tokens} tokens "
+            f"({kv_bytes / 2**30:.2f} GiB of {str(self.kv_dtype).removeprefix('torch.')}); maximum concurrency at "
+            f"max_model_len {self.max_model_len}: {kv_tokens / self.max_model_len:.1f}x",
+        ]
+
+    @property
+    def num_requests(self) -> int:
+        """Requests whose state this worker holds: its scheduler has not yet told it they ended."""
+        return len(self.requests)
+
+    def describe(self) -> WorkerDescription:
+        return WorkerDescription(
+            num_kv_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            num_host_blocks=self.num_host_blocks,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=self.model_config.eos_token_ids,
+            instance_id=self.instance_id,
+            max_plans_in_flight=self.group.shard.pp_size,
+        )
+
+    @property
+    def grammars(self) -> Grammars:
+        """Built when the first constraint arrives: xgrammar loads transformers, a second
+        at start and at exit that a worker serving none should not pay."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from worker_svc.runtime.sampling.grammar import Grammars
+
+                self._grammars = Grammars(self.source, self.model_config.vocab_size, self.model_config.eos_token_ids)
+            return self._grammars
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compiles a constraint into the grammar cache; raises InvalidParameter when it is invalid."""
+        self.grammars.compile(params)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Runs a plan of the scheduler's; a group's leader first hands it to every rank."""
+        if self._outcomes is not None:
+            return self.submit(plan).result()
+        self._check(plan)
+        self.group.send_plan(plan)
+        return self.run_plan(plan)
+
+    def submit(self, plan: StepPlan) -> Future[StepResult]:
+        """Runs a plan as execute() does, but a pipeline's leader returns once its own
+        stage is done with it: the later stages work on, and the next plan can follow."""
+        if self._step_thread is not None:
+            return self._step_thread.submit(self.execute, plan)
+        if self._outcomes is None:
+            return _settled(self.execute, plan)
+        self._check(plan)
+        self.group.send_plan(plan)
+        try:
+            self.run_plan(plan)
+        except Exception as exc:
+            return self._outcomes.expect(exc)
+        return self._outcomes.expect(None)
+
+    def _check(self, plan: StepPlan) -> None:
+        if self.group_lost is not None or self.closed:
+            raise RuntimeError(f"the worker group is down: {self.group_lost or 'closed'}")
+        check_plan(plan, self.instance_id, self.num_blocks, self.num_host_blocks, self.requests)
+
+    def follow(self) -> None:
+        """A follower rank's life: the leader's plans, until it broadcasts None (closing)."""
+        while (plan := self.group.receive_plan()) is not None:
+            self.run_plan(plan)
+
+    def lose_group(self, reason: str) -> None:
+        """A rank died: every later step fails with `reason`."""
+        self.group_lost = reason
+
+    def close(self) -> None:
+        """A group's leader tells its followers to exit, once; then it takes no more plans."""
+        if self.closed or not self.group.distributed:
+            return
+        self.closed = True
+        if self._outcomes is not None:
+            self._outcomes.close()
+        if self.group_lost is None:
+            try:
+                self.group.send_plan(None)
+            except RuntimeError as exc:  # a rank died meanwhile: nothing left to tell
+                logger.warning("closing the worker group: %s", exc)
+        self.group.close()
+
+    def run_plan(self, plan: StepPlan) -> StepResult | None:
+        """Every rank runs every plan, in the same order: their collectives pair up. The
+        sampling rank returns the outcome; the others None."""
+        self.last_step_at = time.monotonic()
+        with self._state_lock:
+            if plan.scheduler_instance_id != self.scheduler_instance_id:
+                self.drop_scheduler_state(f"scheduler instance {plan.scheduler_instance_id} took over")
+                self.scheduler_instance_id = plan.scheduler_instance_id
+            try:
+                return self._execute(plan)
+            finally:
+                self.last_step_at = time.monotonic()
+
+    def drop_scheduler_state(self, reason: str) -> None:
+        """Forgets the requests of a scheduler that is gone: nobody will ever end them."""
+        with self._state_lock:
+            if self.requests:
+                logger.warning("dropping the state of %d requests: %s", len(self.requests), reason)
+                self._drop_requests()
+
+    def _execute(self, plan: StepPlan) -> StepResult | None:
+        self._apply_deltas(plan)
+        shard = self.group.shard
+        with step_threads(self.device, sum(plan.num_scheduled_tokens.values())):
+            outcome = self._compute(plan) if plan.num_scheduled_tokens else StepResult(plan.step_id)
+        if not shard.samples:
+            return None
+        if shard.rank != 0:
+            self.group.send_outcome(RuntimeError(repr(outcome)) if isinstance(outcome, Exception) else outcome)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def _compute(self, plan: StepPlan) -> StepResult | Exception | None:
+        """The step's forward; on the sampling rank, its outcome (an exception when sampling failed)."""
+        shard = self.group.shard
+        inputs = self.batch.prepare(plan, self.requests)
+        hidden = self.graphs.forward(inputs.input_ids, inputs.positions, inputs.layout) if self.graphs else None
+        if hidden is None:
+            metadata = self.attention_backend.build_metadata(inputs.layout)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
+        outcome: StepResult | Exception | None = None
+        if shard.is_last_stage:
+            # Every collective first (the last stage's ranks gather logits together), so a
+            # sampling error on the sampling rank cannot leave the others waiting in one.
+            logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.sample_request_ids else None
+            prompt_logits = self.outputs.prompt_logits(plan, self.requests, inputs.row_starts, hidden)
+            if shard.samples:
+                try:
+                    outcome = self.outputs.sample(plan.step_id, inputs, self.requests, logits, prompt_logits)
+                except Exception as exc:  # this step fails on every rank alike
+                    outcome = exc
+        for request_id, count in plan.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += count
+        return outcome
+
+    def _apply_deltas(self, plan: StepPlan) -> None:
+        for request_id in plan.finished_request_ids:
+            if (state := self.requests.pop(request_id, None)) is not None:
+                self.batch.remove(state)
+        copy_blocks(plan.blocks_to_copy, self.kv_caches, self.kv_caches)
+        copy_blocks(plan.blocks_to_swap_out, self.kv_caches, self.host_kv_caches)
+        copy_blocks(plan.blocks_to_swap_in, self.host_kv_caches, self.kv_caches)
+        samples = self.group.shard.samples  # sampling state lives on the rank that samples
+        for new in plan.new_requests:
+            generator = None
+            if samples and new.sampling_params.seed is not None:
+                generator = torch.Generator(self.device).manual_seed(new.sampling_params.seed)
+            constraint = new.sampling_params.structured_outputs
+            state = RequestState(
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                new.num_computed_tokens,
+                new.sampling_params,
+                generator,
+                self.grammars.request_grammar(constraint, new.token_ids[new.num_prompt_tokens:])
+                if constraint and samples else None,
+            )
+            self._add_request(new.request_id, state, list(new.block_ids))
+        for cached in plan.cached_requests:
+            state = self.requests[cached.request_id]
+            if state.num_computed_tokens != cached.num_computed_tokens:
+                raise RuntimeError(
+                    f"worker out of sync on {cached.request_id}: has {state.num_computed_tokens} "
+                    f"computed tokens, the scheduler says {cached.num_computed_tokens}"
+                )
+            self.batch.append_blocks(state.row, list(cached.new_block_ids))
+            state.token_ids.extend(cached.new_token_ids)
+            if samples:
+                state.num_sampled_ahead -= len(cached.new_token_ids)
+
+    def _add_request(self, request_id: str, state: RequestState, block_ids: list[int]) -> None:
+        """A request the plan brings (again, after a preemption by recompute: its old row is freed)."""
+        if (old := self.requests.pop(request_id, None)) is not None:
+            self.batch.remove(old)
+        self.requests[request_id] = state
+        self.batch.add(state, block_ids)
+
+    def _drop_requests(self) -> None:
+        for state in self.requests.values():
+            self.batch.remove(state)
+        self.requests.clear()
+
+
+def _settled(run: Callable[[StepPlan], StepResult], plan: StepPlan) -> Future[StepResult]:
+    future: Future[StepResult] = Future()
+    try:
+        future.set_result(run(plan))
+    except Exception as exc:
+        future.set_exception(exc)
+    return future

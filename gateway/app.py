@@ -16,6 +16,7 @@ from gateway.drain import DrainMiddleware
 from gateway.errors import install_error_handlers
 from gateway.limits import BodySizeMiddleware, RequestLimits
 from gateway.metrics import GatewayMetrics
+from gateway.response_options import ResponseOptions
 from gateway.routes import chat, completions, models, system, tokenize
 from gateway.tool_calls import ChatOptions
 from services.engine_client import EngineClient
@@ -29,7 +30,7 @@ def build_app(
     api_key: str | None = None,
     limits: RequestLimits = RequestLimits(),
     chat_options: ChatOptions = ChatOptions(),
-    prompt_tokens_details: bool = False,
+    options: ResponseOptions = ResponseOptions(),
 ) -> FastAPI:
     """`encoder` does the text work: in-process, or the cluster's tokenizer role.
     Clients may name any of `served_model_names`; responses carry the first, as in vLLM."""
@@ -42,7 +43,7 @@ def build_app(
         metrics=GatewayMetrics(engine_client, names[0]),
         limits=limits,
         chat_options=chat_options,
-        prompt_tokens_details=prompt_tokens_details,
+        options=options,
     )
     for module in (models, completions, chat, tokenize, system):
         app.include_router(module.router)

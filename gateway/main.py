@@ -56,6 +56,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     from gateway.cluster.tokenizer_client import RemoteTokenizer
     from gateway.drain import bind, serve
     from gateway.limits import RequestLimits
+    from gateway.response_options import ResponseOptions
     from gateway.tool_calls import ChatOptions
     from services.transport.tls import configure_tls
 
@@ -69,7 +70,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     encoder = RemoteTokenizer(lambda: [member.address for member in registry.members("tokenizer")],
                               lease_ttl_s=args.lease_ttl)
     app = build_app(client, encoder, args.served_model_name or [args.model], args.api_key,
-                    RequestLimits.from_args(args), ChatOptions.from_args(args), args.enable_prompt_tokens_details)
+                    RequestLimits.from_args(args), ChatOptions.from_args(args), ResponseOptions.from_args(args))
     member = Member("gateway", client.gateway_id, advertised(args), {"model": args.model})
     client.start()
     encoder.start()

@@ -25,6 +25,7 @@ def serve_embedded(args: argparse.Namespace) -> None:
     # The engine's modules load torch and transformers (seconds): only once the checks above pass.
     from gateway.app import build_app
     from gateway.limits import RequestLimits
+    from gateway.response_options import ResponseOptions
     from gateway.tool_calls import ChatOptions
     from kvfleet.async_engine import AsyncEngine
     from scheduler_svc.engine_core import EngineCore
@@ -37,7 +38,7 @@ def serve_embedded(args: argparse.Namespace) -> None:
     encoder = InProcessEncoder(Tokenizer.for_engine(config, args.chat_template))
     engine = AsyncEngine(EngineCore(config, start_worker(config)))
     app = build_app(engine, encoder, args.served_model_name or [config.model], args.api_key,
-                    RequestLimits.from_args(args), ChatOptions.from_args(args), args.enable_prompt_tokens_details)
+                    RequestLimits.from_args(args), ChatOptions.from_args(args), ResponseOptions.from_args(args))
     # The model's, tokenizer's and libraries' objects live as long as the process: kept out
     # of every collection, a full one (a large request's allocations set it off) stays
     # short instead of stalling the event loop, /health included, for a third of a second.

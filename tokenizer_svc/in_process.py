@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from services.invalid_parameter import InvalidParameter
 from services.tokenizer_api import ChatPrompt, EncodedPrompt
-from tokenizer_svc.tokenizer import NoChatTemplateError, Tokenizer
+from tokenizer_svc.tokenizer import Tokenizer
 
 T = TypeVar("T")
 
@@ -41,7 +41,7 @@ def encode_chat(tokenizer: Tokenizer, chat: ChatPrompt) -> EncodedPrompt:
     """The chat rendered by the model's template, and its token ids: one definition for
     the embedded gateway and the tokenizer role's server."""
     try:
-        text = tokenizer.render_chat(chat.messages, chat.add_generation_prompt, chat.tools)
-    except NoChatTemplateError as exc:
+        text = tokenizer.render_chat(chat.messages, chat.add_generation_prompt, chat.tools, chat.continue_final_message)
+    except ValueError as exc:  # no chat template, or no final message to continue
         raise InvalidParameter("messages", str(exc)) from exc
     return EncodedPrompt(text, tokenizer.encode(text, add_special_tokens=chat.add_special_tokens))

@@ -64,11 +64,14 @@ pytestmark = pytest.mark.serial
 
 # Greedy outputs by mode (and the SDK's), for the cross-mode test at the end.
 GREEDY: dict[str, dict[str, Any]] = {"sdk": {}, **{mode: {} for mode in MODES}}
+# What the servers start with besides openai_servers' flags; no test but the one that
+# checks a flag's effect depends on it.
+FLAGS = ["--max-logprobs", "-1"]  # the whole vocabulary: test_max_logprobs_bounds_the_logprobs_a_request_asks_for
 
 
 @pytest.fixture(scope="module", params=MODES)
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with running_server(request.param, tmp_path_factory) as running:
+    with running_server(request.param, tmp_path_factory, *FLAGS) as running:
         yield running
 
 
@@ -635,3 +638,117 @@ def test_greedy_outputs_are_identical_in_both_modes_and_equal_the_sdk() -> None:
     assert serve.keys() == cluster.keys() == sdk.keys(), "a mode's greedy test failed before recording"
     for key in sdk:
         assert serve[key] == cluster[key] == sdk[key], key
+
+
+# -- issue 47: request-level features (usage in every chunk, token ids, logprob bounds, echo) --
+
+
+def test_continuous_usage_stats_tell_the_usage_so_far_in_every_chunk(client: openai.OpenAI, llm: LLM) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    *body, total = client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                             stream=True, stream_options=options)
+    assert total.choices == [] and total.usage.completion_tokens == 6
+    assert total.usage.prompt_tokens == len(encode(llm, PROMPTS[0]))
+    counts = [c.usage.completion_tokens for c in body]
+    assert counts == sorted(set(counts)) and counts[-1] == 6  # each chunk's count, after its tokens
+    assert all(c.usage.prompt_tokens == total.usage.prompt_tokens for c in body)
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in body)
+    *body, total = client.chat.completions.create(model=SERVED, messages=CHAT, max_completion_tokens=6, temperature=0,
+                                                  stream=True, stream_options=options)
+    assert total.choices == [] and total.usage.prompt_tokens == chat_prompt_len(llm)
+    counts = [c.usage.completion_tokens for c in body]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == total.usage.completion_tokens  # role first
+    # As vLLM: continuous_usage_stats says nothing without include_usage.
+    quiet = client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=3, temperature=0, stream=True,
+                                      stream_options={"continuous_usage_stats": True})
+    assert all(c.usage is None for c in quiet)
+
+
+def test_return_token_ids_give_the_prompt_s_and_each_choice_s_token_ids(client: openai.OpenAI, llm: LLM) -> None:
+    [expected] = sdk_greedy(llm, [PROMPTS[1]], 6)
+    args = dict(model=SERVED, prompt=PROMPTS[1], max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+    [whole] = client.completions.create(**args).choices
+    assert whole.prompt_token_ids == encode(llm, PROMPTS[1]) and whole.token_ids == list(expected.token_ids)
+    streamed = [c.choices[0] for c in client.completions.create(**args, stream=True)]
+    assert streamed[0].prompt_token_ids == whole.prompt_token_ids  # with the first chunk only
+    assert not any("prompt_token_ids" in c.model_extra for c in streamed[1:])
+    assert [token for c in streamed for token in c.token_ids] == whole.token_ids
+    assert client.completions.create(**{**args, "extra_body": {}}).choices[0].token_ids is None
+
+    chat_args = dict(model=SERVED, messages=CHAT, max_completion_tokens=6, temperature=0,
+                     extra_body={"return_token_ids": True})
+    chat = client.chat.completions.create(**chat_args)
+    assert chat.prompt_token_ids == llm.get_tokenizer().apply_chat_template(CHAT)
+    assert chat.choices[0].token_ids == list(sdk_chat(llm, 6).token_ids)
+    first, *rest = client.chat.completions.create(**chat_args, stream=True)
+    assert first.prompt_token_ids == chat.prompt_token_ids
+    assert not any("prompt_token_ids" in c.model_extra for c in rest)
+    assert [token for c in rest for token in c.choices[0].model_extra.get("token_ids", [])] == chat.choices[0].token_ids
+
+
+def test_return_tokens_as_token_ids_name_each_token_by_its_id(client: openai.OpenAI, llm: LLM) -> None:
+    as_ids = {"return_tokens_as_token_ids": True}
+    [expected] = sdk_greedy(llm, [PROMPTS[2]], 8)
+    echoed = client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=8, temperature=0, echo=True,
+                                       logprobs=1, extra_body=as_ids).choices[0]
+    prompt_ids = encode(llm, PROMPTS[2])
+    assert echoed.logprobs.tokens == [f"token_id:{t}" for t in [*prompt_ids, *expected.token_ids]]
+    completion = zip(echoed.logprobs.tokens[len(prompt_ids):], echoed.logprobs.top_logprobs[len(prompt_ids):])
+    assert all(list(top) == [token] for token, top in completion)  # greedy: each token is its top one
+    chat = client.chat.completions.create(model=SERVED, messages=CHAT, max_completion_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=1, extra_body=as_ids)
+    names = [f"token_id:{t}" for t in sdk_chat(llm, 6).token_ids]
+    content = chat.choices[0].logprobs.content
+    assert [t.token for t in content] == [t.top_logprobs[0].token for t in content] == names
+    assert b"".join(bytes(t.bytes) for t in content).decode() == chat.choices[0].message.content  # still the text's
+
+
+def test_max_logprobs_bounds_the_logprobs_a_request_asks_for(client: openai.OpenAI, llm: LLM) -> None:
+    """The servers run with --max-logprobs -1: -1 asks for the whole vocabulary, more
+    is refused in vLLM's words (the default of 20 is tests/gateway's)."""
+    vocab = llm.get_tokenizer().vocab_size
+    chat = client.chat.completions.create(model=SERVED, messages=CHAT, max_completion_tokens=1, temperature=0,
+                                          logprobs=True, top_logprobs=-1)
+    assert len(chat.choices[0].logprobs.content[0].top_logprobs) == vocab
+    # Four prompt positions of the whole vocabulary: more than NATS's default 1 MB in one message.
+    prompt = "The history of the lighthouse"
+    [choice] = client.completions.create(model=SERVED, prompt=prompt, max_tokens=1,
+                                         extra_body={"prompt_logprobs": -1}).choices
+    entries = choice.prompt_logprobs
+    assert entries[0] is None and len(entries) == len(encode(llm, prompt)) >= 5
+    assert all(len(entry) == vocab for entry in entries[1:])
+    refused = [
+        (client.completions.create, {"prompt": "Hi", "logprobs": vocab + 1}, "logprobs",
+         f"Requested sample logprobs of {vocab + 1}, which is greater than max allowed: {vocab}"),
+        (client.completions.create, {"prompt": "Hi", "extra_body": {"prompt_logprobs": vocab + 1}}, "prompt_logprobs",
+         f"Requested prompt logprobs of {vocab + 1}, which is greater than max allowed: {vocab}"),
+        (client.chat.completions.create, {"messages": CHAT, "logprobs": True, "top_logprobs": vocab + 1},
+         "top_logprobs", f"Requested sample logprobs of {vocab + 1}, which is greater than max allowed: {vocab}"),
+        (client.completions.create, {"prompt": "Hi", "logprobs": -2}, "logprobs",
+         "`logprobs` must be a positive value or -1."),
+    ]
+    for create, extra, param, message in refused:
+        with pytest.raises(openai.BadRequestError) as caught:
+            create(model=SERVED, max_tokens=1, **extra)
+        assert caught.value.param == param and message in caught.value.message
+
+
+def test_echo_with_continue_final_message_goes_on_with_the_last_message(client: openai.OpenAI, llm: LLM) -> None:
+    saying = "Here is a common saying about apple. An apple a day, keeps"
+    messages = [{"role": "user", "content": "tell me a common saying"}, {"role": "assistant", "content": saying}]
+    args = dict(model=SERVED, messages=messages, max_completion_tokens=8, temperature=0)
+    go_on = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(**args, extra_body=go_on).choices[0].message
+    # The model continued the open message: the SDK's greedy continuation of the same prompt.
+    prompt = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert llm.get_tokenizer().decode(prompt).endswith(saying)
+    [expected] = sdk_greedy(llm, [prompt], 8)
+    assert (plain.role, plain.content) == ("assistant", expected.text)
+    echoed = client.chat.completions.create(**args, extra_body={**go_on, "echo": True}).choices[0].message
+    assert echoed.content == saying + plain.content
+    chunks = list(client.chat.completions.create(**args, stream=True, extra_body={**go_on, "echo": True}))
+    assert chunks[1].choices[0].delta.content == saying  # right after the role's
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == echoed.content
+    with pytest.raises(openai.BadRequestError) as both:
+        client.chat.completions.create(**args, extra_body={"continue_final_message": True})  # with the default
+    assert both.value.param == "continue_final_message" and "`add_generation_prompt`" in both.value.message

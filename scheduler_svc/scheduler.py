@@ -370,6 +370,10 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_in_flight_tokens -= num_tokens
             request.num_computed_tokens += num_tokens
+            if self.config.enable_prefix_caching:
+                # Before its tokens are accepted: a request that ends in this step (one
+                # token asked for) frees its blocks, which must go back cached, as vLLM's do.
+                self._cache_computed_blocks(request)
             if request_id in result.prompt_logprobs:
                 request.prompt_logprobs += result.prompt_logprobs[request_id]
             sampled = result.sampled_token_ids.get(request_id)
@@ -382,8 +386,6 @@ class Scheduler:
                     step_tokens += len(request.prompt_token_ids)
             if request.followers and request.num_computed_tokens >= len(request.prompt_token_ids):
                 self._fork_followers(request)
-            if self.config.enable_prefix_caching and not request.is_finished:
-                self._cache_computed_blocks(request)
         if deltas:  # as vLLM, which records a step's stats only when it has outputs
             self.iteration_tokens.observe(step_tokens)
         return deltas

@@ -52,6 +52,7 @@ from openai_servers import (
 )
 
 from kvfleet import LLM, SamplingParams
+from kvfleet.processes import free_port
 from services.messages import Empty
 from services.outputs import CompletionOutput
 from services.scheduler_messages import StatsRequest
@@ -752,3 +753,41 @@ def test_echo_with_continue_final_message_goes_on_with_the_last_message(client: 
     with pytest.raises(openai.BadRequestError) as both:
         client.chat.completions.create(**args, extra_body={"continue_final_message": True})  # with the default
     assert both.value.param == "continue_final_message" and "`add_generation_prompt`" in both.value.message
+
+
+def test_a_cluster_gateway_takes_the_response_flags(server: Server, tmp_path: Path) -> None:
+    """--enable-force-include-usage, --return-tokens-as-token-ids and
+    --enable-prompt-tokens-details (completions too) on a second gateway of the running
+    cluster, started as cluster up started its own (in serve mode: tests/gateway/test_gateway.py
+    on the embedded app; tests/kvfleet/test_cli.py, the flags reaching both)."""
+    if server.mode != "cluster" or not PROC:
+        pytest.skip("a second gateway of the cluster, started like its own through /proc")
+    pid = role_pid(server, "gateway")
+    argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
+    environment = dict(entry.split("=", 1) for entry in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                       if "=" in entry)
+    port = free_port()
+    argv[argv.index("--port") + 1] = str(port)
+    flags = ["--enable-force-include-usage", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details"]
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("wb") as log:
+        second = subprocess.Popen([*argv, *flags], env=environment, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        began = time.monotonic()
+        while not healthy(url):
+            assert second.poll() is None and time.monotonic() - began < 60, log_path.read_text()
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        *body, total = client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                                 stream=True, logprobs=1)
+        assert [c.usage.completion_tokens for c in body] == [1, 2, 3, 4] and total.choices == []
+        assert total.usage.prompt_tokens_details is not None
+        assert all(t.startswith("token_id:") for c in body for t in c.choices[0].logprobs.tokens)
+        prompt = "The history of the printing press begins " * 8  # several full blocks
+        for _ in range(2):  # the second is served from the first's blocks
+            usage = client.completions.create(model=SERVED, prompt=prompt, max_tokens=1).usage
+        assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16 > 0
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=60) == 0, log_path.read_text()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.block_pool import BlockPool, KvEventLog
 from scheduler_svc.request import Request
 from services.histogram_counts import BucketCounter
 from services.kv_block_files import HOST, BlockFiles
@@ -57,6 +57,16 @@ class KvConnector:
         self.queries = 0  # tokens looked up in the tiers (vllm:external_prefix_cache_queries)
         self.hits = 0  # tokens loaded from them (vllm:external_prefix_cache_hits)
         self.totals: dict[str, TierTotals] = {}
+        self.events: KvEventLog | None = None
+
+    def attach_events(self, events: KvEventLog) -> None:
+        """Logs what the tiers gain and lose into the device pool's KV events: the host
+        tier exactly (its table is here); the file tiers as saves are sent and as the
+        worker reports evictions (another replica's evictions of a shared file go
+        unseen: a router's hint that proves stale is a miss)."""
+        self.events = events
+        if self.host is not None:
+            self.host.events = events.tier(HOST)
 
     def find(self, block_hashes: list[bytes], start: int, stop: int) -> list[int]:
         """For the blocks start..stop-1 of a chain, up to the first that no tier holds: the
@@ -99,6 +109,9 @@ class KvConnector:
             if len(self._sent_to_files) > _REMEMBERED_FILE_SAVES:
                 self._sent_to_files.popitem(last=False)
             self._file_saves.append((block, block_hash))
+            if self.events is not None:
+                for tier in self.files:
+                    self.events.tier(tier.medium).changed(block_hash, True)
 
     def take_saves(self) -> tuple[list[tuple[int, int]], list[tuple[int, bytes]]]:
         saves = self._host_saves, self._file_saves
@@ -118,6 +131,10 @@ class KvConnector:
             total.failed += count.failed
             for seconds in count.load_seconds:
                 totals.load_seconds.observe(seconds)
+            for block_hash in count.evicted_hashes:
+                self._sent_to_files.pop(block_hash, None)
+                if self.events is not None:
+                    self.events.tier(count.medium).changed(block_hash, False)
 
     def stats(self) -> list[KvTierStats]:
         return [totals.stats() for totals in self.totals.values()]

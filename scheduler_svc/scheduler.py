@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler_svc.block_pool import BlockPool, StoredBlock
+from scheduler_svc.block_pool import BlockPool, KvEventLog, StoredBlock
 from scheduler_svc.kv_connector import KvConnector
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from services.block_hash import extend_block_hashes, extra_keys_bytes
@@ -140,6 +140,12 @@ class Scheduler:
             self.waiting.remove(request)
         self._finish(request, FinishReason.ABORT)
         return TokenDelta(request_id, [], FinishReason.ABORT.value)
+
+    def attach_kv_events(self, events: KvEventLog) -> None:
+        """Logs the prefix cache's changes (the device pool's and the offload tiers') for KV events."""
+        self.block_pool.events = events
+        if self.connector is not None:
+            self.connector.attach_events(events)
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -19,7 +19,7 @@ import struct
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.config import EngineConfig
@@ -45,6 +45,7 @@ class FileTierCounts:
     evicted_blocks: int = 0
     evicted_bytes: int = 0
     failed: int = 0  # reads that found a bad file, writes that failed
+    evicted_hashes: list[bytes] = field(default_factory=list)
 
 
 class BlockFiles:
@@ -148,7 +149,8 @@ class BlockFiles:
                 elif now - stat.st_mtime > _STALE_TEMP_S:
                     _unlink(entry.path)
         total = sum(size for _, size, _ in files)
-        evicted = evicted_bytes = 0
+        evicted: list[bytes] = []
+        evicted_bytes = 0
         if total > self.max_bytes:
             files.sort()
             target = int(self.max_bytes * 0.9)
@@ -157,12 +159,13 @@ class BlockFiles:
                     break
                 if _unlink(path):
                     total -= size
-                    evicted += 1
+                    evicted.append(bytes.fromhex(os.path.basename(path).removesuffix(_SUFFIX)))
                     evicted_bytes += size
         with self._lock:
             self._bytes = total
-            self.counts.evicted_blocks += evicted
+            self.counts.evicted_blocks += len(evicted)
             self.counts.evicted_bytes += evicted_bytes
+            self.counts.evicted_hashes += evicted
 
 
 def file_tiers(config: EngineConfig, layout_key: str) -> list[BlockFiles]:

@@ -99,6 +99,7 @@ class KvTierCounts(msgspec.Struct, **_HOT):
     evicted_bytes: int = 0
     failed: int = 0  # bad files read and writes that failed: misses, recomputed
     load_seconds: list[float] = []  # one per request's load from this tier
+    evicted_hashes: list[bytes] = []  # a file tier's evictions, for the KV events
 
 
 class StepResult(msgspec.Struct, **_HOT):

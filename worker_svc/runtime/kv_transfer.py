@@ -89,6 +89,7 @@ class KvTransfer:
                 entry.evicted_blocks += taken.evicted_blocks
                 entry.evicted_bytes += taken.evicted_bytes
                 entry.failed += taken.failed
+                entry.evicted_hashes += taken.evicted_hashes
         return list(counts.values())
 
     def close(self) -> None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import msgspec
-
 from scheduler_svc.block_pool import BlockPool, KvEventLog
 from scheduler_svc.request import Request
 from services.histogram_counts import BucketCounter
@@ -43,7 +41,9 @@ class TierTotals:
     load_seconds: BucketCounter = field(default_factory=lambda: BucketCounter(KV_LOAD_SECONDS))
 
     def stats(self) -> KvTierStats:
-        return KvTierStats(**msgspec.structs.asdict(self.counts) | {"load_seconds": self.load_seconds.snapshot()})
+        c = self.counts
+        return KvTierStats(c.medium, c.stored_blocks, c.stored_bytes, c.loaded_blocks, c.loaded_bytes,
+                           c.evicted_blocks, c.evicted_bytes, c.failed, self.load_seconds.snapshot())
 
 
 class KvConnector:

@@ -270,7 +270,7 @@ class Scheduler:
     def _start_load(self, request: Request, hits: list[int], plan: StepPlan) -> bool:
         """Whether the request's prefix continues, past the device pool's `hits`, in the
         offload tiers: then its blocks are taken and the worker loads them meanwhile."""
-        if self.connector is None or request.status is not RequestStatus.WAITING:
+        if self.connector is None or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             return False
         max_hit_blocks = (request.num_tokens - 1) // self.config.block_size
         if request.sampling_params.prompt_logprobs is not None or len(hits) >= max_hit_blocks:

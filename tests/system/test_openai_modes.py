@@ -223,14 +223,14 @@ def test_chat_streamed_and_whole_are_identical(server: Server, client: openai.Op
     expected = sdk_chat(llm, 16)
     record(server, "chat", (message.content, whole.choices[0].finish_reason), (expected.text, expected.finish_reason))
 
-    first, *content, final, usage = chunks
+    first, *content, usage = chunks
     assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
     assert first.choices[0].delta.role == "assistant" and first.choices[0].delta.content == ""
     streamed = "".join(c.choices[0].delta.content for c in content)
     record(server, "chat streamed", streamed, expected.text)
-    assert all(c.choices[0].finish_reason is None for c in [first, *content])
-    assert final.choices[0].finish_reason == whole.choices[0].finish_reason
-    assert final.choices[0].delta.content is None
+    # As vLLM: the last token comes with the finish reason.
+    assert all(c.choices[0].finish_reason is None for c in [first, *content[:-1]])
+    assert content[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     streamed_tokens = [t.token for c in content for t in c.choices[0].logprobs.content]
     assert streamed_tokens == [t.token for t in whole.choices[0].logprobs.content]
     assert all(len(t.top_logprobs) == 2 for t in whole.choices[0].logprobs.content)
@@ -248,7 +248,7 @@ def test_chat_raw_sse_format(server: Server) -> None:
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
     assert '"delta":{"role":"assistant","content":""}' in lines[0]
-    assert '"delta":{},"logprobs":null,"finish_reason":"length"' in lines[-2]
+    assert re.search(r'"delta":\{"content":"[^"]+"\},"logprobs":null,"finish_reason":"length"', lines[-2]), lines[-2]
 
 
 # -- stop strings -------------------------------------------------------------------------
@@ -635,3 +635,28 @@ def test_greedy_outputs_are_identical_in_both_modes_and_equal_the_sdk() -> None:
     assert serve.keys() == cluster.keys() == sdk.keys(), "a mode's greedy test failed before recording"
     for key in sdk:
         assert serve[key] == cluster[key] == sdk[key], key
+
+
+# -- issue 47: vLLM's streamed endings, default model, logprobs, echo, model cards and error wording --
+
+# smollm2's token 0, a special token that decoding skips by default.
+END_OF_TEXT = (0, "<|endoftext|>")
+
+
+def test_the_last_streamed_chunk_carries_the_last_token_and_the_finish_reason(client: openai.OpenAI) -> None:
+    """As vLLM streams it: chat and completions alike, no empty chunk after the last token."""
+    args = dict(model=SERVED, max_tokens=6, temperature=0)
+    whole = client.chat.completions.create(**args, messages=CHAT, logprobs=True)
+    chunks = list(client.chat.completions.create(**args, messages=CHAT, logprobs=True, stream=True))
+    assert [c for c in chunks if c.choices[0].finish_reason] == [chunks[-1]]
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == whole.choices[0].finish_reason == "length"
+    last_token = whole.choices[0].logprobs.content[-1].token
+    assert last.delta.content and last.delta.content.endswith(last_token)
+    assert last.logprobs.content[-1].token == last_token
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    text = client.completions.create(**args, prompt=PROMPTS[0]).choices[0].text
+    chunks = list(client.completions.create(**args, prompt=PROMPTS[0], stream=True))
+    assert [c for c in chunks if c.choices[0].finish_reason] == [chunks[-1]]
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].choices[0].text
+    assert "".join(c.choices[0].text for c in chunks) == text

@@ -63,8 +63,8 @@ class GatewayContext:
         return info
 
     def check_model(self, model: str | None) -> None:
-        # Like vLLM, a request that names no model gets the served one.
-        if model is not None and model not in self.served_model_names:
+        # Like vLLM, a request that names no model (absent, null or "") gets the served one.
+        if model and model not in self.served_model_names:
             raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     def is_ready(self) -> bool:

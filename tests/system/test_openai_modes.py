@@ -660,3 +660,12 @@ def test_the_last_streamed_chunk_carries_the_last_token_and_the_finish_reason(cl
     assert [c for c in chunks if c.choices[0].finish_reason] == [chunks[-1]]
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].choices[0].text
     assert "".join(c.choices[0].text for c in chunks) == text
+
+
+def test_a_request_that_names_no_model_gets_the_served_one(server: Server, client: openai.OpenAI) -> None:
+    """As vLLM: `model` absent, null or empty serves the default model."""
+    assert client.completions.create(model="", prompt="Hi", max_tokens=2).model == SERVED
+    for model in ({}, {"model": None}, {"model": ""}):
+        body = {**model, "messages": CHAT, "max_tokens": 2}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=bearer(), timeout=60)
+        assert response.status_code == 200 and response.json()["model"] == SERVED, (model, response.text)

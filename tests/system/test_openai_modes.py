@@ -669,3 +669,15 @@ def test_a_request_that_names_no_model_gets_the_served_one(server: Server, clien
         body = {**model, "messages": CHAT, "max_tokens": 2}
         response = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=bearer(), timeout=60)
         assert response.status_code == 200 and response.json()["model"] == SERVED, (model, response.text)
+
+
+def test_logprobs_0_shows_the_sampled_tokens_own_logprob(client: openai.OpenAI) -> None:
+    """Completions' logprobs=n lists the token itself and up to n others (vLLM's, and OpenAI's
+    legacy API); chat's top_logprobs=0 lists none, as vLLM does."""
+    logprobs = client.completions.create(model=SERVED, prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                                         logprobs=0).choices[0].logprobs
+    assert logprobs.top_logprobs == [{token: logprob} for token, logprob in zip(logprobs.tokens,
+                                                                                logprobs.token_logprobs)]
+    chat = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=0).choices[0].logprobs.content
+    assert len(chat) == 4 and all(entry.top_logprobs == [] for entry in chat)

@@ -101,7 +101,7 @@ async def _complete(body: CompletionRequest, ctx: GatewayContext) -> Response:
     for prompt in await _prompts(body.prompt, ctx):
         token_ids = fit_prompt(prompt.token_ids, params, ctx.max_model_len, "prompt", "max_tokens")
         if len(token_ids) < len(prompt.token_ids):  # truncated: echo what the model saw
-            prompt = _Prompt(ctx.tokenizer.decode(token_ids), token_ids)
+            prompt = _Prompt(_echo_text(ctx, token_ids), token_ids)
         prompts.append(prompt)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await prime_all(
@@ -198,7 +198,13 @@ async def _prompts(prompt: str | list[str] | list[int] | list[list[int]], ctx: G
     if not prompt:
         raise bad_request("prompt", "the prompt must not be empty")
     if isinstance(prompt[0], int):
-        return [_Prompt(ctx.tokenizer.decode(prompt), list(prompt))]
+        return [_Prompt(_echo_text(ctx, prompt), list(prompt))]
     if isinstance(prompt[0], str):
         return [_Prompt(text, ids) for text, ids in zip(prompt, await ctx.encoder.encode(prompt))]
-    return [_Prompt(ctx.tokenizer.decode(ids), list(ids)) for ids in prompt]
+    return [_Prompt(_echo_text(ctx, ids), list(ids)) for ids in prompt]
+
+
+def _echo_text(ctx: GatewayContext, token_ids: list[int]) -> str:
+    """A token-id prompt as echo shows it: special tokens included, as vLLM decodes it, so
+    the text holds every token that echo's logprobs list (and their text_offset count)."""
+    return ctx.tokenizer.decode(token_ids, skip_special_tokens=False)

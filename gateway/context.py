@@ -31,6 +31,7 @@ class GatewayContext:
     served_model_names: tuple[str, ...]
     metrics: GatewayMetrics
     limits: RequestLimits
+    model: str  # the model as the server was started with it (vLLM's --model): /v1/models' root
     chat_options: ChatOptions = field(default_factory=ChatOptions)
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
     drain: Drain = field(default_factory=Drain)  # set on SIGTERM by gateway.drain.serve

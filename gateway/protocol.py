@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
@@ -417,12 +418,32 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class ModelPermission(BaseModel):
+    """vLLM's (after OpenAI's former API): what a client may do with the model."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=_now)
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "kvfleet"
+    root: str  # the model the server loaded, as given to it (vLLM's --model)
+    parent: str | None = None  # a base model's is None; a LoRA adapter's names its base
     max_model_len: int
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

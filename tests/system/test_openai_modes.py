@@ -698,3 +698,14 @@ def test_echo_of_special_token_ids_agrees_in_text_tokens_and_offsets(client: ope
     chunks = list(client.completions.create(**args, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == choice.text
     assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == logprobs.tokens
+
+
+def test_model_cards_carry_root_parent_and_permission(client: openai.OpenAI) -> None:
+    [card] = client.models.list().data
+    assert (card.model_extra["root"], card.model_extra["parent"]) == (MODEL, None)
+    [permission] = card.model_extra["permission"]
+    assert permission["id"].startswith("modelperm-") and permission["object"] == "model_permission"
+    assert {key: permission[key] for key in ("allow_sampling", "allow_logprobs", "allow_view", "organization",
+                                             "group", "is_blocking")} == {
+        "allow_sampling": True, "allow_logprobs": True, "allow_view": True, "organization": "*", "group": None,
+        "is_blocking": False}

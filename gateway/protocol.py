@@ -180,8 +180,9 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    # Text, a batch of texts, token ids, or a batch of token-id lists.
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # Text, a batch of texts, token ids, or a batch of token-id lists; None (as vLLM allows it) is a 400 later,
+    # in vLLM's words.
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] | None = None
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     logprobs: NumLogprobs | None = None

@@ -709,3 +709,23 @@ def test_model_cards_carry_root_parent_and_permission(client: openai.OpenAI) -> 
                                              "group", "is_blocking")} == {
         "allow_sampling": True, "allow_logprobs": True, "allow_view": True, "organization": "*", "group": None,
         "is_blocking": False}
+
+
+def test_errors_in_vllms_words_naming_kvfleets_fields(client: openai.OpenAI) -> None:
+    """The wording vLLM's clients and tests match on, with `param` naming the field."""
+    def refused(create, **args) -> openai.BadRequestError:
+        with pytest.raises(openai.BadRequestError) as caught:
+            create(model=SERVED, max_tokens=4, **args)
+        return caught.value
+
+    for seed, bound in ((2**63, "less_than_equal"), (-(2**63) - 1, "greater_than_equal")):
+        error = refused(client.chat.completions.create, messages=CHAT, seed=seed)
+        assert error.param == "seed" and f"[type={bound}, input_value={seed}, input_type=int]" in error.message
+    error = refused(client.chat.completions.create, messages=CHAT, logit_bias={"bad1": 1, "bad2": 2})
+    assert error.param == "logit_bias" and "bad1" in error.message and "bad2" in error.message
+    error = refused(client.completions.create, prompt=[999999])
+    assert error.param == "prompt" and "Token id 999999 is out of vocabulary" in error.message
+    for prompt in ("", [], [[]], ["Hi", ""]):
+        error = refused(client.completions.create, prompt=prompt)
+        assert error.param == "prompt" and "decoder prompt cannot be empty" in error.message
+        assert "Either prompt or prompt_embeds must be provided and non-empty." in error.message

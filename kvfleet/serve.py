@@ -37,7 +37,8 @@ def serve_embedded(args: argparse.Namespace) -> None:
     encoder = InProcessEncoder(Tokenizer.for_engine(config, args.chat_template))
     engine = AsyncEngine(EngineCore(config, start_worker(config)))
     app = build_app(engine, encoder, args.served_model_name or [config.model], args.api_key,
-                    RequestLimits.from_args(args), ChatOptions.from_args(args), args.enable_prompt_tokens_details)
+                    RequestLimits.from_args(args), ChatOptions.from_args(args), args.enable_prompt_tokens_details,
+                    config.model)
     # The model's, tokenizer's and libraries' objects live as long as the process: kept out
     # of every collection, a full one (a large request's allocations set it off) stays
     # short instead of stalling the event loop, /health included, for a third of a second.

@@ -95,7 +95,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise InvalidParameter("request_id", f"{request.request_id!r} is already in use")
         if prompt_len == 0:
-            raise InvalidParameter("prompt", "the prompt is empty")
+            raise InvalidParameter("prompt", "The decoder prompt cannot be empty")  # vLLM's words
         if prompt_len > limit:
             raise InvalidParameter(
                 "prompt",
@@ -116,8 +116,12 @@ class Scheduler:
                  "stop_token_ids": request.sampling_params.stop_token_ids}
         for param, token_ids in named.items():
             bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad and param == "prompt":  # vLLM's words, which clients match on
+                raise InvalidParameter(param, f"Token id {max(bad)} is out of vocabulary (vocabulary size: {vocab})")
             if bad:
-                raise InvalidParameter(param, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+                raise InvalidParameter(
+                    param, f"token_id(s) {bad[:5]} in {param} contain out-of-vocab token ids. Vocabulary size: {vocab}"
+                )
 
     def abort_request(self, request_id: str) -> TokenDelta | None:
         request = self.requests.get(request_id)

@@ -148,7 +148,8 @@ class SamplingFields(_Body):
     seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, description="accepted for vLLM's sake: kvfleet keeps nothing per end user (nor "
+                             "does vLLM's server)")
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as strings

@@ -249,7 +249,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Body):
-    """vLLM's /tokenize: either a prompt or chat messages."""
+    """vLLM's /tokenize: either a prompt or chat messages (with the tools their template renders)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -257,6 +257,9 @@ class TokenizeRequest(_Body):
     # None: add them for a prompt, not for messages (the chat template writes its own).
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message stays open, for the model to go on with
+    tools: list[ToolParam] | None = None
+    return_token_strs: bool | None = False  # also each token's string, as the vocabulary writes it
 
 
 class DetokenizeRequest(_Body):
@@ -434,6 +437,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(BaseModel):

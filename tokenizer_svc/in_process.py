@@ -41,7 +41,8 @@ def encode_chat(tokenizer: Tokenizer, chat: ChatPrompt) -> EncodedPrompt:
     """The chat rendered by the model's template, and its token ids: one definition for
     the embedded gateway and the tokenizer role's server."""
     try:
-        text = tokenizer.render_chat(chat.messages, chat.add_generation_prompt, chat.tools)
+        text = tokenizer.render_chat(chat.messages, chat.add_generation_prompt, chat.tools,
+                                     continue_final_message=chat.continue_final_message)
     except NoChatTemplateError as exc:
         raise InvalidParameter("messages", str(exc)) from exc
     return EncodedPrompt(text, tokenizer.encode(text, add_special_tokens=chat.add_special_tokens))

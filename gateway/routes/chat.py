@@ -9,7 +9,7 @@ import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.chat_messages import message_dicts
+from gateway.chat_messages import message_dicts, tool_dicts
 from gateway.choices import ChoiceDelta
 from gateway.context import GatewayContext, get_context
 from gateway.disconnect import cancel_on_disconnect
@@ -73,8 +73,7 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
     params = await to_sampling_params(
         body, ctx.encoder, max_tokens, num_top if body.logprobs else None, body.prompt_logprobs, constraint,
     )
-    tool_definitions = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-    prompt = await ctx.encoder.encode_chat(ChatPrompt(message_dicts(body.messages), tools=tool_definitions))
+    prompt = await ctx.encoder.encode_chat(ChatPrompt(message_dicts(body.messages), tools=tool_dicts(body.tools)))
     if params.structured_outputs is not None and reader.reasoning is not None and reader.reasoning.thinks_after(prompt.text):
         [end] = await ctx.encoder.encode([END_THINK], add_special_tokens=False)
         # The grammar starts once the reasoning has ended.

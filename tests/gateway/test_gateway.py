@@ -173,7 +173,7 @@ def test_tokenize_and_detokenize(server: ServerThread, stack: Stack) -> None:
     text = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}).json()
     assert text == {
         "tokens": tokenizer.encode(PROMPTS[0]), "count": len(tokenizer.encode(PROMPTS[0])),
-        "max_model_len": stack.core.max_model_len,
+        "max_model_len": stack.core.max_model_len, "token_strs": None,
     }
     chat = httpx.post(f"{server.url}/tokenize", json={"messages": CHAT}).json()
     assert chat["tokens"] == tokenizer.apply_chat_template(CHAT)

@@ -639,3 +639,40 @@ def test_greedy_outputs_are_identical_in_both_modes_and_equal_the_sdk() -> None:
     assert serve.keys() == cluster.keys() == sdk.keys(), "a mode's greedy test failed before recording"
     for key in sdk:
         assert serve[key] == cluster[key] == sdk[key], key
+
+
+# -- issue 47: /tokenize's shape, tools, Lark grammars ------------------------------------------
+
+
+def test_tokenize_and_detokenize_answer_in_vllm_s_shape(server: Server, llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+
+    def tokenize(**body: Any) -> httpx.Response:
+        return httpx.post(f"{server.url}/tokenize", json={"model": SERVED, **body}, headers=bearer())
+
+    prompt = "Hello world<|endoftext|> vllm1"
+    ids = tokenizer.encode(prompt)
+    assert tokenize(prompt=prompt).json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                                              "token_strs": None}
+    assert tokenize(prompt=prompt, return_token_strs=True).json() == {
+        "count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+        "token_strs": tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=False)}
+    # A chat whose last message the model is to continue, with tools for the template.
+    messages = [*CHAT, {"role": "assistant", "content": "Sure,"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"location": {"type": "string"}}}}}]
+    text = tokenizer.render_chat(messages, False, tools, continue_final_message=True)
+    assert text.endswith("Sure,")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    chat = tokenize(messages=messages, tools=tools, add_generation_prompt=False, continue_final_message=True,
+                    return_token_strs=True)
+    assert chat.json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                           "token_strs": tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=False)}
+    both = tokenize(messages=messages, continue_final_message=True)  # add_generation_prompt defaults to true
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    bad_tool = tokenize(messages=messages, tools=[{"type": "function"}])
+    assert bad_tool.status_code == 400 and "tools" in bad_tool.json()["error"]["message"]
+    # Special tokens are text like any other, as vLLM's /detokenize writes them.
+    back = httpx.post(f"{server.url}/detokenize", json={"model": SERVED, "tokens": tokenizer.encode(prompt)},
+                      headers=bearer())
+    assert back.json() == {"prompt": prompt}

@@ -20,6 +20,7 @@ from pydantic import (
     Field,
     ModelWrapValidatorHandler,
     SerializerFunctionWrapHandler,
+    computed_field,
     field_validator,
     model_serializer,
     model_validator,
@@ -355,11 +356,20 @@ class ToolCallOut(BaseModel):
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
+class _Reasoning(BaseModel):
+    reasoning: str | None = None  # vLLM's extra, with --reasoning-parser
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def reasoning_content(self) -> str | None:
+        """vLLM's former name for `reasoning`, still read by many clients."""
+        return self.reasoning
+
+
+class ChatMessage(_Reasoning):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
-    reasoning_content: str | None = None  # vLLM's extra, with --reasoning-parser
 
 
 class ChatChoice(BaseModel):
@@ -392,10 +402,9 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunctionCall
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_Reasoning):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

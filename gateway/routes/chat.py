@@ -116,7 +116,7 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
                  for c in parsed.tool_calls]
         choices.append(ChatChoice(
             index=index,
-            message=ChatMessage(content=parsed.content, tool_calls=calls, reasoning_content=reasoning),
+            message=ChatMessage(content=parsed.content, tool_calls=calls, reasoning=reasoning),
             logprobs=ChatLogprobs(content=content_logprobs[index]) if body.logprobs else None,
             finish_reason=tools.finish_reason(bool(calls), delta.finish_reason) if tools else delta.finish_reason,
             stop_reason=delta.stop_reason,
@@ -192,7 +192,7 @@ def _read(reader: StreamingOutputReader, text: str, last: bool) -> list[DeltaMes
         read = StreamDelta(read.content + rest.content, read.tool_calls + rest.tool_calls)
     messages = []
     if reasoning or read.content:
-        messages.append(DeltaMessage(reasoning_content=reasoning or None, content=read.content or None))
+        messages.append(DeltaMessage(reasoning=reasoning or None, content=read.content or None))
     for call in read.tool_calls:
         if call.name is not None:
             messages.append(DeltaMessage(tool_calls=[DeltaToolCall(

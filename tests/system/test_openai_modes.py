@@ -676,3 +676,38 @@ def test_tokenize_and_detokenize_answer_in_vllm_s_shape(server: Server, llm: LLM
     back = httpx.post(f"{server.url}/detokenize", json={"model": SERVED, "tokens": tokenizer.encode(prompt)},
                       headers=bearer())
     assert back.json() == {"prompt": prompt}
+
+
+# A tool whose arguments name a definition of its own by `$ref` (as pydantic writes schemas), and one without.
+OPTIONS = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+           "additionalProperties": False}
+REF_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city", "options"], "$defs": {"Options": OPTIONS},
+        "properties": {"city": {"type": "string", "maxLength": 12}, "options": {"$ref": "#/$defs/Options"}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}},
+]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_forced_tool_calls_answer_as_vllm_does(client: openai.OpenAI, tool_choice: str) -> None:
+    """$refs into a tool's $defs hold; the content is "", and a call cut short by
+    max_tokens is no call at all."""
+    import jsonschema
+
+    choice = {"type": "function", "function": {"name": "get_weather"}} if tool_choice == "named" else "required"
+    args = dict(model=SERVED, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=REF_TOOLS,
+                tool_choice=choice, parallel_tool_calls=False, temperature=0)
+    whole = client.chat.completions.create(**args, max_tokens=100).choices[0]
+    assert whole.message.content == "" and whole.finish_reason == ("stop" if tool_choice == "named" else "tool_calls")
+    [call] = whole.message.tool_calls
+    schema = next(tool["function"]["parameters"] for tool in REF_TOOLS if tool["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    cut = client.chat.completions.create(**args, max_tokens=3).choices[0]
+    assert (cut.finish_reason, cut.message.content, cut.message.tool_calls) == ("length", "", [])
+    clash = [REF_TOOLS[0], {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "properties": {"o": {"$ref": "#/$defs/Options"}}, "$defs": {"Options": {"type": "string"}}}}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**{**args, "tools": clash, "tool_choice": "required"}, max_tokens=4)
+    assert caught.value.param == "tools" and "Options" in caught.value.message

@@ -25,6 +25,7 @@ from fastapi import FastAPI
 
 from gateway.app import build_app
 from gateway.limits import RequestLimits
+from gateway.tool_calls import ChatOptions
 from kvfleet import LLM
 from kvfleet.async_engine import AsyncEngine
 from scheduler_svc.engine_core import EngineCore
@@ -344,3 +345,20 @@ def test_prompt_tokens_details_tell_the_cached_prompt_tokens(stack: Stack, clien
                                                    stream_options={"include_usage": True})
             [usage] = [chunk.usage for chunk in stream if chunk.usage is not None]
         assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // block_size * block_size
+
+
+def test_reasoning_comes_as_reasoning_and_as_reasoning_content(stack: Stack) -> None:
+    """--reasoning-parser: the reasoning is `reasoning` (current vLLM's name), also sent as
+    `reasoning_content` (its former one), whole and streamed. With deepseek_r1 and no
+    </think> in the output, all of it is reasoning."""
+    options = ChatOptions(reasoning_parser="deepseek_r1")
+    with ServerThread(build_app(stack.engine, InProcessEncoder(stack.tokenizer), MODEL, chat_options=options)) as app:
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "temperature": 0}
+        whole = httpx.post(f"{app.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        assert whole["reasoning"] and whole["reasoning_content"] == whole["reasoning"] and whole["content"] is None
+        streamed = httpx.post(f"{app.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+        deltas = [json.loads(line[len("data: "):])["choices"][0]["delta"] for line in streamed.text.splitlines()
+                  if line.startswith("data: {")]
+        reasoning = [delta for delta in deltas if "reasoning" in delta]
+        assert all(delta["reasoning_content"] == delta["reasoning"] for delta in reasoning)
+        assert "".join(delta["reasoning"] for delta in reasoning) == whole["reasoning"]

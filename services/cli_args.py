@@ -170,7 +170,7 @@ def add_http_args(parser: argparse.ArgumentParser, port: int = 8000) -> None:
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                         help="how the model writes tool calls, to turn its text into tool_calls")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
-                        help="split <think>...</think> reasoning into reasoning_content")
+                        help="split <think>...</think> reasoning into reasoning (and reasoning_content)")
     add_shutdown_arg(parser)
 
 

@@ -31,9 +31,11 @@ def build_app(
     limits: RequestLimits = RequestLimits(),
     chat_options: ChatOptions = ChatOptions(),
     options: ResponseOptions = ResponseOptions(),
+    model: str | None = None,
 ) -> FastAPI:
     """`encoder` does the text work: in-process, or the cluster's tokenizer role.
-    Clients may name any of `served_model_names`; responses carry the first, as in vLLM."""
+    Clients may name any of `served_model_names`; responses carry the first, as in vLLM.
+    `model`: the model as the server was started with it (default: the first served name)."""
     names = (served_model_names,) if isinstance(served_model_names, str) else tuple(served_model_names)
     app = FastAPI(title="kvfleet")
     app.state.gateway = GatewayContext(
@@ -42,6 +44,7 @@ def build_app(
         served_model_names=names,
         metrics=GatewayMetrics(engine_client, names[0]),
         limits=limits,
+        model=model or names[0],
         chat_options=chat_options,
         options=options,
     )

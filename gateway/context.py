@@ -32,6 +32,7 @@ class GatewayContext:
     served_model_names: tuple[str, ...]
     metrics: GatewayMetrics
     limits: RequestLimits
+    model: str  # the model as the server was started with it (vLLM's --model): /v1/models' root
     chat_options: ChatOptions = field(default_factory=ChatOptions)
     options: ResponseOptions = field(default_factory=ResponseOptions)
     drain: Drain = field(default_factory=Drain)  # set on SIGTERM by gateway.drain.serve
@@ -69,8 +70,8 @@ class GatewayContext:
         return info
 
     def check_model(self, model: str | None) -> None:
-        # Like vLLM, a request that names no model gets the served one.
-        if model is not None and model not in self.served_model_names:
+        # Like vLLM, a request that names no model (absent, null or "") gets the served one.
+        if model and model not in self.served_model_names:
             raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     def is_ready(self) -> bool:

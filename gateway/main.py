@@ -70,7 +70,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     encoder = RemoteTokenizer(lambda: [member.address for member in registry.members("tokenizer")],
                               lease_ttl_s=args.lease_ttl)
     app = build_app(client, encoder, args.served_model_name or [args.model], args.api_key,
-                    RequestLimits.from_args(args), ChatOptions.from_args(args), ResponseOptions.from_args(args))
+                    RequestLimits.from_args(args), ChatOptions.from_args(args), ResponseOptions.from_args(args),
+                    args.model)
     member = Member("gateway", client.gateway_id, advertised(args), {"model": args.model})
     client.start()
     encoder.start()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
@@ -21,6 +22,7 @@ from pydantic import (
     Field,
     ModelWrapValidatorHandler,
     SerializerFunctionWrapHandler,
+    computed_field,
     field_validator,
     model_serializer,
     model_validator,
@@ -147,7 +149,8 @@ class SamplingFields(_Body):
     seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, description="accepted for vLLM's sake: kvfleet keeps nothing per end user (nor "
+                             "does vLLM's server)")
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as strings
@@ -184,8 +187,9 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    # Text, a batch of texts, token ids, or a batch of token-id lists.
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # Text, a batch of texts, token ids, or a batch of token-id lists; None (as vLLM allows it) is a 400 later,
+    # in vLLM's words.
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] | None = None
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = None  # -1: the whole vocabulary
@@ -260,7 +264,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Body):
-    """vLLM's /tokenize: either a prompt or chat messages."""
+    """vLLM's /tokenize: either a prompt or chat messages (with the tools their template renders)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -268,6 +272,9 @@ class TokenizeRequest(_Body):
     # None: add them for a prompt, not for messages (the chat template writes its own).
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message stays open, for the model to go on with
+    tools: list[ToolParam] | None = None
+    return_token_strs: bool | None = False  # also each token's string, as the vocabulary writes it
 
 
 class DetokenizeRequest(_Body):
@@ -397,11 +404,20 @@ class ToolCallOut(BaseModel):
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
+class _Reasoning(BaseModel):
+    reasoning: str | None = None  # vLLM's extra, with --reasoning-parser
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def reasoning_content(self) -> str | None:
+        """vLLM's former name for `reasoning`, still read by many clients."""
+        return self.reasoning
+
+
+class ChatMessage(_Reasoning):
     role: str = "assistant"  # without add_generation_prompt, the last message's (vLLM's)
     content: str | None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
-    reasoning_content: str | None = None  # vLLM's extra, with --reasoning-parser
 
 
 class ChatChoice(BaseModel):
@@ -436,10 +452,9 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunctionCall
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_Reasoning):
     role: str | None = None
     content: str | None = None
-    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
@@ -470,12 +485,32 @@ class ChatCompletionChunk(_OmitsNone):
     prompt_token_ids: list[int] | None = None  # vLLM's extra, with return_token_ids: on each choice's first chunk
 
 
+class ModelPermission(BaseModel):
+    """vLLM's (after OpenAI's former API): what a client may do with the model."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=_now)
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "kvfleet"
+    root: str  # the model the server loaded, as given to it (vLLM's --model)
+    parent: str | None = None  # a base model's is None; a LoRA adapter's names its base
     max_model_len: int
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):
@@ -487,6 +522,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(BaseModel):

@@ -16,7 +16,7 @@ import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from gateway.chat_messages import message_dicts
+from gateway.chat_messages import message_dicts, tool_dicts
 from gateway.choices import ChoiceDelta
 from gateway.context import GatewayContext, get_context
 from gateway.disconnect import cancel_on_disconnect
@@ -85,10 +85,9 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
     params = await to_sampling_params(
         body, ctx.encoder, max_tokens, num_top if body.logprobs else None, num_prompt_logprobs, constraint,
     )
-    tool_definitions = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     messages = message_dicts(body.messages)
-    prompt = await ctx.encoder.encode_chat(ChatPrompt(
-        messages, body.add_generation_prompt, tools=tool_definitions, continue_final_message=body.continue_final_message))
+    prompt = await ctx.encoder.encode_chat(ChatPrompt(messages, body.add_generation_prompt, tools=tool_dicts(body.tools),
+                                                      continue_final_message=body.continue_final_message))
     if params.structured_outputs is not None and reader.reasoning is not None and reader.reasoning.thinks_after(prompt.text):
         [end] = await ctx.encoder.encode([END_THINK], add_special_tokens=False)
         # The grammar starts once the reasoning has ended.
@@ -136,7 +135,7 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
         content = echo + (parsed.content or "") if echo else parsed.content
         choices.append(ChatChoice(
             index=index,
-            message=ChatMessage(role=role, content=content, tool_calls=calls, reasoning_content=reasoning),
+            message=ChatMessage(role=role, content=content, tool_calls=calls, reasoning=reasoning),
             logprobs=ChatLogprobs(content=content_logprobs[index]) if body.logprobs else None,
             finish_reason=tools.finish_reason(bool(calls), delta.finish_reason) if tools else delta.finish_reason,
             stop_reason=delta.stop_reason,
@@ -206,22 +205,23 @@ async def _events(
             num_cached_tokens = max(num_cached_tokens, item.num_cached_tokens)
             logprobs = logprobs_of(delta)
             token_ids = delta.token_ids if shape.with_ids and delta.token_ids else None
+            last = delta.finish_reason is not None
             if plain:
-                if delta.text or logprobs or token_ids:
-                    yield chunk(item.index, DeltaMessage(content=delta.text), logprobs, token_ids=token_ids)
+                messages = [DeltaMessage(content=delta.text)] if delta.text or logprobs or token_ids or last else []
             else:
-                messages = _read(readers[item.index], delta.text, delta.finish_reason is not None)
+                messages = _read(readers[item.index], delta.text, last)
                 called[item.index] |= any(m.tool_calls for m in messages)
                 # A delta that says nothing yet still sends its logprobs and token ids.
-                for number, message in enumerate(messages or [DeltaMessage()] * bool(logprobs or token_ids)):
-                    yield chunk(item.index, message, logprobs if number == 0 else None,
-                                token_ids=token_ids if number == 0 else None)
-            if delta.finish_reason is not None:
+                messages = messages or [DeltaMessage()] * (bool(logprobs or token_ids) or last)
+            reason = None
+            if last:
                 reason = delta.finish_reason
                 if reader.tools is not None:
                     reason = reader.tools.finish_reason(called[item.index], reason)
-                # OpenAI ends a choice with an empty delta that carries the reason.
-                yield chunk(item.index, DeltaMessage(), finish_reason=reason)
+            for number, message in enumerate(messages):
+                # As vLLM: the choice's last delta (its last token's text) carries the finish reason.
+                yield chunk(item.index, message, logprobs if number == 0 else None,
+                            reason if number == len(messages) - 1 else None, token_ids if number == 0 else None)
     if usage.final:
         total = Usage.of(num_prompt_tokens, sum(num_tokens), num_cached_tokens if usage.cached_details else None)
         yield event(head.model_copy(update={"usage": total}))
@@ -238,7 +238,7 @@ def _read(reader: StreamingOutputReader, text: str, last: bool) -> list[DeltaMes
         read = StreamDelta(read.content + rest.content, read.tool_calls + rest.tool_calls)
     messages = []
     if reasoning or read.content:
-        messages.append(DeltaMessage(reasoning_content=reasoning or None, content=read.content or None))
+        messages.append(DeltaMessage(reasoning=reasoning or None, content=read.content or None))
     for call in read.tool_calls:
         if call.name is not None:
             messages.append(DeltaMessage(tool_calls=[DeltaToolCall(

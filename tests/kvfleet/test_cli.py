@@ -184,16 +184,16 @@ def test_the_response_flags_reach_serve_s_app_and_cluster_up_s_gateway() -> None
     tests/system/test_openai_modes.py)."""
     from gateway.limits import RequestLimits
     from gateway.response_options import ResponseOptions
-    from kvfleet.cli import _parser
+    from kvfleet.cli import build_parser
     from services.cli_args import gateway_argv
 
     flags = ["--enable-force-include-usage", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
              "--max-logprobs", "-1"]
-    serve = _parser().parse_args(["serve", "smollm2", *flags])
-    up = _parser().parse_args(["cluster", "up", *flags])
-    gateway = _parser().parse_args(["gateway", "--nats-url", "nats://n", "--redis-url", "redis://r", *gateway_argv(up)])
+    serve = build_parser().parse_args(["serve", "smollm2", *flags])
+    up = build_parser().parse_args(["cluster", "up", *flags])
+    gateway = build_parser().parse_args(["gateway", "--nats-url", "nats://n", "--redis-url", "redis://r", *gateway_argv(up)])
     for args in (serve, gateway):
         assert ResponseOptions.from_args(args) == ResponseOptions(True, True, True)
         assert RequestLimits.from_args(args).max_logprobs == -1
-    default = _parser().parse_args(["serve", "smollm2"])
+    default = build_parser().parse_args(["serve", "smollm2"])
     assert (ResponseOptions.from_args(default), RequestLimits.from_args(default).max_logprobs) == (ResponseOptions(), 20)

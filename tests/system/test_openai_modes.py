@@ -227,14 +227,14 @@ def test_chat_streamed_and_whole_are_identical(server: Server, client: openai.Op
     expected = sdk_chat(llm, 16)
     record(server, "chat", (message.content, whole.choices[0].finish_reason), (expected.text, expected.finish_reason))
 
-    first, *content, final, usage = chunks
+    first, *content, usage = chunks
     assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
     assert first.choices[0].delta.role == "assistant" and first.choices[0].delta.content == ""
     streamed = "".join(c.choices[0].delta.content for c in content)
     record(server, "chat streamed", streamed, expected.text)
-    assert all(c.choices[0].finish_reason is None for c in [first, *content])
-    assert final.choices[0].finish_reason == whole.choices[0].finish_reason
-    assert final.choices[0].delta.content is None
+    # As vLLM: the last token comes with the finish reason.
+    assert all(c.choices[0].finish_reason is None for c in [first, *content[:-1]])
+    assert content[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     streamed_tokens = [t.token for c in content for t in c.choices[0].logprobs.content]
     assert streamed_tokens == [t.token for t in whole.choices[0].logprobs.content]
     assert all(len(t.top_logprobs) == 2 for t in whole.choices[0].logprobs.content)
@@ -252,7 +252,7 @@ def test_chat_raw_sse_format(server: Server) -> None:
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
     assert '"delta":{"role":"assistant","content":""}' in lines[0]
-    assert '"delta":{},"logprobs":null,"finish_reason":"length"' in lines[-2]
+    assert re.search(r'"delta":\{"content":"[^"]+"\},"logprobs":null,"finish_reason":"length"', lines[-2]), lines[-2]
 
 
 # -- stop strings -------------------------------------------------------------------------
@@ -448,8 +448,9 @@ def test_a_client_that_leaves_mid_stream_frees_its_request_within_2_s(
     try:
         chunks = iter(stream)
         assert next(chunks).choices[0].text is not None
-        # The server sees it running (in cluster mode, once the gateway's poller has).
-        server.wait_for(lambda m: m["vllm:num_requests_running"] == 1 and m["vllm:kv_cache_usage_perc"] > 0)
+        # A scrape sees it running at once, in cluster mode too (the scheduler is asked at the scrape).
+        running = server.metrics()
+        assert running["vllm:num_requests_running"] == 1 and running["vllm:kv_cache_usage_perc"] > 0, running
         assert next(chunks).choices[0].finish_reason is None  # still streaming
     finally:
         stream.close()  # the client leaves: its connection closes mid-stream
@@ -476,7 +477,10 @@ def test_metrics_use_vllm_names(server: Server, client: openai.OpenAI, llm: LLM)
     before = server.metrics()
     client.completions.create(model=SERVED, prompt=PROMPTS[4], max_tokens=5, temperature=0,
                               extra_body={"ignore_eos": True})
-    after = server.wait_idle(since=time.monotonic())
+    # The first scrape after the answer sees all of it, in cluster mode too (no poller's lag).
+    after = server.metrics()
+    assert not any(after[name] for name in
+                   ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")), after
     for name in ("vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "process_cpu_seconds_total"):
         assert name in after
@@ -641,6 +645,198 @@ def test_greedy_outputs_are_identical_in_both_modes_and_equal_the_sdk() -> None:
         assert serve[key] == cluster[key] == sdk[key], key
 
 
+# -- issue 47: vLLM's streamed endings, default model, logprobs, echo, model cards and error wording --
+
+# smollm2's token 0, a special token that decoding skips by default.
+END_OF_TEXT = (0, "<|endoftext|>")
+
+
+def test_the_last_streamed_chunk_carries_the_last_token_and_the_finish_reason(client: openai.OpenAI) -> None:
+    """As vLLM streams it: chat and completions alike, no empty chunk after the last token."""
+    args = dict(model=SERVED, max_tokens=6, temperature=0)
+    whole = client.chat.completions.create(**args, messages=CHAT, logprobs=True)
+    chunks = list(client.chat.completions.create(**args, messages=CHAT, logprobs=True, stream=True))
+    assert [c for c in chunks if c.choices[0].finish_reason] == [chunks[-1]]
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == whole.choices[0].finish_reason == "length"
+    last_token = whole.choices[0].logprobs.content[-1].token
+    assert last.delta.content and last.delta.content.endswith(last_token)
+    assert last.logprobs.content[-1].token == last_token
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    text = client.completions.create(**args, prompt=PROMPTS[0]).choices[0].text
+    chunks = list(client.completions.create(**args, prompt=PROMPTS[0], stream=True))
+    assert [c for c in chunks if c.choices[0].finish_reason] == [chunks[-1]]
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].choices[0].text
+    assert "".join(c.choices[0].text for c in chunks) == text
+
+
+def test_a_request_that_names_no_model_gets_the_served_one(server: Server, client: openai.OpenAI) -> None:
+    """As vLLM: `model` absent, null or empty serves the default model."""
+    assert client.completions.create(model="", prompt="Hi", max_tokens=2).model == SERVED
+    for model in ({}, {"model": None}, {"model": ""}):
+        body = {**model, "messages": CHAT, "max_tokens": 2}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=bearer(), timeout=60)
+        assert response.status_code == 200 and response.json()["model"] == SERVED, (model, response.text)
+
+
+def test_logprobs_0_shows_the_sampled_tokens_own_logprob(client: openai.OpenAI) -> None:
+    """Completions' logprobs=n lists the token itself and up to n others (vLLM's, and OpenAI's
+    legacy API); chat's top_logprobs=0 lists none, as vLLM does."""
+    logprobs = client.completions.create(model=SERVED, prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                                         logprobs=0).choices[0].logprobs
+    assert logprobs.top_logprobs == [{token: logprob} for token, logprob in zip(logprobs.tokens,
+                                                                                logprobs.token_logprobs)]
+    chat = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=0).choices[0].logprobs.content
+    assert len(chat) == 4 and all(entry.top_logprobs == [] for entry in chat)
+
+
+def test_echo_of_special_token_ids_agrees_in_text_tokens_and_offsets(client: openai.OpenAI) -> None:
+    """vLLM's echo: special tokens of a token-id prompt show in the text as in the tokens."""
+    token_id, text = END_OF_TEXT
+    args = dict(model=SERVED, prompt=[token_id] * 5, max_tokens=4, temperature=0, echo=True, logprobs=0)
+    choice = client.completions.create(**args).choices[0]
+    logprobs = choice.logprobs
+    assert choice.text.startswith(text * 5) and logprobs.tokens[:5] == [text] * 5
+    assert choice.text == "".join(logprobs.tokens)
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    assert logprobs.top_logprobs[0] is None
+    assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])  # logprobs=0: the token's own
+    chunks = list(client.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == logprobs.tokens
+
+
+def test_model_cards_carry_root_parent_and_permission(client: openai.OpenAI) -> None:
+    [card] = client.models.list().data
+    assert (card.model_extra["root"], card.model_extra["parent"]) == (MODEL, None)
+    [permission] = card.model_extra["permission"]
+    assert permission["id"].startswith("modelperm-") and permission["object"] == "model_permission"
+    assert {key: permission[key] for key in ("allow_sampling", "allow_logprobs", "allow_view", "organization",
+                                             "group", "is_blocking")} == {
+        "allow_sampling": True, "allow_logprobs": True, "allow_view": True, "organization": "*", "group": None,
+        "is_blocking": False}
+
+
+def test_errors_in_vllms_words_naming_kvfleets_fields(client: openai.OpenAI) -> None:
+    """The wording vLLM's clients and tests match on, with `param` naming the field."""
+    def refused(create, **args) -> openai.BadRequestError:
+        with pytest.raises(openai.BadRequestError) as caught:
+            create(model=SERVED, max_tokens=4, **args)
+        return caught.value
+
+    for seed, bound in ((2**63, "less_than_equal"), (-(2**63) - 1, "greater_than_equal")):
+        error = refused(client.chat.completions.create, messages=CHAT, seed=seed)
+        assert error.param == "seed" and f"[type={bound}, input_value={seed}, input_type=int]" in error.message
+    error = refused(client.chat.completions.create, messages=CHAT, logit_bias={"bad1": 1, "bad2": 2})
+    assert error.param == "logit_bias" and "bad1" in error.message and "bad2" in error.message
+    error = refused(client.completions.create, prompt=[999999])
+    assert error.param == "prompt" and "Token id 999999 is out of vocabulary" in error.message
+    for prompt in ("", [], [[]], ["Hi", ""]):
+        error = refused(client.completions.create, prompt=prompt)
+        assert error.param == "prompt" and "decoder prompt cannot be empty" in error.message
+        assert "Either prompt or prompt_embeds must be provided and non-empty." in error.message
+
+
+# -- issue 47: /tokenize's shape, tools, Lark grammars ------------------------------------------
+
+
+def test_tokenize_and_detokenize_answer_in_vllm_s_shape(server: Server, llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+
+    def tokenize(**body: Any) -> httpx.Response:
+        return httpx.post(f"{server.url}/tokenize", json={"model": SERVED, **body}, headers=bearer())
+
+    prompt = "Hello world<|endoftext|> vllm1"
+    ids = tokenizer.encode(prompt)
+    assert tokenize(prompt=prompt).json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                                              "token_strs": None}
+    assert tokenize(prompt=prompt, return_token_strs=True).json() == {
+        "count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+        "token_strs": tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=False)}
+    # A chat whose last message the model is to continue, with tools for the template.
+    messages = [*CHAT, {"role": "assistant", "content": "Sure,"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"location": {"type": "string"}}}}}]
+    text = tokenizer.render_chat(messages, False, tools, continue_final_message=True)
+    assert text.endswith("Sure,")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    chat = tokenize(messages=messages, tools=tools, add_generation_prompt=False, continue_final_message=True,
+                    return_token_strs=True)
+    assert chat.json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                           "token_strs": tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=False)}
+    both = tokenize(messages=messages, continue_final_message=True)  # add_generation_prompt defaults to true
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    bad_tool = tokenize(messages=messages, tools=[{"type": "function"}])
+    assert bad_tool.status_code == 400 and "tools" in bad_tool.json()["error"]["message"]
+    # Special tokens are text like any other, as vLLM's /detokenize writes them.
+    back = httpx.post(f"{server.url}/detokenize", json={"model": SERVED, "tokens": tokenizer.encode(prompt)},
+                      headers=bearer())
+    assert back.json() == {"prompt": prompt}
+
+
+# A tool whose arguments name a definition of its own by `$ref` (as pydantic writes schemas), and one without.
+OPTIONS = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+           "additionalProperties": False}
+REF_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city", "options"], "$defs": {"Options": OPTIONS},
+        "properties": {"city": {"type": "string", "maxLength": 12}, "options": {"$ref": "#/$defs/Options"}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}},
+]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_forced_tool_calls_answer_as_vllm_does(client: openai.OpenAI, tool_choice: str) -> None:
+    """$refs into a tool's $defs hold; the content is "", and a call cut short by
+    max_tokens is no call at all."""
+    import jsonschema
+
+    choice = {"type": "function", "function": {"name": "get_weather"}} if tool_choice == "named" else "required"
+    args = dict(model=SERVED, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=REF_TOOLS,
+                tool_choice=choice, parallel_tool_calls=False, temperature=0)
+    whole = client.chat.completions.create(**args, max_tokens=100).choices[0]
+    assert whole.message.content == "" and whole.finish_reason == ("stop" if tool_choice == "named" else "tool_calls")
+    [call] = whole.message.tool_calls
+    schema = next(tool["function"]["parameters"] for tool in REF_TOOLS if tool["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    cut = client.chat.completions.create(**args, max_tokens=3).choices[0]
+    assert (cut.finish_reason, cut.message.content, cut.message.tool_calls) == ("length", "", [])
+    clash = [REF_TOOLS[0], {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "properties": {"o": {"$ref": "#/$defs/Options"}}, "$defs": {"Options": {"type": "string"}}}}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**{**args, "tools": clash, "tool_choice": "required"}, max_tokens=4)
+    assert caught.value.param == "tools" and "Options" in caught.value.message
+
+
+# vLLM's test grammar (its tests' sample_sql_statements), in Lark.
+SQL_LARK = """
+start: select_statement
+select_statement: "SELECT " column " from " table " where " condition
+column: "col_1" | "col_2"
+table: "table_1" | "table_2"
+condition: column "=" number
+number: "1" | "2"
+"""
+
+
+def test_lark_grammars_are_taken_as_vllm_takes_them(server: Server, client: openai.OpenAI) -> None:
+    """structured_outputs.grammar and guided_grammar in Lark's syntax are converted to
+    EBNF; one that does not convert is a 400 naming the field and what does not."""
+    sql = re.compile(r"SELECT col_[12] from table_[12] where col_[12]=[12]")
+    chat = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=30, temperature=0,
+                                          extra_body={"structured_outputs": {"grammar": SQL_LARK}})
+    assert sql.fullmatch(chat.choices[0].message.content), chat.choices[0].message.content
+    completion = client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=30, temperature=0,
+                                           extra_body={"guided_grammar": SQL_LARK})
+    assert sql.fullmatch(completion.choices[0].text), completion.choices[0].text
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=4,
+                                  extra_body={"guided_grammar": "start: select_statement"})
+    assert caught.value.param == "guided_grammar" and "select_statement" in caught.value.message
+
+
 # -- issue 47: request-level features (usage in every chunk, token ids, logprob bounds, echo) --
 
 
@@ -694,8 +890,8 @@ def test_return_tokens_as_token_ids_name_each_token_by_its_id(client: openai.Ope
                                        logprobs=1, extra_body=as_ids).choices[0]
     prompt_ids = encode(llm, PROMPTS[2])
     assert echoed.logprobs.tokens == [f"token_id:{t}" for t in [*prompt_ids, *expected.token_ids]]
-    completion = zip(echoed.logprobs.tokens[len(prompt_ids):], echoed.logprobs.top_logprobs[len(prompt_ids):])
-    assert all(list(top) == [token] for token, top in completion)  # greedy: each token is its top one
+    # As vLLM's: each entry of top_logprobs names its own token first.
+    assert [next(iter(top)) for top in echoed.logprobs.top_logprobs[1:]] == echoed.logprobs.tokens[1:]
     chat = client.chat.completions.create(model=SERVED, messages=CHAT, max_completion_tokens=6, temperature=0,
                                           logprobs=True, top_logprobs=1, extra_body=as_ids)
     names = [f"token_id:{t}" for t in sdk_chat(llm, 6).token_ids]

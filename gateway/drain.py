@@ -1,7 +1,7 @@
 """Graceful shutdown of the gateway: on SIGTERM or SIGINT, drain before exiting.
 
 Draining means: /health answers 503 at once (readiness fails, load balancers let go),
-every new request but the operational ones (/health, /metrics, /version) gets an
+every new request but the operational ones (/health, /metrics, /version, /load, /ping) gets an
 OpenAI-style 503, and requests in flight, SSE streams included, run to their end.
 Once none is left, or --shutdown-timeout has passed, uvicorn shuts down. Requests
 still running at the deadline end with an explicit error: the engine client shuts
@@ -26,13 +26,14 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import error_response
+from gateway.root_path import route_path
 from services.config import ConfigError
 from services.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
 # Answered while draining: probes and scrapers must see the server as it goes.
-OPERATIONAL_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPERATIONAL_PATHS = frozenset({"/health", "/metrics", "/version", "/load", "/ping"})
 # After the deadline: how long the requests the engine's shutdown failed get to send their error.
 FLUSH_S = 5.0
 
@@ -60,7 +61,7 @@ class DrainMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.drain.draining and scope["path"] not in OPERATIONAL_PATHS:
+        if self.drain.draining and route_path(scope) not in OPERATIONAL_PATHS:
             response = error_response(503, "the server is shutting down; retry on another replica")
             # A client on keep-alive reconnects, through its load balancer, to a live replica.
             response.headers["connection"] = "close"
@@ -134,16 +135,22 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(app: FastAPI, listener: socket.socket, shutdown_timeout_s: float, log_level: str = "info",
           access_log: bool = True) -> None:
-    """Serves `app` (from gateway.app.build_app) on `listener` (from bind) until a signal,
-    then drains; returns once the server is down. The engine client stays the caller's to shut down."""
+    """Serves `app` (from gateway.app.build_app) on `listener` (from gateway.listener.listen)
+    until a signal, then drains; returns once the server is down. The engine client stays
+    the caller's to shut down."""
     ctx = app.state.gateway
-    host, port = listener.getsockname()[:2]
     paths = app.openapi()["paths"]
     logger.info("routes: %s", ", ".join(f"{'|'.join(m.upper() for m in methods)} {path}"
                                         for path, methods in paths.items()))
-    logger.info("serving %s on http://%s:%d (OpenAI API: http://%s:%d/v1)", ", ".join(ctx.served_model_names),
-                host, port, host, port)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            timeout_graceful_shutdown=FLUSH_S)
+    names = ", ".join(ctx.served_model_names)
+    if listener.family == socket.AF_UNIX:
+        uds = listener.getsockname()
+        logger.info("serving %s on unix:%s (OpenAI API at /v1)", names, uds)
+        where: dict = {"uds": uds}
+    else:
+        host, port = listener.getsockname()[:2]
+        logger.info("serving %s on http://%s:%d (OpenAI API: http://%s:%d/v1)", names, host, port, host, port)
+        where = {"host": host, "port": port}
+    config = uvicorn.Config(app, **where, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=FLUSH_S)
     logging.getLogger("uvicorn.access").addFilter(_without_probes)
     DrainingServer(config, ctx.drain, ctx.engine, shutdown_timeout_s).run(sockets=[listener])

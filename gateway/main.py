@@ -48,20 +48,25 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing-policy", choices=ROUTING_POLICIES, default="prefix",
                         help="which scheduler replica takes a request: where its prompt's prefix is cached, "
                         "balanced with load (prefix), the least loaded, or each in turn (default: %(default)s)")
+    parser.add_argument("--listen-fd", type=int, metavar="FD",
+                        help="serve on this inherited listening socket (TCP or Unix) instead of binding one: how "
+                        "`cluster up --api-server-count N` puts its N gateways on one port")
 
 
 def run_gateway(args: argparse.Namespace) -> int:
     from gateway.app import build_app
     from gateway.cluster.client import ClusterEngineClient
     from gateway.cluster.tokenizer_client import RemoteTokenizer
-    from gateway.drain import bind, serve
+    from gateway.drain import serve
     from gateway.limits import RequestLimits
+    from gateway.listener import listen, release
+    from gateway.server_options import ServerOptions
     from gateway.tool_calls import ChatOptions
     from services.transport.tls import configure_tls
 
     configure_logging()
     configure_tls(args)  # before any server or channel opens
-    listener = bind(args.host, args.port)
+    listener = listen(args)
     registry = Registry(args.redis_url)
     client = ClusterEngineClient(args.redis_url, args.nats_url, gateway_name=args.gateway_name,
                                  lease_ttl_s=args.lease_ttl, routing_policy=args.routing_policy,
@@ -69,7 +74,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     encoder = RemoteTokenizer(lambda: [member.address for member in registry.members("tokenizer")],
                               lease_ttl_s=args.lease_ttl)
     app = build_app(client, encoder, args.served_model_name or [args.model], args.api_key,
-                    RequestLimits.from_args(args), ChatOptions.from_args(args), args.enable_prompt_tokens_details)
+                    RequestLimits.from_args(args), ChatOptions.from_args(args), args.enable_prompt_tokens_details,
+                    server=ServerOptions.from_args(args))
     member = Member("gateway", client.gateway_id, advertised(args), {"model": args.model})
     client.start()
     encoder.start()
@@ -81,4 +87,5 @@ def run_gateway(args: argparse.Namespace) -> int:
         encoder.close()
         client.shutdown()
         registry.close()
+        release(listener, args.uds)
     return 0

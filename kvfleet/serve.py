@@ -1,14 +1,16 @@
 """`kvfleet serve` in embedded mode: engine, tokenizer and gateway in one process.
 
 Whatever can be checked is checked before anything loads, each failure a ConfigError
-(one line, exit 2): the flags' values, the port (bound first, as vLLM does), the
-model's files and metadata against the flags, then the device."""
+(one line, exit 2): the flags' values, the port or --uds socket (bound first, as vLLM
+does; a socket file left by a server that died is removed then), the model's files and
+metadata against the flags, then the device."""
 from __future__ import annotations
 
 import argparse
 import gc
 
-from gateway.drain import bind, serve
+from gateway.drain import serve
+from gateway.listener import listen, release
 from services.cli_args import engine_args
 from services.config import EngineConfig
 from services.telemetry import configure_logging
@@ -19,12 +21,13 @@ def serve_embedded(args: argparse.Namespace) -> None:
     """Serves until SIGTERM or SIGINT, then drains (gateway/drain.py) and returns."""
     configure_logging()  # uvicorn configures only its own loggers
     config = EngineConfig(**engine_args(args))
-    listener = bind(args.host, args.port)
+    listener = listen(args)
     check_model(config)
     check_device(config)
     # The engine's modules load torch and transformers (seconds): only once the checks above pass.
     from gateway.app import build_app
     from gateway.limits import RequestLimits
+    from gateway.server_options import ServerOptions
     from gateway.tool_calls import ChatOptions
     from kvfleet.async_engine import AsyncEngine
     from scheduler_svc.engine_core import EngineCore
@@ -37,7 +40,8 @@ def serve_embedded(args: argparse.Namespace) -> None:
     encoder = InProcessEncoder(Tokenizer.for_engine(config, args.chat_template))
     engine = AsyncEngine(EngineCore(config, start_worker(config)))
     app = build_app(engine, encoder, args.served_model_name or [config.model], args.api_key,
-                    RequestLimits.from_args(args), ChatOptions.from_args(args), args.enable_prompt_tokens_details)
+                    RequestLimits.from_args(args), ChatOptions.from_args(args), args.enable_prompt_tokens_details,
+                    server=ServerOptions.from_args(args))
     # The model's, tokenizer's and libraries' objects live as long as the process: kept out
     # of every collection, a full one (a large request's allocations set it off) stays
     # short instead of stalling the event loop, /health included, for a third of a second.
@@ -47,3 +51,4 @@ def serve_embedded(args: argparse.Namespace) -> None:
         serve(app, listener, args.shutdown_timeout, args.uvicorn_log_level, not args.disable_uvicorn_access_log)
     finally:
         engine.shutdown()
+        release(listener, args.uds)

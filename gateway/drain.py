@@ -19,6 +19,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 OPERATIONAL_PATHS = frozenset({"/health", "/metrics", "/version", "/load", "/ping"})
 # After the deadline: how long the requests the engine's shutdown failed get to send their error.
 FLUSH_S = 5.0
+# How often a server that waits to be ready before it takes connections looks again.
+READY_POLL_S = 0.1
 
 
 class Drain:
@@ -79,12 +82,20 @@ class DrainingServer(uvicorn.Server):
     second one shuts down without waiting for the drain (open requests get FLUSH_S, then
     are cancelled), and a third at once, as uvicorn's own second Ctrl-C does."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, engine: EngineClient, shutdown_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Drain, engine: EngineClient, shutdown_timeout_s: float,
+                 ready: Callable[[], bool] | None = None) -> None:
         super().__init__(config)
         self._drain = drain
         self._engine = engine
         self._shutdown_timeout_s = shutdown_timeout_s
+        self._ready = ready
         self._deadline: float | None = None  # monotonic; set by the first signal
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        # With `ready`, no connection is taken before it says so (or a signal comes).
+        while self._ready is not None and not self._ready() and self._deadline is None:
+            await asyncio.sleep(READY_POLL_S)
+        await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._deadline is not None:  # a second signal: stop waiting for anyone
@@ -134,10 +145,11 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(app: FastAPI, listener: socket.socket, shutdown_timeout_s: float, log_level: str = "info",
-          access_log: bool = True) -> None:
+          access_log: bool = True, accept_when_ready: bool = False) -> None:
     """Serves `app` (from gateway.app.build_app) on `listener` (from gateway.listener.listen)
     until a signal, then drains; returns once the server is down. The engine client stays
-    the caller's to shut down."""
+    the caller's to shut down. `accept_when_ready`: take connections only once the app can
+    serve them, for a socket other servers share (cluster up's), which take them meanwhile."""
     ctx = app.state.gateway
     paths = app.openapi()["paths"]
     logger.info("routes: %s", ", ".join(f"{'|'.join(m.upper() for m in methods)} {path}"
@@ -153,4 +165,5 @@ def serve(app: FastAPI, listener: socket.socket, shutdown_timeout_s: float, log_
         where = {"host": host, "port": port}
     config = uvicorn.Config(app, **where, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=FLUSH_S)
     logging.getLogger("uvicorn.access").addFilter(_without_probes)
-    DrainingServer(config, ctx.drain, ctx.engine, shutdown_timeout_s).run(sockets=[listener])
+    DrainingServer(config, ctx.drain, ctx.engine, shutdown_timeout_s, ctx.is_ready if accept_when_ready else None).run(
+        sockets=[listener])

@@ -2,7 +2,10 @@
 
 It listens at once and answers 503 on /health until the cluster can serve (a
 scheduler and a tokenizer hold leases and the tokenizer's files have been fetched),
-so a long model load elsewhere never restart-loops it against a startup probe. It
+so a long model load elsewhere never restart-loops it against a startup probe. On a
+socket `cluster up` hands it (--listen-fd), which its other gateways share, it takes
+connections only once it can serve them: until then the others, or the socket's
+backlog, hold them, as vLLM's API servers take none before their engine is up. It
 needs no model files: it tokenizes through the tokenizer role and detokenizes with
 the files that role hands out.
 """
@@ -49,8 +52,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help="which scheduler replica takes a request: where its prompt's prefix is cached, "
                         "balanced with load (prefix), the least loaded, or each in turn (default: %(default)s)")
     parser.add_argument("--listen-fd", type=int, metavar="FD",
-                        help="serve on this inherited listening socket (TCP or Unix) instead of binding one: how "
-                        "`cluster up --api-server-count N` puts its N gateways on one port")
+                        help="serve on this inherited listening socket (TCP or Unix) instead of binding one, taking "
+                        "its connections only once the cluster can serve them: how `cluster up --api-server-count N` "
+                        "puts its N gateways on one port")
 
 
 def run_gateway(args: argparse.Namespace) -> int:
@@ -82,7 +86,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     try:
         with Lease(registry, member, args.lease_ttl):
             # Returns after SIGTERM/SIGINT, once open requests end or the timeout passes.
-            serve(app, listener, args.shutdown_timeout, args.uvicorn_log_level, not args.disable_uvicorn_access_log)
+            serve(app, listener, args.shutdown_timeout, args.uvicorn_log_level, not args.disable_uvicorn_access_log,
+                  accept_when_ready=args.listen_fd is not None)
     finally:
         encoder.close()
         client.shutdown()

@@ -8,13 +8,12 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-from openai_servers import API_KEY, MODES, PROC, SERVED, Server, alive, descendants, healthy, running_server
+from openai_servers import API_KEY, MODES, PROC, SERVED, Server, alive, descendants, running_server
 
 import kvfleet
 
@@ -73,10 +72,7 @@ def test_cluster_gateways_share_the_socket_and_count_together(server: Server) ->
         [paused] = [pid for pid in gateways if pid != serving]
         os.kill(paused, signal.SIGSTOP)  # it takes no connection meanwhile: `serving` answers all
         try:
-            deadline = time.monotonic() + 10
-            while not healthy(server.url, server.uds):  # until `serving` has seen the cluster too
-                assert time.monotonic() < deadline, server.log_tail()
-                time.sleep(0.05)
+            # No 503 even if `serving` has not seen the cluster yet: it takes connections once it has.
             assert _completion_tokens(server) == _completion_tokens(server) == 4
         finally:
             os.kill(paused, signal.SIGCONT)

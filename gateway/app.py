@@ -33,10 +33,12 @@ def build_app(
     limits: RequestLimits = RequestLimits(),
     chat_options: ChatOptions = ChatOptions(),
     prompt_tokens_details: bool = False,
+    model: str | None = None,
     server: ServerOptions = ServerOptions(),
 ) -> FastAPI:
     """`encoder` does the text work: in-process, or the cluster's tokenizer role.
-    Clients may name any of `served_model_names`; responses carry the first, as in vLLM."""
+    Clients may name any of `served_model_names`; responses carry the first, as in vLLM.
+    `model`: the model as the server was started with it (default: the first served name)."""
     names = (served_model_names,) if isinstance(served_model_names, str) else tuple(served_model_names)
     app = FastAPI(title="kvfleet")
     app.root_path = server.root_path  # set as an attribute: the constructor's argument is deprecated
@@ -46,6 +48,7 @@ def build_app(
         served_model_names=names,
         metrics=GatewayMetrics(engine_client, names[0]),
         limits=limits,
+        model=model or names[0],
         chat_options=chat_options,
         prompt_tokens_details=prompt_tokens_details,
     )

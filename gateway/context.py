@@ -31,6 +31,7 @@ class GatewayContext:
     served_model_names: tuple[str, ...]
     metrics: GatewayMetrics
     limits: RequestLimits
+    model: str  # the model as the server was started with it (vLLM's --model): /v1/models' root
     chat_options: ChatOptions = field(default_factory=ChatOptions)
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
     drain: Drain = field(default_factory=Drain)  # set on SIGTERM by gateway.drain.serve
@@ -63,8 +64,8 @@ class GatewayContext:
         return info
 
     def check_model(self, model: str | None) -> None:
-        # Like vLLM, a request that names no model gets the served one.
-        if model is not None and model not in self.served_model_names:
+        # Like vLLM, a request that names no model (absent, null or "") gets the served one.
+        if model and model not in self.served_model_names:
             raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     def is_ready(self) -> bool:

@@ -6,6 +6,7 @@ show `message`; `param` names the request field at fault.
 from __future__ import annotations
 
 import logging
+import reprlib
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +20,11 @@ from services.invalid_parameter import InvalidParameter
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error"}
+# A body's validation errors, each with its input cut short as pydantic cuts it: a
+# multi-megabyte prompt must not come back in the message.
+_MAX_ERRORS_SHOWN = 10
+_INPUT_REPR = reprlib.Repr()
+_INPUT_REPR.maxstring = _INPUT_REPR.maxother = 50
 
 
 class OpenAIError(Exception):
@@ -67,13 +73,23 @@ def _validation_param(error: dict) -> str | None:
     return str(loc[0]) if loc and isinstance(loc[0], str) else None
 
 
+def _validation_message(error: dict) -> str:
+    """One error in pydantic's own words (`... [type=less_than_equal, input_value=..., input_type=int]`),
+    which vLLM's server passes on and its clients match on, after the field's path."""
+    where = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+    message = error.get("msg", "invalid request")
+    if "type" in error:
+        value = error.get("input")
+        message += f" [type={error['type']}, input_value={_INPUT_REPR.repr(value)}, input_type={type(value).__name__}]"
+    return f"{where}: {message}" if where else message
+
+
 async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
-    first = errors[0] if errors else {}
-    param = _validation_param(first)
-    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-    message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-    return error_response(400, message, param)
+    param = _validation_param(errors[0]) if errors else None
+    shown = [_validation_message(error) for error in errors[:_MAX_ERRORS_SHOWN]]
+    more = f"; and {len(errors) - _MAX_ERRORS_SHOWN} more" if len(errors) > _MAX_ERRORS_SHOWN else ""
+    return error_response(400, "; ".join(shown) + more if shown else "invalid request", param)
 
 
 async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:

@@ -36,12 +36,16 @@ class CompletionLogprobsBuilder:
             text = _token_text(self._tokenizer, token_id)
             out.tokens.append(text)
             out.token_logprobs.append(None if entry is None else entry[token_id])
-            out.top_logprobs.append(
-                None if entry is None else {_token_text(self._tokenizer, t): lp for t, lp in _top(entry, self._num_top)}
-            )
+            out.top_logprobs.append(None if entry is None else self._top(token_id, entry))
             out.text_offset.append(self._offset)
             self._offset += len(text)
         return out
+
+    def _top(self, token_id: int, entry: dict[int, float]) -> dict[str, float]:
+        """As vLLM and OpenAI's legacy API: the token itself, then the most likely others,
+        up to `logprobs` + 1 (so `logprobs: 0` still shows the token's own logprob)."""
+        ranked = [(token_id, entry[token_id]), *((t, lp) for t, lp in entry.items() if t != token_id)]
+        return {_token_text(self._tokenizer, t): lp for t, lp in ranked[: self._num_top + 1]}
 
     def build_echo(
         self,

@@ -79,7 +79,7 @@ def run_gateway(args: argparse.Namespace) -> int:
                               lease_ttl_s=args.lease_ttl)
     app = build_app(client, encoder, args.served_model_name or [args.model], args.api_key,
                     RequestLimits.from_args(args), ChatOptions.from_args(args), args.enable_prompt_tokens_details,
-                    server=ServerOptions.from_args(args))
+                    args.model, ServerOptions.from_args(args))
     member = Member("gateway", client.gateway_id, advertised(args), {"model": args.model})
     client.start()
     encoder.start()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
@@ -147,7 +148,8 @@ class SamplingFields(_Body):
     seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, description="accepted for vLLM's sake: kvfleet keeps nothing per end user (nor "
+                             "does vLLM's server)")
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as strings
@@ -179,8 +181,9 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    # Text, a batch of texts, token ids, or a batch of token-id lists.
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # Text, a batch of texts, token ids, or a batch of token-id lists; None (as vLLM allows it) is a 400 later,
+    # in vLLM's words.
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] | None = None
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     logprobs: NumLogprobs | None = None
@@ -417,12 +420,32 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class ModelPermission(BaseModel):
+    """vLLM's (after OpenAI's former API): what a client may do with the model."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=_now)
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "kvfleet"
+    root: str  # the model the server loaded, as given to it (vLLM's --model)
+    parent: str | None = None  # a base model's is None; a LoRA adapter's names its base
     max_model_len: int
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from gateway.main import add_gateway_args
 from kvfleet.cluster_up import add_cluster_up_args
+from kvfleet.run_batch import add_run_batch_args, run_batch
 from scheduler_svc.main import add_scheduler_args
 from services.cli_args import (
     VLLM_FLAGS_NOT_SUPPORTED,
@@ -53,7 +54,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvfleet", description="LLM serving with a paged KV cache")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -71,6 +72,13 @@ def _parser() -> argparse.ArgumentParser:
     add_chat_template_arg(serve)
     add_api_server_count_arg(serve, "HTTP server processes: 1, the one the engine runs in (several: `kvfleet cluster "
                              "up --api-server-count N`)")
+
+    batch = commands.add_parser("run-batch", help="answer an OpenAI batch file (chat and completions lines) offline, "
+                                "as vLLM's run-batch; takes serve's flags")
+    add_engine_args(batch)
+    add_http_args(batch)
+    add_chat_template_arg(batch)
+    add_run_batch_args(batch)
 
     for name, (help_text, add_args, _) in _ROLES.items():
         add_args(commands.add_parser(name, help=help_text))
@@ -109,7 +117,7 @@ def _cluster_up(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, unknown = _parser().parse_known_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
     command: _Parser = args.command_parser
     if unknown:
         for name in (argument.split("=")[0] for argument in unknown):
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in _ROLES:
             module, function = _ROLES[args.command][2].split(":")
             return getattr(importlib.import_module(module), function)(args)
-        return {"generate": _generate, "serve": _serve, "cluster": _cluster_up}[args.command](args)
+        return {"generate": _generate, "serve": _serve, "run-batch": run_batch, "cluster": _cluster_up}[args.command](args)
     except ConfigError as exc:
         command.error(str(exc))
 

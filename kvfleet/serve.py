@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from typing import TYPE_CHECKING
 
 from gateway.drain import serve
 from gateway.listener import listen, release
@@ -16,12 +17,30 @@ from services.config import EngineConfig
 from services.telemetry import configure_logging
 from worker_svc.runtime.preflight import check_device, check_model
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from kvfleet.async_engine import AsyncEngine
+
 
 def serve_embedded(args: argparse.Namespace) -> None:
     """Serves until SIGTERM or SIGINT, then drains (gateway/drain.py) and returns."""
     configure_logging()  # uvicorn configures only its own loggers
     config = EngineConfig(**engine_args(args))
     listener = listen(args)
+    app, engine = embedded_app(args, config)
+    engine.start()
+    try:
+        serve(app, listener, args.shutdown_timeout, args.uvicorn_log_level, not args.disable_uvicorn_access_log)
+    finally:
+        engine.shutdown()
+        release(listener, args.uds)
+
+
+def embedded_app(args: argparse.Namespace, config: EngineConfig) -> tuple[FastAPI, AsyncEngine]:
+    """The gateway's app over an engine and a tokenizer in this process, as `serve`'s
+    flags set them up: what `kvfleet serve` serves and `kvfleet run-batch` answers its
+    lines with. The model and device are checked first; the engine is not started."""
     check_model(config)
     check_device(config)
     # The engine's modules load torch and transformers (seconds): only once the checks above pass.
@@ -41,14 +60,9 @@ def serve_embedded(args: argparse.Namespace) -> None:
     engine = AsyncEngine(EngineCore(config, start_worker(config)))
     app = build_app(engine, encoder, args.served_model_name or [config.model], args.api_key,
                     RequestLimits.from_args(args), ChatOptions.from_args(args), args.enable_prompt_tokens_details,
-                    server=ServerOptions.from_args(args))
+                    config.model, ServerOptions.from_args(args))
     # The model's, tokenizer's and libraries' objects live as long as the process: kept out
     # of every collection, a full one (a large request's allocations set it off) stays
     # short instead of stalling the event loop, /health included, for a third of a second.
     gc.freeze()
-    engine.start()
-    try:
-        serve(app, listener, args.shutdown_timeout, args.uvicorn_log_level, not args.disable_uvicorn_access_log)
-    finally:
-        engine.shutdown()
-        release(listener, args.uds)
+    return app, engine

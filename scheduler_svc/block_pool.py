@@ -15,6 +15,8 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.scheduler_messages import TierEvents
+
 
 class NoFreeBlocks(RuntimeError):
     pass
@@ -34,42 +36,72 @@ class StoredBlock:
 class KvEvents:
     """The index's net change over some steps: clear first if `cleared`, then drop
     `removed`, then add `stored`, in the order they were stored (a parent before its
-    child). `blocks` describes the stored hashes the pool was told about."""
+    child). `blocks` describes the stored hashes the pool was told about. `tiers`: the
+    same for each offload tier that changed (services/kv_block_files.py names them)."""
 
     cleared: bool
     removed: list[bytes]
     stored: list[bytes]
     blocks: Mapping[bytes, StoredBlock] = field(default_factory=dict)
+    tiers: list[TierEvents] = field(default_factory=list)
 
 
-class KvEventLog:
+class TierLog:
     """Each hash's last change since the last take: a hash stored and evicted within one
-    step is one removal, which a router applies as a no-op."""
+    step is one removal, which a router applies as a no-op. It takes a pool's event
+    calls, so an offload tier's BlockPool (the host tier's) can log into one."""
 
     def __init__(self) -> None:
-        self._changes: dict[bytes, bool] = {}  # hash -> indexed now, in the order of last changes
-        self._blocks: dict[bytes, StoredBlock] = {}
+        self._last: dict[bytes, bool] = {}  # hash -> indexed now, in the order of last changes
         self._cleared = False
 
     def changed(self, block_hash: bytes, indexed: bool, stored: StoredBlock | None = None) -> None:
-        self._changes.pop(block_hash, None)
-        self._changes[block_hash] = indexed
+        self._last.pop(block_hash, None)
+        self._last[block_hash] = indexed
+
+    def clear(self) -> None:
+        self._last.clear()
+        self._cleared = True
+
+    def take(self) -> tuple[bool, list[bytes], list[bytes]] | None:
+        """(cleared, removed, stored) since the last take, or None when nothing changed."""
+        if not self._last and not self._cleared:
+            return None
+        taken = (self._cleared, [h for h, indexed in self._last.items() if not indexed],
+                 [h for h, indexed in self._last.items() if indexed])
+        self._last, self._cleared = {}, False
+        return taken
+
+
+class KvEventLog:
+    """The device pool's changes (and the offload tiers', by medium) since the last take."""
+
+    def __init__(self) -> None:
+        self._device = TierLog()
+        self._blocks: dict[bytes, StoredBlock] = {}
+        self._tiers: dict[str, TierLog] = {}
+
+    def changed(self, block_hash: bytes, indexed: bool, stored: StoredBlock | None = None) -> None:
+        self._device.changed(block_hash, indexed)
         if stored is not None:
             self._blocks[block_hash] = stored
 
     def clear(self) -> None:
-        self._changes.clear()
+        self._device.clear()
         self._blocks.clear()
-        self._cleared = True
+
+    def tier(self, medium: str) -> TierLog:
+        return self._tiers.setdefault(medium, TierLog())
 
     def take(self) -> KvEvents | None:
-        if not self._changes and not self._cleared:
+        tiers = [TierEvents(medium, *taken) for medium, log in self._tiers.items() if (taken := log.take())]
+        device = self._device.take()
+        if device is None and not tiers:
             return None
-        stored = [h for h, indexed in self._changes.items() if indexed]
+        cleared, removed, stored = device or (False, [], [])
         blocks = {h: self._blocks[h] for h in stored if h in self._blocks}
-        events = KvEvents(self._cleared, [h for h, indexed in self._changes.items() if not indexed], stored, blocks)
-        self._changes, self._blocks, self._cleared = {}, {}, False
-        return events
+        self._blocks = {}
+        return KvEvents(cleared, removed, stored, blocks, tiers)
 
 
 class BlockPool:

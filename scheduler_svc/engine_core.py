@@ -14,11 +14,13 @@ from typing import Protocol
 
 import msgspec
 
+from scheduler_svc.kv_connector import KvConnector
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from services.config import EngineConfig
 from services.engine_client import EngineUnavailable
 from services.invalid_parameter import InvalidParameter
+from services.kv_block_files import file_tiers
 from services.messages import (
     CacheConfigInfo,
     EngineStats,
@@ -89,7 +91,9 @@ class EngineCore:
                 preemption_mode=config.preemption_mode,
                 num_host_blocks=described.num_host_blocks,
                 async_scheduling=self.runs_ahead,
-            )
+            ),
+            KvConnector(described.num_offload_blocks, file_tiers(config, described.kv_layout_key))
+            if config.has_kv_tiers else None,
         )
         # Built once: every stats() shares it.
         self.cache_config = CacheConfigInfo(
@@ -251,4 +255,12 @@ class EngineCore:
             prefix_cache_hits=scheduler.prefix_cache_hits,
             iteration_tokens=scheduler.iteration_tokens.snapshot(),
             cache_config=self.cache_config,
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict:
+        connector = self.scheduler.connector
+        if connector is None:
+            return {}
+        return {"external_prefix_cache_queries": connector.queries, "external_prefix_cache_hits": connector.hits,
+                "kv_tiers": connector.stats()}

@@ -28,7 +28,8 @@ class KvEventPublisher:
     def publish(self, events: KvEvents) -> int:
         """From the step thread; never waits on the network."""
         seq = self._mirror.apply(events)
-        payload = encode(NumberedKvEvents(self._instance_id, seq, events.cleared, events.removed, events.stored))
+        payload = encode(NumberedKvEvents(self._instance_id, seq, events.cleared, events.removed, events.stored,
+                                            events.tiers))
         # FIFO on the NATS loop: messages leave in number order (one step thread publishes).
         self._nats.loop.call_soon_threadsafe(self._nats.loop.create_task, self._send(payload))
         return seq

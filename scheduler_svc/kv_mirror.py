@@ -9,7 +9,7 @@ import threading
 from typing import Protocol
 
 from scheduler_svc.block_pool import KvEvents
-from services.scheduler_messages import KvSnapshotResponse
+from services.scheduler_messages import KvSnapshotResponse, TierEvents
 
 
 class KvEventSink(Protocol):
@@ -31,6 +31,7 @@ class KvMirror:
         self._lock = threading.Lock()
         self._seq = 0
         self._hashes: set[bytes] = set()
+        self._tiers: dict[str, set[bytes]] = {}
 
     def apply(self, events: KvEvents) -> int:
         """Applies the next batch in the order KvEvents documents; returns its number."""
@@ -40,6 +41,8 @@ class KvMirror:
                 self._hashes.clear()
             self._hashes.difference_update(events.removed)
             self._hashes.update(events.stored)
+            for tier in events.tiers:
+                tier.apply_to(self._tiers.setdefault(tier.medium, set()))
             return self._seq
 
     def publish(self, events: KvEvents) -> int:
@@ -48,4 +51,5 @@ class KvMirror:
 
     def snapshot(self) -> KvSnapshotResponse:
         with self._lock:
-            return KvSnapshotResponse(self._seq, list(self._hashes))
+            tiers = [TierEvents(medium, stored=list(hashes)) for medium, hashes in self._tiers.items()]
+            return KvSnapshotResponse(self._seq, list(self._hashes), tiers)

@@ -14,7 +14,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler_svc.block_pool import BlockPool, StoredBlock
+from scheduler_svc.block_pool import BlockPool, KvEventLog, StoredBlock
+from scheduler_svc.kv_connector import KvConnector
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.histogram_counts import BucketCounter
@@ -48,7 +49,8 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, connector: KvConnector | None = None) -> None:
+        """`connector`: the KV connector's scheduler side, when there are offload tiers."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < config.max_model_len:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be at "
@@ -58,6 +60,7 @@ class Scheduler:
         self.config = config
         self.block_pool = BlockPool(config.num_blocks)
         self.host_pool = BlockPool(config.num_host_blocks) if config.preemption_mode == "swap" else None
+        self.connector = connector
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -92,7 +95,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise InvalidParameter("request_id", f"{request.request_id!r} is already in use")
         if prompt_len == 0:
-            raise InvalidParameter("prompt", "the prompt is empty")
+            raise InvalidParameter("prompt", "The decoder prompt cannot be empty")  # vLLM's words
         if prompt_len > limit:
             raise InvalidParameter(
                 "prompt",
@@ -113,8 +116,12 @@ class Scheduler:
                  "stop_token_ids": request.sampling_params.stop_token_ids}
         for param, token_ids in named.items():
             bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad and param == "prompt":  # vLLM's words, which clients match on
+                raise InvalidParameter(param, f"Token id {max(bad)} is out of vocabulary (vocabulary size: {vocab})")
             if bad:
-                raise InvalidParameter(param, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+                raise InvalidParameter(
+                    param, f"token_id(s) {bad[:5]} in {param} contain out-of-vocab token ids. Vocabulary size: {vocab}"
+                )
 
     def abort_request(self, request_id: str) -> TokenDelta | None:
         request = self.requests.get(request_id)
@@ -122,6 +129,13 @@ class Scheduler:
             return None
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.LOADING_KV:
+            # The worker may still write into its blocks: they are freed when the load ends.
+            self._release_followers(request)
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = FinishReason.ABORT
+            del self.requests[request_id]
+            return TokenDelta(request_id, [], FinishReason.ABORT.value)
         elif request.status is RequestStatus.AWAITING_FORK:
             for leader in self.requests.values():
                 if request in leader.followers:
@@ -131,14 +145,21 @@ class Scheduler:
         self._finish(request, FinishReason.ABORT)
         return TokenDelta(request_id, [], FinishReason.ABORT.value)
 
+    def attach_kv_events(self, events: KvEventLog) -> None:
+        """Logs the prefix cache's changes (the device pool's and the offload tiers') for KV events."""
+        self.block_pool.events = events
+        if self.connector is not None:
+            self.connector.attach_events(events)
+
     @property
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     @property
     def has_work(self) -> bool:
-        """Requests to run, or ended ones the worker has not been told to drop yet."""
-        return bool(self.requests or self._dropped_ids)
+        """Requests to run, ended ones the worker has not been told to drop yet, or loads
+        into blocks that are freed once the worker says the load ended."""
+        return bool(self.requests or self._dropped_ids or (self.connector is not None and self.connector.loading))
 
     @property
     def has_drops(self) -> bool:
@@ -175,6 +196,8 @@ class Scheduler:
             self._schedule_waiting(plan, budget, max_requests)
         plan.finished_request_ids, self._dropped_ids = self._dropped_ids, []
         plan.blocks_to_copy, self._pending_copies = self._pending_copies, []
+        if self.connector is not None:
+            plan.kv_host_saves, plan.kv_file_saves = self.connector.take_saves()
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: int, max_requests: int | None) -> int:
@@ -208,8 +231,14 @@ class Scheduler:
             request = self.waiting[0]
             if request.status is RequestStatus.SWAPPED:
                 admitted = self._swap_in(request, plan, budget)
+            elif request.status is RequestStatus.KV_LOADED:
+                admitted = self._resume_loaded(request, budget)
             else:
-                admitted = self._admit(request, budget)
+                hits = self._cached_prefix(request)
+                if self._start_load(request, hits, plan):
+                    self.waiting.popleft()
+                    continue
+                admitted = self._admit(request, hits, budget)
             if admitted is None:
                 return
             num_tokens, new_blocks = admitted
@@ -221,9 +250,8 @@ class Scheduler:
             self._add_to_plan(plan, request, num_tokens, new_blocks)
             budget -= num_tokens
 
-    def _admit(self, request: Request, budget: int) -> tuple[int, list[int]] | None:
-        """Start (or restart) a request from its longest cached prefix, if it fits."""
-        hits = self._cached_prefix(request)
+    def _admit(self, request: Request, hits: list[int], budget: int) -> tuple[int, list[int]] | None:
+        """Start (or restart) a request from its longest cached prefix (`hits`), if it fits."""
         num_computed = len(hits) * self.config.block_size
         remaining = request.num_tokens - num_computed
         if not self.config.enable_chunked_prefill and remaining > budget:
@@ -241,6 +269,65 @@ class Scheduler:
         if self.config.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_computed
+        return num_tokens, request.block_ids
+
+    def _start_load(self, request: Request, hits: list[int], plan: StepPlan) -> bool:
+        """Whether the request's prefix continues, past the device pool's `hits`, in the
+        offload tiers: then its blocks are taken and the worker loads them meanwhile."""
+        if self.connector is None or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            return False
+        max_hit_blocks = (request.num_tokens - 1) // self.config.block_size
+        if request.sampling_params.prompt_logprobs is not None or len(hits) >= max_hit_blocks:
+            return False
+        sources = self.connector.find(request.block_hashes, len(hits), max_hit_blocks)
+        self.connector.queries += (max_hit_blocks - len(hits)) * self.config.block_size
+        if not sources or len(sources) > self.block_pool.num_free_blocks - self.block_pool.num_unheld(hits):
+            return False
+        self.block_pool.share(hits)
+        request.block_ids = hits + self.block_pool.allocate(len(sources))
+        request.num_computed_tokens = len(hits) * self.config.block_size
+        request.num_cached_blocks = len(hits)
+        request.status = RequestStatus.LOADING_KV
+        plan.kv_loads.append(self.connector.start_load(request, len(hits), sources))
+        return True
+
+    def _load_finished(self, request_id: str, num_loaded: int) -> None:
+        """The worker filled the first `num_loaded` blocks asked of it; the rest are computed."""
+        loading = self.connector.loading.pop(request_id, None)
+        if loading is None:
+            return
+        request = loading.request
+        if request.status is not RequestStatus.LOADING_KV:  # aborted meanwhile
+            self.block_pool.free(request.block_ids)
+            request.block_ids = []
+            return
+        self.connector.hits += num_loaded * self.config.block_size
+        num_blocks = loading.num_device_hits + num_loaded
+        size = self.config.block_size
+        tokens = request.all_token_ids if self.block_pool.events is not None else None  # for KV events only
+        for index in range(loading.num_device_hits, num_blocks):
+            stored = None if tokens is None else StoredBlock(
+                request.block_hashes[index - 1] if index else None, tokens[index * size:(index + 1) * size],
+                request.cache_salt)
+            self.block_pool.cache(request.block_ids[index], request.block_hashes[index], stored)
+        request.num_cached_blocks = num_blocks
+        request.num_computed_tokens = num_blocks * size
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = request.num_computed_tokens
+        if self.config.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += loading.num_device_hits * size
+        request.status = RequestStatus.KV_LOADED
+        self.waiting.appendleft(request)
+
+    def _resume_loaded(self, request: Request, budget: int) -> tuple[int, list[int]] | None:
+        """Start a request from its loaded prefix: it holds those blocks, and those the
+        load could not fill, already."""
+        num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self.config.enable_chunked_prefill and num_tokens < request.num_tokens - request.num_computed_tokens:
+            return None
+        if self._allocate_slots(request, request.num_computed_tokens + num_tokens) is None:
+            return None
         return num_tokens, request.block_ids
 
     def _cached_prefix(self, request: Request) -> list[int]:
@@ -350,6 +437,10 @@ class Scheduler:
         for request_id in request_ids:
             self.abort_request(request_id)
         self._pending_copies.clear()
+        if self.connector is not None:
+            for loading in self.connector.forget():  # no load will finish: their blocks are free
+                self.block_pool.free(loading.request.block_ids)
+                loading.request.block_ids = []
         self.block_pool.reset_prefix_cache()
         return request_ids
 
@@ -361,6 +452,10 @@ class Scheduler:
     # -- results ---------------------------------------------------------------------
 
     def update(self, plan: StepPlan, result: StepResult) -> list[TokenDelta]:
+        if self.connector is not None:
+            self.connector.add_counts(result.kv_tiers)
+            for request_id, num_loaded in result.kv_loads_done.items():
+                self._load_finished(request_id, num_loaded)
         deltas = []
         now = time.monotonic()
         step_tokens = 0
@@ -461,6 +556,8 @@ class Scheduler:
             stored = None if tokens is None else StoredBlock(
                 hashes[index - 1] if index else None, tokens[index * size:(index + 1) * size], request.cache_salt)
             self.block_pool.cache(request.block_ids[index], hashes[index], stored)
+            if self.connector is not None:
+                self.connector.computed(request.block_ids[index], hashes[index])
         request.num_cached_blocks = num_full
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
@@ -479,10 +576,7 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        for follower in request.followers:  # never forked: they start on their own
-            follower.status = RequestStatus.WAITING
-            self.waiting.appendleft(follower)
-        request.followers = []
+        self._release_followers(request)
         self.block_pool.free(request.block_ids)
         if request.host_block_ids:
             self.host_pool.free(request.host_block_ids)
@@ -492,6 +586,13 @@ class Scheduler:
         request.finish_reason = reason
         self._forget_on_worker(request)
         del self.requests[request.request_id]
+
+
+    def _release_followers(self, request: Request) -> None:
+        for follower in request.followers:  # never forked: they start on their own
+            follower.status = RequestStatus.WAITING
+            self.waiting.appendleft(follower)
+        request.followers = []
 
 
 def _value(reason: FinishReason | None) -> str | None:

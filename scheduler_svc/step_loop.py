@@ -69,7 +69,8 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker | _FlushCache, str])
         # The prefix cache's changes, when the hub has routers to tell.
         self._kv_log: KvEventLog | None = None
         if hub.kv_events is not None:
-            self._kv_log = core.scheduler.block_pool.events = KvEventLog()
+            self._kv_log = KvEventLog()
+            core.scheduler.attach_kv_events(self._kv_log)
 
     # -- any thread ----------------------------------------------------------------------
 

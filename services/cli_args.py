@@ -44,6 +44,14 @@ _ENGINE_HELP = {
     "enable_chunked_prefill": "split long prompts into chunks that share steps with decodes",
     "preemption_mode": "recompute or swap, when KV blocks run out",
     "swap_space": "GiB of host memory for swapped-out KV blocks",
+    "kv_offloading_size": "GiB of host memory holding KV blocks evicted from the device pool, found again by "
+                          "prefix (the first offload tier)",
+    "kv_offloading_dir": "a local directory holding KV blocks the device pool (and host tier) evicted, one file "
+                         "per block (the disk tier)",
+    "kv_offloading_dir_size": "GiB the --kv-offloading-dir tier may hold; the least recently used blocks go first",
+    "kv_shared_dir": "a directory several replicas mount (a PersistentVolume, a bind mount): KV blocks any of them "
+                     "computed, for all of them (the shared tier)",
+    "kv_shared_dir_size": "GiB the --kv-shared-dir tier may hold; the least recently used blocks go first",
     "seed": "seeds the sampling of requests that bring no seed of their own",
     "tensor_parallel_size": "ranks each layer is split over (one process and device each; gloo on CPU, NCCL on GPU)",
     "pipeline_parallel_size": "pipeline stages the layers are split into (one process and device each)",

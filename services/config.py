@@ -7,6 +7,7 @@ raises. Settings kvfleet accepts for vLLM's sake but does not act on are listed 
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -58,6 +59,14 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap"
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
+    # The KV connector's offload tiers (docs/kv_connector.md): host memory beside the
+    # device pool (GiB), a local directory and a directory replicas share, each with a
+    # byte bound (GiB). A block evicted from the device pool is found in them again.
+    kv_offloading_size: float = 0.0
+    kv_offloading_dir: str | None = None
+    kv_offloading_dir_size: float = 16.0
+    kv_shared_dir: str | None = None
+    kv_shared_dir_size: float = 64.0
     seed: int = 0  # seeds the sampling of requests that bring no seed of their own
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -87,6 +96,7 @@ class EngineConfig:
             raise ConfigError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: must be in (0, 1]")
         if self.swap_space < 0:
             raise ConfigError(f"--swap-space {self.swap_space}: must not be negative")
+        self._check_kv_tiers()
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag(name)} {getattr(self, name)}: must be positive")
@@ -107,6 +117,32 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: choose one of {', '.join(KV_CACHE_DTYPES)} "
                               "(fp8 caches are not supported)")
+
+    @property
+    def has_kv_tiers(self) -> bool:
+        return bool(self.kv_offloading_size or self.kv_offloading_dir or self.kv_shared_dir)
+
+    def _check_kv_tiers(self) -> None:
+        for name in ("kv_offloading_size", "kv_offloading_dir_size", "kv_shared_dir_size"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{flag(name)} {getattr(self, name)}: must not be negative")
+        if not self.has_kv_tiers:
+            return
+        if not self.enable_prefix_caching:
+            raise ConfigError("the KV offload tiers find blocks by their prefix hashes: drop --no-enable-prefix-caching")
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("the KV offload tiers serve one-rank workers for now: drop --tensor-parallel-size and "
+                              "--pipeline-parallel-size, or the --kv-offloading-*/--kv-shared-* flags")
+        for name in ("kv_offloading_dir", "kv_shared_dir"):
+            directory = getattr(self, name)
+            if directory is None:
+                continue
+            try:
+                os.makedirs(directory, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"{flag(name)} {directory}: cannot create it ({exc.strerror})") from exc
+            if not os.access(directory, os.W_OK | os.X_OK):
+                raise ConfigError(f"{flag(name)} {directory}: not writable by this process")
 
     def graph_sizes(self) -> tuple[int, ...]:
         """The decode batch sizes to capture as CUDA graphs (none with --enforce-eager)."""

@@ -44,6 +44,16 @@ class CachedRequestData(msgspec.Struct, **_HOT):
     new_token_ids: list[int] = []
 
 
+class KvLoad(msgspec.Struct, **_HOT):
+    """Blocks of one request's prefix to fill from the offload tiers
+    (docs/kv_connector.md), in chain order: (device block, block hash, host tier block
+    or -1 for the file tiers). The request waits until its StepResult.kv_loads_done
+    comes back."""
+
+    request_id: str
+    blocks: list[tuple[int, bytes, int]]
+
+
 class StepPlan(msgspec.Struct, **_HOT):
     step_id: int
     new_requests: list[NewRequestData] = []
@@ -59,6 +69,13 @@ class StepPlan(msgspec.Struct, **_HOT):
     # pairs to copy out, then (host block, device block) pairs to copy back in.
     blocks_to_swap_out: list[tuple[int, int]] = []
     blocks_to_swap_in: list[tuple[int, int]] = []
+    # The KV connector (docs/kv_connector.md), applied before the forward pass, in this
+    # order: loads (their host tier copies at once, their file reads in the background),
+    # then (device block, host tier block) copies into the host tier, then full blocks
+    # (device block, hash) copied out for the file tiers to write in the background.
+    kv_loads: list[KvLoad] = []
+    kv_host_saves: list[tuple[int, int]] = []
+    kv_file_saves: list[tuple[int, bytes]] = []
     # The worker instance this plan was made for: a restarted worker holds none of the
     # state the deltas build on, so it must refuse the plan rather than run it.
     worker_instance_id: str = ""
@@ -68,6 +85,21 @@ class StepPlan(msgspec.Struct, **_HOT):
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
+
+
+class KvTierCounts(msgspec.Struct, **_HOT):
+    """One offload tier's work over some steps (the worker's side of the KV connector)."""
+
+    medium: str  # CPU (host memory), DISK (--kv-offloading-dir) or SHARED (--kv-shared-dir)
+    stored_blocks: int = 0
+    stored_bytes: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    evicted_blocks: int = 0
+    evicted_bytes: int = 0
+    failed: int = 0  # bad files read and writes that failed: misses, recomputed
+    load_seconds: list[float] = []  # one per request's load from this tier
+    evicted_hashes: list[bytes] = []  # a file tier's evictions, for the KV events
 
 
 class StepResult(msgspec.Struct, **_HOT):
@@ -80,6 +112,11 @@ class StepResult(msgspec.Struct, **_HOT):
     # For requests that asked for prompt_logprobs: entries for the prompt positions
     # computed this step (position p holds the logprob of prompt token p + 1).
     prompt_logprobs: dict[str, list[dict[int, float]]] = {}
+    # Loads finished since the last result: per request, how many leading blocks of its
+    # KvLoad arrived whole (the rest are recomputed).
+    kv_loads_done: dict[str, int] = {}
+    # What the offload tiers did since the last result, per medium.
+    kv_tiers: list[KvTierCounts] = []
 
 
 class WorkerDescription(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -95,6 +132,10 @@ class WorkerDescription(msgspec.Struct, frozen=True, omit_defaults=True):
     instance_id: str
     # Plans the group works on at once (its pipeline stages): the scheduler keeps this many in flight.
     max_plans_in_flight: int = 1
+    # The KV connector's tiers (docs/kv_connector.md): host tier blocks, and the key under
+    # which the file tiers keep this model's blocks ("" without file tiers).
+    num_offload_blocks: int = 0
+    kv_layout_key: str = ""
 
 
 class FirstTokenTimes(msgspec.Struct, frozen=True, **_HOT):
@@ -138,6 +179,20 @@ class CacheConfigInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     cache_dtype: str
 
 
+class KvTierStats(msgspec.Struct, omit_defaults=True):
+    """One offload tier's counters since the scheduler started (KvTierCounts summed)."""
+
+    medium: str
+    stored_blocks: int
+    stored_bytes: int
+    loaded_blocks: int
+    loaded_bytes: int
+    evicted_blocks: int
+    evicted_bytes: int
+    failed: int
+    load_seconds: HistogramCounts
+
+
 class EngineStats(msgspec.Struct, omit_defaults=True):
     """A scheduler's gauges, counters and histograms, exported with vLLM's metric names."""
 
@@ -152,6 +207,11 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     # first token, plus the tokens sampled (vllm:iteration_tokens_total, as vLLM counts them).
     iteration_tokens: HistogramCounts
     cache_config: CacheConfigInfo | None  # None: no engine known yet (a cluster still starting)
+    # The KV connector's offload tiers: prompt tokens looked up in them and found there
+    # (vLLM's external prefix cache), and each tier's counters.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_tiers: list[KvTierStats] = []
 
 
 class EngineInfo(msgspec.Struct, frozen=True):

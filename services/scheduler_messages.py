@@ -80,15 +80,33 @@ class ReplayOutputsRequest(msgspec.Struct, omit_defaults=True):
     scheduler_instance_id: str = ""
 
 
+class TierEvents(msgspec.Struct, omit_defaults=True):
+    """One KV offload tier's changes (medium CPU, DISK or SHARED), applied as the device
+    pool's are: clear, remove, store. In a snapshot, `stored` is all it holds."""
+
+    medium: str
+    cleared: bool = False
+    removed: list[bytes] = []
+    stored: list[bytes] = []
+
+    def apply_to(self, hashes: set[bytes]) -> None:
+        if self.cleared:
+            hashes.clear()
+        hashes.difference_update(self.removed)
+        hashes.update(self.stored)
+
+
 class NumberedKvEvents(msgspec.Struct, omit_defaults=True):
     """One step's changes to a scheduler's prefix cache, numbered from 1: clear first if
-    `cleared`, then drop `removed`, then add `stored` (block hashes, a parent before its child)."""
+    `cleared`, then drop `removed`, then add `stored` (block hashes, a parent before its
+    child); `tiers`, the offload tiers' changes (docs/kv_connector.md)."""
 
     scheduler_instance_id: str
     seq: int
     cleared: bool = False
     removed: list[bytes] = []
     stored: list[bytes] = []
+    tiers: list[TierEvents] = []
 
 
 class KvSnapshotRequest(msgspec.Struct, omit_defaults=True):
@@ -100,3 +118,4 @@ class KvSnapshotResponse(msgspec.Struct, omit_defaults=True):
 
     seq: int = 0
     block_hashes: list[bytes] = []
+    tiers: list[TierEvents] = []  # what each offload tier holds

@@ -13,7 +13,7 @@ from prometheus_client.registry import REGISTRY, Collector
 from prometheus_client.utils import floatToGoString
 
 from services.messages import EngineStats
-from services.metric_buckets import ITERATION_TOKENS
+from services.metric_buckets import ITERATION_TOKENS, KV_LOAD_SECONDS
 
 
 class HasStats(Protocol):
@@ -34,6 +34,21 @@ class EngineStatsCollector(Collector):
         ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
          "prefix_cache_queries"),
         ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
+        ("vllm:external_prefix_cache_queries", "Prompt tokens looked up in the KV offload tiers.",
+         "external_prefix_cache_queries"),
+        ("vllm:external_prefix_cache_hits", "Prompt tokens loaded from the KV offload tiers.",
+         "external_prefix_cache_hits"),
+    )
+    # Per offload tier (label `medium`: CPU, DISK or SHARED), from KvTierStats.
+    _TIER_COUNTERS = (
+        ("kvfleet:kv_offload_stored_blocks", "KV blocks written to the tier.", "stored_blocks"),
+        ("kvfleet:kv_offload_stored_bytes", "Bytes written to the tier.", "stored_bytes"),
+        ("kvfleet:kv_offload_loaded_blocks", "KV blocks loaded from the tier (prefix hits).", "loaded_blocks"),
+        ("kvfleet:kv_offload_loaded_bytes", "Bytes loaded from the tier.", "loaded_bytes"),
+        ("kvfleet:kv_offload_evicted_blocks", "KV blocks the tier evicted to stay in its bound.", "evicted_blocks"),
+        ("kvfleet:kv_offload_evicted_bytes", "Bytes the tier evicted.", "evicted_bytes"),
+        ("kvfleet:kv_offload_failures", "Bad blocks read and writes that failed (each a miss, recomputed).",
+         "failed"),
     )
 
     def __init__(self, source: HasStats, model_name: str) -> None:
@@ -55,7 +70,24 @@ class EngineStatsCollector(Collector):
                     family.add_metric(self._labels, getattr(stats, attribute))
                 yield family
         yield self._iteration_tokens(stats)
+        yield from self._tier_families(stats)
         yield _cache_config_info(stats)
+
+    def _tier_families(self, stats: EngineStats | None) -> Iterator[Metric]:
+        tiers = stats.kv_tiers if stats is not None else []
+        for name, doc, attribute in self._TIER_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["model_name", "medium"])
+            for tier in tiers:
+                family.add_metric([*self._labels, tier.medium], getattr(tier, attribute))
+            yield family
+        family = HistogramMetricFamily("kvfleet:kv_offload_load_seconds",
+                                       "Seconds one request's blocks took to load from the tier.",
+                                       labels=["model_name", "medium"])
+        bounds = [floatToGoString(bound) for bound in KV_LOAD_SECONDS] + ["+Inf"]
+        for tier in tiers:
+            counts = tier.load_seconds
+            family.add_metric([*self._labels, tier.medium], list(zip(bounds, accumulate(counts.counts))), counts.sum)
+        yield family
 
     def _iteration_tokens(self, stats: EngineStats | None) -> Metric:
         family = HistogramMetricFamily(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from services.histogram_counts import HistogramCounts
-from services.messages import CacheConfigInfo, EngineInfo, EngineStats
+from services.messages import CacheConfigInfo, EngineInfo, EngineStats, KvTierStats
 from services.metric_buckets import ITERATION_TOKENS
 from services.registry import Member
 
@@ -32,7 +32,22 @@ def total(stats: list[EngineStats]) -> EngineStats:
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
         iteration_tokens=sum((s.iteration_tokens for s in stats), HistogramCounts.zero(ITERATION_TOKENS)),
         cache_config=_fleet_cache_config([s.cache_config for s in stats if s.cache_config is not None]),
+        external_prefix_cache_queries=sum(s.external_prefix_cache_queries for s in stats),
+        external_prefix_cache_hits=sum(s.external_prefix_cache_hits for s in stats),
+        kv_tiers=_fleet_tiers([tier for s in stats for tier in s.kv_tiers]),
     )
+
+
+def _fleet_tiers(tiers: list[KvTierStats]) -> list[KvTierStats]:
+    """Each medium's counters summed over the replicas."""
+    by_medium: dict[str, KvTierStats] = {}
+    for tier in tiers:
+        if (seen := by_medium.get(tier.medium)) is None:
+            by_medium[tier.medium] = tier
+            continue
+        summed = {name: getattr(seen, name) + getattr(tier, name) for name in tier.__struct_fields__ if name != "medium"}
+        by_medium[tier.medium] = KvTierStats(medium=tier.medium, **summed)
+    return list(by_medium.values())
 
 
 def _fleet_cache_config(configs: list[CacheConfigInfo]) -> CacheConfigInfo | None:

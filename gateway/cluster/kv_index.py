@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import msgspec
 from nats.aio.msg import Msg
 
+from gateway.cluster.routing import CachedPrefix
+from services.kv_block_files import SHARED
 from services.nats_link import NatsThread, kv_subject
 from services.scheduler_messages import KvSnapshotResponse, NumberedKvEvents
 
@@ -33,6 +35,7 @@ class ReplicaBlocks:
 
     seq: int = 0  # every event up to this number is applied
     hashes: set[bytes] = field(default_factory=set)
+    tiers: dict[str, set[bytes]] = field(default_factory=dict)  # per offload tier (medium): what it holds
     held: dict[int, NumberedKvEvents] = field(default_factory=dict)  # after a gap, until a snapshot
     syncing: bool = False
 
@@ -49,19 +52,29 @@ class ReplicaBlocks:
                 self.hashes.clear()
             self.hashes.difference_update(events.removed)
             self.hashes.update(events.stored)
+            for tier in events.tiers:
+                tier.apply_to(self.tiers.setdefault(tier.medium, set()))
             self.seq = events.seq
         for seq in [s for s in self.held if s <= self.seq]:
             del self.held[seq]
 
 
-def cached_blocks(replicas: Mapping[str, ReplicaBlocks], block_hashes: Sequence[bytes]) -> dict[str, int]:
-    """Per replica, how many leading blocks of this chain it holds."""
+def cached_blocks(replicas: Mapping[str, ReplicaBlocks], block_hashes: Sequence[bytes]) -> dict[str, CachedPrefix]:
+    """Per replica, the chain's leading blocks it holds. A block in the shared tier any
+    replica wrote counts for every replica that has a shared tier: they mount one store."""
+    shared = set().union(*(replica.tiers[SHARED] for replica in replicas.values() if SHARED in replica.tiers))
     counts = {}
     for instance_id, replica in replicas.items():
-        count = 0
-        while count < len(block_hashes) and block_hashes[count] in replica.hashes:
-            count += 1
-        counts[instance_id] = count
+        device = 0
+        while device < len(block_hashes) and block_hashes[device] in replica.hashes:
+            device += 1
+        tiers = [hashes for medium, hashes in replica.tiers.items() if medium != SHARED]
+        if SHARED in replica.tiers:
+            tiers.append(shared)
+        end = device
+        while end < len(block_hashes) and any(block_hashes[end] in hashes for hashes in tiers):
+            end += 1
+        counts[instance_id] = CachedPrefix(device, end - device)
     return counts
 
 
@@ -85,8 +98,8 @@ class KvIndex:
         with self._lock:
             self._replicas.pop(instance_id, None)
 
-    def cached_blocks(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
-        """Per replica, how many leading blocks of this chain it holds."""
+    def cached_blocks(self, block_hashes: Sequence[bytes]) -> dict[str, CachedPrefix]:
+        """Per replica, the chain's leading blocks it holds (in its device pool, then its tiers)."""
         with self._lock:
             return cached_blocks(self._replicas, block_hashes)
 
@@ -128,6 +141,7 @@ class KvIndex:
                 return
             if snapshot.seq >= replica.seq:
                 replica.seq, replica.hashes = snapshot.seq, set(snapshot.block_hashes)
+                replica.tiers = {tier.medium: set(tier.stored) for tier in snapshot.tiers}
                 logger.info("KV index: scheduler %s holds %d blocks (its snapshot at event %d)", instance_id,
                             len(replica.hashes), snapshot.seq)
             replica.apply_held()

@@ -11,7 +11,7 @@ import grpc
 from gateway.cluster.kv_index import KvIndex
 from gateway.cluster.replica import Replica
 from gateway.cluster.replica_set import ReplicaSet
-from gateway.cluster.routing import Candidate, pick
+from gateway.cluster.routing import NOT_CACHED, Candidate, pick
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.engine_client import EngineOverloaded, EngineUnavailable
 from services.scheduler_messages import KvSnapshotRequest, KvSnapshotResponse
@@ -53,7 +53,7 @@ class Placement:
             extend_block_hashes(hashes, prompt_token_ids, routable[0].block_size, extra_keys_bytes(cache_salt))
         cached = self.kv_index.cached_blocks(hashes) if hashes else {}
         with self._lock:
-            candidates = [Candidate(r.load, cached.get(r.instance_id, 0)) for r in routable]
+            candidates = [Candidate(r.load, cached.get(r.instance_id, NOT_CACHED)) for r in routable]
             replica = routable[pick(self._routing_policy, candidates, len(hashes), self._turn)]
             self._turn += 1
             replica.load += 1  # until the next poll counts it

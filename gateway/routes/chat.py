@@ -162,20 +162,22 @@ async def _events(
             num_tokens += len(delta.token_ids)
             num_cached_tokens = max(num_cached_tokens, item.num_cached_tokens)
             logprobs = logprobs_of(delta)
+            last = delta.finish_reason is not None
             if plain:
-                if delta.text or logprobs:
-                    yield chunk(item.index, DeltaMessage(content=delta.text), logprobs)
+                messages = [DeltaMessage(content=delta.text)] if delta.text or logprobs or last else []
             else:
-                messages = _read(readers[item.index], delta.text, delta.finish_reason is not None)
+                messages = _read(readers[item.index], delta.text, last)
                 called[item.index] |= any(m.tool_calls for m in messages)
-                for number, message in enumerate(messages or [DeltaMessage()] * bool(logprobs)):
-                    yield chunk(item.index, message, logprobs if number == 0 else None)
-            if delta.finish_reason is not None:
+                messages = messages or [DeltaMessage()] * (bool(logprobs) or last)
+            reason = None
+            if last:
                 reason = delta.finish_reason
                 if reader.tools is not None:
                     reason = reader.tools.finish_reason(called[item.index], reason)
-                # OpenAI ends a choice with an empty delta that carries the reason.
-                yield chunk(item.index, DeltaMessage(), finish_reason=reason)
+            for number, message in enumerate(messages):
+                # As vLLM: the choice's last delta (its last token's text) carries the finish reason.
+                yield chunk(item.index, message, logprobs if number == 0 else None,
+                            reason if number == len(messages) - 1 else None)
     if usage is not None:
         num_prompt_tokens, details = usage
         yield event(head.model_copy(update={"usage": Usage.of(num_prompt_tokens, num_tokens,

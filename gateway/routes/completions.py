@@ -34,6 +34,8 @@ from services.parallel_sampling import num_children
 from services.prompt import fit_prompt
 
 router = APIRouter(route_class=OffLoopJsonRoute)
+# Both of vLLM's wordings, older and newer, which clients match on.
+_EMPTY_PROMPT = "The decoder prompt cannot be empty. Either prompt or prompt_embeds must be provided and non-empty."
 
 
 @dataclass
@@ -90,18 +92,21 @@ async def _complete(body: CompletionRequest, ctx: GatewayContext) -> Response:
     ctx.check_ready()
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options", "stream_options is only allowed when stream is true")
+    if not body.prompt:  # absent, null, "" or []
+        raise bad_request("prompt", _EMPTY_PROMPT)
     # echo with logprobs shows the prompt's logprobs too: the engine computes them.
     prompt_top = body.prompt_logprobs if body.prompt_logprobs is not None else (
         body.logprobs if body.echo else None)
     params = await to_sampling_params(body, ctx.encoder, body.max_tokens, body.logprobs, prompt_top)
-    num_prompts = 1 if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) else len(
-        body.prompt)
+    num_prompts = 1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)
     ctx.limits.check_fan_out(num_prompts, num_children(params), "best_of" if params.best_of else "n")
     prompts = []
     for prompt in await _prompts(body.prompt, ctx):
+        if not prompt.token_ids:  # one of a batch, or a text of no tokens
+            raise bad_request("prompt", _EMPTY_PROMPT)
         token_ids = fit_prompt(prompt.token_ids, params, ctx.max_model_len, "prompt", "max_tokens")
         if len(token_ids) < len(prompt.token_ids):  # truncated: echo what the model saw
-            prompt = _Prompt(ctx.tokenizer.decode(token_ids), token_ids)
+            prompt = _Prompt(_echo_text(ctx, token_ids), token_ids)
         prompts.append(prompt)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await prime_all(
@@ -195,10 +200,14 @@ def _usage(prompts: list[_Prompt], choices: list[_Choice], n: int, cached_detail
 async def _prompts(prompt: str | list[str] | list[int] | list[list[int]], ctx: GatewayContext) -> list[_Prompt]:
     if isinstance(prompt, str):
         prompt = [prompt]
-    if not prompt:
-        raise bad_request("prompt", "the prompt must not be empty")
     if isinstance(prompt[0], int):
-        return [_Prompt(ctx.tokenizer.decode(prompt), list(prompt))]
+        return [_Prompt(_echo_text(ctx, prompt), list(prompt))]
     if isinstance(prompt[0], str):
         return [_Prompt(text, ids) for text, ids in zip(prompt, await ctx.encoder.encode(prompt))]
-    return [_Prompt(ctx.tokenizer.decode(ids), list(ids)) for ids in prompt]
+    return [_Prompt(_echo_text(ctx, ids), list(ids)) for ids in prompt]
+
+
+def _echo_text(ctx: GatewayContext, token_ids: list[int]) -> str:
+    """A token-id prompt as echo shows it: special tokens included, as vLLM decodes it, so
+    the text holds every token that echo's logprobs list (and their text_offset count)."""
+    return ctx.tokenizer.decode(token_ids, skip_special_tokens=False)

@@ -11,4 +11,5 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(ctx: GatewayContext = Depends(get_context)) -> ModelList:
-    return ModelList(data=[ModelCard(id=name, max_model_len=ctx.max_model_len) for name in ctx.served_model_names])
+    return ModelList(data=[ModelCard(id=name, root=ctx.model, max_model_len=ctx.max_model_len)
+                           for name in ctx.served_model_names])

@@ -17,10 +17,14 @@ from smg_grpc_proto.generated import common_pb2 as smg
 
 from scheduler_svc.block_pool import KvEvents
 from scheduler_svc.kv_mirror import KvEventSink, KvMirror
+from services.kv_block_files import DISK, HOST, SHARED
 from services.scheduler_messages import KvSnapshotResponse
 
 # Batches kept for resuming subscribers: a few minutes of a busy engine's steps.
 REPLAY_BATCHES = 4096
+
+
+_TIERS = {HOST: smg.KV_CACHE_TIER_HOST, DISK: smg.KV_CACHE_TIER_DISK, SHARED: smg.KV_CACHE_TIER_EXTERNAL}
 
 
 def block_hash_int64(block_hash: bytes) -> int:
@@ -39,6 +43,16 @@ def to_batch(seq: int, events: KvEvents) -> smg.KvEventBatch:
             block_hashes=[block_hash_int64(h) for h in events.removed], tier=smg.KV_CACHE_TIER_DEVICE))
     for stored in stored_chains(events):
         batch.events.add(event_id=seq, stored=stored)
+    for tier in events.tiers:  # the offload tiers' changes: hashes only (their tokens went with the device's)
+        protocol_tier = _TIERS[tier.medium]
+        if tier.removed:
+            batch.events.add(event_id=seq, removed=smg.KvBlocksRemoved(
+                block_hashes=[block_hash_int64(h) for h in tier.removed], tier=protocol_tier))
+        if tier.stored:
+            stored = smg.KvBlocksStored(tier=protocol_tier)
+            for block_hash in tier.stored:
+                stored.blocks.add(block_hash=block_hash_int64(block_hash))
+            batch.events.add(event_id=seq, stored=stored)
     return batch
 
 

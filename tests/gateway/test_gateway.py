@@ -9,11 +9,13 @@ both `kvfleet serve` and `kvfleet cluster up` as real processes.
 """
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -27,6 +29,7 @@ from gateway.app import build_app
 from gateway.limits import RequestLimits
 from kvfleet import LLM
 from kvfleet.async_engine import AsyncEngine
+from kvfleet.run_batch import answer_all
 from scheduler_svc.engine_core import EngineCore
 from services.config import EngineConfig
 from services.messages import EngineStats
@@ -344,3 +347,81 @@ def test_prompt_tokens_details_tell_the_cached_prompt_tokens(stack: Stack, clien
                                                    stream_options={"include_usage": True})
             [usage] = [chunk.usage for chunk in stream if chunk.usage is not None]
         assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // block_size * block_size
+
+
+# -- run-batch: batch lines answered by the app itself (gateway/batch.py, kvfleet/run_batch.py)
+
+
+def _batch_line(custom_id: str, url: str, body: dict, method: str = "POST") -> str:
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url, "body": body})
+
+
+def test_a_batch_answers_each_line_in_order_as_the_rest_api_does(server: ServerThread) -> None:
+    """Every line gets one answer, in the input's order, lines running concurrently up to the
+    bound; what the app answers (a completion or an error) is what the same REST request gets."""
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "temperature": 0}
+    completion = {"model": MODEL, "prompt": PROMPTS[:2], "max_tokens": 4, "temperature": 0, "echo": True}
+    asked = {  # custom_id: (url, body) of lines the app answers, each also sent as a REST request
+        "chat": ("/v1/chat/completions", chat),
+        "completion": ("/v1/completions", completion),
+        "bad-value": ("/v1/completions", {"prompt": "x", "max_tokens": -3}),
+        "no-model": ("/v1/chat/completions", {**chat, "model": "NonExistModel"}),
+    }
+    lines = [
+        *(_batch_line(custom_id, url, body) for custom_id, (url, body) in asked.items()),
+        _batch_line("embed", "/v1/embeddings", {"model": MODEL, "input": "x"}),
+        _batch_line("bad-url", "/bad_url", chat),
+        _batch_line("stream", "/v1/chat/completions", {**chat, "stream": "True"}),
+        _batch_line("get", "/v1/completions", completion, method="GET"),
+        "not json",
+        "",  # blank: skipped, as vLLM's runner does
+        json.dumps({"method": "POST", "url": "/v1/completions", "body": completion}),
+        *(_batch_line(f"more-{i}", "/v1/completions", {"prompt": prompt, "max_tokens": 2}) for i, prompt in
+          enumerate(PROMPTS[2:4])),
+    ]
+    in_flight = peak = 0
+
+    async def counting_app(scope, receive, send) -> None:  # the real app, its concurrency counted
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            await server.app(scope, receive, send)
+        finally:
+            in_flight -= 1
+
+    async def numbered() -> AsyncIterator[tuple[int, str]]:
+        for number, text in enumerate(lines, 1):
+            if text:
+                yield number, text
+
+    sink = io.StringIO()
+    malformed = asyncio.run(answer_all(counting_app, numbered(), sink, max_in_flight=3))
+    out = [json.loads(line) for line in sink.getvalue().splitlines()]
+    assert [o["custom_id"] for o in out] == [*asked, "embed", "bad-url", "stream", "get", None, None, "more-0",
+                                             "more-1"]
+    assert malformed == [9, 11] and peak == 3
+    by_id = {o["custom_id"]: o for o in out if o["custom_id"] is not None}
+    for custom_id, (url, body) in asked.items():
+        rest = httpx.post(f"{server.url}{url}", json=body, timeout=60)
+        answer = by_id[custom_id]
+        assert answer["response"]["status_code"] == rest.status_code, custom_id
+        if rest.status_code == 200:
+            assert answer["error"] is None
+            assert _without_ids(answer["response"]["body"]) == _without_ids(rest.json()), custom_id
+        else:
+            assert answer["response"]["body"] is None and answer["error"] == rest.json(), custom_id
+    assert by_id["no-model"]["response"]["status_code"] == 404
+    for custom_id, words in [("embed", "no embeddings"), ("bad-url", "Supported endpoints: /v1/chat/completions"),
+                             ("stream", "must not be sent in stream mode"), ("get", "only POST")]:
+        answer = by_id[custom_id]
+        assert answer["response"]["status_code"] == 400 and answer["response"]["body"] is None, custom_id
+        assert words in answer["error"], answer
+    envelope_errors = [o for o in out if o["custom_id"] is None]
+    assert [o["response"] for o in envelope_errors] == [None, None]
+    assert envelope_errors[0]["error"].startswith("line 9: not JSON")
+    assert envelope_errors[1]["error"] == "line 11: custom_id: Field required"
+
+
+def _without_ids(body: dict) -> dict:
+    return {key: value for key, value in body.items() if key not in ("id", "created")}

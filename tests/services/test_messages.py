@@ -14,6 +14,9 @@ from services.messages import (
     Empty,
     EngineStats,
     FirstTokenTimes,
+    KvLoad,
+    KvTierCounts,
+    KvTierStats,
     NewRequestData,
     StepPlan,
     StepResult,
@@ -34,6 +37,7 @@ from services.scheduler_messages import (
     SubmitBatchResponse,
     SubmitRequest,
     SubmitResult,
+    TierEvents,
 )
 from services.structured_outputs import KINDS, StructuredOutputsParams
 from services.tokenizer_api import ChatPrompt
@@ -75,9 +79,14 @@ PLAN = StepPlan(
     blocks_to_copy=[(1, 2)],
     blocks_to_swap_out=[(10, 0), (11, 1)],
     blocks_to_swap_in=[(5, 12)],
+    kv_loads=[KvLoad("c", [(6, b"\x03" * 32, 2), (7, b"\x04" * 32, -1)])],
+    kv_host_saves=[(8, 3)],
+    kv_file_saves=[(9, b"\x05" * 32)],
     worker_instance_id="4f1c",
     scheduler_instance_id="9e2a",
 )
+TIER_COUNTS = KvTierCounts("SHARED", 1, 2, 3, 4, 5, 6, 7, [0.25], [b"\x06" * 32])
+TIER_EVENTS = TierEvents("CPU", True, [b"\x07" * 32], [b"\x08" * 32])
 CACHE_CONFIG = CacheConfigInfo(16, 100, 20, True, 0.9, 4.0, 64, "fp8")
 CHAT = ChatPrompt([{"role": "user", "content": "hi", "name": "ann"},
                    {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"arguments": {}}}]}],
@@ -90,13 +99,16 @@ _ALTERNATIVES = {*KINDS, "text", "guided_decoding"}
 # One of each message, every field set (where a field has a default, away from it).
 MESSAGES = [
     Empty(), FULL_PARAMS, FULL_PARAMS.structured_outputs, DELTA, PLAN,
-    StepResult(7, {"a": [9], "b": [2, 4]}, {"a": LOGPROBS[:1]}, {"b": LOGPROBS}),
-    WorkerDescription(100, 20, 16, 2048, 49152, (2, 0), "4f1c", 2),
-    EngineStats(3, 4, 0.375, 5, 100, 1 << 40, 1 << 39, HistogramCounts((1, 0, 7), 23.0), CACHE_CONFIG),
+    StepResult(7, {"a": [9], "b": [2, 4]}, {"a": LOGPROBS[:1]}, {"b": LOGPROBS}, {"c": 1}, [TIER_COUNTS]),
+    TIER_COUNTS,
+    WorkerDescription(100, 20, 16, 2048, 49152, (2, 0), "4f1c", 2, 50, "ab" * 16),
+    EngineStats(3, 4, 0.375, 5, 100, 1 << 40, 1 << 39, HistogramCounts((1, 0, 7), 23.0), CACHE_CONFIG, 64, 32,
+                [KvTierStats("DISK", 1, 2, 3, 4, 5, 6, 7, HistogramCounts((1, 0), 0.5))]),
     SUBMIT, SubmitBatchRequest([SUBMIT], "s1"), SubmitBatchResponse([SubmitResult(3, "temperature: bad")]),
     AbortRequest("r"), StatsRequest("s1"), StreamOutputsRequest("g"), ReplayOutputsRequest("g", 7, "s1"),
-    StepOutputs([DELTA], "s1", 7, True), NumberedKvEvents("s1", 3, True, [b"\x00" * 32], [b"\x01" * 32]),
-    KvSnapshotRequest("s1"), KvSnapshotResponse(3, [b"\x02" * 32]),
+    StepOutputs([DELTA], "s1", 7, True), NumberedKvEvents("s1", 3, True, [b"\x00" * 32], [b"\x01" * 32],
+                                                           [TIER_EVENTS]),
+    KvSnapshotRequest("s1"), KvSnapshotResponse(3, [b"\x02" * 32], [TIER_EVENTS]), TIER_EVENTS,
     TokenizeRequest("text", CHAT, False, True), TokenizeBatchRequest([TokenizeRequest(chat=CHAT)]),
     TokenizeBatchResponse([TokenizeResult(TOKENIZED, "messages: must not be empty")]), TOKENIZED,
     DetokenizeRequest([1, 2], False, False), DetokenizeResponse("hi"), TokenizerDescription("m", 49152, 2, 1, True),

@@ -229,14 +229,14 @@ def test_chat_streamed_and_whole_are_identical(server: Server, client: openai.Op
     expected = sdk_chat(llm, 16)
     record(server, "chat", (message.content, whole.choices[0].finish_reason), (expected.text, expected.finish_reason))
 
-    first, *content, final, usage = chunks
+    first, *content, usage = chunks
     assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
     assert first.choices[0].delta.role == "assistant" and first.choices[0].delta.content == ""
     streamed = "".join(c.choices[0].delta.content for c in content)
     record(server, "chat streamed", streamed, expected.text)
-    assert all(c.choices[0].finish_reason is None for c in [first, *content])
-    assert final.choices[0].finish_reason == whole.choices[0].finish_reason
-    assert final.choices[0].delta.content is None
+    # As vLLM: the last token comes with the finish reason.
+    assert all(c.choices[0].finish_reason is None for c in [first, *content[:-1]])
+    assert content[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     streamed_tokens = [t.token for c in content for t in c.choices[0].logprobs.content]
     assert streamed_tokens == [t.token for t in whole.choices[0].logprobs.content]
     assert all(len(t.top_logprobs) == 2 for t in whole.choices[0].logprobs.content)
@@ -254,7 +254,7 @@ def test_chat_raw_sse_format(server: Server) -> None:
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
     assert '"delta":{"role":"assistant","content":""}' in lines[0]
-    assert '"delta":{},"logprobs":null,"finish_reason":"length"' in lines[-2]
+    assert re.search(r'"delta":\{"content":"[^"]+"\},"logprobs":null,"finish_reason":"length"', lines[-2]), lines[-2]
 
 
 # -- stop strings -------------------------------------------------------------------------
@@ -641,6 +641,99 @@ def test_greedy_outputs_are_identical_in_both_modes_and_equal_the_sdk() -> None:
     assert serve.keys() == cluster.keys() == sdk.keys(), "a mode's greedy test failed before recording"
     for key in sdk:
         assert serve[key] == cluster[key] == sdk[key], key
+
+
+# -- issue 47: vLLM's streamed endings, default model, logprobs, echo, model cards and error wording --
+
+# smollm2's token 0, a special token that decoding skips by default.
+END_OF_TEXT = (0, "<|endoftext|>")
+
+
+def test_the_last_streamed_chunk_carries_the_last_token_and_the_finish_reason(client: openai.OpenAI) -> None:
+    """As vLLM streams it: chat and completions alike, no empty chunk after the last token."""
+    args = dict(model=SERVED, max_tokens=6, temperature=0)
+    whole = client.chat.completions.create(**args, messages=CHAT, logprobs=True)
+    chunks = list(client.chat.completions.create(**args, messages=CHAT, logprobs=True, stream=True))
+    assert [c for c in chunks if c.choices[0].finish_reason] == [chunks[-1]]
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == whole.choices[0].finish_reason == "length"
+    last_token = whole.choices[0].logprobs.content[-1].token
+    assert last.delta.content and last.delta.content.endswith(last_token)
+    assert last.logprobs.content[-1].token == last_token
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    text = client.completions.create(**args, prompt=PROMPTS[0]).choices[0].text
+    chunks = list(client.completions.create(**args, prompt=PROMPTS[0], stream=True))
+    assert [c for c in chunks if c.choices[0].finish_reason] == [chunks[-1]]
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].choices[0].text
+    assert "".join(c.choices[0].text for c in chunks) == text
+
+
+def test_a_request_that_names_no_model_gets_the_served_one(server: Server, client: openai.OpenAI) -> None:
+    """As vLLM: `model` absent, null or empty serves the default model."""
+    assert client.completions.create(model="", prompt="Hi", max_tokens=2).model == SERVED
+    for model in ({}, {"model": None}, {"model": ""}):
+        body = {**model, "messages": CHAT, "max_tokens": 2}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=bearer(), timeout=60)
+        assert response.status_code == 200 and response.json()["model"] == SERVED, (model, response.text)
+
+
+def test_logprobs_0_shows_the_sampled_tokens_own_logprob(client: openai.OpenAI) -> None:
+    """Completions' logprobs=n lists the token itself and up to n others (vLLM's, and OpenAI's
+    legacy API); chat's top_logprobs=0 lists none, as vLLM does."""
+    logprobs = client.completions.create(model=SERVED, prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                                         logprobs=0).choices[0].logprobs
+    assert logprobs.top_logprobs == [{token: logprob} for token, logprob in zip(logprobs.tokens,
+                                                                                logprobs.token_logprobs)]
+    chat = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=0).choices[0].logprobs.content
+    assert len(chat) == 4 and all(entry.top_logprobs == [] for entry in chat)
+
+
+def test_echo_of_special_token_ids_agrees_in_text_tokens_and_offsets(client: openai.OpenAI) -> None:
+    """vLLM's echo: special tokens of a token-id prompt show in the text as in the tokens."""
+    token_id, text = END_OF_TEXT
+    args = dict(model=SERVED, prompt=[token_id] * 5, max_tokens=4, temperature=0, echo=True, logprobs=0)
+    choice = client.completions.create(**args).choices[0]
+    logprobs = choice.logprobs
+    assert choice.text.startswith(text * 5) and logprobs.tokens[:5] == [text] * 5
+    assert choice.text == "".join(logprobs.tokens)
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    assert logprobs.top_logprobs[0] is None
+    assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])  # logprobs=0: the token's own
+    chunks = list(client.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == logprobs.tokens
+
+
+def test_model_cards_carry_root_parent_and_permission(client: openai.OpenAI) -> None:
+    [card] = client.models.list().data
+    assert (card.model_extra["root"], card.model_extra["parent"]) == (MODEL, None)
+    [permission] = card.model_extra["permission"]
+    assert permission["id"].startswith("modelperm-") and permission["object"] == "model_permission"
+    assert {key: permission[key] for key in ("allow_sampling", "allow_logprobs", "allow_view", "organization",
+                                             "group", "is_blocking")} == {
+        "allow_sampling": True, "allow_logprobs": True, "allow_view": True, "organization": "*", "group": None,
+        "is_blocking": False}
+
+
+def test_errors_in_vllms_words_naming_kvfleets_fields(client: openai.OpenAI) -> None:
+    """The wording vLLM's clients and tests match on, with `param` naming the field."""
+    def refused(create, **args) -> openai.BadRequestError:
+        with pytest.raises(openai.BadRequestError) as caught:
+            create(model=SERVED, max_tokens=4, **args)
+        return caught.value
+
+    for seed, bound in ((2**63, "less_than_equal"), (-(2**63) - 1, "greater_than_equal")):
+        error = refused(client.chat.completions.create, messages=CHAT, seed=seed)
+        assert error.param == "seed" and f"[type={bound}, input_value={seed}, input_type=int]" in error.message
+    error = refused(client.chat.completions.create, messages=CHAT, logit_bias={"bad1": 1, "bad2": 2})
+    assert error.param == "logit_bias" and "bad1" in error.message and "bad2" in error.message
+    error = refused(client.completions.create, prompt=[999999])
+    assert error.param == "prompt" and "Token id 999999 is out of vocabulary" in error.message
+    for prompt in ("", [], [[]], ["Hi", ""]):
+        error = refused(client.completions.create, prompt=prompt)
+        assert error.param == "prompt" and "decoder prompt cannot be empty" in error.message
+        assert "Either prompt or prompt_embeds must be provided and non-empty." in error.message
 
 
 # -- issue 47: server features (--root-path, /load, /tokenizer_info, /invocations, hidden metrics) --

@@ -15,6 +15,7 @@ import pytest
 
 from gateway.cluster.client import ClusterEngineClient
 from gateway.cluster.kv_index import KvIndex
+from gateway.cluster.routing import CachedPrefix
 from scheduler_svc.block_pool import KvEvents
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.kv_event_publisher import KvEventPublisher
@@ -120,7 +121,7 @@ def prefix_hashes(prompt: list[int]) -> list[bytes]:
 
 
 def holds_prefix(index: KvIndex, instance_id: str, prompt: list[int]) -> bool:
-    return index.cached_blocks(prefix_hashes(prompt)).get(instance_id, 0) == PREFIX_BLOCKS
+    return index.cached_blocks(prefix_hashes(prompt)).get(instance_id, CachedPrefix()).device == PREFIX_BLOCKS
 
 
 def run_each(client: ClusterEngineClient, prompts: list[list[int]], tag: str) -> None:
@@ -177,7 +178,7 @@ def test_a_lost_event_message_is_recovered_from_a_snapshot(nats, monkeypatch) ->
     index = KvIndex(nats.url, lambda instance_id: publisher.snapshot() if instance_id == "s1" else None)
     try:
         publisher.publish(KvEvents(False, [], [b"A"]))
-        wait_until(lambda: index.cached_blocks([b"A"]) == {"s1": 1}, "the first event was not applied")
+        wait_until(lambda: index.cached_blocks([b"A"]) == {"s1": CachedPrefix(1)}, "the first event was not applied")
         send = KvEventPublisher._send
 
         async def lose(self: KvEventPublisher, payload: bytes) -> None:  # NATS drops this one
@@ -187,7 +188,8 @@ def test_a_lost_event_message_is_recovered_from_a_snapshot(nats, monkeypatch) ->
         publisher.publish(KvEvents(False, [b"A"], [b"B"]))  # lost
         wait_until(lambda: KvEventPublisher._send is send, "the loss was not injected")
         publisher.publish(KvEvents(False, [], [b"C"]))  # a gap: the index reloads
-        wait_until(lambda: index.cached_blocks([b"B", b"C"]) == {"s1": 2} and index.cached_blocks([b"A"]) == {"s1": 0},
+        wait_until(lambda: index.cached_blocks([b"B", b"C"]) == {"s1": CachedPrefix(2)}
+                   and index.cached_blocks([b"A"]) == {"s1": CachedPrefix(0)},
                    "the index did not recover the lost message")
     finally:
         index.close()

@@ -26,6 +26,7 @@ from worker_svc.runtime.batch import InputBatch, RequestState
 from worker_svc.runtime.device import kv_cache_dtype, runs_q4_as_stored, torch_device, torch_dtype
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
 from worker_svc.runtime.kv_sizing import size_kv_cache
+from worker_svc.runtime.kv_tiers import build_kv_transfer
 from worker_svc.runtime.plan_check import check_plan
 from worker_svc.runtime.preflight import check_model
 from worker_svc.runtime.sampling.step_outputs import StepOutputs
@@ -87,6 +88,8 @@ class Worker:
             if self.num_host_blocks
             else []
         )
+        self.kv_transfer, self.num_offload_blocks, self.kv_layout_key = (
+            build_kv_transfer(self) if config.has_kv_tiers else (None, 0, ""))
         self.graphs = kernel_choice.decode_graphs(config, self.device, group, self.model, self.attention_backend,
                                             self.kv_caches, self.batch)
         # A pipeline's leader gets each plan's outcome later, from the last stage.
@@ -134,6 +137,8 @@ class Worker:
             eos_token_ids=self.model_config.eos_token_ids,
             instance_id=self.instance_id,
             max_plans_in_flight=self.group.shard.pp_size,
+            num_offload_blocks=self.num_offload_blocks,
+            kv_layout_key=self.kv_layout_key,
         )
 
     @property
@@ -226,9 +231,18 @@ class Worker:
         self._apply_deltas(plan)
         shard = self.group.shard
         with step_threads(self.device, sum(plan.num_scheduled_tokens.values())):
-            outcome = self._compute(plan) if plan.num_scheduled_tokens else StepResult(plan.step_id)
+            if plan.num_scheduled_tokens:
+                outcome = self._compute(plan)
+            else:
+                if self.kv_transfer is not None:
+                    self.kv_transfer.wait_for_loads(timeout_s=0.05)
+                outcome = StepResult(plan.step_id)
         if not shard.samples:
             return None
+        if self.kv_transfer is not None and isinstance(outcome, StepResult):
+            # Taken only into a result that goes back: a failed step leaves them for the next.
+            outcome.kv_loads_done = self.kv_transfer.take_loads_done()
+            outcome.kv_tiers = self.kv_transfer.take_counts()
         if shard.rank != 0:
             self.group.send_outcome(RuntimeError(repr(outcome)) if isinstance(outcome, Exception) else outcome)
         if isinstance(outcome, Exception):
@@ -265,6 +279,8 @@ class Worker:
         copy_blocks(plan.blocks_to_copy, self.kv_caches, self.kv_caches)
         copy_blocks(plan.blocks_to_swap_out, self.kv_caches, self.host_kv_caches)
         copy_blocks(plan.blocks_to_swap_in, self.host_kv_caches, self.kv_caches)
+        if self.kv_transfer is not None:
+            self.kv_transfer.apply(plan)
         samples = self.group.shard.samples  # sampling state lives on the rank that samples
         for new in plan.new_requests:
             generator = None

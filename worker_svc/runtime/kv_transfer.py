@@ -1,0 +1,203 @@
+"""The worker's side of the KV connector (docs/kv_connector.md): it moves the bytes the
+scheduler's side decided to move, and reports what finished.
+
+Each plan's moves are applied before its forward pass, in this order: a load's host
+tier blocks are copied into the device pool at once (a memcpy, or a copy queued ahead
+of the forward on the GPU's stream); its file blocks are read on a loader thread while
+the steps go on, and the request's count of whole leading blocks comes back in a later
+StepResult. Then host tier saves are copied, and the blocks to save to files are
+gathered into one staging tensor, which a writer thread turns into files: the step never
+waits on a disk. Writes queued past a byte bound are dropped (counted as failed), so a
+slow disk costs cache hits, never step time.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from services.kv_block_files import HOST, BlockFiles
+from services.messages import KvLoad, KvTierCounts, StepPlan
+from worker_svc.runtime.kv_cache import copy_blocks
+
+logger = logging.getLogger(__name__)
+
+_MAX_QUEUED_WRITE_BYTES = 512 * 2**20
+
+
+class KvTransfer:
+    def __init__(self, kv_caches: list[torch.Tensor], host_caches: list[torch.Tensor],
+                 files: Sequence[BlockFiles]) -> None:
+        self.kv_caches = kv_caches
+        self.host_caches = host_caches
+        self.files = list(files)
+        cache = kv_caches[0]
+        self._block_shape = (len(kv_caches), 2, *cache.shape[2:])  # one block: [layer][k|v][token][head][dim]
+        self.block_bytes = cache[:, 0].nbytes * len(kv_caches)
+        self._device = cache.device
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvfleet-kv-write")  # writes in order
+        self._loader = ThreadPoolExecutor(2, thread_name_prefix="kvfleet-kv-load")  # reads overlap each other
+        self._lock = threading.Lock()
+        self._queued_write_bytes = 0
+        self._counts: dict[str, KvTierCounts] = {}
+        self._done: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
+        self._num_loading = 0
+        self._load_finished = threading.Condition(self._lock)
+
+    def apply(self, plan: StepPlan) -> None:
+        """The plan's moves, before its forward pass."""
+        for load in plan.kv_loads:
+            self._start_load(load)
+        if plan.kv_host_saves:
+            copy_blocks(plan.kv_host_saves, self.kv_caches, self.host_caches)
+            self._count(HOST, stored_blocks=len(plan.kv_host_saves),
+                        stored_bytes=len(plan.kv_host_saves) * self.block_bytes)
+        if plan.kv_file_saves and self.files:
+            self._save(plan.kv_file_saves)
+
+    def take_loads_done(self) -> dict[str, int]:
+        """Per request whose load finished since the last take, its whole leading blocks."""
+        done = {}
+        while True:
+            try:
+                request_id, count = self._done.get_nowait()
+            except queue.Empty:
+                return done
+            done[request_id] = count
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """For a step with nothing to compute: returns once a load finished, or after the
+        timeout, rather than have the scheduler spin on empty steps."""
+        with self._load_finished:
+            if self._num_loading and self._done.empty():
+                self._load_finished.wait(timeout_s)
+
+    def take_counts(self) -> list[KvTierCounts]:
+        with self._lock:
+            counts, self._counts = self._counts, {}
+        for tier in self.files:
+            taken = tier.take_counts()
+            if taken.stored_blocks or taken.evicted_blocks or taken.failed:
+                entry = counts.setdefault(tier.medium, KvTierCounts(tier.medium))
+                entry.stored_blocks += taken.stored_blocks
+                entry.stored_bytes += taken.stored_bytes
+                entry.evicted_blocks += taken.evicted_blocks
+                entry.evicted_bytes += taken.evicted_bytes
+                entry.failed += taken.failed
+                entry.evicted_hashes += taken.evicted_hashes
+        return list(counts.values())
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self._loader.shutdown(wait=True)
+
+    # -- loads -------------------------------------------------------------------------
+
+    def _start_load(self, load: KvLoad) -> None:
+        from_host = [(host, device) for device, _, host in load.blocks if host >= 0]
+        if from_host:
+            started = time.perf_counter()
+            copy_blocks(from_host, self.host_caches, self.kv_caches)
+            self._count(HOST, loaded_blocks=len(from_host), loaded_bytes=len(from_host) * self.block_bytes,
+                        load_seconds=[time.perf_counter() - started])
+        if len(from_host) == len(load.blocks):
+            self._done.put((load.request_id, len(load.blocks)))
+            return
+        with self._lock:
+            self._num_loading += 1
+        self._loader.submit(self._load_files, load)
+
+    def _load_files(self, load: KvLoad) -> None:
+        """Reads the file blocks in chain order up to the first miss, then copies them in."""
+        started, count, arrived, sources = time.perf_counter(), 0, [], []
+        try:
+            for device_block, block_hash, host in load.blocks:
+                if host < 0:
+                    found = self._read(block_hash)
+                    if found is None:
+                        break
+                    payload, medium = found
+                    arrived.append((device_block, payload))
+                    sources.append(medium)
+                count += 1
+            self._copy_in(arrived)
+        except Exception:  # whatever went wrong, a miss: the blocks are recomputed
+            logger.exception("KV load of %s failed; its blocks are recomputed", load.request_id)
+            count = 0
+        finally:
+            seconds = time.perf_counter() - started
+            for medium in set(sources):
+                loaded = sources.count(medium)
+                self._count(medium, loaded_blocks=loaded, loaded_bytes=loaded * self.block_bytes,
+                            load_seconds=[seconds])
+            self._done.put((load.request_id, count))
+            with self._load_finished:
+                self._num_loading -= 1
+                self._load_finished.notify_all()
+
+    def _read(self, block_hash: bytes) -> tuple[torch.Tensor, str] | None:
+        for tier in self.files:
+            payload = tier.read(block_hash, self.block_bytes)
+            if payload is not None:
+                block = torch.frombuffer(payload, dtype=torch.uint8).view(self.kv_caches[0].dtype)
+                return block.view(self._block_shape), tier.medium
+        return None
+
+    def _copy_in(self, arrived: list[tuple[int, torch.Tensor]]) -> None:
+        if not arrived:
+            return
+        ids = torch.tensor([block for block, _ in arrived], device=self._device)
+        blocks = torch.stack([payload for _, payload in arrived]).to(self._device)  # [n][layer][k|v]...
+        for layer, cache in enumerate(self.kv_caches):
+            cache[:, ids] = blocks[:, layer].transpose(0, 1)
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()  # whole before the scheduler hears of it
+
+    # -- saves -------------------------------------------------------------------------
+
+    def _save(self, saves: list[tuple[int, bytes]]) -> None:
+        size = len(saves) * self.block_bytes
+        with self._lock:
+            if self._queued_write_bytes + size > _MAX_QUEUED_WRITE_BYTES:
+                for tier in self.files:
+                    self._counts.setdefault(tier.medium, KvTierCounts(tier.medium)).failed += len(saves)
+                return
+            self._queued_write_bytes += size
+        ids = torch.tensor([block for block, _ in saves], device=self._device)
+        staged = torch.stack([cache[:, ids] for cache in self.kv_caches], dim=1)  # [k|v][layer][n]...
+        staged = staged.permute(2, 1, 0, 3, 4, 5).contiguous()  # [n][layer][k|v][token][head][dim]
+        ready = None
+        if self._device.type == "cuda":
+            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            host.copy_(staged, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            staged = host
+        self._writer.submit(self._write, [block_hash for _, block_hash in saves], staged, ready, size)
+
+    def _write(self, hashes: list[bytes], staged: torch.Tensor, ready: torch.cuda.Event | None, size: int) -> None:
+        try:
+            if ready is not None:
+                ready.synchronize()
+            rows = staged.reshape(len(hashes), -1).view(torch.uint8).numpy()
+            for block_hash, row in zip(hashes, rows):
+                for tier in self.files:
+                    tier.write(block_hash, row.data)
+        finally:
+            with self._lock:
+                self._queued_write_bytes -= size
+
+    def _count(self, medium: str, *, stored_blocks: int = 0, stored_bytes: int = 0, loaded_blocks: int = 0,
+               loaded_bytes: int = 0, load_seconds: Sequence[float] = ()) -> None:
+        with self._lock:
+            entry = self._counts.setdefault(medium, KvTierCounts(medium))
+            entry.stored_blocks += stored_blocks
+            entry.stored_bytes += stored_bytes
+            entry.loaded_blocks += loaded_blocks
+            entry.loaded_bytes += loaded_bytes
+            entry.load_seconds.extend(load_seconds)

@@ -811,7 +811,7 @@ def test_invocations_answer_as_the_route_the_body_is_for(server: Server, client:
     streamed = httpx.post(f"{server.url}/invocations", json={**completion, "stream": True}, headers=bearer(), timeout=60)
     assert streamed.headers["content-type"].startswith("text/event-stream") and streamed.text.endswith("[DONE]\n\n")
     assert httpx.post(f"{server.url}/invocations", json=completion).status_code == 401
-    unknown = httpx.post(f"{server.url}/invocations", json={"input": "hi"}, headers=bearer())
+    unknown = httpx.post(f"{server.url}/invocations", json=["hi"], headers=bearer())
     assert unknown.status_code == 400 and unknown.json()["error"]["message"] == (
         "Cannot find suitable handler for request. Expected one of: ['ChatCompletionRequest', 'CompletionRequest']")
     bad_chat = httpx.post(f"{server.url}/invocations", json={**chat, "max_tokens": "many"}, headers=bearer())

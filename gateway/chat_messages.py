@@ -5,7 +5,7 @@ import json
 from typing import Any
 
 from gateway.errors import bad_request
-from gateway.protocol import ChatMessageParam
+from gateway.protocol import ChatMessageParam, ToolParam
 
 
 def message_dicts(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
@@ -25,6 +25,11 @@ def message_dicts(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
             entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
+
+
+def tool_dicts(tools: list[ToolParam] | None) -> list[dict[str, Any]] | None:
+    """OpenAI's tool definitions as the chat template reads them."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
 
 
 def _template_call(call: dict[str, Any]) -> dict[str, Any]:

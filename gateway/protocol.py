@@ -21,6 +21,7 @@ from pydantic import (
     Field,
     ModelWrapValidatorHandler,
     SerializerFunctionWrapHandler,
+    computed_field,
     field_validator,
     model_serializer,
     model_validator,
@@ -252,7 +253,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Body):
-    """vLLM's /tokenize: either a prompt or chat messages."""
+    """vLLM's /tokenize: either a prompt or chat messages (with the tools their template renders)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -260,6 +261,9 @@ class TokenizeRequest(_Body):
     # None: add them for a prompt, not for messages (the chat template writes its own).
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message stays open, for the model to go on with
+    tools: list[ToolParam] | None = None
+    return_token_strs: bool | None = False  # also each token's string, as the vocabulary writes it
 
 
 class DetokenizeRequest(_Body):
@@ -355,11 +359,20 @@ class ToolCallOut(BaseModel):
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
+class _Reasoning(BaseModel):
+    reasoning: str | None = None  # vLLM's extra, with --reasoning-parser
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def reasoning_content(self) -> str | None:
+        """vLLM's former name for `reasoning`, still read by many clients."""
+        return self.reasoning
+
+
+class ChatMessage(_Reasoning):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
-    reasoning_content: str | None = None  # vLLM's extra, with --reasoning-parser
 
 
 class ChatChoice(BaseModel):
@@ -392,10 +405,9 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunctionCall
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_Reasoning):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
@@ -457,6 +469,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(BaseModel):

@@ -5,9 +5,10 @@
 model's text; "required" and a named function need no parser, because a grammar
 built from the tools' schemas makes the model write exactly the calls (so even a
 small model returns valid ones): a JSON list of {"name", "parameters"} for
-"required", the named function's arguments object for a named choice. With
-`--reasoning-parser`, the reasoning is split off first and the rest is read for
-calls.
+"required", the named function's arguments object for a named choice. As vLLM, a
+forced call answers with content "", and one cut short (by max_tokens) is no call at
+all. With `--reasoning-parser`, the reasoning is split off first and the rest is read
+for calls.
 """
 from __future__ import annotations
 
@@ -85,13 +86,7 @@ class ToolCalling:
         if self.choice == "named":
             return StructuredOutputsParams(json=_parameters(self._tool(self.named)), field_name="tool_choice")
         if self.choice == "required":
-            calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-                {"type": "object", "properties": {"name": {"type": "string", "enum": [tool["name"]]},
-                                                  "parameters": _parameters(tool)},
-                 "required": ["name", "parameters"]} for tool in self.tools]}}
-            if not self.parallel:
-                calls["maxItems"] = 1
-            return StructuredOutputsParams(json=calls, field_name="tool_choice")
+            return StructuredOutputsParams(json=_required_calls(self.tools, self.parallel), field_name="tool_choice")
         return None
 
     def finish_reason(self, called: bool, reason: str | None) -> str | None:
@@ -104,12 +99,12 @@ class ToolCalling:
             return self.parser.parse(text)
         try:
             value = json.loads(text)  # whole, as its grammar closes it
-        except ValueError:  # cut short by max_tokens: the text is all there is
-            return ParsedOutput(text or None)
+        except ValueError:  # cut short by max_tokens: no call
+            return ParsedOutput("")
         if self.choice == "named":  # the arguments as written, as they were streamed
-            return ParsedOutput(None, [ToolCall(self.named, text)])
-        return ParsedOutput(None, [ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
-                                   for call in value])
+            return ParsedOutput("", [ToolCall(self.named, text)])
+        return ParsedOutput("", [ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
+                                 for call in value])
 
     def stream(self) -> StreamingToolParser:
         if self.parser is not None:
@@ -124,6 +119,31 @@ class ToolCalling:
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool.get("parameters") or {"type": "object"}
+
+
+def _required_calls(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """The schema of a "required" answer: a list of calls, each one tool's name and
+    arguments. A tool's `$defs` move to the list's root, where its `#/$defs/...`
+    references now point; two tools defining one name differently are a 400, as in vLLM."""
+    defs: dict[str, Any] = {}
+    choices = []
+    for tool in tools:
+        parameters = dict(_parameters(tool))
+        defined = parameters.pop("$defs", {})
+        if not isinstance(defined, dict):
+            raise bad_request("tools", f"the $defs of tool {tool['name']!r} must be an object")
+        for name, schema in defined.items():
+            if defs.setdefault(name, schema) != schema:
+                raise bad_request("tools", f"Tool definition '{name}' has multiple schemas, which is not supported.")
+        choices.append({"type": "object", "properties": {"name": {"type": "string", "enum": [tool["name"]]},
+                                                         "parameters": parameters},
+                        "required": ["name", "parameters"]})
+    calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": choices}}
+    if not parallel:
+        calls["maxItems"] = 1
+    if defs:
+        calls["$defs"] = defs
+    return calls
 
 
 def _name(choice: object) -> str:
@@ -176,7 +196,7 @@ class OutputReader:
         return cls(reasoning, ToolCalling.of(body, options))
 
     def read(self, text: str) -> tuple[str | None, ParsedOutput]:
-        """(reasoning_content, the rest as content and tool calls)."""
+        """(reasoning, the rest as content and tool calls)."""
         reasoning, content = self.reasoning.parse(text) if self.reasoning else (None, text)
         if self.tools is None:
             return reasoning, ParsedOutput(content)

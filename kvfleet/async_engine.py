@@ -52,6 +52,9 @@ class AsyncEngine(EngineThread[_Add, RequestStream]):
     def engine_info(self) -> EngineInfo:
         return self._info
 
+    async def refresh_stats(self) -> None:
+        """stats() is always current: the engine thread renews them before it delivers a delta."""
+
     # -- requests (asyncio side) -----------------------------------------------------
 
     async def generate(

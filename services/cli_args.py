@@ -46,6 +46,7 @@ _ENGINE_HELP = {
     "swap_space": "GiB of host memory for swapped-out KV blocks",
     "kv_offloading_size": "GiB of host memory holding KV blocks evicted from the device pool, found again by "
                           "prefix (the first offload tier)",
+    "kv_offloading_backend": "native: kvfleet's own offload tiers (vLLM's name; lmcache is not supported)",
     "kv_offloading_dir": "a local directory holding KV blocks the device pool (and host tier) evicted, one file "
                          "per block (the disk tier)",
     "kv_offloading_dir_size": "GiB the --kv-offloading-dir tier may hold; the least recently used blocks go first",
@@ -169,7 +170,7 @@ def add_http_args(parser: argparse.ArgumentParser, port: int = 8000) -> None:
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                         help="how the model writes tool calls, to turn its text into tool_calls")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
-                        help="split <think>...</think> reasoning into reasoning_content")
+                        help="split <think>...</think> reasoning into reasoning (and reasoning_content)")
     add_server_args(parser)
     add_shutdown_arg(parser)
 

@@ -63,6 +63,7 @@ class EngineConfig:
     # device pool (GiB), a local directory and a directory replicas share, each with a
     # byte bound (GiB). A block evicted from the device pool is found in them again.
     kv_offloading_size: float = 0.0
+    kv_offloading_backend: str = "native"  # vLLM's name; kvfleet's tiers are its own
     kv_offloading_dir: str | None = None
     kv_offloading_dir_size: float = 16.0
     kv_shared_dir: str | None = None
@@ -123,6 +124,9 @@ class EngineConfig:
         return bool(self.kv_offloading_size or self.kv_offloading_dir or self.kv_shared_dir)
 
     def _check_kv_tiers(self) -> None:
+        if self.kv_offloading_backend != "native":
+            raise ConfigError(f"--kv-offloading-backend {self.kv_offloading_backend}: kvfleet offloads KV with its "
+                              "own tiers (native); LMCache is not supported")
         for name in ("kv_offloading_size", "kv_offloading_dir_size", "kv_shared_dir_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{flag(name)} {getattr(self, name)}: must not be negative")

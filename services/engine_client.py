@@ -49,6 +49,11 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    async def refresh_stats(self) -> None:
+        """Brings stats() up to the engine's state at this call, for a /metrics scrape that
+        must see every request that ended before it. Embedded, stats() always is: the engine
+        thread renews them before it delivers any delta. A cluster asks its schedulers."""
+
     def engine_info(self) -> EngineInfo | None:
         """None until the engine is known (a cluster's first scheduler has registered)."""
 

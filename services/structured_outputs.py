@@ -25,7 +25,7 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, omit_defaults=True):
     json: str | dict[str, Any] | None = None  # a JSON schema, as text or as a dict
     regex: str | None = None
     choice: list[str] | None = None
-    grammar: str | None = None  # EBNF (GBNF-style, as xgrammar reads it)
+    grammar: str | None = None  # EBNF (GBNF-style, as xgrammar reads it), or Lark-style as vLLM takes it
     json_object: bool | None = None  # any JSON object
     structural_tag: str | None = None  # vLLM's structural tag, as JSON text
     # JSON output on one line, without free whitespace between tokens.

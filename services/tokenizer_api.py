@@ -23,6 +23,8 @@ class ChatPrompt(msgspec.Struct, frozen=True, omit_defaults=True):
     # The chat template writes the special tokens it wants: none are added by default.
     add_special_tokens: bool = False
     tools: list[dict[str, Any]] | None = None  # OpenAI's tool definitions, rendered by the template
+    # The last message left open (no end of turn), for the model to continue it.
+    continue_final_message: bool = False
 
 
 class EncodedPrompt(msgspec.Struct, frozen=True):

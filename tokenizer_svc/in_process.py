@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from jinja2 import TemplateError
+
 from services.invalid_parameter import InvalidParameter
 from services.tokenizer_api import ChatPrompt, EncodedPrompt
 from tokenizer_svc.tokenizer import NoChatTemplateError, Tokenizer
@@ -41,7 +43,10 @@ def encode_chat(tokenizer: Tokenizer, chat: ChatPrompt) -> EncodedPrompt:
     """The chat rendered by the model's template, and its token ids: one definition for
     the embedded gateway and the tokenizer role's server."""
     try:
-        text = tokenizer.render_chat(chat.messages, chat.add_generation_prompt, chat.tools)
+        text = tokenizer.render_chat(chat.messages, chat.add_generation_prompt, chat.tools,
+                                     continue_final_message=chat.continue_final_message)
     except NoChatTemplateError as exc:
         raise InvalidParameter("messages", str(exc)) from exc
+    except (ValueError, TemplateError) as exc:  # the template refused these messages (as vLLM, a 400)
+        raise InvalidParameter("messages", f"the chat template cannot render these messages: {exc}") from exc
     return EncodedPrompt(text, tokenizer.encode(text, add_special_tokens=chat.add_special_tokens))

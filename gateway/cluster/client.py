@@ -22,6 +22,10 @@ from services.messages import EngineInfo, EngineStats, TokenDelta
 from services.registry import DEFAULT_TTL_S
 from services.sampling_params import SamplingParams
 
+# A /metrics scrape waits this long at most for the replicas' Stats; one that answers
+# later counts with its last answer.
+SCRAPE_STATS_TIMEOUT_S = 1.0
+
 
 class ClusterEngineClient:
     def __init__(
@@ -64,6 +68,9 @@ class ClusterEngineClient:
 
     def stats(self) -> EngineStats:
         return self._replicas.stats
+
+    async def refresh_stats(self) -> None:
+        await self._replicas.refresh_stats(SCRAPE_STATS_TIMEOUT_S)
 
     def engine_info(self) -> EngineInfo | None:
         return self._replicas.info

@@ -9,8 +9,6 @@ from services.messages import CacheConfigInfo, EngineInfo, EngineStats, KvTierSt
 from services.metric_buckets import ITERATION_TOKENS
 from services.registry import Member
 
-NO_STATS = EngineStats(0, 0, 0.0, 0, 0, 0, 0, HistogramCounts.zero(ITERATION_TOKENS), None)
-
 
 def engine_info(schedulers: list[Member]) -> EngineInfo:
     """What the schedulers know from their workers; replicas of one model agree on it."""

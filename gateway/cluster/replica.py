@@ -2,12 +2,14 @@
 last poll (and the requests sent since) say of its state."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from services.messages import EngineStats
 from services.registry import Member
 from services.transport.channel import open_channel
 from services.transport.role_services import SCHEDULER
@@ -30,6 +32,11 @@ class Replica:
     superseded: bool = False
     # It refused a request as full since the last poll (whatever its queue bound says).
     refused_as_full: bool = False
+    # Its newest Stats answer (None: it did not answer its last poll), and when (monotonic)
+    # that question was asked: the poller and /metrics scrapes ask concurrently, and an
+    # answer to an older question must not replace a newer one.
+    stats: EngineStats | None = None
+    stats_asked_at: float = -math.inf
 
     @property
     def instance_id(self) -> str:
@@ -45,6 +52,11 @@ class Replica:
         """Its queue is at its bound (--max-queued-requests), as far as we know."""
         bound = self.member.metadata.get("max_queued_requests")
         return self.refused_as_full or (bool(bound) and self.waiting >= int(bound))
+
+    def record_stats(self, stats: EngineStats, asked_at: float) -> None:
+        """Under the replica set's lock."""
+        if asked_at >= self.stats_asked_at:
+            self.stats, self.stats_asked_at = stats, asked_at
 
     @classmethod
     def open(cls, member: Member, on_lost: Callable[[Replica, str], None]) -> Replica:

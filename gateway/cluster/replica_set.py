@@ -2,8 +2,9 @@
 requests each runs.
 
 Replicas come from the Redis registry, read by a poller thread that also fetches each
-replica's Stats and health: which are routable, full or draining, and the sum of their
-Stats for /metrics.
+replica's Stats and health: which are routable, full or draining. /metrics shows the sum
+of their Stats as asked at the scrape itself (refresh_stats), so a scrape sees every
+request that ended before it; the poller's answers serve in between.
 
 A replica is declared dead only on evidence about it, and then its requests end here
 with RequestLost (a 503), none waiting forever: its channel failing (a dead process, seen
@@ -26,13 +27,14 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2
 
-from gateway.cluster.fleet_stats import NO_STATS, engine_info, total
+from gateway.cluster.fleet_stats import engine_info, total
 from gateway.cluster.kv_index import KvIndex
 from gateway.cluster.replica import Replica
 from services.engine_client import RequestLost
 from services.messages import EngineInfo, EngineStats
 from services.registry import ClusterView, Registry
 from services.scheduler_messages import AbortRequest, StatsRequest
+from services.transport.futures import finished
 from services.transport.role_services import SCHEDULER
 
 logger = logging.getLogger(__name__)
@@ -65,7 +67,6 @@ class ReplicaSet:
         self._kv_index: KvIndex | None = None
         # Replaced (never mutated) by the poller, so any thread may read them.
         self.ready = False
-        self.stats = NO_STATS
         self.info: EngineInfo | None = None
 
     @property
@@ -100,6 +101,31 @@ class ReplicaSet:
     def routable(self) -> list[Replica]:
         with self.lock:
             return [replica for replica in self._replicas.values() if replica.routable]
+
+    @property
+    def stats(self) -> EngineStats:
+        """The sum of each replica's newest Stats."""
+        with self.lock:
+            return total([replica.stats for replica in self._replicas.values() if replica.stats is not None])
+
+    async def refresh_stats(self, timeout_s: float) -> None:
+        """Asks every replica for its Stats now, on the caller's loop. A replica that does
+        not answer within `timeout_s` keeps its last answer: judging its health is the
+        poller's work."""
+        with self.lock:
+            replicas = list(self._replicas.values())
+        asked_at = time.monotonic()
+        calls = []
+        for replica in replicas:
+            try:
+                calls.append((replica, replica.stub.Stats.future(StatsRequest(replica.instance_id), timeout=timeout_s)))
+            except ValueError:  # its channel is closed: it has just been retired
+                continue
+        for replica, call in calls:  # all asked at once: the wait is the slowest answer's
+            await finished(call)
+            if call.exception() is None:
+                with self.lock:
+                    replica.record_stats(call.result(), asked_at)
 
     def replica_of(self, instance_id: str) -> Replica | None:
         """The listed replica that is this scheduler process, if it still is."""
@@ -145,6 +171,7 @@ class ReplicaSet:
         for replica, request_ids in orphans:
             self._retire(replica, request_ids)
         # All at once, so one slow replica delays the poll by its timeout only.
+        asked_at = time.monotonic()
         calls = [
             (
                 replica,
@@ -153,8 +180,8 @@ class ReplicaSet:
             )
             for replica in replicas
         ]
-        stats = [self._poll(replica, call, health, view.scheduler_ready(replica.member)) for replica, call, health in calls]
-        self.stats = total([s for s in stats if s is not None])
+        for replica, call, health in calls:
+            self._poll(replica, call, health, view.scheduler_ready(replica.member), asked_at)
         with self.lock:
             self.ready = view.gateway_ready and any(replica.routable for replica in replicas)
 
@@ -195,27 +222,30 @@ class ReplicaSet:
             logger.warning("%s; failing its %d requests", message, len(request_ids))
             self._fail(request_ids, lambda request_id: RequestLost(request_id, message))
 
-    def _poll(self, replica: Replica, call: grpc.Future, health: grpc.Future, worker_live: bool) -> EngineStats | None:
+    def _poll(self, replica: Replica, call: grpc.Future, health: grpc.Future, worker_live: bool,
+              asked_at: float) -> None:
         try:
             stats = call.result()
             serving = health.result().status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError as exc:
-            if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
-                self.lost(replica, f"was replaced by another process ({exc.details()})", superseded=True)
-                return None
             if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
                 # Busy, not gone (a dead one refuses the connection, and a hung one loses
                 # its lease): it keeps what the last poll said rather than turning healthy
                 # work away for a slow answer.
                 logger.warning("scheduler %s answers its poll late; keeping it as it was", replica.member.address)
-                return None
+                return
+            with self.lock:  # what it said before no longer counts
+                replica.stats = None
+            if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                self.lost(replica, f"was replaced by another process ({exc.details()})", superseded=True)
+                return
             logger.warning("scheduler %s does not answer: %s", replica.member.address, exc.code().name)
             with self.lock:
                 replica.routable = False
-            return None
+            return
         with self.lock:
+            replica.record_stats(stats, asked_at)
             replica.load = stats.num_requests_running + stats.num_requests_waiting
             replica.waiting = stats.num_requests_waiting
             replica.refused_as_full = False
             replica.routable = worker_live and serving and not replica.superseded
-        return stats

@@ -9,7 +9,7 @@ import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.chat_messages import message_dicts
+from gateway.chat_messages import message_dicts, tool_dicts
 from gateway.choices import ChoiceDelta
 from gateway.context import GatewayContext, get_context
 from gateway.disconnect import cancel_on_disconnect
@@ -73,8 +73,7 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
     params = await to_sampling_params(
         body, ctx.encoder, max_tokens, num_top if body.logprobs else None, body.prompt_logprobs, constraint,
     )
-    tool_definitions = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-    prompt = await ctx.encoder.encode_chat(ChatPrompt(message_dicts(body.messages), tools=tool_definitions))
+    prompt = await ctx.encoder.encode_chat(ChatPrompt(message_dicts(body.messages), tools=tool_dicts(body.tools)))
     if params.structured_outputs is not None and reader.reasoning is not None and reader.reasoning.thinks_after(prompt.text):
         [end] = await ctx.encoder.encode([END_THINK], add_special_tokens=False)
         # The grammar starts once the reasoning has ended.
@@ -117,7 +116,7 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
                  for c in parsed.tool_calls]
         choices.append(ChatChoice(
             index=index,
-            message=ChatMessage(content=parsed.content, tool_calls=calls, reasoning_content=reasoning),
+            message=ChatMessage(content=parsed.content, tool_calls=calls, reasoning=reasoning),
             logprobs=ChatLogprobs(content=content_logprobs[index]) if body.logprobs else None,
             finish_reason=tools.finish_reason(bool(calls), delta.finish_reason) if tools else delta.finish_reason,
             stop_reason=delta.stop_reason,
@@ -195,7 +194,7 @@ def _read(reader: StreamingOutputReader, text: str, last: bool) -> list[DeltaMes
         read = StreamDelta(read.content + rest.content, read.tool_calls + rest.tool_calls)
     messages = []
     if reasoning or read.content:
-        messages.append(DeltaMessage(reasoning_content=reasoning or None, content=read.content or None))
+        messages.append(DeltaMessage(reasoning=reasoning or None, content=read.content or None))
     for call in read.tool_calls:
         if call.name is not None:
             messages.append(DeltaMessage(tool_calls=[DeltaToolCall(

@@ -31,4 +31,5 @@ async def get_version() -> dict[str, str]:
 
 @router.get("/metrics")
 async def metrics(ctx: GatewayContext = Depends(get_context)) -> Response:
+    await ctx.engine.refresh_stats()  # a scrape sees every request that ended before it
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response, StreamingResponse
 
-from gateway.chat_messages import message_dicts
+from gateway.chat_messages import message_dicts, tool_dicts
 from gateway.context import GatewayContext, get_context
 from gateway.errors import bad_request
 from gateway.json_body import OffLoopJsonRoute
@@ -18,6 +19,7 @@ from gateway.protocol import (
     TokenizeResponse,
 )
 from services.tokenizer_api import ChatPrompt
+from tokenizer_svc.tokenizer import Tokenizer
 
 router = APIRouter(route_class=OffLoopJsonRoute)
 # About 0.5 ms of writing each: a request served meanwhile takes a few dozen passes
@@ -32,24 +34,37 @@ async def tokenize(body: TokenizeRequest, ctx: GatewayContext = Depends(get_cont
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("prompt", "give either prompt or messages")
     if body.messages is not None:
+        if body.continue_final_message and body.add_generation_prompt:
+            raise bad_request("continue_final_message",
+                              "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         # The chat template writes its own special tokens.
-        chat = ChatPrompt(message_dicts(body.messages), body.add_generation_prompt, bool(body.add_special_tokens))
+        chat = ChatPrompt(message_dicts(body.messages), body.add_generation_prompt, bool(body.add_special_tokens),
+                          tool_dicts(body.tools), continue_final_message=body.continue_final_message)
         tokens = (await ctx.encoder.encode_chat(chat)).token_ids
     else:
         add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
         [tokens] = await ctx.encoder.encode([body.prompt], add_special_tokens)
-    return StreamingResponse(_reply(tokens, ctx.max_model_len), media_type="application/json")
+    token_strs = ctx.tokenizer if body.return_token_strs else None
+    return StreamingResponse(_reply(tokens, ctx.max_model_len, token_strs), media_type="application/json")
 
 
-async def _reply(tokens: list[int], max_model_len: int) -> AsyncIterator[bytes]:
-    """The reply's JSON in slices, the event loop free between them: a multi-megabyte
-    prompt's ids take half a second to write (with the GIL held, so a
-    thread would not help)."""
+async def _reply(tokens: list[int], max_model_len: int, token_strs: Tokenizer | None) -> AsyncIterator[bytes]:
+    """vLLM's TokenizeResponse, its JSON in slices, the event loop free between them: a
+    multi-megabyte prompt's ids take half a second to write (with the GIL held, so a
+    thread would not help). `token_strs`: the tokenizer that names each token, when asked."""
     yield f'{{"count": {len(tokens)}, "max_model_len": {max_model_len}, "tokens": ['.encode()
     for start in range(0, len(tokens), _IDS_PER_SLICE):
         # A list of ints prints as its JSON, twice as fast as json.dumps.
         ids = repr(tokens[start:start + _IDS_PER_SLICE])[1:-1]
         yield (", " + ids if start else ids).encode()
+        await asyncio.sleep(0)
+    if token_strs is None:
+        yield b'], "token_strs": null}'
+        return
+    yield b'], "token_strs": ['
+    for start in range(0, len(tokens), _IDS_PER_SLICE):
+        strs = json.dumps(token_strs.convert_ids_to_tokens(tokens[start:start + _IDS_PER_SLICE], False))[1:-1]
+        yield (", " + strs if start else strs).encode()
         await asyncio.sleep(0)
     yield b"]}"
 
@@ -57,4 +72,5 @@ async def _reply(tokens: list[int], max_model_len: int) -> AsyncIterator[bytes]:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, ctx: GatewayContext = Depends(get_context)) -> DetokenizeResponse:
     ctx.check_model(body.model)
-    return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+    # As vLLM's: the special tokens are text like any other.
+    return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens, skip_special_tokens=False))

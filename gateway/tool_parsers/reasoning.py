@@ -1,5 +1,5 @@
 """Reasoning parsers: split a `<think>...</think>` section off the output as
-`reasoning_content`, the way vLLM's `--reasoning-parser` options do.
+`reasoning` (also sent as `reasoning_content`), the way vLLM's `--reasoning-parser` options do.
 
 - `deepseek_r1`: the chat template may put `<think>` in the prompt, so the output may lack
   it; everything before `</think>` is reasoning, and with no `</think>` at all the model is
@@ -25,7 +25,7 @@ class ReasoningParser:
     requires_open_tag = False
 
     def parse(self, text: str) -> tuple[str | None, str | None]:
-        """(reasoning_content, content)."""
+        """(reasoning, content)."""
         head = text.lstrip()
         if head.startswith(THINK):
             text = head[len(THINK):]

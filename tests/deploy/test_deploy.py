@@ -102,6 +102,12 @@ VALUE_SETS = {
         "modelCache": {"hostPath": "/var/lib/kvfleet/models"},
         "networkPolicy": {"enabled": False},
     },
+    # The KV offload tiers: host memory, a disk per replica and the fleet-shared store.
+    "kv-tiers": {
+        "engine": {"kv-offloading-size": 2},
+        "kvTiers": {"localDisk": {"enabled": True, "sizeGiB": 8},
+                    "shared": {"enabled": True, "existingClaim": "kv-store", "sizeGiB": 100}},
+    },
 }
 
 
@@ -655,6 +661,20 @@ def test_hpa_alternative_and_switches_off():
     assert "WARNING" in rendered.notes
 
 
+def test_kv_tiers_mount_one_store_in_every_replica_for_its_scheduler_and_worker():
+    rendered = render("kv-tiers")
+    pod = rendered.one("Deployment", f"{RELEASE}-replica")["spec"]["template"]["spec"]
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    assert volumes["kv-shared"]["persistentVolumeClaim"] == {"claimName": "kv-store"}
+    assert volumes["kv-local"]["emptyDir"] == {"sizeLimit": "9Gi"}
+    for container in containers(pod):
+        assert {"name": "kv-shared", "mountPath": "/kv-shared"} in container["volumeMounts"]
+        assert {"name": "kv-local", "mountPath": "/kv-local"} in container["volumeMounts"]
+        assert {"--kv-shared-dir=/kv-shared", "--kv-shared-dir-size=100", "--kv-offloading-dir=/kv-local",
+                "--kv-offloading-dir-size=8"} <= set(container["args"])
+    assert "kv-shared" not in str(render("default").manifests)
+
+
 def test_chart_refuses_contradictory_values():
     with helm.Chart.load(CHART) as chart:
         for values in ({"autoscaling": {"keda": {"enabled": True}, "hpa": {"enabled": True}}},
@@ -664,7 +684,9 @@ def test_chart_refuses_contradictory_values():
                        # one GPU per rank of the worker group
                        {"engine": {"tensor-parallel-size": 2}, "replica": {"worker": {"gpus": 1}}},
                        # the engine port on a port the pod already listens on
-                       {"replica": {"enginePort": 50051}}):
+                       {"replica": {"enginePort": 50051}},
+                       # a shared KV store with no volume to share
+                       {"kvTiers": {"shared": {"enabled": True}}}):
             with pytest.raises(helm.HelmRenderError):
                 chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
 

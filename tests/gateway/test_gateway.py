@@ -27,6 +27,7 @@ from fastapi import FastAPI
 
 from gateway.app import build_app
 from gateway.limits import RequestLimits
+from gateway.tool_calls import ChatOptions
 from kvfleet import LLM
 from kvfleet.async_engine import AsyncEngine
 from kvfleet.run_batch import answer_all
@@ -176,7 +177,7 @@ def test_tokenize_and_detokenize(server: ServerThread, stack: Stack) -> None:
     text = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}).json()
     assert text == {
         "tokens": tokenizer.encode(PROMPTS[0]), "count": len(tokenizer.encode(PROMPTS[0])),
-        "max_model_len": stack.core.max_model_len,
+        "max_model_len": stack.core.max_model_len, "token_strs": None,
     }
     chat = httpx.post(f"{server.url}/tokenize", json={"messages": CHAT}).json()
     assert chat["tokens"] == tokenizer.apply_chat_template(CHAT)
@@ -425,3 +426,20 @@ def test_a_batch_answers_each_line_in_order_as_the_rest_api_does(server: ServerT
 
 def _without_ids(body: dict) -> dict:
     return {key: value for key, value in body.items() if key not in ("id", "created")}
+
+
+def test_reasoning_comes_as_reasoning_and_as_reasoning_content(stack: Stack) -> None:
+    """--reasoning-parser: the reasoning is `reasoning` (current vLLM's name), also sent as
+    `reasoning_content` (its former one), whole and streamed. With deepseek_r1 and no
+    </think> in the output, all of it is reasoning."""
+    options = ChatOptions(reasoning_parser="deepseek_r1")
+    with ServerThread(build_app(stack.engine, InProcessEncoder(stack.tokenizer), MODEL, chat_options=options)) as app:
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "temperature": 0}
+        whole = httpx.post(f"{app.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        assert whole["reasoning"] and whole["reasoning_content"] == whole["reasoning"] and whole["content"] is None
+        streamed = httpx.post(f"{app.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+        deltas = [json.loads(line[len("data: "):])["choices"][0]["delta"] for line in streamed.text.splitlines()
+                  if line.startswith("data: {")]
+        reasoning = [delta for delta in deltas if "reasoning" in delta]
+        assert all(delta["reasoning_content"] == delta["reasoning"] for delta in reasoning)
+        assert "".join(delta["reasoning"] for delta in reasoning) == whole["reasoning"]

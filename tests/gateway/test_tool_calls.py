@@ -35,7 +35,7 @@ def _streamed(reader: OutputReader, pieces: list[str]) -> tuple[str, str, list[t
     reasoning, content, names, arguments = "", "", {}, {}
     for number, piece in enumerate(pieces):
         for message in _read(stream, piece, last=number == len(pieces) - 1):
-            reasoning += message.reasoning_content or ""
+            reasoning += message.reasoning or ""
             content += message.content or ""
             for call in message.tool_calls or []:
                 if call.function.name:

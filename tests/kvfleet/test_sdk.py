@@ -115,7 +115,15 @@ def test_kv_pool_too_small_for_max_model_len_fails_at_startup():
     from worker_svc.runtime.kv_cache import KVCacheTooSmall
 
     with pytest.raises(KVCacheTooSmall, match="max_model_len=8192.*--max-model-len"):
-        LLM("smollm2", num_gpu_blocks_override=100)
+        LLM("smollm2", kv_cache_memory=100 * 2**20)
+    with pytest.raises(KVCacheTooSmall, match="max_model_len=2048.*--max-model-len"):
+        LLM("smollm2", num_gpu_blocks_override=100, max_model_len=2048)
+
+
+def test_a_pool_sized_outright_bounds_the_context_when_no_length_is_asked(caplog):
+    llm = LLM("smollm2", num_gpu_blocks_override=64)
+    assert llm.engine.max_model_len == 64 * 16
+    assert "max_model_len lowered from the model's 8192 to 1024" in caplog.text
 
 
 def test_logprobs_match_transformers_log_softmax(llm, hf_smollm2):

@@ -90,7 +90,8 @@ TIER_EVENTS = TierEvents("CPU", True, [b"\x07" * 32], [b"\x08" * 32])
 CACHE_CONFIG = CacheConfigInfo(16, 100, 20, True, 0.9, 4.0, 64, "fp8")
 CHAT = ChatPrompt([{"role": "user", "content": "hi", "name": "ann"},
                    {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"arguments": {}}}]}],
-                  add_generation_prompt=False, add_special_tokens=True, tools=[{"type": "function"}])
+                  add_generation_prompt=False, add_special_tokens=True, tools=[{"type": "function"}],
+                  continue_final_message=True)
 SUBMIT = SubmitRequest("r", [1, 2, 3], FULL_PARAMS, "g", "salt", [4, 5])
 TOKENIZED = TokenizeResponse([1, 2], "<s>hi", b"\x01\x02")
 

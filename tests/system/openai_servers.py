@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +32,6 @@ ENGINE_FLAGS = [
 ]
 START_TIMEOUT_S = 180.0
 PROC = sys.platform.startswith("linux")  # the process tree is read from /proc
-# The cluster gateway's gauges come from a poller (every 0.5 s): a reading counts as
-# "after" an event only once a poll that began after the event has landed.
-STATS_LAG_S = {"serve": 0.0, "cluster": 0.8}
 IDLE_WITHIN_S = 2.0
 
 # -- the servers -------------------------------------------------------------------------
@@ -70,26 +67,19 @@ class Server:
 
     def wait_idle(self, since: float | None = None, timeout: float = IDLE_WITHIN_S) -> dict[str, float]:
         """/metrics once no request runs or waits and no KV block is held, within `timeout`
-        of `since` (a time.monotonic(); default now). With `since`, only a reading of the
-        engine's state after that moment counts."""
+        of `since` (a time.monotonic(); default now). Every scrape shows the engine as it
+        is (in a cluster too): this waits only for what happens after a response, such as
+        the abort of a request whose client left."""
         start = time.monotonic() if since is None else since
-        fresh = start + (STATS_LAG_S[self.mode] if since is not None else 0.0)
         while True:
             now = time.monotonic()
             metrics = self.metrics()
             busy = {name: metrics[name] for name in
                     ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")}
-            if now >= fresh and not any(busy.values()):
+            if not any(busy.values()):
                 return metrics
             assert now < start + timeout, f"{self.mode}: still busy {now - start:.2f} s later: {busy}"
             time.sleep(0.05)
-
-    def wait_for(self, condition: Callable[[dict[str, float]], bool], timeout: float = 5.0) -> dict[str, float]:
-        deadline = time.monotonic() + timeout
-        while not condition(metrics := self.metrics()):
-            assert time.monotonic() < deadline, f"{self.mode}: /metrics never got there: {metrics}"
-            time.sleep(0.05)
-        return metrics
 
 
 def _command(mode: str, port: int) -> list[str]:

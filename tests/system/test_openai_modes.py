@@ -450,8 +450,9 @@ def test_a_client_that_leaves_mid_stream_frees_its_request_within_2_s(
     try:
         chunks = iter(stream)
         assert next(chunks).choices[0].text is not None
-        # The server sees it running (in cluster mode, once the gateway's poller has).
-        server.wait_for(lambda m: m["vllm:num_requests_running"] == 1 and m["vllm:kv_cache_usage_perc"] > 0)
+        # A scrape sees it running at once, in cluster mode too (the scheduler is asked at the scrape).
+        running = server.metrics()
+        assert running["vllm:num_requests_running"] == 1 and running["vllm:kv_cache_usage_perc"] > 0, running
         assert next(chunks).choices[0].finish_reason is None  # still streaming
     finally:
         stream.close()  # the client leaves: its connection closes mid-stream
@@ -478,7 +479,10 @@ def test_metrics_use_vllm_names(server: Server, client: openai.OpenAI, llm: LLM)
     before = server.metrics()
     client.completions.create(model=SERVED, prompt=PROMPTS[4], max_tokens=5, temperature=0,
                               extra_body={"ignore_eos": True})
-    after = server.wait_idle(since=time.monotonic())
+    # The first scrape after the answer sees all of it, in cluster mode too (no poller's lag).
+    after = server.metrics()
+    assert not any(after[name] for name in
+                   ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")), after
     for name in ("vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "process_cpu_seconds_total"):
         assert name in after
@@ -734,6 +738,105 @@ def test_errors_in_vllms_words_naming_kvfleets_fields(client: openai.OpenAI) -> 
         error = refused(client.completions.create, prompt=prompt)
         assert error.param == "prompt" and "decoder prompt cannot be empty" in error.message
         assert "Either prompt or prompt_embeds must be provided and non-empty." in error.message
+
+
+# -- issue 47: /tokenize's shape, tools, Lark grammars ------------------------------------------
+
+
+def test_tokenize_and_detokenize_answer_in_vllm_s_shape(server: Server, llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+
+    def tokenize(**body: Any) -> httpx.Response:
+        return httpx.post(f"{server.url}/tokenize", json={"model": SERVED, **body}, headers=bearer())
+
+    prompt = "Hello world<|endoftext|> vllm1"
+    ids = tokenizer.encode(prompt)
+    assert tokenize(prompt=prompt).json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                                              "token_strs": None}
+    assert tokenize(prompt=prompt, return_token_strs=True).json() == {
+        "count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+        "token_strs": tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=False)}
+    # A chat whose last message the model is to continue, with tools for the template.
+    messages = [*CHAT, {"role": "assistant", "content": "Sure,"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"location": {"type": "string"}}}}}]
+    text = tokenizer.render_chat(messages, False, tools, continue_final_message=True)
+    assert text.endswith("Sure,")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    chat = tokenize(messages=messages, tools=tools, add_generation_prompt=False, continue_final_message=True,
+                    return_token_strs=True)
+    assert chat.json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                           "token_strs": tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=False)}
+    both = tokenize(messages=messages, continue_final_message=True)  # add_generation_prompt defaults to true
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    bad_tool = tokenize(messages=messages, tools=[{"type": "function"}])
+    assert bad_tool.status_code == 400 and "tools" in bad_tool.json()["error"]["message"]
+    # Special tokens are text like any other, as vLLM's /detokenize writes them.
+    back = httpx.post(f"{server.url}/detokenize", json={"model": SERVED, "tokens": tokenizer.encode(prompt)},
+                      headers=bearer())
+    assert back.json() == {"prompt": prompt}
+
+
+# A tool whose arguments name a definition of its own by `$ref` (as pydantic writes schemas), and one without.
+OPTIONS = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+           "additionalProperties": False}
+REF_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city", "options"], "$defs": {"Options": OPTIONS},
+        "properties": {"city": {"type": "string", "maxLength": 12}, "options": {"$ref": "#/$defs/Options"}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}},
+]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_forced_tool_calls_answer_as_vllm_does(client: openai.OpenAI, tool_choice: str) -> None:
+    """$refs into a tool's $defs hold; the content is "", and a call cut short by
+    max_tokens is no call at all."""
+    import jsonschema
+
+    choice = {"type": "function", "function": {"name": "get_weather"}} if tool_choice == "named" else "required"
+    args = dict(model=SERVED, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=REF_TOOLS,
+                tool_choice=choice, parallel_tool_calls=False, temperature=0)
+    whole = client.chat.completions.create(**args, max_tokens=100).choices[0]
+    assert whole.message.content == "" and whole.finish_reason == ("stop" if tool_choice == "named" else "tool_calls")
+    [call] = whole.message.tool_calls
+    schema = next(tool["function"]["parameters"] for tool in REF_TOOLS if tool["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    cut = client.chat.completions.create(**args, max_tokens=3).choices[0]
+    assert (cut.finish_reason, cut.message.content, cut.message.tool_calls) == ("length", "", [])
+    clash = [REF_TOOLS[0], {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "properties": {"o": {"$ref": "#/$defs/Options"}}, "$defs": {"Options": {"type": "string"}}}}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**{**args, "tools": clash, "tool_choice": "required"}, max_tokens=4)
+    assert caught.value.param == "tools" and "Options" in caught.value.message
+
+
+# vLLM's test grammar (its tests' sample_sql_statements), in Lark.
+SQL_LARK = """
+start: select_statement
+select_statement: "SELECT " column " from " table " where " condition
+column: "col_1" | "col_2"
+table: "table_1" | "table_2"
+condition: column "=" number
+number: "1" | "2"
+"""
+
+
+def test_lark_grammars_are_taken_as_vllm_takes_them(server: Server, client: openai.OpenAI) -> None:
+    """structured_outputs.grammar and guided_grammar in Lark's syntax are converted to
+    EBNF; one that does not convert is a 400 naming the field and what does not."""
+    sql = re.compile(r"SELECT col_[12] from table_[12] where col_[12]=[12]")
+    chat = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=30, temperature=0,
+                                          extra_body={"structured_outputs": {"grammar": SQL_LARK}})
+    assert sql.fullmatch(chat.choices[0].message.content), chat.choices[0].message.content
+    completion = client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=30, temperature=0,
+                                           extra_body={"guided_grammar": SQL_LARK})
+    assert sql.fullmatch(completion.choices[0].text), completion.choices[0].text
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=4,
+                                  extra_body={"guided_grammar": "start: select_statement"})
+    assert caught.value.param == "guided_grammar" and "select_statement" in caught.value.message
 
 
 # -- issue 47: server features (--root-path, /load, /tokenizer_info, /invocations, hidden metrics) --

@@ -3,6 +3,7 @@ the GPU's memory holds once a full step's activations are profiled, or on CPU th
 budget given outright (worker_svc/runtime/kv_cache.py has the arithmetic)."""
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
@@ -16,6 +17,8 @@ from worker_svc.group.rank_group import RankGroup
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.runtime.batch import InputBatch, RequestState
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block, check_fits_one_request, num_blocks_for_budget
+
+logger = logging.getLogger(__name__)
 
 
 class SizedWorker(Protocol):
@@ -40,6 +43,13 @@ def size_kv_cache(worker: SizedWorker) -> int:
     block_bytes = bytes_per_block(worker.local_config, worker.block_size, worker.kv_dtype)
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
+        fits = num_blocks * worker.block_size
+        if config.max_model_len is None and fits < worker.max_model_len:
+            # A pool sized outright, and no length asked for: the context is what the pool holds
+            # (vLLM starts too, and leaves longer requests waiting forever).
+            logger.warning("--num-gpu-blocks-override %d holds %d tokens: max_model_len lowered from the model's %d "
+                           "to %d (give --max-model-len to choose)", num_blocks, fits, worker.max_model_len, fits)
+            worker.max_model_len = fits
     elif device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         profile_run(worker)

@@ -49,6 +49,16 @@ class KvTransfer:
         self._num_loading = 0
         self._load_finished = threading.Condition(self._lock)
 
+    def describe(self) -> str:
+        """The start-up line on the tiers."""
+        tiers = []
+        if self.host_caches:
+            blocks = self.host_caches[0].shape[1]
+            tiers.append(f"host memory {blocks} blocks ({blocks * self.block_bytes / 2**30:.2f} GiB)")
+        tiers += [f"{tier.medium.lower()} {tier.directory} (up to {tier.max_bytes / 2**30:.1f} GiB)"
+                  for tier in self.files]
+        return f"KV offload tiers: {', '.join(tiers)}; {self.block_bytes / 2**20:.2f} MiB a block"
+
     def apply(self, plan: StepPlan) -> None:
         """The plan's moves, before its forward pass."""
         for load in plan.kv_loads:

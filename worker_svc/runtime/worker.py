@@ -120,6 +120,7 @@ class Worker:
             f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = {kv_tokens} tokens "
             f"({kv_bytes / 2**30:.2f} GiB of {str(self.kv_dtype).removeprefix('torch.')}); maximum concurrency at "
             f"max_model_len {self.max_model_len}: {kv_tokens / self.max_model_len:.1f}x",
+            *([self.kv_transfer.describe()] if self.kv_transfer is not None else []),
         ]
 
     @property

@@ -336,3 +336,51 @@ Usage: include "kvfleet.peer" (list $ "gateway" "replica") */}}
         operator: In
         values: {{ rest . | toJson }}
 {{- end }}
+
+{{/*
+The KV offload tiers on disk (values kvTiers): the flags, mounts and volumes of a
+replica's scheduler and worker, which both need them (the scheduler finds blocks by
+their file names, the worker reads and writes them).
+*/}}
+{{- define "kvfleet.kvTierArgs" -}}
+{{- with .Values.kvTiers.localDisk }}{{ if .enabled }}
+- --kv-offloading-dir=/kv-local
+- --kv-offloading-dir-size={{ .sizeGiB }}
+{{- end }}{{ end }}
+{{- with .Values.kvTiers.shared }}{{ if .enabled }}
+- --kv-shared-dir=/kv-shared
+- --kv-shared-dir-size={{ .sizeGiB }}
+{{- end }}{{ end }}
+{{- end }}
+
+{{- define "kvfleet.kvTierMounts" -}}
+{{- if .Values.kvTiers.localDisk.enabled }}
+- name: kv-local
+  mountPath: /kv-local
+{{- end }}
+{{- if .Values.kvTiers.shared.enabled }}
+- name: kv-shared
+  mountPath: /kv-shared
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.kvTierVolumes" -}}
+{{- with .Values.kvTiers.localDisk }}{{ if .enabled }}
+- name: kv-local
+  emptyDir:
+    sizeLimit: {{ add (int .sizeGiB) 1 }}Gi
+{{- end }}{{ end }}
+{{- with .Values.kvTiers.shared }}{{ if .enabled }}
+- name: kv-shared
+{{- if .existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .existingClaim }}
+{{- else if .hostPath }}
+  hostPath:
+    path: {{ .hostPath }}
+    type: DirectoryOrCreate
+{{- else }}
+{{- fail "kvTiers.shared.enabled needs kvTiers.shared.existingClaim (a ReadWriteMany claim) or kvTiers.shared.hostPath" }}
+{{- end }}
+{{- end }}{{ end }}
+{{- end }}

@@ -33,6 +33,7 @@ from services.invalid_parameter import InvalidParameter
 from services.model_source import ModelFormat, ModelSource
 from services.structured_outputs import StructuredOutputsParams
 from worker_svc.formats.gguf_header import read_gguf_header
+from worker_svc.runtime.sampling.lark_grammar import as_ebnf
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class Grammars:
                 case "choice":
                     return compiler.compile_grammar(_choice_grammar(json.loads(params.spec)))
                 case "grammar":
-                    return compiler.compile_grammar(params.spec)
+                    return compiler.compile_grammar(as_ebnf(params.spec))
                 case "structural_tag":
                     return _compile_structural_tag(compiler, params.spec)
         except (RuntimeError, ValueError, TypeError, KeyError) as exc:

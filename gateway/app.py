@@ -2,7 +2,8 @@
 
 The app does not start or stop the engine client: whoever builds the client owns its
 lifecycle (`kvfleet serve`, a test), so one client can serve several apps. Nor does it
-drain by itself: gateway.drain.serve runs it so.
+drain by itself: gateway.drain.serve runs it so. ServerOptions add vLLM's optional
+server routes and behaviours (--root-path, /tokenizer_info, /load's counting).
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from gateway.errors import install_error_handlers
 from gateway.limits import BodySizeMiddleware, RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.response_options import ResponseOptions
-from gateway.routes import chat, completions, models, system, tokenize
+from gateway.routes import chat, completions, models, sagemaker, system, tokenize, tokenizer_info
+from gateway.server_load import ServerLoad, ServerLoadMiddleware
+from gateway.server_options import ServerOptions
 from gateway.tool_calls import ChatOptions
 from services.engine_client import EngineClient
 from services.tokenizer_api import PromptEncoder
@@ -32,12 +35,14 @@ def build_app(
     chat_options: ChatOptions = ChatOptions(),
     options: ResponseOptions = ResponseOptions(),
     model: str | None = None,
+    server: ServerOptions = ServerOptions(),
 ) -> FastAPI:
     """`encoder` does the text work: in-process, or the cluster's tokenizer role.
     Clients may name any of `served_model_names`; responses carry the first, as in vLLM.
     `model`: the model as the server was started with it (default: the first served name)."""
     names = (served_model_names,) if isinstance(served_model_names, str) else tuple(served_model_names)
     app = FastAPI(title="kvfleet")
+    app.root_path = server.root_path  # set as an attribute: the constructor's argument is deprecated
     app.state.gateway = GatewayContext(
         engine=engine_client,
         encoder=encoder,
@@ -48,9 +53,14 @@ def build_app(
         chat_options=chat_options,
         options=options,
     )
-    for module in (models, completions, chat, tokenize, system):
+    for module in (models, completions, chat, tokenize, system, sagemaker):
         app.include_router(module.router)
+    if server.tokenizer_info:
+        app.include_router(tokenizer_info.router)
     install_error_handlers(app)
+    app.state.server_load = ServerLoad()
+    if server.load_tracking:  # innermost: requests the key refused are not counted
+        app.add_middleware(ServerLoadMiddleware, load=app.state.server_load)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(BodySizeMiddleware, max_bytes=limits.max_request_body_bytes)

@@ -1,7 +1,7 @@
 """Graceful shutdown of the gateway: on SIGTERM or SIGINT, drain before exiting.
 
 Draining means: /health answers 503 at once (readiness fails, load balancers let go),
-every new request but the operational ones (/health, /metrics, /version) gets an
+every new request but the operational ones (/health, /metrics, /version, /load, /ping) gets an
 OpenAI-style 503, and requests in flight, SSE streams included, run to their end.
 Once none is left, or --shutdown-timeout has passed, uvicorn shuts down. Requests
 still running at the deadline end with an explicit error: the engine client shuts
@@ -19,6 +19,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -26,15 +27,18 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import error_response
+from gateway.root_path import route_path
 from services.config import ConfigError
 from services.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
 # Answered while draining: probes and scrapers must see the server as it goes.
-OPERATIONAL_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPERATIONAL_PATHS = frozenset({"/health", "/metrics", "/version", "/load", "/ping"})
 # After the deadline: how long the requests the engine's shutdown failed get to send their error.
 FLUSH_S = 5.0
+# How often a server that waits to be ready before it takes connections looks again.
+READY_POLL_S = 0.1
 
 
 class Drain:
@@ -60,7 +64,7 @@ class DrainMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.drain.draining and scope["path"] not in OPERATIONAL_PATHS:
+        if self.drain.draining and route_path(scope) not in OPERATIONAL_PATHS:
             response = error_response(503, "the server is shutting down; retry on another replica")
             # A client on keep-alive reconnects, through its load balancer, to a live replica.
             response.headers["connection"] = "close"
@@ -78,12 +82,20 @@ class DrainingServer(uvicorn.Server):
     second one shuts down without waiting for the drain (open requests get FLUSH_S, then
     are cancelled), and a third at once, as uvicorn's own second Ctrl-C does."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, engine: EngineClient, shutdown_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Drain, engine: EngineClient, shutdown_timeout_s: float,
+                 ready: Callable[[], bool] | None = None) -> None:
         super().__init__(config)
         self._drain = drain
         self._engine = engine
         self._shutdown_timeout_s = shutdown_timeout_s
+        self._ready = ready
         self._deadline: float | None = None  # monotonic; set by the first signal
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        # With `ready`, no connection is taken before it says so (or a signal comes).
+        while self._ready is not None and not self._ready() and self._deadline is None:
+            await asyncio.sleep(READY_POLL_S)
+        await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._deadline is not None:  # a second signal: stop waiting for anyone
@@ -133,17 +145,25 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(app: FastAPI, listener: socket.socket, shutdown_timeout_s: float, log_level: str = "info",
-          access_log: bool = True) -> None:
-    """Serves `app` (from gateway.app.build_app) on `listener` (from bind) until a signal,
-    then drains; returns once the server is down. The engine client stays the caller's to shut down."""
+          access_log: bool = True, accept_when_ready: bool = False) -> None:
+    """Serves `app` (from gateway.app.build_app) on `listener` (from gateway.listener.listen)
+    until a signal, then drains; returns once the server is down. The engine client stays
+    the caller's to shut down. `accept_when_ready`: take connections only once the app can
+    serve them, for a socket other servers share (cluster up's), which take them meanwhile."""
     ctx = app.state.gateway
-    host, port = listener.getsockname()[:2]
     paths = app.openapi()["paths"]
     logger.info("routes: %s", ", ".join(f"{'|'.join(m.upper() for m in methods)} {path}"
                                         for path, methods in paths.items()))
-    logger.info("serving %s on http://%s:%d (OpenAI API: http://%s:%d/v1)", ", ".join(ctx.served_model_names),
-                host, port, host, port)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            timeout_graceful_shutdown=FLUSH_S)
+    names = ", ".join(ctx.served_model_names)
+    if listener.family == socket.AF_UNIX:
+        uds = listener.getsockname()
+        logger.info("serving %s on unix:%s (OpenAI API at /v1)", names, uds)
+        where: dict = {"uds": uds}
+    else:
+        host, port = listener.getsockname()[:2]
+        logger.info("serving %s on http://%s:%d (OpenAI API: http://%s:%d/v1)", names, host, port, host, port)
+        where = {"host": host, "port": port}
+    config = uvicorn.Config(app, **where, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=FLUSH_S)
     logging.getLogger("uvicorn.access").addFilter(_without_probes)
-    DrainingServer(config, ctx.drain, ctx.engine, shutdown_timeout_s).run(sockets=[listener])
+    DrainingServer(config, ctx.drain, ctx.engine, shutdown_timeout_s, ctx.is_ready if accept_when_ready else None).run(
+        sockets=[listener])

@@ -2,7 +2,10 @@
 
 It listens at once and answers 503 on /health until the cluster can serve (a
 scheduler and a tokenizer hold leases and the tokenizer's files have been fetched),
-so a long model load elsewhere never restart-loops it against a startup probe. It
+so a long model load elsewhere never restart-loops it against a startup probe. On a
+socket `cluster up` hands it (--listen-fd), which its other gateways share, it takes
+connections only once it can serve them: until then the others, or the socket's
+backlog, hold them, as vLLM's API servers take none before their engine is up. It
 needs no model files: it tokenizes through the tokenizer role and detokenizes with
 the files that role hands out.
 """
@@ -48,21 +51,27 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing-policy", choices=ROUTING_POLICIES, default="prefix",
                         help="which scheduler replica takes a request: where its prompt's prefix is cached, "
                         "balanced with load (prefix), the least loaded, or each in turn (default: %(default)s)")
+    parser.add_argument("--listen-fd", type=int, metavar="FD",
+                        help="serve on this inherited listening socket (TCP or Unix) instead of binding one, taking "
+                        "its connections only once the cluster can serve them: how `cluster up --api-server-count N` "
+                        "puts its N gateways on one port")
 
 
 def run_gateway(args: argparse.Namespace) -> int:
     from gateway.app import build_app
     from gateway.cluster.client import ClusterEngineClient
     from gateway.cluster.tokenizer_client import RemoteTokenizer
-    from gateway.drain import bind, serve
+    from gateway.drain import serve
     from gateway.limits import RequestLimits
+    from gateway.listener import listen, release
     from gateway.response_options import ResponseOptions
+    from gateway.server_options import ServerOptions
     from gateway.tool_calls import ChatOptions
     from services.transport.tls import configure_tls
 
     configure_logging()
     configure_tls(args)  # before any server or channel opens
-    listener = bind(args.host, args.port)
+    listener = listen(args)
     registry = Registry(args.redis_url)
     client = ClusterEngineClient(args.redis_url, args.nats_url, gateway_name=args.gateway_name,
                                  lease_ttl_s=args.lease_ttl, routing_policy=args.routing_policy,
@@ -71,16 +80,18 @@ def run_gateway(args: argparse.Namespace) -> int:
                               lease_ttl_s=args.lease_ttl)
     app = build_app(client, encoder, args.served_model_name or [args.model], args.api_key,
                     RequestLimits.from_args(args), ChatOptions.from_args(args), ResponseOptions.from_args(args),
-                    args.model)
+                    args.model, ServerOptions.from_args(args))
     member = Member("gateway", client.gateway_id, advertised(args), {"model": args.model})
     client.start()
     encoder.start()
     try:
         with Lease(registry, member, args.lease_ttl):
             # Returns after SIGTERM/SIGINT, once open requests end or the timeout passes.
-            serve(app, listener, args.shutdown_timeout, args.uvicorn_log_level, not args.disable_uvicorn_access_log)
+            serve(app, listener, args.shutdown_timeout, args.uvicorn_log_level, not args.disable_uvicorn_access_log,
+                  accept_when_ready=args.listen_fd is not None)
     finally:
         encoder.close()
         client.shutdown()
         registry.close()
+        release(listener, args.uds)
     return 0

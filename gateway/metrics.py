@@ -7,12 +7,19 @@ knows (its gauges, the tokens of each engine step, the cache config) is read fro
 engine client's stats at scrape time; request counters and histograms are recorded by
 the gateway as deltas stream through it.
 
+Several gateway processes on one port (`cluster up --api-server-count N`) share their
+counters and histograms through prometheus_client's multiprocess files in
+$PROMETHEUS_MULTIPROC_DIR, as vLLM's API servers do: a scrape, whichever process
+answers it, shows them summed over all (those of a process that exited included, so
+they never go back). The per-process `process_*` and `python_*` series are left out then.
+
 A request's phases come from both sides without comparing two clocks: the scheduler
 measures queue and prefill time and sends them with the first token; decode time is
 the gateway's own, from the first token it received to the last.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +34,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from services.engine_client import EngineClient
 from services.messages import FirstTokenTimes
@@ -40,6 +48,8 @@ from services.metric_buckets import (
 from services.telemetry import EngineStatsCollector
 
 FINISH_REASONS = ("stop", "length", "abort")
+# Read by prometheus_client when it is first imported: the process's values then live in files there.
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # As vLLM does: no `<name>_created` series next to every counter and histogram. The
 # switch is process-wide in prometheus_client.
@@ -61,10 +71,18 @@ class TokenCountHistograms:
 class GatewayMetrics:
     def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineStatsCollector(engine, model_name))
-        # process_*, python_gc_* and python_info, which vLLM's /metrics also has.
-        for collector in (ProcessCollector, PlatformCollector, GCCollector):
-            collector(registry=self.registry)
+        engine_stats = EngineStatsCollector(engine, model_name)
+        self.registry.register(engine_stats)
+        shared = os.environ.get(MULTIPROCESS_DIR_ENV)
+        if shared:
+            self._scraped = CollectorRegistry()
+            MultiProcessCollector(self._scraped, shared)
+            self._scraped.register(engine_stats)  # the schedulers' own state, the same seen from every gateway
+        else:
+            # process_*, python_gc_* and python_info, which vLLM's /metrics also has.
+            for collector in (ProcessCollector, PlatformCollector, GCCollector):
+                collector(registry=self.registry)
+            self._scraped = self.registry
         self._engine = engine
         self._model_name = model_name
         self._token_counts: TokenCountHistograms | None = None
@@ -131,7 +149,7 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         self.token_counts()  # shown from the first scrape that knows the engine, as vLLM shows them from the start
-        return generate_latest(self.registry)
+        return generate_latest(self._scraped)
 
     def request(self, num_prompt_tokens: int, max_tokens: int | None) -> RequestMeter:
         """One engine request; `max_tokens` None: up to the context length."""

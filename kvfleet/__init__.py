@@ -6,12 +6,15 @@ nothing imports it but tests and benchmarks.
 `LLM` loads on first use, so that `kvfleet <role>` processes (and `--help`) never
 import the worker's torch code through this package.
 """
+from importlib.metadata import version
 from typing import Any
 
 from services.beam_search import BeamSearchParams
 from services.outputs import CompletionOutput, RequestOutput
 from services.sampling_params import SamplingParams
 from services.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
+
+__version__ = version("kvfleet")  # what GET /version answers, as vllm.__version__ is vLLM's
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
            "StructuredOutputsParams", "GuidedDecodingParams"]

@@ -20,6 +20,7 @@ from kvfleet.run_batch import add_run_batch_args, run_batch
 from scheduler_svc.main import add_scheduler_args
 from services.cli_args import (
     VLLM_FLAGS_NOT_SUPPORTED,
+    add_api_server_count_arg,
     add_chat_template_arg,
     add_engine_args,
     add_http_args,
@@ -69,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_http_args(serve)
     add_chat_template_arg(serve)
+    add_api_server_count_arg(serve, "HTTP server processes: 1, the one the engine runs in (several: `kvfleet cluster "
+                             "up --api-server-count N`)")
 
     batch = commands.add_parser("run-batch", help="answer an OpenAI batch file (chat and completions lines) offline, "
                                 "as vLLM's run-batch; takes serve's flags")
@@ -138,6 +141,10 @@ def _check(args: argparse.Namespace) -> None:
     flag accepted for vLLM's sake that changes nothing."""
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:  # as vLLM refuses it
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser to read the model's tool calls")
+    if args.command == "serve" and args.api_server_count > 1:
+        raise ConfigError(f"--api-server-count {args.api_server_count}: `kvfleet serve` answers HTTP in the one "
+                          "process its engine runs in; for several HTTP processes on one port, run `kvfleet cluster "
+                          f"up --api-server-count {args.api_server_count}` (gateways in front of the engine)")
     notes = EngineConfig(**engine_args(args)).ignored() if hasattr(args, "model") else []
     if hasattr(args, "disable_log_requests"):
         notes += http_ignored(args)

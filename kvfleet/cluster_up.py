@@ -3,9 +3,12 @@
 Starts nats-server and a Redis-compatible server on free ports (one that dies before it
 listens is started again on another port, kvfleet/processes.py), then the tokenizer,
 worker, scheduler and gateway roles, and waits until the gateway's /health says the
-cluster serves. SIGTERM or Ctrl-C stops the roles first, one at a time, each drained
-within --shutdown-timeout: the gateway (its requests in flight finish), then the
-scheduler, the worker and the tokenizer; then NATS and Redis, and exits 0. A part
+cluster serves. The launcher binds the HTTP port (or --uds socket) itself and hands the
+listening socket to its --api-server-count gateways: they take its connections in turn,
+and while one restarts the others, or the socket's backlog, hold them. SIGTERM or
+Ctrl-C stops the roles first, each drained within --shutdown-timeout: the gateways
+together (their requests in flight finish), then the scheduler, the worker and the
+tokenizer, one at a time; then NATS and Redis, and exits 0. A part
 that dies on its own is restarted with a backoff (kvfleet/supervisor.py), so a killed
 worker comes back and is taken up again without restarting the cluster.
 
@@ -15,15 +18,16 @@ launcher, which stops them in order; on Linux each also dies with the launcher.
 from __future__ import annotations
 
 import argparse
+import http.client
 import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import urllib.request
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -35,11 +39,13 @@ from kvfleet.processes import (
     start_nats,
     start_redis,
     stop,
+    stop_together,
     write_secret_file,
 )
 from kvfleet.supervisor import CONFIG_ERROR_EXIT, Supervised
 from services.cli_args import (
     TOKENIZER_FIELDS,
+    add_api_server_count_arg,
     add_chat_template_arg,
     add_engine_args,
     add_http_args,
@@ -61,6 +67,8 @@ def add_cluster_up_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     add_http_args(parser)
     add_chat_template_arg(parser)
+    add_api_server_count_arg(parser, "gateway processes on the one port (or --uds socket), each serving the whole "
+                             "API; /metrics, whichever answers, sums their counters")
     add_lease_ttl_arg(parser)
     parser.add_argument("--engine-port", type=int, default=None,
                         help="the scheduler also serves vLLM's gRPC engine protocol (vllm.grpc.engine.VllmEngine, "
@@ -70,6 +78,8 @@ def add_cluster_up_args(parser: argparse.ArgumentParser) -> None:
 def run_cluster_up(args: argparse.Namespace) -> int:
     # Here, not at the top: `kvfleet --help` builds this command's parser and must not pay for them.
     from gateway.drain import bind
+    from gateway.listener import listen, release
+    from gateway.metrics import MULTIPROCESS_DIR_ENV
     from services.nats_link import NATS_PASSWORD_ENV, NATS_USER_ENV
     from services.registry import REDIS_PASSWORD_ENV
     from services.transport.cluster_token import TOKEN_ENV, cluster_token
@@ -80,7 +90,8 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     config = EngineConfig(**engine_args(args))
     check_model(config)
     check_device(config)
-    bind(args.host, args.port).close()
+    listener = listen(args)
+    listener.listen()  # from now on connections wait in its backlog until a gateway takes them
     if args.engine_port is not None:
         bind(args.host, args.engine_port).close()
     stopping = threading.Event()
@@ -101,6 +112,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     redis_config = write_secret_file(log_dir / "redis.conf", f"requirepass {redis_password}\n")
     infra: list[Supervised] = []
     roles: list[Supervised] = []  # in start order; stopped in reverse
+    gateways: list[Supervised] = []  # the last of the roles
     exit_code = 0
     try:
         for name, start, config in (("nats", start_nats, nats_config), ("redis", start_redis, redis_config)):
@@ -127,9 +139,10 @@ def run_cluster_up(args: argparse.Namespace) -> int:
             ["worker", *engine, "--host", local, "--port", str(ports["worker"]), *cluster],
             ["scheduler", *engine, "--host", local, "--port", str(ports["scheduler"]), "--worker-address", worker,
              *nats, *cluster, *engine_door],
-            ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port), *nats, *cluster,
-             *gateway_argv(args)],
         ]
+        # --host and --port are then only what the gateway's registry entry says.
+        gateway = ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port), *nats, *cluster,
+                   "--listen-fd", str(listener.fileno()), *gateway_argv(args)]
         # The API key and the cluster token travel in the environment, never on a command
         # line others can read; a token of this cluster's own when none is given.
         env = {key: value for key, value in os.environ.items() if key != "KVFLEET_API_KEY"}
@@ -144,20 +157,41 @@ def run_cluster_up(args: argparse.Namespace) -> int:
             role = Supervised(command[0], lambda name=command[0], argv=argv: spawn_labelled(name, argv, env))
             role.launch()
             roles.append(role)
+        gateway_env = dict(env)
+        if args.api_server_count > 1:  # their counters in shared files (gateway/metrics.py)
+            shared_metrics = log_dir / "prometheus"
+            shared_metrics.mkdir()
+            gateway_env[MULTIPROCESS_DIR_ENV] = str(shared_metrics)
+        argv = [sys.executable, "-m", "kvfleet.cli", *gateway]
+        for index in range(args.api_server_count):
+            name = "gateway" if args.api_server_count == 1 else f"gateway {index + 1}"
+            role = Supervised(name, lambda name=name: spawn_labelled(name, argv, gateway_env,
+                                                                     pass_fds=(listener.fileno(),)))
+            role.launch()
+            roles.append(role)
+            gateways.append(role)
         for name, port in (("tokenizer", ports["tokenizer"]), ("worker", ports["worker"]),
                            ("scheduler", ports["scheduler"])):
             logger.info("%s: gRPC on %s:%d", name, local, port)
-        logger.info("gateway: http://%s:%d (OpenAI API at /v1)", args.host, args.port)
+        where = f"unix:{args.uds}" if args.uds else f"http://{args.host}:{args.port}"
+        logger.info("%s: %s (OpenAI API at /v1)", "gateway" if len(gateways) == 1 else f"{len(gateways)} gateways",
+                    where)
         if args.engine_port is not None:
             logger.info("scheduler: vLLM's gRPC engine protocol on %s:%d", args.host, args.engine_port)
         exit_code = _supervise(args, infra + roles, stopping)
     finally:
-        for part in reversed(roles):  # the gateway first: it drains while the rest still serves
-            if part.process is not None:
+        # The gateways first, together: they drain while the rest still serves. Once they
+        # are gone nobody holds the socket, and new clients are refused.
+        listener.close()
+        stop_together([part.process for part in gateways if part.process is not None],
+                      args.shutdown_timeout + STOP_MARGIN_S)
+        for part in reversed(roles):
+            if part.process is not None and part not in gateways:
                 stop(part.process, args.shutdown_timeout + STOP_MARGIN_S)
         for part in infra:
             if part.process is not None:
                 stop(part.process)
+    release(listener, args.uds)
     logger.info("cluster stopped")
     return exit_code
 
@@ -171,7 +205,6 @@ def _logged(start: Callable[..., subprocess.Popen], host: str, port: int, path: 
 def _supervise(args: argparse.Namespace, parts: list[Supervised], stopping: threading.Event) -> int:
     """Until a signal, or a part refusing its configuration (its exit code): restarts
     whatever exits, and announces when the cluster serves."""
-    health = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{args.port}/health"
     serving = False
     while not stopping.wait(0.5):
         for part in parts:
@@ -179,15 +212,34 @@ def _supervise(args: argparse.Namespace, parts: list[Supervised], stopping: thre
                 logger.error("%s refused its configuration (its line above says why); stopping the cluster", part.name)
                 return CONFIG_ERROR_EXIT
             part.check()
-        if not serving and _healthy(health):
+        if not serving and _healthy(args):
             serving = True
-            logger.info("cluster serving on http://%s:%d", args.host, args.port)
+            logger.info("cluster serving on %s", f"unix:{args.uds}" if args.uds else f"http://{args.host}:{args.port}")
     return 0
 
 
-def _healthy(url: str) -> bool:
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=1.0)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+def _healthy(args: argparse.Namespace) -> bool:
+    """Whether a gateway answers 200 on /health."""
+    if args.uds:
+        connection = _UnixConnection(args.uds)
+    else:
+        connection = http.client.HTTPConnection("127.0.0.1" if args.host in ("0.0.0.0", "") else args.host, args.port,
+                                                timeout=1.0)
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as response:
-            return response.status == 200
+        connection.request("GET", "/health")
+        return connection.getresponse().status == 200
     except OSError:
         return False
+    finally:
+        connection.close()

@@ -108,10 +108,11 @@ def spawn(argv: list[str], env: dict[str, str] | None = None, **kwargs: object) 
     return process
 
 
-def spawn_labelled(name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+def spawn_labelled(name: str, argv: list[str], env: dict[str, str] | None = None, **kwargs: object) -> subprocess.Popen:
     """`spawn`, with each line the child writes (stdout and stderr) copied to ours behind
     its name, so several processes' logs stay readable side by side."""
-    process = spawn(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    process = spawn(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                    **kwargs)
     threading.Thread(target=_copy_lines, args=(name, process.stdout), name=f"{name}-output", daemon=True).start()
     return process
 
@@ -214,10 +215,19 @@ def _exit_status(code: int) -> str:
 
 
 def stop(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
-    if process.poll() is None:
+    stop_together([process], grace_s)
+
+
+def stop_together(processes: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """Each live one gets SIGTERM now (one signal: a second would cut a gateway's drain
+    short) and `grace_s` from now to exit, then is killed."""
+    live = [process for process in processes if process.poll() is None]
+    for process in live:
         process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in live:
         try:
-            process.wait(grace_s)
+            process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             logger.warning("%s did not stop in %.0f s; killing it", process.args, grace_s)
             process.kill()

@@ -1,15 +1,17 @@
 """`kvfleet serve` in embedded mode: engine, tokenizer and gateway in one process.
 
 Whatever can be checked is checked before anything loads, each failure a ConfigError
-(one line, exit 2): the flags' values, the port (bound first, as vLLM does), the
-model's files and metadata against the flags, then the device."""
+(one line, exit 2): the flags' values, the port or --uds socket (bound first, as vLLM
+does; a socket file left by a server that died is removed then), the model's files and
+metadata against the flags, then the device."""
 from __future__ import annotations
 
 import argparse
 import gc
 from typing import TYPE_CHECKING
 
-from gateway.drain import bind, serve
+from gateway.drain import serve
+from gateway.listener import listen, release
 from services.cli_args import engine_args
 from services.config import EngineConfig
 from services.telemetry import configure_logging
@@ -25,13 +27,14 @@ def serve_embedded(args: argparse.Namespace) -> None:
     """Serves until SIGTERM or SIGINT, then drains (gateway/drain.py) and returns."""
     configure_logging()  # uvicorn configures only its own loggers
     config = EngineConfig(**engine_args(args))
-    listener = bind(args.host, args.port)
+    listener = listen(args)
     app, engine = embedded_app(args, config)
     engine.start()
     try:
         serve(app, listener, args.shutdown_timeout, args.uvicorn_log_level, not args.disable_uvicorn_access_log)
     finally:
         engine.shutdown()
+        release(listener, args.uds)
 
 
 def embedded_app(args: argparse.Namespace, config: EngineConfig) -> tuple[FastAPI, AsyncEngine]:
@@ -44,6 +47,7 @@ def embedded_app(args: argparse.Namespace, config: EngineConfig) -> tuple[FastAP
     from gateway.app import build_app
     from gateway.limits import RequestLimits
     from gateway.response_options import ResponseOptions
+    from gateway.server_options import ServerOptions
     from gateway.tool_calls import ChatOptions
     from kvfleet.async_engine import AsyncEngine
     from scheduler_svc.engine_core import EngineCore
@@ -57,7 +61,7 @@ def embedded_app(args: argparse.Namespace, config: EngineConfig) -> tuple[FastAP
     engine = AsyncEngine(EngineCore(config, start_worker(config)))
     app = build_app(engine, encoder, args.served_model_name or [config.model], args.api_key,
                     RequestLimits.from_args(args), ChatOptions.from_args(args), ResponseOptions.from_args(args),
-                    config.model)
+                    config.model, ServerOptions.from_args(args))
     # The model's, tokenizer's and libraries' objects live as long as the process: kept out
     # of every collection, a full one (a large request's allocations set it off) stays
     # short instead of stalling the event loop, /health included, for a third of a second.

@@ -14,7 +14,6 @@ class RequestStatus(enum.Enum):
     PREEMPTED = "preempted"  # KV dropped; recomputed when resumed
     SWAPPED = "swapped"  # KV copied to the host pool; copied back when resumed
     LOADING_KV = "loading_kv"  # its prefix's blocks are being loaded from the offload tiers
-    KV_LOADED = "kv_loaded"  # loaded: waiting to compute the rest from there
     AWAITING_FORK = "awaiting_fork"  # a parallel sample waiting for its leader's prompt KV
     FINISHED = "finished"
 

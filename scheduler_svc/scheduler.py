@@ -226,13 +226,11 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, max_requests: int | None) -> None:
-        while (self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0
+        while (self.waiting and self._num_seqs < self.config.max_num_seqs and budget > 0
                and len(plan.num_scheduled_tokens) != max_requests):
             request = self.waiting[0]
             if request.status is RequestStatus.SWAPPED:
                 admitted = self._swap_in(request, plan, budget)
-            elif request.status is RequestStatus.KV_LOADED:
-                admitted = self._resume_loaded(request, budget)
             else:
                 hits = self._cached_prefix(request)
                 if self._start_load(request, hits, plan):
@@ -249,6 +247,11 @@ class Scheduler:
             self.running.append(request)
             self._add_to_plan(plan, request, num_tokens, new_blocks)
             budget -= num_tokens
+
+    @property
+    def _num_seqs(self) -> int:
+        """Sequences holding a place in max_num_seqs: the running, and those whose KV is loading."""
+        return len(self.running) + (len(self.connector.loading) if self.connector is not None else 0)
 
     def _admit(self, request: Request, hits: list[int], budget: int) -> tuple[int, list[int]] | None:
         """Start (or restart) a request from its longest cached prefix (`hits`), if it fits."""
@@ -269,6 +272,9 @@ class Scheduler:
         if self.config.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_computed
+        if self.connector is not None and request.sampling_params.prompt_logprobs is None:
+            max_hit_blocks = (request.num_tokens - 1) // self.config.block_size
+            self.connector.queries += max(0, max_hit_blocks - len(hits)) * self.config.block_size
         return num_tokens, request.block_ids
 
     def _start_load(self, request: Request, hits: list[int], plan: StepPlan) -> bool:
@@ -280,9 +286,11 @@ class Scheduler:
         if request.sampling_params.prompt_logprobs is not None or len(hits) >= max_hit_blocks:
             return False
         sources = self.connector.find(request.block_hashes, len(hits), max_hit_blocks)
-        self.connector.queries += (max_hit_blocks - len(hits)) * self.config.block_size
         if not sources or len(sources) > self.block_pool.num_free_blocks - self.block_pool.num_unheld(hits):
             return False
+        self.connector.queries += (max_hit_blocks - len(hits)) * self.config.block_size
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
         self.block_pool.share(hits)
         request.block_ids = hits + self.block_pool.allocate(len(sources))
         request.num_computed_tokens = len(hits) * self.config.block_size
@@ -317,18 +325,10 @@ class Scheduler:
         if self.config.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += loading.num_device_hits * size
-        request.status = RequestStatus.KV_LOADED
-        self.waiting.appendleft(request)
-
-    def _resume_loaded(self, request: Request, budget: int) -> tuple[int, list[int]] | None:
-        """Start a request from its loaded prefix: it holds those blocks, and those the
-        load could not fill, already."""
-        num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-        if not self.config.enable_chunked_prefill and num_tokens < request.num_tokens - request.num_computed_tokens:
-            return None
-        if self._allocate_slots(request, request.num_computed_tokens + num_tokens) is None:
-            return None
-        return num_tokens, request.block_ids
+        # It runs from here: the next plan computes the rest, into the blocks it holds and
+        # more (a running request, so it can be preempted like any other).
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def _cached_prefix(self, request: Request) -> list[int]:
         # Prompt logprobs need every prompt position computed, cached or not.

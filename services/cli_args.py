@@ -181,7 +181,29 @@ def add_http_args(parser: argparse.ArgumentParser, port: int = 8000) -> None:
                         help="how the model writes tool calls, to turn its text into tool_calls")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                         help="split <think>...</think> reasoning into reasoning (and reasoning_content)")
+    add_server_args(parser)
     add_shutdown_arg(parser)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags for where the HTTP server listens and which of its own routes it serves."""
+    parser.add_argument("--uds", metavar="PATH",
+                        help="listen on this Unix domain socket instead of --host and --port")
+    parser.add_argument("--root-path",
+                        help="the path prefix a path-rewriting proxy serves this server under, e.g. /llm: "
+                        "routes answer with and without it, and --api-key guards /v1 under it too")
+    parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="serve GET /tokenizer_info: the tokenizer's configuration, chat template included")
+    parser.add_argument("--enable-server-load-tracking", action="store_true",
+                        help="GET /load counts the completion and chat requests being answered (else it says 0)")
+    parser.add_argument("--show-hidden-metrics-for-version", metavar="VERSION",
+                        help="accepted for vLLM's sake: kvfleet hides no metric, every one it has is on /metrics")
+
+
+def add_api_server_count_arg(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """`serve` and `cluster up`: how many HTTP server processes share the port."""
+    parser.add_argument("--api-server-count", "-asc", type=at_least(1), default=1, metavar="N",
+                        help=f"{help_text} (default: %(default)s)")
 
 
 def http_ignored(namespace: argparse.Namespace) -> list[str]:
@@ -191,6 +213,8 @@ def http_ignored(namespace: argparse.Namespace) -> list[str]:
         notes.append("--disable-log-requests has no effect: kvfleet never logs request contents")
     if namespace.disable_log_stats:
         notes.append("--disable-log-stats has no effect: kvfleet logs no periodic stats (see /metrics)")
+    if namespace.show_hidden_metrics_for_version:
+        notes.append("--show-hidden-metrics-for-version has no effect: kvfleet hides no metric (see /metrics)")
     return notes
 
 
@@ -210,6 +234,16 @@ def gateway_argv(namespace: argparse.Namespace) -> list[str]:
             argv.append(f"{flag(name)}={getattr(namespace, name)}")
     if namespace.served_model_name:
         argv += ["--served-model-name", *namespace.served_model_name]
+    return argv + server_argv(namespace)
+
+
+def server_argv(namespace: argparse.Namespace) -> list[str]:
+    """add_server_args' flags but --uds (where to listen is the launcher's to give), as a command line."""
+    argv = [flag(name) for name in ("enable_tokenizer_info_endpoint", "enable_server_load_tracking")
+            if getattr(namespace, name)]
+    for name in ("root_path", "show_hidden_metrics_for_version"):
+        if getattr(namespace, name) is not None:
+            argv.append(f"{flag(name)}={getattr(namespace, name)}")
     return argv
 
 

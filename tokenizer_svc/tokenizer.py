@@ -37,6 +37,17 @@ logger = logging.getLogger(__name__)
 SAMPLING_DEFAULTS_FILE = "kvfleet_sampling_defaults.json"
 
 
+def _json_ready(value: Any) -> Any:
+    """Special tokens (AddedToken) as their text, through dicts and lists, as vLLM shows them."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {key: _json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(item) for item in value]
+    return value
+
+
 class NoChatTemplateError(ValueError):
     """Chat was asked of a model whose tokenizer has no chat template."""
 
@@ -124,6 +135,19 @@ class Tokenizer:
 
     def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
         return bad_words_token_ids([self.encode(s, add_special_tokens=False) for s in bad_word_spellings(words)])
+
+    def info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: the tokenizer's init arguments (tokenizer_config.json's),
+        its special tokens as their text, less file paths; its class; and the chat
+        template it renders with (--chat-template's where given). The name is the
+        model's: the files' directory differs between a server and its cluster's gateways."""
+        info = {key: _json_ready(value) for key, value in self._hf.init_kwargs.items()
+                if key not in ("vocab_file", "merges_file")}
+        info["name_or_path"] = self.name
+        info["tokenizer_class"] = type(self._hf).__name__
+        if self._hf.chat_template is not None:
+            info["chat_template"] = self._hf.chat_template
+        return info
 
     @property
     def has_chat_template(self) -> bool:

@@ -1,9 +1,9 @@
-"""Operational endpoints: /health for probes, /version, /metrics for Prometheus."""
+"""Operational endpoints: /health for probes, /load for load balancers, /version, /metrics for Prometheus."""
 from __future__ import annotations
 
 from importlib.metadata import version
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -16,6 +16,12 @@ router = APIRouter()
 async def health(ctx: GatewayContext = Depends(get_context)) -> Response:
     # Draining, readiness fails at once, so load balancers stop sending requests here.
     return Response(status_code=200 if ctx.is_ready() and not ctx.drain.draining else 503)
+
+
+@router.get("/load")
+async def load(request: Request) -> dict[str, int]:
+    # vLLM's shape; 0 unless --enable-server-load-tracking (gateway/server_load.py).
+    return {"server_load": request.app.state.server_load.in_flight}
 
 
 @router.get("/version")

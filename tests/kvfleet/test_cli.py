@@ -95,6 +95,10 @@ REFUSED = {
     "lora": (["--enable-lora"], "kvfleet serve: error: --enable-lora: LoRA adapters are not supported yet"),
     "tls": (["--ssl-keyfile=key.pem"], "--ssl-keyfile: kvfleet serves plain HTTP; terminate TLS in front of it"),
     "unknown-flag": (["--no-such-flag"], "kvfleet serve: error: unrecognized arguments: --no-such-flag"),
+    "api-server-count": (["--api-server-count", "2"], "--api-server-count 2: `kvfleet serve` answers HTTP in the "
+                         "one process its engine runs in; for several HTTP processes on one port, run `kvfleet "
+                         "cluster up --api-server-count 2`"),
+    "uds": (["--uds", "/no/such/dir/kvfleet.sock"], "--uds /no/such/dir/kvfleet.sock: cannot listen there"),
     "tool-choice": (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     "chat-template": (["--chat-template", "no-such-file"], "'no-such-file' is neither a file nor a template"),
     "generation-config": (["--generation-config", "/no/such/dir"], "--generation-config /no/such/dir: no "

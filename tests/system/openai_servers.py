@@ -1,6 +1,6 @@
 """The OpenAI servers the system tests drive: `kvfleet serve` (embedded: one process)
 and `kvfleet cluster up` (nats-server, Redis and every role as its own process), each
-on a free port with an API key, started healthy and stopped with SIGTERM."""
+on a free port (or a Unix socket) with an API key, started healthy and stopped with SIGTERM."""
 from __future__ import annotations
 
 import os
@@ -43,6 +43,11 @@ class Server:
     url: str
     process: subprocess.Popen
     log_path: Path
+    uds: Path | None = None  # --uds: `url` is then http://localhost, over this socket
+
+    def http(self, timeout: float = 60) -> httpx.Client:
+        """A client of this server, over its Unix socket where it has one."""
+        return httpx.Client(base_url=self.url, transport=_transport(self.uds), timeout=timeout)
 
     def log_tail(self, chars: int = 8000) -> str:
         """What conftest's report hook shows under a failed test."""
@@ -52,7 +57,9 @@ class Server:
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics (open without the key), keyed `name{label=value,...}` without model_name."""
         samples = {}
-        for family in text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=10).text):
+        with self.http(timeout=10) as client:
+            text = client.get("/metrics").text
+        for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
                 samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
@@ -107,27 +114,36 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def healthy(url: str) -> bool:
+def _transport(uds: Path | None) -> httpx.HTTPTransport | None:
+    return httpx.HTTPTransport(uds=str(uds)) if uds is not None else None
+
+
+def healthy(url: str, uds: Path | None = None) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        with httpx.Client(transport=_transport(uds), timeout=2) as client:
+            return client.get(f"{url}/health").status_code == 200
     except httpx.TransportError:
         return False
 
 
 @contextmanager
-def running_server(mode: str, tmp_path_factory: pytest.TempPathFactory, *flags: str) -> Iterator[Server]:
-    """`kvfleet serve` or `cluster up` with the engine flags above and `flags`, healthy;
-    stopped after with SIGTERM, which must end the whole process tree with exit code 0."""
+def running_server(mode: str, tmp_path_factory: pytest.TempPathFactory, *flags: str,
+                   uds: Path | None = None) -> Iterator[Server]:
+    """`kvfleet serve` or `cluster up` with the engine flags above and `flags` (and
+    listening on `uds` if given), healthy; stopped after with SIGTERM, which must end
+    the whole process tree with exit code 0."""
     port = free_port()
     log_path = tmp_path_factory.mktemp(f"kvfleet-{mode}") / "server.log"
+    if uds is not None:
+        flags = (*flags, "--uds", str(uds))
     env = {key: value for key, value in os.environ.items() if key != "KVFLEET_API_KEY"}
     env.update(KVFLEET_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
     with open(log_path, "ab") as log:  # O_APPEND: the children write, the tests read
         process = subprocess.Popen([*_command(mode, port), *flags], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    running = Server(mode, f"http://127.0.0.1:{port}", process, log_path)
+    running = Server(mode, "http://localhost" if uds else f"http://127.0.0.1:{port}", process, log_path, uds)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not healthy(running.url):
+        while not healthy(running.url, uds):
             assert process.poll() is None, f"kvfleet {mode} exited while starting\n{running.log_tail()}"
             assert time.monotonic() < deadline, (
                 f"kvfleet {mode} not healthy in {START_TIMEOUT_S} s\n{running.log_tail()}")

@@ -65,14 +65,16 @@ pytestmark = pytest.mark.serial
 
 # Greedy outputs by mode (and the SDK's), for the cross-mode test at the end.
 GREEDY: dict[str, dict[str, Any]] = {"sdk": {}, **{mode: {} for mode in MODES}}
-# What the servers start with besides openai_servers' flags; no test but the one that
-# checks a flag's effect depends on it.
-FLAGS = ["--max-logprobs", "-1"]  # the whole vocabulary: test_max_logprobs_bounds_the_logprobs_a_request_asks_for
+# vLLM's server flags whose routes and bounds the issue 47 sections at the end test; nothing else here sees
+# them (--max-logprobs -1, the whole vocabulary: test_max_logprobs_bounds_the_logprobs_a_request_asks_for).
+ROOT_PATH = "/llm"
+SERVER_FLAGS = ("--root-path", ROOT_PATH, "--enable-tokenizer-info-endpoint", "--enable-server-load-tracking",
+                "--show-hidden-metrics-for-version", "0.7", "--max-logprobs", "-1")
 
 
 @pytest.fixture(scope="module", params=MODES)
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with running_server(request.param, tmp_path_factory, *FLAGS) as running:
+    with running_server(request.param, tmp_path_factory, *SERVER_FLAGS) as running:
         yield running
 
 
@@ -835,6 +837,95 @@ def test_lark_grammars_are_taken_as_vllm_takes_them(server: Server, client: open
         client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=4,
                                   extra_body={"guided_grammar": "start: select_statement"})
     assert caught.value.param == "guided_grammar" and "select_statement" in caught.value.message
+
+
+# -- issue 47: server features (--root-path, /load, /tokenizer_info, /invocations, hidden metrics) --
+
+
+def test_root_path_serves_with_and_without_it_and_the_key_guards_both(server: Server) -> None:
+    """vLLM's --root-path behind a path-rewriting proxy: /llm/v1 and /v1 both serve,
+    and --api-key guards both; the operational routes stay open under it too."""
+    for base in (f"{server.url}{ROOT_PATH}/v1", f"{server.url}/v1"):
+        with openai.OpenAI(base_url=base, api_key="wrong", max_retries=0) as wrong:
+            with pytest.raises(openai.AuthenticationError):
+                wrong.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=2)
+        with openai.OpenAI(base_url=base, api_key=API_KEY, max_retries=0, timeout=60) as right:
+            reply = right.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=2)
+            assert reply.choices[0].message.role == "assistant" and reply.usage.completion_tokens >= 1
+    for route in ("health", "load", "version", "metrics"):
+        assert httpx.get(f"{server.url}{ROOT_PATH}/{route}").status_code == 200, route
+
+
+def test_load_counts_the_generation_requests_being_answered(server: Server, client: openai.OpenAI) -> None:
+    """--enable-server-load-tracking: GET /load is vLLM's {"server_load": N}, counting a
+    request from its arrival to its response's end (a stream's too)."""
+
+    def load() -> dict[str, int]:
+        return httpx.get(f"{server.url}/load", timeout=10).json()
+
+    assert load() == {"server_load": 0}
+    stream = client.completions.create(model=SERVED, prompt="Once upon a time", max_tokens=200, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # its first chunk: it is being answered
+    assert load() == {"server_load": 1}
+    stream.close()  # the client leaves: the request ends
+    deadline = time.monotonic() + 2.0
+    while load() != {"server_load": 0}:
+        assert time.monotonic() < deadline, load()
+        time.sleep(0.05)
+    client.completions.create(model=SERVED, prompt="Hi", max_tokens=2)
+    assert load() == {"server_load": 0}
+
+
+def test_tokenizer_info_in_vllm_s_shape(server: Server) -> None:
+    """--enable-tokenizer-info-endpoint: the tokenizer's configuration as vLLM gives it
+    (init arguments, special tokens as text, the class, the chat template), the same in
+    both modes as the tokenizer the SDK loads."""
+    from services.model_source import resolve_model
+    from tokenizer_svc.tokenizer import Tokenizer
+
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=10).json()
+    expected = json.loads(json.dumps(Tokenizer.load(resolve_model(MODEL)).info()))
+    assert info == expected
+    # vLLM's schema test (tests/entrypoints/openai/test_tokenization.py), field by field.
+    types = {"add_bos_token": bool, "add_prefix_space": bool, "clean_up_tokenization_spaces": bool, "bos_token": str,
+             "eos_token": str, "pad_token": str, "unk_token": str, "chat_template": str, "model_max_length": int,
+             "additional_special_tokens": list, "added_tokens_decoder": dict}
+    for field, kind in types.items():
+        assert info.get(field) is None or isinstance(info[field], kind), field
+    assert info["tokenizer_class"] and "{% for message in messages %}" in info["chat_template"]
+    assert "vocab_file" not in info and info["added_tokens_decoder"]["0"] == "<|endoftext|>"
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"model": SERVED, "prompt": "Hello"}).json()
+    assert info["model_max_length"] >= tokenized["max_model_len"]
+
+
+def test_invocations_answer_as_the_route_the_body_is_for(server: Server, client: openai.OpenAI) -> None:
+    """SageMaker's POST /invocations: a chat body gets the chat completion, a completion
+    body the completion (greedy: the very same text as the /v1 route's); it needs the API
+    key (vLLM's does not: its issue #58144); /ping answers as /health."""
+    chat = {"model": SERVED, "messages": CHAT, "max_tokens": 6, "temperature": 0}
+    completion = {"model": SERVED, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+    direct_chat = client.chat.completions.create(**chat).choices[0].message.content
+    direct_completion = client.completions.create(**completion).choices[0].text
+    via_chat = httpx.post(f"{server.url}/invocations", json=chat, headers=bearer(), timeout=60).json()
+    assert via_chat["object"] == "chat.completion" and via_chat["choices"][0]["message"]["content"] == direct_chat
+    via_completion = httpx.post(f"{server.url}/invocations", json=completion, headers=bearer(), timeout=60).json()
+    assert via_completion["object"] == "text_completion" and via_completion["choices"][0]["text"] == direct_completion
+    streamed = httpx.post(f"{server.url}/invocations", json={**completion, "stream": True}, headers=bearer(), timeout=60)
+    assert streamed.headers["content-type"].startswith("text/event-stream") and streamed.text.endswith("[DONE]\n\n")
+    assert httpx.post(f"{server.url}/invocations", json=completion).status_code == 401
+    unknown = httpx.post(f"{server.url}/invocations", json=["hi"], headers=bearer())
+    assert unknown.status_code == 400 and unknown.json()["error"]["message"] == (
+        "Cannot find suitable handler for request. Expected one of: ['ChatCompletionRequest', 'CompletionRequest']")
+    bad_chat = httpx.post(f"{server.url}/invocations", json={**chat, "max_tokens": "many"}, headers=bearer())
+    assert bad_chat.status_code == 400 and bad_chat.json()["error"]["param"] == "max_tokens"
+    assert httpx.get(f"{server.url}/ping").status_code == httpx.post(f"{server.url}/ping").status_code == 200
+
+
+def test_show_hidden_metrics_for_version_is_accepted_and_said_to_change_nothing(server: Server) -> None:
+    log = server.log_path.read_text(errors="replace")
+    assert "--show-hidden-metrics-for-version has no effect: kvfleet hides no metric" in log, server.log_tail()
+    assert "vllm:num_requests_running" in server.metrics()
 
 
 # -- issue 47: request-level features (usage in every chunk, token ids, logprob bounds, echo) --

@@ -1055,6 +1055,8 @@ def test_a_cluster_gateway_takes_the_response_flags(server: Server, tmp_path: Pa
                        if "=" in entry)
     port = free_port()
     argv[argv.index("--port") + 1] = str(port)
+    if "--listen-fd" in argv:  # cluster up's listening socket, not inherited here: it binds --port itself
+        del argv[argv.index("--listen-fd"):argv.index("--listen-fd") + 2]
     flags = ["--enable-force-include-usage", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details"]
     log_path = tmp_path / "gateway.log"
     with log_path.open("wb") as log:

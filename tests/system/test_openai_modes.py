@@ -58,7 +58,7 @@ from services.outputs import CompletionOutput
 from services.scheduler_messages import StatsRequest
 from services.transport import rpc
 
-from corpus import CHAT, PROMPTS
+from corpus import CHAT, PROMPTS, TEXT
 
 # Latency bounds under a second: run alone (see pyproject's markers).
 pytestmark = pytest.mark.serial
@@ -69,12 +69,15 @@ GREEDY: dict[str, dict[str, Any]] = {"sdk": {}, **{mode: {} for mode in MODES}}
 # them (--max-logprobs -1, the whole vocabulary: test_max_logprobs_bounds_the_logprobs_a_request_asks_for).
 ROOT_PATH = "/llm"
 SERVER_FLAGS = ("--root-path", ROOT_PATH, "--enable-tokenizer-info-endpoint", "--enable-server-load-tracking",
-                "--show-hidden-metrics-for-version", "0.7", "--max-logprobs", "-1")
+                "--show-hidden-metrics-for-version", "0.7", "--max-logprobs", "-1", "--enable-prompt-tokens-details")
 
 
 @pytest.fixture(scope="module", params=MODES)
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with running_server(request.param, tmp_path_factory, *SERVER_FLAGS) as running:
+    # Every test runs over a disk tier a quarter of a GiB large (~340 blocks): loads and
+    # evictions under the whole API's traffic, and never a different token.
+    tiers = ("--kv-offloading-dir", str(tmp_path_factory.mktemp("kv-tier")), "--kv-offloading-dir-size", "0.25")
+    with running_server(request.param, tmp_path_factory, *SERVER_FLAGS, *tiers) as running:
         yield running
 
 
@@ -240,7 +243,10 @@ def test_chat_streamed_and_whole_are_identical(server: Server, client: openai.Op
     streamed_tokens = [t.token for c in content for t in c.choices[0].logprobs.content]
     assert streamed_tokens == [t.token for t in whole.choices[0].logprobs.content]
     assert all(len(t.top_logprobs) == 2 for t in whole.choices[0].logprobs.content)
-    assert usage.choices == [] and usage.usage == whole.usage
+    # The same usage, but for the prompt tokens cached: the streamed one came second.
+    assert usage.choices == [] and usage.usage.prompt_tokens_details.cached_tokens > 0
+    assert usage.usage.model_copy(update={"prompt_tokens_details": None}) == whole.usage.model_copy(
+        update={"prompt_tokens_details": None})
     assert whole.usage.completion_tokens == len(streamed_tokens) == len(expected.token_ids)
     assert whole.usage.prompt_tokens == chat_prompt_len(llm)
 
@@ -1080,3 +1086,34 @@ def test_a_cluster_gateway_takes_the_response_flags(server: Server, tmp_path: Pa
     finally:
         second.send_signal(signal.SIGTERM)
         assert second.wait(timeout=60) == 0, log_path.read_text()
+
+
+# -- issue 41: the KV offload tiers behind the API --------------------------------------------
+
+
+def _long_prompt(index: int) -> str:
+    """About 450 tokens: TEXT's paragraphs in another order each time, so no two share a
+    block after the chat template's head."""
+    paragraphs = TEXT.split("\n\n")
+    return "\n\n".join(paragraphs[index:] + paragraphs[:index])[:1900]
+
+
+def test_a_prompt_pushed_out_of_the_pool_comes_back_from_disk_and_counts_as_cached(server: Server,
+                                                                                   client: openai.OpenAI) -> None:
+    def chat(prompt: str) -> tuple[str, int, int]:
+        answer = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=8, temperature=0)
+        usage = answer.usage
+        return answer.choices[0].message.content, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+
+    before = server.metrics()
+    text, prompt_tokens, cached = chat(_long_prompt(0))
+    for index in range(1, 6):  # 5 x 28 blocks: the first prompt's blocks leave the 128-block pool
+        chat(_long_prompt(index))
+    again, _, cached = chat(_long_prompt(0))
+    assert again == text
+    assert cached == (prompt_tokens - 1) // 16 * 16  # every full block but the one with the last token
+    after = server.metrics()
+    loaded = "kvfleet:kv_offload_loaded_blocks_total{medium=DISK}"
+    hits = "vllm:external_prefix_cache_hits_total"
+    assert 0 < (after[loaded] - before.get(loaded, 0)) * 16 == after[hits] - before.get(hits, 0) <= cached

@@ -50,6 +50,7 @@ from openai_servers import (
     healthy,
     running_server,
 )
+from structured_schemas import SQL_GRAMMAR
 
 from kvfleet import LLM, SamplingParams
 from kvfleet.processes import free_port
@@ -818,26 +819,15 @@ def test_forced_tool_calls_answer_as_vllm_does(client: openai.OpenAI, tool_choic
     assert caught.value.param == "tools" and "Options" in caught.value.message
 
 
-# vLLM's test grammar (its tests' sample_sql_statements), in Lark.
-SQL_LARK = """
-start: select_statement
-select_statement: "SELECT " column " from " table " where " condition
-column: "col_1" | "col_2"
-table: "table_1" | "table_2"
-condition: column "=" number
-number: "1" | "2"
-"""
-
-
 def test_lark_grammars_are_taken_as_vllm_takes_them(server: Server, client: openai.OpenAI) -> None:
     """structured_outputs.grammar and guided_grammar in Lark's syntax are converted to
     EBNF; one that does not convert is a 400 naming the field and what does not."""
     sql = re.compile(r"SELECT col_[12] from table_[12] where col_[12]=[12]")
     chat = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=30, temperature=0,
-                                          extra_body={"structured_outputs": {"grammar": SQL_LARK}})
+                                          extra_body={"structured_outputs": {"grammar": SQL_GRAMMAR}})
     assert sql.fullmatch(chat.choices[0].message.content), chat.choices[0].message.content
     completion = client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=30, temperature=0,
-                                           extra_body={"guided_grammar": SQL_LARK})
+                                           extra_body={"guided_grammar": SQL_GRAMMAR})
     assert sql.fullmatch(completion.choices[0].text), completion.choices[0].text
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=4,

@@ -309,16 +309,10 @@ class Scheduler:
             self.block_pool.free(request.block_ids)
             request.block_ids = []
             return
-        self.connector.hits += num_loaded * self.config.block_size
-        num_blocks = loading.num_device_hits + num_loaded
         size = self.config.block_size
-        tokens = request.all_token_ids if self.block_pool.events is not None else None  # for KV events only
-        for index in range(loading.num_device_hits, num_blocks):
-            stored = None if tokens is None else StoredBlock(
-                request.block_hashes[index - 1] if index else None, tokens[index * size:(index + 1) * size],
-                request.cache_salt)
-            self.block_pool.cache(request.block_ids[index], request.block_hashes[index], stored)
-        request.num_cached_blocks = num_blocks
+        self.connector.hits += num_loaded * size
+        num_blocks = loading.num_device_hits + num_loaded
+        self._index_blocks(request, num_blocks, save=False)  # they came from the tiers
         request.num_computed_tokens = num_blocks * size
         if request.num_cached_tokens is None:
             request.num_cached_tokens = request.num_computed_tokens
@@ -547,20 +541,25 @@ class Scheduler:
         )
 
     def _cache_computed_blocks(self, request: Request) -> None:
-        """Index the blocks whose tokens are now all computed."""
+        """Index the blocks whose tokens are now all computed, and save them to the offload tiers."""
         num_full = request.num_computed_tokens // self.config.block_size
         if num_full <= request.num_cached_blocks:
             return
         self._hash_full_blocks(request)
+        self._index_blocks(request, num_full, save=True)
+
+    def _index_blocks(self, request: Request, end: int, save: bool) -> None:
+        """Index the request's blocks from its last indexed one up to `end` in the prefix
+        cache; with `save`, the connector saves them to the tiers lacking them."""
         size, hashes = self.config.block_size, request.block_hashes
         tokens = request.all_token_ids if self.block_pool.events is not None else None  # for KV events only
-        for index in range(request.num_cached_blocks, num_full):
+        for index in range(request.num_cached_blocks, end):
             stored = None if tokens is None else StoredBlock(
                 hashes[index - 1] if index else None, tokens[index * size:(index + 1) * size], request.cache_salt)
             self.block_pool.cache(request.block_ids[index], hashes[index], stored)
-            if self.connector is not None:
+            if save and self.connector is not None:
                 self.connector.computed(request.block_ids[index], hashes[index])
-        request.num_cached_blocks = num_full
+        request.num_cached_blocks = end
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling_params

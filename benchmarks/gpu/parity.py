@@ -71,20 +71,46 @@ def run(profile: Profile, workdir: Path) -> dict[str, Any]:
     del llm, worker
     free_device()
 
+    tiers = _offload_tiers(path, profile, prompts, expected, workdir)
     mismatches = [
         {"prompt": index, "first_difference": next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
          if len(mine) == len(theirs) else min(len(mine), len(theirs)), "kvfleet": mine, "transformers": theirs}
         for index, (mine, theirs) in enumerate(zip(got, expected)) if mine != theirs
     ]
     exact = not mismatches
-    targets = [target("greedy tokens equal transformers'", exact, "all prompts", exact)]
+    targets = [target("greedy tokens equal transformers'", exact, "all prompts", exact),
+               target("greedy tokens equal with blocks from the offload tiers", tiers["exact"], "all prompts",
+                      tiers["exact"])]
     if device.type == "cuda":
         targets.append(target("decode CUDA graphs captured", captured, "true", captured))
     return {
         "prompt_lens": list(map(len, prompts)), "new_tokens": new_tokens, "exact": exact,
         "matching_prompts": len(prompts) - len(mismatches), "mismatches": mismatches,
         "cuda_graphs_captured": captured, "graphs": "captured" if captured else f"CPU buffers, ladder {CPU_LADDER}",
-        "prefix_cache_hits": prefix_hits, "targets": targets,
+        "prefix_cache_hits": prefix_hits, "offload_tiers": tiers, "targets": targets,
         "notes": [f"{len(prompts) - len(mismatches)}/{len(prompts)} prompts give transformers' {new_tokens} tokens; "
                   f"decode graphs: {'captured' if captured else 'CPU buffers'}"],
     }
+
+
+def _offload_tiers(path: Path, profile: Profile, prompts: list[list[int]], expected: list[list[int]],
+                   workdir: Path) -> dict[str, Any]:
+    """The same prompts, twice, through a pool that holds one of them at a time, over host
+    memory (pinned, on a GPU) in front of a disk tier: the second round's prompts come
+    back from the tiers (docs/kv_connector.md)."""
+    new_tokens = profile.parity_new_tokens
+    longest = max(map(len, prompts)) + new_tokens
+    llm = LLM(str(path), dtype="float32", device=profile.device.type, attention_backend="triton",
+              max_model_len=longest, block_size=profile.block_size,
+              num_gpu_blocks_override=-(-longest // profile.block_size) + 1, max_num_seqs=MAX_NUM_SEQS,
+              kv_offloading_size=0.01, kv_offloading_dir=str(workdir / "kv-tier"))
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    rounds = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+              for _ in range(2)]
+    stats = llm.engine.stats()
+    llm.engine.worker.close()
+    del llm
+    free_device()
+    return {"exact": all(got == expected for got in rounds),
+            "loaded_blocks": {tier.medium: tier.loaded_blocks for tier in stats.kv_tiers},
+            "external_prefix_cache_hits": stats.external_prefix_cache_hits}

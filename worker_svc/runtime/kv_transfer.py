@@ -2,8 +2,8 @@
 scheduler's side decided to move, and reports what finished.
 
 Each plan's moves are applied before its forward pass, in this order: a load's host
-tier blocks are copied into the device pool at once (a memcpy, or a copy queued ahead
-of the forward on the GPU's stream); its file blocks are read on a loader thread while
+tier blocks are copied into the device pool at once (a memcpy, or on a GPU a copy on a
+side stream the forward waits for; worker_svc/runtime/kv_host_copies.py); its file blocks are read on a loader thread while
 the steps go on, and the request's count of whole leading blocks comes back in a later
 StepResult. Then host tier saves are copied, and the blocks to save to files are
 gathered into one staging tensor, which a writer thread turns into files: the step never
@@ -23,7 +23,7 @@ import torch
 
 from services.kv_block_files import HOST, BlockFiles
 from services.messages import KvLoad, KvTierCounts, StepPlan
-from worker_svc.runtime.kv_cache import copy_blocks
+from worker_svc.runtime.kv_host_copies import HostCopies
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class KvTransfer:
                  files: Sequence[BlockFiles]) -> None:
         self.kv_caches = kv_caches
         self.host_caches = host_caches
+        self._host = HostCopies(kv_caches, host_caches)
         self.files = list(files)
         cache = kv_caches[0]
         self._block_shape = (len(kv_caches), 2, *cache.shape[2:])  # one block: [layer][k|v][token][head][dim]
@@ -64,7 +65,7 @@ class KvTransfer:
         for load in plan.kv_loads:
             self._start_load(load)
         if plan.kv_host_saves:
-            copy_blocks(plan.kv_host_saves, self.kv_caches, self.host_caches)
+            self._host.save(plan.kv_host_saves)
             saved = len(plan.kv_host_saves)
             self._count(KvTierCounts(HOST, stored_blocks=saved, stored_bytes=saved * self.block_bytes))
         if plan.kv_file_saves and self.files:
@@ -96,17 +97,13 @@ class KvTransfer:
                 counts.setdefault(tier.medium, KvTierCounts(tier.medium)).add(taken)
         return list(counts.values())
 
-    def close(self) -> None:
-        self._writer.shutdown(wait=True)
-        self._loader.shutdown(wait=True)
-
     # -- loads -------------------------------------------------------------------------
 
     def _start_load(self, load: KvLoad) -> None:
         from_host = [(host, device) for device, _, host in load.blocks if host >= 0]
         if from_host:
             started = time.perf_counter()
-            copy_blocks(from_host, self.host_caches, self.kv_caches)
+            self._host.load(from_host)
             self._count(KvTierCounts(HOST, loaded_blocks=len(from_host), loaded_bytes=len(from_host) * self.block_bytes,
                                      load_seconds=[time.perf_counter() - started]))
         if len(from_host) == len(load.blocks):

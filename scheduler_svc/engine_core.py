@@ -91,6 +91,7 @@ class EngineCore:
                 preemption_mode=config.preemption_mode,
                 num_host_blocks=described.num_host_blocks,
                 async_scheduling=self.runs_ahead,
+                speculative=config.speculative,
             ),
             KvConnector(described.num_offload_blocks, file_tiers(config, described.kv_layout_key))
             if config.has_kv_tiers else None,

@@ -81,6 +81,10 @@ class StepPlan(msgspec.Struct, **_HOT):
     worker_instance_id: str = ""
     # The scheduler instance that made it: a worker drops the state of a previous one.
     scheduler_instance_id: str = ""
+    # Speculative decoding (vLLM's name): per decoding request, the draft tokens appended
+    # to its inputs. Its num_scheduled_tokens counts them; the worker verifies them and
+    # returns the accepted ones plus one token in sampled_token_ids.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
     @property
     def total_num_scheduled_tokens(self) -> int:

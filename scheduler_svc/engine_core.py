@@ -256,6 +256,7 @@ class EngineCore:
             prefix_cache_hits=scheduler.prefix_cache_hits,
             iteration_tokens=scheduler.iteration_tokens.snapshot(),
             cache_config=self.cache_config,
+            spec_decoding=scheduler.spec_decoding.stats() if self.config.speculative is not None else None,
             **self._tier_stats(),
         )
 

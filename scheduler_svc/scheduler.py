@@ -25,6 +25,7 @@ from services.messages import (
     CachedRequestData,
     FirstTokenTimes,
     NewRequestData,
+    SpecDecodingStats,
     StepPlan,
     StepResult,
     TokenDelta,
@@ -648,6 +649,10 @@ class SpecDecodingCounts:
         self.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             self.accepted_per_pos[position] += 1
+
+    def stats(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.accepted_per_pos))
 
 
 def _value(reason: FinishReason | None) -> str | None:

@@ -69,7 +69,8 @@ _ENGINE_HELP = {
                           "prompt and output; the model verifies them in one step (ngram only, for now)",
 }
 # vLLM's short spellings.
-_ENGINE_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"]}
+_ENGINE_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"],
+                   "speculative_config": ["-sc"]}
 # What the tokenizer role needs of the engine flags: the text side of the model.
 TOKENIZER_FIELDS = ("model", "revision", "tokenizer", "tokenizer_revision", "generation_config")
 

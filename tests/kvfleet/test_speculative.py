@@ -25,7 +25,10 @@ COPY = f"Rename the variable `total` to `result`.\n\n```python\n{CODE}```\n\nRen
 
 @pytest.fixture(scope="module")
 def spec_llm() -> LLM:
-    return LLM("smollm2", dtype="float32", speculative_config=NGRAM)
+    # A pool too small for the mixed batch below: its requests are preempted (by
+    # recompute) with drafts in flight and lookahead blocks held.
+    return LLM("smollm2", dtype="float32", speculative_config=NGRAM, num_gpu_blocks_override=40,
+               max_model_len=512)
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +43,8 @@ def _tokens(llm: LLM, prompts: list, params: SamplingParams | list[SamplingParam
 
 
 def test_greedy_tokens_are_identical_in_a_mixed_batch(llm, spec_llm):
-    accepted_before = spec_llm.engine.scheduler.spec_decoding.num_accepted_tokens
+    scheduler = spec_llm.engine.scheduler
+    accepted_before, preemptions_before = scheduler.spec_decoding.num_accepted_tokens, scheduler.num_preemptions
     prompts = [COPY, *parity_prompts(llm.get_tokenizer().encode(TEXT))[::3]]
     params = [SamplingParams(temperature=0.0, max_tokens=12 + 4 * i, ignore_eos=i % 2 == 0)
               for i in range(len(prompts))]
@@ -50,9 +54,10 @@ def test_greedy_tokens_are_identical_in_a_mixed_batch(llm, spec_llm):
              repetition_penalty=1.3, max_tokens=24)]
     plain = _tokens(llm, [*prompts, COPY, COPY], [*params, *extra])
     assert _tokens(spec_llm, [*prompts, COPY, COPY], [*params, *extra]) == plain
+    assert scheduler.num_preemptions > preemptions_before
     # ... and alone (another batch shape) too; drafts were accepted all along.
     assert _tokens(spec_llm, [COPY], params[0]) == plain[:1]
-    assert spec_llm.engine.scheduler.spec_decoding.num_accepted_tokens - accepted_before >= 16
+    assert scheduler.spec_decoding.num_accepted_tokens - accepted_before >= 16
 
 
 def test_logprobs_of_accepted_tokens_are_the_plain_ones(llm, spec_llm):

@@ -25,8 +25,6 @@ _DATA_PARALLEL = ("kvfleet's data parallelism is more model replicas, each a `kv
 _CONTEXT_PARALLEL = "kvfleet has no context parallelism; use --tensor-parallel-size or --pipeline-parallel-size"
 _FP8_KV = "kvfleet has no fp8 KV cache (--kv-cache-dtype auto, bfloat16 or float16); drop the flag"
 _MAMBA = "kvfleet implements no Mamba (state-space) model; drop the flag"
-_KV_TIERS = ("kvfleet's KV offload tiers are its own: host memory (--kv-offloading-size), a local directory "
-             "(--kv-offloading-dir) and one replicas share (--kv-shared-dir); drop the flag")
 _PARTIAL_PREFILLS = ("kvfleet's chunked prefill shares each step's --max-num-batched-tokens among prompts with no "
                      "per-prompt limits; drop the flag")
 _CORS = "kvfleet sends no CORS headers; add them in the proxy in front of it"
@@ -157,7 +155,6 @@ FLAG_REASONS: dict[str, str] = {
     "--mamba-ssm-cache-dtype": _MAMBA,
     "--mamba-block-size": _MAMBA,
     "--mamba-cache-mode": _MAMBA,
-    "--kv-offloading-backend": _KV_TIERS,
     # SchedulerConfig
     "--max-num-partial-prefills": _PARTIAL_PREFILLS,
     "--max-long-partial-prefills": _PARTIAL_PREFILLS,

@@ -18,6 +18,7 @@ from scheduler_svc.block_pool import BlockPool, KvEventLog, StoredBlock
 from scheduler_svc.kv_connector import KvConnector
 from scheduler_svc.ngram_proposer import propose_ngram
 from scheduler_svc.request import FinishReason, Request, RequestStatus
+from scheduler_svc.spec_decode_counts import SpecDecodingCounts
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.histogram_counts import BucketCounter
 from services.invalid_parameter import InvalidParameter
@@ -25,7 +26,6 @@ from services.messages import (
     CachedRequestData,
     FirstTokenTimes,
     NewRequestData,
-    SpecDecodingStats,
     StepPlan,
     StepResult,
     TokenDelta,
@@ -631,28 +631,6 @@ class Scheduler:
             follower.status = RequestStatus.WAITING
             self.waiting.appendleft(follower)
         request.followers = []
-
-
-class SpecDecodingCounts:
-    """vLLM's speculative decoding counters: verification steps with drafts, drafts, and
-    accepted drafts in all and by position (the bonus token counts in none)."""
-
-    def __init__(self, num_speculative_tokens: int) -> None:
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.accepted_per_pos = [0] * num_speculative_tokens
-
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        for position in range(num_accepted):
-            self.accepted_per_pos[position] += 1
-
-    def stats(self) -> SpecDecodingStats:
-        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                                 list(self.accepted_per_pos))
 
 
 def _value(reason: FinishReason | None) -> str | None:

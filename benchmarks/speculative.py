@@ -2,11 +2,12 @@
 
 Two workloads, each at 1 and 8 concurrent requests, greedy, on the same weights and
 threads: (a) copy-heavy, code-editing prompts ("rename this variable in the following
-function") whose answers copy the prompt; (b) random-token prompts, where the drafts
-are almost never right and speculation can only cost. For each: output tokens per
+function") whose answers copy the prompt; (b) random-token prompts, greedy (this small
+model soon repeats itself on them, so drafts do match) and sampled at temperature 1
+(they rarely match: what proposing costs when it finds little). For each: output tokens per
 second with and without speculation, their ratio, the acceptance rate (accepted draft
 tokens / draft tokens) and the mean accepted length (1 + accepted / drafts: tokens per
-verification step, as vLLM reports it). The outputs are checked token-identical.
+verification step, as vLLM reports it). Greedy outputs are checked token-identical.
 """
 from __future__ import annotations
 
@@ -80,23 +81,32 @@ def run(llm: LLM, prompts: list, params: SamplingParams, concurrency: int) -> tu
 
 
 def measure(plain: LLM, specs: dict[str, LLM], name: str, prompts: list, params: SamplingParams,
-            concurrency: int) -> dict:
-    """Plain decoding, then each speculative engine, on the same prompts back to back."""
+            concurrency: int, rounds: int) -> dict:
+    """Plain decoding and each speculative engine on the same prompts, alternated `rounds`
+    times (this machine is shared: alternating spreads its load over all of them); tokens/s
+    over all rounds, and each round's."""
     load = os.getloadavg()
-    plain_s, plain_out = run(plain, prompts, params, concurrency)
-    tokens = sum(map(len, plain_out))
-    result: dict = {"concurrency": concurrency, "requests": len(prompts), "output_tokens": tokens,
-                    "plain_tokens_per_s": tokens / plain_s}
+    engines = {"plain": plain, **specs}
+    seconds: dict[str, list[float]] = {config: [] for config in engines}
+    tokens: dict[str, int] = dict.fromkeys(engines, 0)
+    outputs: dict[str, list[list[int]]] = {}
+    before = {config: _counts(spec) for config, spec in specs.items()}
+    for _ in range(rounds):
+        for config, llm in engines.items():
+            took, outputs[config] = run(llm, prompts, params, concurrency)
+            seconds[config].append(took)
+            tokens[config] += sum(map(len, outputs[config]))
+    rate = {config: tokens[config] / sum(seconds[config]) for config in engines}
+    result: dict = {"concurrency": concurrency, "requests": len(prompts), "rounds": rounds,
+                    "output_tokens_per_round": tokens["plain"] // rounds, "plain_tokens_per_s": rate["plain"],
+                    "plain_round_seconds": seconds["plain"]}
     for config, spec in specs.items():
-        counts = spec.engine.scheduler.spec_decoding
-        before = (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens)
-        spec_s, spec_out = run(spec, prompts, params, concurrency)
-        drafts, draft_tokens, accepted = (now - then for now, then in zip(
-            (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens), before))
+        drafts, draft_tokens, accepted = (now - then for now, then in zip(_counts(spec), before[config]))
         result[config] = {
-            "tokens_per_s": sum(map(len, spec_out)) / spec_s,
-            "speedup": plain_s / spec_s,
-            "identical": plain_out == spec_out,
+            "tokens_per_s": rate[config],
+            "speedup": rate[config] / rate["plain"],
+            "round_seconds": seconds[config],
+            "identical": outputs[config] == outputs["plain"] if params.temperature == 0 else None,
             "acceptance_rate": accepted / max(1, draft_tokens),
             "mean_accepted_length": 1 + accepted / max(1, drafts),
             "verification_steps_with_drafts": drafts,
@@ -106,9 +116,15 @@ def measure(plain: LLM, specs: dict[str, LLM], name: str, prompts: list, params:
     return result
 
 
+def _counts(spec: LLM) -> tuple[int, int, int]:
+    counts = spec.engine.scheduler.spec_decoding
+    return counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer prompts, for a sanity run")
+    parser.add_argument("--rounds", type=int, default=2, help="alternated rounds of each engine")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/speculative.json"))
     args = parser.parse_args()
     rng = random.Random(0)
@@ -119,6 +135,7 @@ def main() -> None:
     noise = random_prompts(rng, 8, 64)[: 2 if args.quick else None]
     copy_params = SamplingParams(temperature=0.0, max_tokens=128)
     noise_params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    sampled_params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True)
     for llm in (plain, *specs.values()):  # warm-up
         llm.generate(copy_prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     report = {
@@ -126,8 +143,9 @@ def main() -> None:
         "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
         "speculative_configs": SPECULATIVE_CONFIGS,
         "cpu_count": os.cpu_count(),
-        "copy_heavy": [measure(plain, specs, "copy-heavy", copy_prompts, copy_params, c) for c in (1, 8)],
-        "random": [measure(plain, specs, "random", noise, noise_params, c) for c in (1, 8)],
+        "copy_heavy": [measure(plain, specs, "copy-heavy", copy_prompts, copy_params, c, args.rounds) for c in (1, 8)],
+        "random": [measure(plain, specs, "random", noise, noise_params, c, args.rounds) for c in (1, 8)],
+        "random_sampled": [measure(plain, specs, "random sampled", noise, sampled_params, c, args.rounds) for c in (1, 8)],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

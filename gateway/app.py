@@ -17,6 +17,7 @@ from gateway.drain import DrainMiddleware
 from gateway.errors import install_error_handlers
 from gateway.limits import BodySizeMiddleware, RequestLimits
 from gateway.metrics import GatewayMetrics
+from gateway.response_options import ResponseOptions
 from gateway.routes import chat, completions, models, sagemaker, system, tokenize, tokenizer_info
 from gateway.server_load import ServerLoad, ServerLoadMiddleware
 from gateway.server_options import ServerOptions
@@ -32,7 +33,7 @@ def build_app(
     api_key: str | None = None,
     limits: RequestLimits = RequestLimits(),
     chat_options: ChatOptions = ChatOptions(),
-    prompt_tokens_details: bool = False,
+    options: ResponseOptions = ResponseOptions(),
     model: str | None = None,
     server: ServerOptions = ServerOptions(),
 ) -> FastAPI:
@@ -50,7 +51,7 @@ def build_app(
         limits=limits,
         model=model or names[0],
         chat_options=chat_options,
-        prompt_tokens_details=prompt_tokens_details,
+        options=options,
     )
     for module in (models, completions, chat, tokenize, system, sagemaker):
         app.include_router(module.router)

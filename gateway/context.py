@@ -16,6 +16,7 @@ from gateway.errors import OpenAIError
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import SamplingFields
+from gateway.response_options import ResponseOptions
 from gateway.tool_calls import ChatOptions
 from services.engine_client import EngineClient
 from services.messages import EngineInfo
@@ -33,7 +34,7 @@ class GatewayContext:
     limits: RequestLimits
     model: str  # the model as the server was started with it (vLLM's --model): /v1/models' root
     chat_options: ChatOptions = field(default_factory=ChatOptions)
-    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
+    options: ResponseOptions = field(default_factory=ResponseOptions)
     drain: Drain = field(default_factory=Drain)  # set on SIGTERM by gateway.drain.serve
 
     @property
@@ -47,6 +48,11 @@ class GatewayContext:
         if not self.encoder.is_ready():
             raise OpenAIError(503, "the tokenizer service is not ready")
         return self.encoder.decoder
+
+    @property
+    def vocab_size(self) -> int:
+        """What a logprob count of -1 stands for: every token."""
+        return self.tokenizer.vocab_size
 
     @property
     def max_model_len(self) -> int:

@@ -1,7 +1,8 @@
 """Bounds on what one request may ask of the server, so that no single valid-looking
 request can stall or flood it: the body's size (refused with 413 before it is read in
-full, let alone parsed) and the sequences it fans out to (prompts × n or best_of, a 400
-naming the field)."""
+full, let alone parsed), the sequences it fans out to (prompts × n or best_of) and the
+logprobs it asks for per token (vLLM's --max-logprobs), each past its bound a 400
+naming the field."""
 from __future__ import annotations
 
 import argparse
@@ -11,16 +12,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import bad_request, error_response
 from services.cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQUENCES_PER_REQUEST
+from services.sampling_params import MAX_LOGPROBS
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    max_logprobs: int = MAX_LOGPROBS  # -1: the whole vocabulary
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RequestLimits:
-        return cls(args.max_request_body_bytes, args.max_sequences_per_request)
+        return cls(args.max_request_body_bytes, args.max_sequences_per_request, args.max_logprobs)
 
     def check_fan_out(self, num_prompts: int, per_prompt: int, param: str) -> None:
         count = num_prompts * per_prompt
@@ -28,6 +31,21 @@ class RequestLimits:
             shape = f"{num_prompts} prompts x {per_prompt}" if num_prompts > 1 else f"{per_prompt}"
             raise bad_request(param, f"this request would run {count} sequences ({shape}); at most "
                                      f"{self.max_sequences_per_request} per request (--max-sequences-per-request)")
+
+
+    def logprobs(self, count: int | None, param: str, kind: str, vocab_size: int) -> int | None:
+        """A request's logprob count as the engine takes it, with vLLM's rules and words:
+        -1 asks for the whole vocabulary; more than --max-logprobs is refused. `kind` is
+        "sample" or "prompt"."""
+        if count is None:
+            return None
+        if count < -1:
+            raise bad_request(param, f"`{param}` must be a positive value or -1.")
+        count = vocab_size if count == -1 else count
+        bound = vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        if count > bound:
+            raise bad_request(param, f"Requested {kind} logprobs of {count}, which is greater than max allowed: {bound}")
+        return count
 
 
 class BodySizeMiddleware:

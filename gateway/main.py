@@ -64,6 +64,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     from gateway.drain import serve
     from gateway.limits import RequestLimits
     from gateway.listener import listen, release
+    from gateway.response_options import ResponseOptions
     from gateway.server_options import ServerOptions
     from gateway.tool_calls import ChatOptions
     from services.transport.tls import configure_tls
@@ -78,7 +79,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     encoder = RemoteTokenizer(lambda: [member.address for member in registry.members("tokenizer")],
                               lease_ttl_s=args.lease_ttl)
     app = build_app(client, encoder, args.served_model_name or [args.model], args.api_key,
-                    RequestLimits.from_args(args), ChatOptions.from_args(args), args.enable_prompt_tokens_details,
+                    RequestLimits.from_args(args), ChatOptions.from_args(args), ResponseOptions.from_args(args),
                     args.model, ServerOptions.from_args(args))
     member = Member("gateway", client.gateway_id, advertised(args), {"model": args.model})
     client.start()

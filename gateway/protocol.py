@@ -5,15 +5,16 @@ or vendor-specific fields keep working; like vLLM, each request that carries any
 them once, at warning level, so a misspelt field does not pass unnoticed. Value checks live in SamplingParams (one
 source of truth for every front end); these models check types, and the bounds
 that keep a value representable where it goes: floats are finite, seeds and top_k
-fit torch's int64, token ids are below 2**31 (what a tokenizer can decode), and
-logprob counts stay within vLLM's max_logprobs (20).
+fit torch's int64 and token ids are below 2**31 (what a tokenizer can decode). Logprob
+counts are bounded by the server's --max-logprobs, which the endpoints check
+(gateway/limits.py).
 """
 from __future__ import annotations
 
 import logging
 import time
 import uuid
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -26,14 +27,12 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
-
-from services.sampling_params import MAX_LOGPROBS
+from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 logger = logging.getLogger(__name__)
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
-NumLogprobs = Annotated[int, Field(le=MAX_LOGPROBS)]
 
 
 def _valid_unicode(value: Any) -> bool:
@@ -121,7 +120,8 @@ class _Body(_Request):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool | None = False  # a last chunk tells the usage
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, every chunk tells the usage so far
 
 
 class StructuredOutputsField(_Request):
@@ -166,7 +166,7 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: NumLogprobs | None = None
+    prompt_logprobs: int | None = None  # -1: the whole vocabulary
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: max_model_len of them
     cache_salt: str | None = None  # keeps this request's prefix-cache entries apart from other salts'
     # Beam search with beam width best_of or n, as vLLM's server runs it; the n best beams come back.
@@ -179,6 +179,11 @@ class SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: the prompt's and each choice's token ids come back (a stream sends the
+    # prompt's with the first chunk, then each chunk's new ones).
+    return_token_ids: bool | None = None
+    # vLLM's: logprobs name each token "token_id:N"; None: as --return-tokens-as-token-ids says.
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -187,7 +192,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]] | None = None
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
-    logprobs: NumLogprobs | None = None
+    logprobs: int | None = None  # -1: the whole vocabulary
 
 
 class TextContentPart(_Request):
@@ -244,12 +249,18 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: NumLogprobs | None = None
+    top_logprobs: int | None = None  # -1: the whole vocabulary
     response_format: ResponseFormat | None = None
     tools: list[ToolParam] | None = None
     # None: "auto" when tools are given, else "none" (as OpenAI and vLLM).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: how the template ends the prompt, a new assistant turn or the last message
+    # left open for the model to continue (not both); echo puts that last message's
+    # content before the reply when its role is the reply's.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
 
 
 class TokenizeRequest(_Body):
@@ -276,6 +287,21 @@ class DetokenizeRequest(_Body):
 
 def _now() -> int:
     return int(time.time())
+
+
+class _OmitsNone(BaseModel):
+    """A stream chunk's vLLM extras, sent only where they say something (a client reads
+    `"key" in chunk` as "this chunk carries it")."""
+
+    OMIT_IF_NONE: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key in self.OMIT_IF_NONE:
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
 
 
 class PromptTokensDetails(BaseModel):
@@ -306,7 +332,10 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class PromptLogprob(BaseModel):
+class PromptLogprob(TypedDict):
+    """A dict, not a model: a request for the whole vocabulary's (-1) makes millions, and
+    pydantic checks dicts many times faster than it builds models."""
+
     logprob: float
     rank: int | None  # 1 for the most likely token; None where unknown (the actual token past the top k)
     decoded_token: str
@@ -323,6 +352,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's extra: the stop token or string
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra
+    # vLLM's extras, with return_token_ids: the prompt's token ids and the choice's
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -331,6 +363,19 @@ class CompletionResponse(BaseModel):
     created: int = Field(default_factory=_now)
     model: str
     choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunkChoice(_OmitsNone, CompletionChoice):
+    OMIT_IF_NONE = ("prompt_token_ids", "token_ids")
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
     usage: Usage | None = None
 
 
@@ -370,7 +415,7 @@ class _Reasoning(BaseModel):
 
 
 class ChatMessage(_Reasoning):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # without add_generation_prompt, the last message's (vLLM's)
     content: str | None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
@@ -381,6 +426,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's extra, with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -391,6 +437,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra
+    prompt_token_ids: list[int] | None = None  # vLLM's extra, with return_token_ids
 
 
 class DeltaFunctionCall(BaseModel):
@@ -406,7 +453,7 @@ class DeltaToolCall(BaseModel):
 
 
 class DeltaMessage(_Reasoning):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
@@ -416,20 +463,26 @@ class DeltaMessage(_Reasoning):
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_OmitsNone):
+    OMIT_IF_NONE = ("token_ids",)
+
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # vLLM's extra, with return_token_ids: this chunk's new ones
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_OmitsNone):
+    OMIT_IF_NONE = ("prompt_token_ids",)
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's extra, with return_token_ids: on each choice's first chunk
 
 
 class ModelPermission(BaseModel):

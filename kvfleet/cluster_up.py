@@ -104,8 +104,11 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     # NATS and Redis take clients with this cluster's credentials only; the servers read
     # them from files only their owner can read, the roles from their environment.
     nats_password, redis_password = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    # A step's output for one gateway is one NATS message: NATS's most (64 MB, not its
+    # default 1 MB) lets through logprobs of the whole vocabulary (--max-logprobs -1).
     nats_config = write_secret_file(log_dir / "nats.conf",
-                                    f'authorization {{ user: kvfleet, password: "{nats_password}" }}\n')
+                                    f'authorization {{ user: kvfleet, password: "{nats_password}" }}\n'
+                                    "max_payload: 64MB\n")
     redis_config = write_secret_file(log_dir / "redis.conf", f"requirepass {redis_password}\n")
     infra: list[Supervised] = []
     roles: list[Supervised] = []  # in start order; stopped in reverse

@@ -46,6 +46,7 @@ def embedded_app(args: argparse.Namespace, config: EngineConfig) -> tuple[FastAP
     # The engine's modules load torch and transformers (seconds): only once the checks above pass.
     from gateway.app import build_app
     from gateway.limits import RequestLimits
+    from gateway.response_options import ResponseOptions
     from gateway.server_options import ServerOptions
     from gateway.tool_calls import ChatOptions
     from kvfleet.async_engine import AsyncEngine
@@ -59,7 +60,7 @@ def embedded_app(args: argparse.Namespace, config: EngineConfig) -> tuple[FastAP
     encoder = InProcessEncoder(Tokenizer.for_engine(config, args.chat_template))
     engine = AsyncEngine(EngineCore(config, start_worker(config)))
     app = build_app(engine, encoder, args.served_model_name or [config.model], args.api_key,
-                    RequestLimits.from_args(args), ChatOptions.from_args(args), args.enable_prompt_tokens_details,
+                    RequestLimits.from_args(args), ChatOptions.from_args(args), ResponseOptions.from_args(args),
                     config.model, ServerOptions.from_args(args))
     # The model's, tokenizer's and libraries' objects live as long as the process: kept out
     # of every collection, a full one (a large request's allocations set it off) stays

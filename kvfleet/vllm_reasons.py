@@ -210,8 +210,6 @@ FIELD_REASONS: dict[str, str] = {
     "reasoning_effort": "kvfleet passes no reasoning_effort to the chat template; say it in the messages",
     "thinking_token_budget": "kvfleet puts no bound on reasoning tokens apart from max_tokens",
     "include_reasoning": "with --reasoning-parser the reasoning always comes in its own field; leave it unread",
-    "add_generation_prompt": "kvfleet always ends a chat prompt with the assistant's turn; to render a chat "
-                             "otherwise, render it with /tokenize and send the ids to /v1/completions",
     "documents": "kvfleet passes no documents to the chat template; put them in the messages",
     "chat_template": "kvfleet takes no chat template in a request; set one with --chat-template",
     "chat_template_kwargs": "kvfleet passes no extra variables to the chat template; give a template that sets them "

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import msgspec
+
 from scheduler_svc.block_pool import BlockPool, KvEventLog
 from scheduler_svc.request import Request
 from services.histogram_counts import BucketCounter
@@ -121,20 +123,13 @@ class KvConnector:
     def add_counts(self, counts: list[KvTierCounts]) -> None:
         for count in counts:
             totals = self._total(count.medium)
-            total = totals.counts
-            total.stored_blocks += count.stored_blocks
-            total.stored_bytes += count.stored_bytes
-            total.loaded_blocks += count.loaded_blocks
-            total.loaded_bytes += count.loaded_bytes
-            total.evicted_blocks += count.evicted_blocks
-            total.evicted_bytes += count.evicted_bytes
-            total.failed += count.failed
             for seconds in count.load_seconds:
                 totals.load_seconds.observe(seconds)
             for block_hash in count.evicted_hashes:
                 self._sent_to_files.pop(block_hash, None)
                 if self.events is not None:
                     self.events.tier(count.medium).changed(block_hash, False)
+            totals.counts.add(msgspec.structs.replace(count, load_seconds=[], evicted_hashes=[]))
 
     def stats(self) -> list[KvTierStats]:
         return [totals.stats() for totals in self.totals.values()]

@@ -504,6 +504,11 @@ class Scheduler:
                 self.spec_decoding.observe(len(drafts), num_accepted)
                 num_tokens -= len(drafts) - num_accepted
             request.num_computed_tokens += num_tokens
+            if self.config.enable_prefix_caching:
+                # Before its tokens are accepted: a request that ends in this step (one
+                # token asked for) frees its blocks, which must go back cached, as vLLM's do.
+                # (Accepted drafts are not its tokens yet: their blocks are cached below.)
+                self._cache_computed_blocks(request)
             if request_id in result.prompt_logprobs:
                 request.prompt_logprobs += result.prompt_logprobs[request_id]
             if sampled:
@@ -515,8 +520,8 @@ class Scheduler:
                     step_tokens += len(request.prompt_token_ids)
             if request.followers and request.num_computed_tokens >= len(request.prompt_token_ids):
                 self._fork_followers(request)
-            if self.config.enable_prefix_caching and not request.is_finished:
-                self._cache_computed_blocks(request)
+            if drafts and self.config.enable_prefix_caching and not request.is_finished:
+                self._cache_computed_blocks(request)  # the blocks its accepted drafts filled
         if deltas:  # as vLLM, which records a step's stats only when it has outputs
             self.iteration_tokens.observe(step_tokens)
         return deltas
@@ -584,7 +589,9 @@ class Scheduler:
 
     def _cache_computed_blocks(self, request: Request) -> None:
         """Index the blocks whose tokens are now all computed."""
-        num_full = request.num_computed_tokens // self.config.block_size
+        # Only blocks of its tokens: a speculative step's accepted drafts count as computed
+        # before they are appended to its output.
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.config.block_size
         if num_full <= request.num_cached_blocks:
             return
         self._hash_full_blocks(request)

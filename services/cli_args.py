@@ -12,6 +12,7 @@ from pathlib import Path
 
 from services.config import EngineConfig, flag
 from services.registry import DEFAULT_TTL_S
+from services.sampling_params import MAX_LOGPROBS
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
@@ -168,6 +169,15 @@ def add_http_args(parser: argparse.ArgumentParser, port: int = 8000) -> None:
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="usage tells prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache "
                         "supplied")
+    parser.add_argument("--enable-force-include-usage", action="store_true",
+                        help="every stream tells its usage, in each chunk and a last chunk of its own, as if it "
+                        "asked for stream_options include_usage and continuous_usage_stats")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help='logprobs name each token "token_id:N" instead of its text (a request\'s '
+                        "return_tokens_as_token_ids decides for itself)")
+    parser.add_argument("--max-logprobs", type=at_least(-1), default=MAX_LOGPROBS,
+                        help="the most logprobs, prompt_logprobs or top_logprobs a request may ask for; -1: the "
+                        "whole vocabulary (default: %(default)s)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
@@ -215,9 +225,11 @@ def gateway_argv(namespace: argparse.Namespace) -> list[str]:
     """The HTTP flags of `namespace` but the address, as a command line for the gateway `cluster up` starts."""
     argv = [f"--max-request-body-bytes={namespace.max_request_body_bytes}",
             f"--max-sequences-per-request={namespace.max_sequences_per_request}",
+            f"--max-logprobs={namespace.max_logprobs}",
             f"--uvicorn-log-level={namespace.uvicorn_log_level}"]
-    for name in ("enable_auto_tool_choice", "enable_prompt_tokens_details", "disable_uvicorn_access_log",
-                 "disable_log_requests", "disable_log_stats"):
+    for name in ("enable_auto_tool_choice", "enable_prompt_tokens_details", "enable_force_include_usage",
+                 "return_tokens_as_token_ids", "disable_uvicorn_access_log", "disable_log_requests",
+                 "disable_log_stats"):
         if getattr(namespace, name):
             argv.append(flag(name))
     for name in ("tool_call_parser", "reasoning_parser"):

@@ -19,10 +19,10 @@ import struct
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.config import EngineConfig
+from services.messages import KvTierCounts
 
 logger = logging.getLogger(__name__)
 
@@ -36,18 +36,6 @@ _SUFFIX = ".kvblock"
 _STALE_TEMP_S = 60.0  # a temporary file this old was left by a writer that died
 
 
-@dataclass
-class FileTierCounts:
-    """What one tier did since the counts were last taken."""
-
-    stored_blocks: int = 0
-    stored_bytes: int = 0
-    evicted_blocks: int = 0
-    evicted_bytes: int = 0
-    failed: int = 0  # reads that found a bad file, writes that failed
-    evicted_hashes: list[bytes] = field(default_factory=list)
-
-
 class BlockFiles:
     def __init__(self, root: str | Path, layout_key: str, max_bytes: int, medium: str) -> None:
         self.medium = medium
@@ -56,7 +44,7 @@ class BlockFiles:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()  # counts and the byte estimate, shared by readers and writers
         self._bytes: int | None = None  # our estimate of the directory's size: None until scanned
-        self.counts = FileTierCounts()
+        self.counts = KvTierCounts(medium)  # since they were last taken
 
     def path(self, block_hash: bytes) -> Path:
         name = block_hash.hex()
@@ -65,9 +53,9 @@ class BlockFiles:
     def contains(self, block_hash: bytes) -> bool:
         return os.path.exists(self.path(block_hash))
 
-    def take_counts(self) -> FileTierCounts:
+    def take_counts(self) -> KvTierCounts:
         with self._lock:
-            counts, self.counts = self.counts, FileTierCounts()
+            counts, self.counts = self.counts, KvTierCounts(self.medium)
         return counts
 
     def write(self, block_hash: bytes, payload: bytes | memoryview) -> bool:

@@ -105,6 +105,10 @@ class KvTierCounts(msgspec.Struct, **_HOT):
     load_seconds: list[float] = []  # one per request's load from this tier
     evicted_hashes: list[bytes] = []  # a file tier's evictions, for the KV events
 
+    def add(self, other: KvTierCounts) -> None:
+        for name in self.__struct_fields__[1:]:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
 
 class StepResult(msgspec.Struct, **_HOT):
     step_id: int

@@ -16,8 +16,9 @@ MAX_PARALLEL_SAMPLES = 128
 # Bounds on the work one request may ask for, checked by every front door (HTTP, both
 # gRPC services, the SDK) through this class: they keep a request's per-step cost
 # (masks, string matching) small next to its forward pass, far above what real clients
-# send. MAX_LOGPROBS, vLLM's max_logprobs, is the public doors' own (the HTTP gateway's
-# and VllmEngine's): beam search asks the scheduler for 2 x beam_width per step.
+# send. MAX_LOGPROBS, vLLM's max_logprobs, is the public doors' own (VllmEngine's, and
+# the HTTP gateway's default for --max-logprobs): beam search asks the scheduler for
+# 2 x beam_width per step.
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024

@@ -72,3 +72,15 @@ SCHEMAS: list[tuple[str, dict[str, Any]]] = [
         "seats": {"type": "array", "items": {"type": "string", "pattern": "^[0-9]{1,2}[A-F]$"}, "maxItems": 3},
         "class": {"enum": ["economy", "business"]}}, "required": ["from", "to", "class"]}),
 ]
+
+
+# vLLM's test grammar (its tests' sample_sql_statements), in Lark: the lark tests of the
+# worker's converter and of the servers.
+SQL_GRAMMAR = """
+start: select_statement
+select_statement: "SELECT " column " from " table " where " condition
+column: "col_1" | "col_2"
+table: "table_1" | "table_2"
+condition: column "=" number
+number: "1" | "2"
+"""

@@ -218,14 +218,18 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
+        """`continue_final_message`: the rendering ends inside the last message, for the
+        model to go on with it; a ValueError if the template does not show that message."""
         if not self.has_chat_template:
             raise NoChatTemplateError(f"model {self.name!r} has no chat template; use a completion request")
         return self._hf.apply_chat_template(
             messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tokenize=False,
             **template_kwargs,
         )

@@ -2,7 +2,8 @@
 
 Choice i of prompt p has index p * n + i, as in vLLM. echo prepends the prompt to each
 choice's text, and with logprobs the prompt's tokens lead the logprobs (their first
-without one), as OpenAI's legacy API does.
+without one), as OpenAI's legacy API does. vLLM's return_token_ids adds the prompt's and
+the choice's token ids to each choice (streamed: the prompt's with its first chunk).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from gateway.choices import ChoiceDelta
 from gateway.context import GatewayContext, get_context
@@ -23,11 +24,14 @@ from gateway.json_body import OffLoopJsonRoute
 from gateway.logprobs import CompletionLogprobsBuilder, prompt_logprobs
 from gateway.protocol import (
     CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     Usage,
 )
+from gateway.response_options import StreamUsage
 from gateway.sampling import to_sampling_params
 from gateway.sse import DONE, event, sse_response
 from services.parallel_sampling import num_children
@@ -94,10 +98,11 @@ async def _complete(body: CompletionRequest, ctx: GatewayContext) -> Response:
         raise bad_request("stream_options", "stream_options is only allowed when stream is true")
     if not body.prompt:  # absent, null, "" or []
         raise bad_request("prompt", _EMPTY_PROMPT)
+    num_logprobs = ctx.limits.logprobs(body.logprobs, "logprobs", "sample", ctx.vocab_size)
+    num_prompt_logprobs = ctx.limits.logprobs(body.prompt_logprobs, "prompt_logprobs", "prompt", ctx.vocab_size)
     # echo with logprobs shows the prompt's logprobs too: the engine computes them.
-    prompt_top = body.prompt_logprobs if body.prompt_logprobs is not None else (
-        body.logprobs if body.echo else None)
-    params = await to_sampling_params(body, ctx.encoder, body.max_tokens, body.logprobs, prompt_top)
+    prompt_top = num_prompt_logprobs if num_prompt_logprobs is not None else (num_logprobs if body.echo else None)
+    params = await to_sampling_params(body, ctx.encoder, body.max_tokens, num_logprobs, prompt_top)
     num_prompts = 1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)
     ctx.limits.check_fan_out(num_prompts, num_children(params), "best_of" if params.best_of else "n")
     prompts = []
@@ -112,17 +117,18 @@ async def _complete(body: CompletionRequest, ctx: GatewayContext) -> Response:
     streams = await prime_all(
         [ctx.generate(f"{request_id}-{i}", prompt.token_ids, params, body) for i, prompt in enumerate(prompts)]
     )
+    as_ids = ctx.options.tokens_as_ids(body.return_tokens_as_token_ids)
     choices = [
-        _Choice(prompt, CompletionLogprobsBuilder(ctx.tokenizer, body.logprobs) if body.logprobs is not None else None,
-                body.echo)
+        _Choice(prompt, CompletionLogprobsBuilder(ctx.tokenizer, num_logprobs, as_ids)
+                if num_logprobs is not None else None, body.echo)
         for prompt in prompts for _ in range(params.n)
     ]
     head = CompletionResponse(id=request_id, model=ctx.served_model_name, choices=[])
     deltas = _flat(merge(streams), params.n)
+    with_ids = bool(body.return_token_ids)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        usage = (params.n, ctx.prompt_tokens_details) if include_usage else None
-        return sse_response(_events(head, prompts, choices, deltas, usage), *streams)
+        usage = ctx.options.stream_usage(body.stream_options)
+        return sse_response(_events(head, prompts, choices, deltas, params.n, usage, with_ids), *streams)
     pieces: list[list[CompletionLogprobs]] = [[] for _ in choices]
     try:
         async for index, item in deltas:
@@ -138,13 +144,17 @@ async def _complete(body: CompletionRequest, ctx: GatewayContext) -> Response:
             logprobs=_joined(pieces[index]) if choice.logprobs is not None else None,
             finish_reason=choice.finish_reason,
             stop_reason=choice.stop_reason,
-            prompt_logprobs=prompt_logprobs(ctx.tokenizer, choice.prompt_logprobs or [], body.prompt_logprobs)
-            if body.prompt_logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs(ctx.tokenizer, choice.prompt_logprobs or [], num_prompt_logprobs)
+            if num_prompt_logprobs is not None else None,
+            prompt_token_ids=choice.prompt.token_ids if with_ids else None,
+            token_ids=choice.token_ids if with_ids else None,
         )
         for index, choice in enumerate(choices)
     ]
-    head.usage = _usage(prompts, choices, params.n, ctx.prompt_tokens_details)
-    return JSONResponse(head.model_dump())
+    head.usage = _usage(prompts, choices, params.n, ctx.options.prompt_tokens_details)
+    # pydantic writes the JSON itself: many times faster than json.dumps on a big answer
+    # (logprobs of the whole vocabulary), and the same writer as the streams'.
+    return Response(head.model_dump_json(), media_type="application/json")
 
 
 async def _flat(
@@ -171,21 +181,31 @@ async def _events(
     prompts: list[_Prompt],
     choices: list[_Choice],
     deltas: AsyncGenerator[tuple[int, ChoiceDelta], None],
-    usage: tuple[int, bool] | None,
+    n: int,
+    usage: StreamUsage,
+    with_ids: bool,
 ) -> AsyncGenerator[str, None]:
-    """`usage`: (n, whether to tell the cached tokens) when the stream ends with usage."""
+    """`with_ids`: each chunk carries its new token ids, a choice's first also the prompt's."""
+    def chunk(choices: list[CompletionChunkChoice], usage: Usage | None) -> str:
+        return event(CompletionChunk(id=head.id, created=head.created, model=head.model, choices=choices, usage=usage))
+
+    started: set[int] = set()  # the choices whose first chunk went out
     async with aclosing(deltas):
         async for index, item in deltas:
-            text, logprobs = choices[index].take(item)
+            choice = choices[index]
+            text, logprobs = choice.take(item)
             finish_reason = item.text.finish_reason
-            if text or logprobs or finish_reason:
-                chunk = CompletionChoice(
+            token_ids = item.text.token_ids if with_ids else None
+            if text or logprobs or finish_reason or token_ids:
+                first = index not in started
+                started.add(index)
+                yield chunk([CompletionChunkChoice(
                     index=index, text=text, logprobs=logprobs,
                     finish_reason=finish_reason, stop_reason=item.text.stop_reason,
-                )
-                yield event(head.model_copy(update={"choices": [chunk]}))
-    if usage is not None:
-        yield event(head.model_copy(update={"usage": _usage(prompts, choices, *usage)}))
+                    prompt_token_ids=choice.prompt.token_ids if with_ids and first else None, token_ids=token_ids,
+                )], Usage.of(len(choice.prompt.token_ids), len(choice.token_ids)) if usage.continuous else None)
+    if usage.final:
+        yield chunk([], _usage(prompts, choices, n, usage.cached_details))
     yield DONE
 
 

@@ -27,6 +27,7 @@ from fastapi import FastAPI
 
 from gateway.app import build_app
 from gateway.limits import RequestLimits
+from gateway.response_options import ResponseOptions
 from gateway.tool_calls import ChatOptions
 from kvfleet import LLM
 from kvfleet.async_engine import AsyncEngine
@@ -336,7 +337,7 @@ def test_prompt_tokens_details_tell_the_cached_prompt_tokens(stack: Stack, clien
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     assert plain.usage.prompt_tokens_details is None
     with ServerThread(build_app(stack.engine, InProcessEncoder(stack.tokenizer), MODEL,
-                                prompt_tokens_details=True)) as detailed:
+                                options=ResponseOptions(prompt_tokens_details=True))) as detailed:
         again = openai.OpenAI(base_url=f"{detailed.url}/v1", api_key="unused", max_retries=0, timeout=60)
         warm = again.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
         block_size = stack.engine.core.config.block_size
@@ -443,3 +444,41 @@ def test_reasoning_comes_as_reasoning_and_as_reasoning_content(stack: Stack) -> 
         reasoning = [delta for delta in deltas if "reasoning" in delta]
         assert all(delta["reasoning_content"] == delta["reasoning"] for delta in reasoning)
         assert "".join(delta["reasoning"] for delta in reasoning) == whole["reasoning"]
+
+
+# -- issue 47: the response flags (both modes' request-level tests: tests/system/test_openai_modes.py) --
+
+
+def test_force_include_usage_and_tokens_as_ids_are_the_server_s_defaults(stack: Stack) -> None:
+    """--enable-force-include-usage: every stream tells its usage so far in each chunk and
+    whole in a last one, unasked; --return-tokens-as-token-ids: logprobs name tokens
+    "token_id:N" unless the request says otherwise."""
+    options = ResponseOptions(force_include_usage=True, return_tokens_as_token_ids=True)
+    with ServerThread(build_app(stack.engine, InProcessEncoder(stack.tokenizer), MODEL, options=options)) as flagged:
+        client = openai.OpenAI(base_url=f"{flagged.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                                stream=True, logprobs=1))
+        *body, last = chunks
+        assert last.choices == [] and last.usage.completion_tokens == 4
+        assert [c.usage.completion_tokens for c in body] == [1, 2, 3, 4]
+        ids = [int(token.removeprefix("token_id:")) for c in body for token in c.choices[0].logprobs.tokens]
+        assert stack.tokenizer.decode(ids) == "".join(c.choices[0].text for c in body)
+        chat = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0,
+                                                   stream=True, logprobs=True))
+        assert chat[0].usage.completion_tokens == 0 and chat[-1].choices == [] and chat[-1].usage.completion_tokens == 3
+        assert all(t.token.startswith("token_id:") for c in chat if c.choices and c.choices[0].logprobs
+                   for t in c.choices[0].logprobs.content)
+        texts = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=1,
+                                          extra_body={"return_tokens_as_token_ids": False})
+        assert "".join(texts.choices[0].logprobs.tokens) == texts.choices[0].text
+
+
+def test_logprobs_past_the_default_max_logprobs_of_20_are_refused_in_vllm_s_words(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, logprobs=21)
+    assert refused.value.param == "logprobs"
+    assert "Requested sample logprobs of 21, which is greater than max allowed: 20" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as whole_vocabulary:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, logprobs=True, top_logprobs=-1)
+    assert whole_vocabulary.value.param == "top_logprobs"
+    assert "Requested sample logprobs of 49152, which is greater than max allowed: 20" in whole_vocabulary.value.message

@@ -190,3 +190,24 @@ print(repr([first, sample(7)]))
         assert field in run.stderr, f"{field!r} not in:\n{run.stderr}"
     first, again = eval(run.stdout)
     assert first == again
+
+
+def test_the_response_flags_reach_serve_s_app_and_cluster_up_s_gateway() -> None:
+    """vLLM's flags that shape responses: `serve` builds its app from them, and `cluster
+    up` hands them to the gateway role it starts (what they do: tests/gateway/test_gateway.py,
+    tests/system/test_openai_modes.py)."""
+    from gateway.limits import RequestLimits
+    from gateway.response_options import ResponseOptions
+    from kvfleet.cli import build_parser
+    from services.cli_args import gateway_argv
+
+    flags = ["--enable-force-include-usage", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
+             "--max-logprobs", "-1"]
+    serve = build_parser().parse_args(["serve", "smollm2", *flags])
+    up = build_parser().parse_args(["cluster", "up", *flags])
+    gateway = build_parser().parse_args(["gateway", "--nats-url", "nats://n", "--redis-url", "redis://r", *gateway_argv(up)])
+    for args in (serve, gateway):
+        assert ResponseOptions.from_args(args) == ResponseOptions(True, True, True)
+        assert RequestLimits.from_args(args).max_logprobs == -1
+    default = build_parser().parse_args(["serve", "smollm2"])
+    assert (ResponseOptions.from_args(default), RequestLimits.from_args(default).max_logprobs) == (ResponseOptions(), 20)

@@ -100,6 +100,15 @@ def test_kv_usage_and_prefix_metrics(llm):
     assert_no_leaks(llm)
 
 
+def test_a_request_that_ends_in_its_first_step_leaves_its_prompt_cached(llm):
+    """One token asked for: the request ends in the step that computed its prompt, whose
+    full blocks go back to the pool cached, as vLLM's do, for the next to hit."""
+    prompt = list(range(4000, 4040))  # two full blocks, and the last token's
+    one_token = SamplingParams(temperature=0, max_tokens=1)
+    first, again = (llm.generate([{"prompt_token_ids": prompt}], one_token, use_tqdm=False)[0] for _ in range(2))
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
+
+
 def test_profile_run_leaves_no_state(llm):
     worker = llm.engine.worker
     requests = dict(worker.requests)

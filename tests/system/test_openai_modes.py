@@ -50,31 +50,35 @@ from openai_servers import (
     healthy,
     running_server,
 )
+from structured_schemas import SQL_GRAMMAR
 
 from kvfleet import LLM, SamplingParams
+from kvfleet.processes import free_port
 from services.messages import Empty
 from services.outputs import CompletionOutput
 from services.scheduler_messages import StatsRequest
 from services.transport import rpc
 
-from corpus import CHAT, PROMPTS
+from corpus import CHAT, PROMPTS, TEXT
 
 # Latency bounds under a second: run alone (see pyproject's markers).
 pytestmark = pytest.mark.serial
 
 # Greedy outputs by mode (and the SDK's), for the cross-mode test at the end.
 GREEDY: dict[str, dict[str, Any]] = {"sdk": {}, **{mode: {} for mode in MODES}}
-
-
-# vLLM's server flags whose routes the issue 47 section at the end tests; nothing else here sees them.
+# vLLM's server flags whose routes and bounds the issue 47 sections at the end test; nothing else here sees
+# them (--max-logprobs -1, the whole vocabulary: test_max_logprobs_bounds_the_logprobs_a_request_asks_for).
 ROOT_PATH = "/llm"
 SERVER_FLAGS = ("--root-path", ROOT_PATH, "--enable-tokenizer-info-endpoint", "--enable-server-load-tracking",
-                "--show-hidden-metrics-for-version", "0.7")
+                "--show-hidden-metrics-for-version", "0.7", "--max-logprobs", "-1", "--enable-prompt-tokens-details")
 
 
 @pytest.fixture(scope="module", params=MODES)
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with running_server(request.param, tmp_path_factory, *SERVER_FLAGS) as running:
+    # Every test runs over a disk tier a quarter of a GiB large (~340 blocks): loads and
+    # evictions under the whole API's traffic, and never a different token.
+    tiers = ("--kv-offloading-dir", str(tmp_path_factory.mktemp("kv-tier")), "--kv-offloading-dir-size", "0.25")
+    with running_server(request.param, tmp_path_factory, *SERVER_FLAGS, *tiers) as running:
         yield running
 
 
@@ -240,7 +244,10 @@ def test_chat_streamed_and_whole_are_identical(server: Server, client: openai.Op
     streamed_tokens = [t.token for c in content for t in c.choices[0].logprobs.content]
     assert streamed_tokens == [t.token for t in whole.choices[0].logprobs.content]
     assert all(len(t.top_logprobs) == 2 for t in whole.choices[0].logprobs.content)
-    assert usage.choices == [] and usage.usage == whole.usage
+    # The same usage, but for the prompt tokens cached: the streamed one came second.
+    assert usage.choices == [] and usage.usage.prompt_tokens_details.cached_tokens > 0
+    assert usage.usage.model_copy(update={"prompt_tokens_details": None}) == whole.usage.model_copy(
+        update={"prompt_tokens_details": None})
     assert whole.usage.completion_tokens == len(streamed_tokens) == len(expected.token_ids)
     assert whole.usage.prompt_tokens == chat_prompt_len(llm)
 
@@ -812,26 +819,15 @@ def test_forced_tool_calls_answer_as_vllm_does(client: openai.OpenAI, tool_choic
     assert caught.value.param == "tools" and "Options" in caught.value.message
 
 
-# vLLM's test grammar (its tests' sample_sql_statements), in Lark.
-SQL_LARK = """
-start: select_statement
-select_statement: "SELECT " column " from " table " where " condition
-column: "col_1" | "col_2"
-table: "table_1" | "table_2"
-condition: column "=" number
-number: "1" | "2"
-"""
-
-
 def test_lark_grammars_are_taken_as_vllm_takes_them(server: Server, client: openai.OpenAI) -> None:
     """structured_outputs.grammar and guided_grammar in Lark's syntax are converted to
     EBNF; one that does not convert is a 400 naming the field and what does not."""
     sql = re.compile(r"SELECT col_[12] from table_[12] where col_[12]=[12]")
     chat = client.chat.completions.create(model=SERVED, messages=CHAT, max_tokens=30, temperature=0,
-                                          extra_body={"structured_outputs": {"grammar": SQL_LARK}})
+                                          extra_body={"structured_outputs": {"grammar": SQL_GRAMMAR}})
     assert sql.fullmatch(chat.choices[0].message.content), chat.choices[0].message.content
     completion = client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=30, temperature=0,
-                                           extra_body={"guided_grammar": SQL_LARK})
+                                           extra_body={"guided_grammar": SQL_GRAMMAR})
     assert sql.fullmatch(completion.choices[0].text), completion.choices[0].text
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=4,
@@ -926,3 +922,188 @@ def test_show_hidden_metrics_for_version_is_accepted_and_said_to_change_nothing(
     log = server.log_path.read_text(errors="replace")
     assert "--show-hidden-metrics-for-version has no effect: kvfleet hides no metric" in log, server.log_tail()
     assert "vllm:num_requests_running" in server.metrics()
+
+
+# -- issue 47: request-level features (usage in every chunk, token ids, logprob bounds, echo) --
+
+
+def test_continuous_usage_stats_tell_the_usage_so_far_in_every_chunk(client: openai.OpenAI, llm: LLM) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    *body, total = client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                             stream=True, stream_options=options)
+    assert total.choices == [] and total.usage.completion_tokens == 6
+    assert total.usage.prompt_tokens == len(encode(llm, PROMPTS[0]))
+    counts = [c.usage.completion_tokens for c in body]
+    assert counts == sorted(set(counts)) and counts[-1] == 6  # each chunk's count, after its tokens
+    assert all(c.usage.prompt_tokens == total.usage.prompt_tokens for c in body)
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in body)
+    *body, total = client.chat.completions.create(model=SERVED, messages=CHAT, max_completion_tokens=6, temperature=0,
+                                                  stream=True, stream_options=options)
+    assert total.choices == [] and total.usage.prompt_tokens == chat_prompt_len(llm)
+    counts = [c.usage.completion_tokens for c in body]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == total.usage.completion_tokens  # role first
+    # As vLLM: continuous_usage_stats says nothing without include_usage.
+    quiet = client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=3, temperature=0, stream=True,
+                                      stream_options={"continuous_usage_stats": True})
+    assert all(c.usage is None for c in quiet)
+
+
+def test_return_token_ids_give_the_prompt_s_and_each_choice_s_token_ids(client: openai.OpenAI, llm: LLM) -> None:
+    [expected] = sdk_greedy(llm, [PROMPTS[1]], 6)
+    args = dict(model=SERVED, prompt=PROMPTS[1], max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+    [whole] = client.completions.create(**args).choices
+    assert whole.prompt_token_ids == encode(llm, PROMPTS[1]) and whole.token_ids == list(expected.token_ids)
+    streamed = [c.choices[0] for c in client.completions.create(**args, stream=True)]
+    assert streamed[0].prompt_token_ids == whole.prompt_token_ids  # with the first chunk only
+    assert not any("prompt_token_ids" in c.model_extra for c in streamed[1:])
+    assert [token for c in streamed for token in c.token_ids] == whole.token_ids
+    assert client.completions.create(**{**args, "extra_body": {}}).choices[0].token_ids is None
+
+    chat_args = dict(model=SERVED, messages=CHAT, max_completion_tokens=6, temperature=0,
+                     extra_body={"return_token_ids": True})
+    chat = client.chat.completions.create(**chat_args)
+    assert chat.prompt_token_ids == llm.get_tokenizer().apply_chat_template(CHAT)
+    assert chat.choices[0].token_ids == list(sdk_chat(llm, 6).token_ids)
+    first, *rest = client.chat.completions.create(**chat_args, stream=True)
+    assert first.prompt_token_ids == chat.prompt_token_ids
+    assert not any("prompt_token_ids" in c.model_extra for c in rest)
+    assert [token for c in rest for token in c.choices[0].model_extra.get("token_ids", [])] == chat.choices[0].token_ids
+
+
+def test_return_tokens_as_token_ids_name_each_token_by_its_id(client: openai.OpenAI, llm: LLM) -> None:
+    as_ids = {"return_tokens_as_token_ids": True}
+    [expected] = sdk_greedy(llm, [PROMPTS[2]], 8)
+    echoed = client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=8, temperature=0, echo=True,
+                                       logprobs=1, extra_body=as_ids).choices[0]
+    prompt_ids = encode(llm, PROMPTS[2])
+    assert echoed.logprobs.tokens == [f"token_id:{t}" for t in [*prompt_ids, *expected.token_ids]]
+    # As vLLM's: each entry of top_logprobs names its own token first.
+    assert [next(iter(top)) for top in echoed.logprobs.top_logprobs[1:]] == echoed.logprobs.tokens[1:]
+    chat = client.chat.completions.create(model=SERVED, messages=CHAT, max_completion_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=1, extra_body=as_ids)
+    names = [f"token_id:{t}" for t in sdk_chat(llm, 6).token_ids]
+    content = chat.choices[0].logprobs.content
+    assert [t.token for t in content] == [t.top_logprobs[0].token for t in content] == names
+    assert b"".join(bytes(t.bytes) for t in content).decode() == chat.choices[0].message.content  # still the text's
+
+
+def test_max_logprobs_bounds_the_logprobs_a_request_asks_for(client: openai.OpenAI, llm: LLM) -> None:
+    """The servers run with --max-logprobs -1: -1 asks for the whole vocabulary, more
+    is refused in vLLM's words (the default of 20 is tests/gateway's)."""
+    vocab = llm.get_tokenizer().vocab_size
+    chat = client.chat.completions.create(model=SERVED, messages=CHAT, max_completion_tokens=1, temperature=0,
+                                          logprobs=True, top_logprobs=-1)
+    assert len(chat.choices[0].logprobs.content[0].top_logprobs) == vocab
+    # Four prompt positions of the whole vocabulary: more than NATS's default 1 MB in one message.
+    prompt = "The history of the lighthouse"
+    [choice] = client.completions.create(model=SERVED, prompt=prompt, max_tokens=1,
+                                         extra_body={"prompt_logprobs": -1}).choices
+    entries = choice.prompt_logprobs
+    assert entries[0] is None and len(entries) == len(encode(llm, prompt)) >= 5
+    assert all(len(entry) == vocab for entry in entries[1:])
+    refused = [
+        (client.completions.create, {"prompt": "Hi", "logprobs": vocab + 1}, "logprobs",
+         f"Requested sample logprobs of {vocab + 1}, which is greater than max allowed: {vocab}"),
+        (client.completions.create, {"prompt": "Hi", "extra_body": {"prompt_logprobs": vocab + 1}}, "prompt_logprobs",
+         f"Requested prompt logprobs of {vocab + 1}, which is greater than max allowed: {vocab}"),
+        (client.chat.completions.create, {"messages": CHAT, "logprobs": True, "top_logprobs": vocab + 1},
+         "top_logprobs", f"Requested sample logprobs of {vocab + 1}, which is greater than max allowed: {vocab}"),
+        (client.completions.create, {"prompt": "Hi", "logprobs": -2}, "logprobs",
+         "`logprobs` must be a positive value or -1."),
+    ]
+    for create, extra, param, message in refused:
+        with pytest.raises(openai.BadRequestError) as caught:
+            create(model=SERVED, max_tokens=1, **extra)
+        assert caught.value.param == param and message in caught.value.message
+
+
+def test_echo_with_continue_final_message_goes_on_with_the_last_message(client: openai.OpenAI, llm: LLM) -> None:
+    saying = "Here is a common saying about apple. An apple a day, keeps"
+    messages = [{"role": "user", "content": "tell me a common saying"}, {"role": "assistant", "content": saying}]
+    args = dict(model=SERVED, messages=messages, max_completion_tokens=8, temperature=0)
+    go_on = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(**args, extra_body=go_on).choices[0].message
+    # The model continued the open message: the SDK's greedy continuation of the same prompt.
+    prompt = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert llm.get_tokenizer().decode(prompt).endswith(saying)
+    [expected] = sdk_greedy(llm, [prompt], 8)
+    assert (plain.role, plain.content) == ("assistant", expected.text)
+    echoed = client.chat.completions.create(**args, extra_body={**go_on, "echo": True}).choices[0].message
+    assert echoed.content == saying + plain.content
+    chunks = list(client.chat.completions.create(**args, stream=True, extra_body={**go_on, "echo": True}))
+    assert chunks[1].choices[0].delta.content == saying  # right after the role's
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == echoed.content
+    with pytest.raises(openai.BadRequestError) as both:
+        client.chat.completions.create(**args, extra_body={"continue_final_message": True})  # with the default
+    assert both.value.param == "continue_final_message" and "`add_generation_prompt`" in both.value.message
+
+
+def test_a_cluster_gateway_takes_the_response_flags(server: Server, tmp_path: Path) -> None:
+    """--enable-force-include-usage, --return-tokens-as-token-ids and
+    --enable-prompt-tokens-details (completions too) on a second gateway of the running
+    cluster, started as cluster up started its own (in serve mode: tests/gateway/test_gateway.py
+    on the embedded app; tests/kvfleet/test_cli.py, the flags reaching both)."""
+    if server.mode != "cluster" or not PROC:
+        pytest.skip("a second gateway of the cluster, started like its own through /proc")
+    pid = role_pid(server, "gateway")
+    argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
+    environment = dict(entry.split("=", 1) for entry in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                       if "=" in entry)
+    port = free_port()
+    argv[argv.index("--port") + 1] = str(port)
+    if "--listen-fd" in argv:  # cluster up's listening socket, not inherited here: it binds --port itself
+        del argv[argv.index("--listen-fd"):argv.index("--listen-fd") + 2]
+    flags = ["--enable-force-include-usage", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details"]
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("wb") as log:
+        second = subprocess.Popen([*argv, *flags], env=environment, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        began = time.monotonic()
+        while not healthy(url):
+            assert second.poll() is None and time.monotonic() - began < 60, log_path.read_text()
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        *body, total = client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                                 stream=True, logprobs=1)
+        assert [c.usage.completion_tokens for c in body] == [1, 2, 3, 4] and total.choices == []
+        assert total.usage.prompt_tokens_details is not None
+        assert all(t.startswith("token_id:") for c in body for t in c.choices[0].logprobs.tokens)
+        prompt = "The history of the printing press begins " * 8  # several full blocks
+        for _ in range(2):  # the second is served from the first's blocks
+            usage = client.completions.create(model=SERVED, prompt=prompt, max_tokens=1).usage
+        assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16 > 0
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=60) == 0, log_path.read_text()
+
+
+# -- issue 41: the KV offload tiers behind the API --------------------------------------------
+
+
+def _long_prompt(index: int) -> str:
+    """About 450 tokens: TEXT's paragraphs in another order each time, so no two share a
+    block after the chat template's head."""
+    paragraphs = TEXT.split("\n\n")
+    return "\n\n".join(paragraphs[index:] + paragraphs[:index])[:1900]
+
+
+def test_a_prompt_pushed_out_of_the_pool_comes_back_from_disk_and_counts_as_cached(server: Server,
+                                                                                   client: openai.OpenAI) -> None:
+    def chat(prompt: str) -> tuple[str, int, int]:
+        answer = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=8, temperature=0)
+        usage = answer.usage
+        return answer.choices[0].message.content, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+
+    before = server.metrics()
+    text, prompt_tokens, cached = chat(_long_prompt(0))
+    for index in range(1, 6):  # 5 x 28 blocks: the first prompt's blocks leave the 128-block pool
+        chat(_long_prompt(index))
+    again, _, cached = chat(_long_prompt(0))
+    assert again == text
+    assert cached == (prompt_tokens - 1) // 16 * 16  # every full block but the one with the last token
+    after = server.metrics()
+    loaded = "kvfleet:kv_offload_loaded_blocks_total{medium=DISK}"
+    hits = "vllm:external_prefix_cache_hits_total"
+    assert 0 < (after[loaded] - before.get(loaded, 0)) * 16 == after[hits] - before.get(hits, 0) <= cached

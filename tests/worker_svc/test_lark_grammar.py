@@ -5,22 +5,13 @@ from __future__ import annotations
 
 import pytest
 import xgrammar as xgr
+from structured_schemas import SQL_GRAMMAR
 
 from worker_svc.runtime.sampling.lark_grammar import as_ebnf, is_lark
 
-# vLLM's test grammar (tests/entrypoints' sample_sql_statements), in Lark.
-SQL = """
-start: select_statement
-select_statement: "SELECT " column " from " table " where " condition
-column: "col_1" | "col_2"
-table: "table_1" | "table_2"
-condition: column "=" number
-number: "1" | "2"
-"""
-
 # (Lark grammar, strings it accepts, strings it refuses)
 CASES = [
-    (SQL, ["SELECT col_1 from table_2 where col_2=1"], ["SELECT col_3 from table_1 where col_1=1", "SELECT col_1"]),
+    (SQL_GRAMMAR, ["SELECT col_1 from table_2 where col_2=1"], ["SELECT col_3 from table_1 where col_1=1", "SELECT col_1"]),
     ("rule: 'hello'", ["hello"], ["hell", "Hello"]),  # the first rule starts; single quotes, as vLLM takes them
     ("""
 // alternatives on the lines after, modifiers, priorities and aliases

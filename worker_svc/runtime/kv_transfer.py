@@ -65,8 +65,8 @@ class KvTransfer:
             self._start_load(load)
         if plan.kv_host_saves:
             copy_blocks(plan.kv_host_saves, self.kv_caches, self.host_caches)
-            self._count(HOST, stored_blocks=len(plan.kv_host_saves),
-                        stored_bytes=len(plan.kv_host_saves) * self.block_bytes)
+            saved = len(plan.kv_host_saves)
+            self._count(KvTierCounts(HOST, stored_blocks=saved, stored_bytes=saved * self.block_bytes))
         if plan.kv_file_saves and self.files:
             self._save(plan.kv_file_saves)
 
@@ -93,13 +93,7 @@ class KvTransfer:
         for tier in self.files:
             taken = tier.take_counts()
             if taken.stored_blocks or taken.evicted_blocks or taken.failed:
-                entry = counts.setdefault(tier.medium, KvTierCounts(tier.medium))
-                entry.stored_blocks += taken.stored_blocks
-                entry.stored_bytes += taken.stored_bytes
-                entry.evicted_blocks += taken.evicted_blocks
-                entry.evicted_bytes += taken.evicted_bytes
-                entry.failed += taken.failed
-                entry.evicted_hashes += taken.evicted_hashes
+                counts.setdefault(tier.medium, KvTierCounts(tier.medium)).add(taken)
         return list(counts.values())
 
     def close(self) -> None:
@@ -113,8 +107,8 @@ class KvTransfer:
         if from_host:
             started = time.perf_counter()
             copy_blocks(from_host, self.host_caches, self.kv_caches)
-            self._count(HOST, loaded_blocks=len(from_host), loaded_bytes=len(from_host) * self.block_bytes,
-                        load_seconds=[time.perf_counter() - started])
+            self._count(KvTierCounts(HOST, loaded_blocks=len(from_host), loaded_bytes=len(from_host) * self.block_bytes,
+                                     load_seconds=[time.perf_counter() - started]))
         if len(from_host) == len(load.blocks):
             self._done.put((load.request_id, len(load.blocks)))
             return
@@ -143,8 +137,8 @@ class KvTransfer:
             seconds = time.perf_counter() - started
             for medium in set(sources):
                 loaded = sources.count(medium)
-                self._count(medium, loaded_blocks=loaded, loaded_bytes=loaded * self.block_bytes,
-                            load_seconds=[seconds])
+                self._count(KvTierCounts(medium, loaded_blocks=loaded, loaded_bytes=loaded * self.block_bytes,
+                                         load_seconds=[seconds]))
             self._done.put((load.request_id, count))
             with self._load_finished:
                 self._num_loading -= 1
@@ -202,12 +196,6 @@ class KvTransfer:
             with self._lock:
                 self._queued_write_bytes -= size
 
-    def _count(self, medium: str, *, stored_blocks: int = 0, stored_bytes: int = 0, loaded_blocks: int = 0,
-               loaded_bytes: int = 0, load_seconds: Sequence[float] = ()) -> None:
+    def _count(self, counts: KvTierCounts) -> None:
         with self._lock:
-            entry = self._counts.setdefault(medium, KvTierCounts(medium))
-            entry.stored_blocks += stored_blocks
-            entry.stored_bytes += stored_bytes
-            entry.loaded_blocks += loaded_blocks
-            entry.loaded_bytes += loaded_bytes
-            entry.load_seconds.extend(load_seconds)
+            self._counts.setdefault(counts.medium, KvTierCounts(counts.medium)).add(counts)

@@ -98,7 +98,9 @@ def gather_logprobs(
     """Per row that asked: {token: logprob} for its top-n tokens (best first) and the
     sampled token. Logprobs are of the raw model distribution, as vLLM reports by default."""
     logprobs = logits.log_softmax(dim=-1)
-    max_n = max(n for n in wanted if n is not None)
+    # A count past the vocabulary (vLLM's -1 resolved against a tokenizer with more
+    # tokens than the model's logits) gets every token.
+    max_n = min(max(n for n in wanted if n is not None), logprobs.shape[-1])
     top_values, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (None, None)
     sampled_values = logprobs.gather(-1, sampled[:, None]).squeeze(-1).tolist()
     out = {}

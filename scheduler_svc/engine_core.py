@@ -91,6 +91,7 @@ class EngineCore:
                 preemption_mode=config.preemption_mode,
                 num_host_blocks=described.num_host_blocks,
                 async_scheduling=self.runs_ahead,
+                speculative=config.speculative,
             ),
             KvConnector(described.num_offload_blocks, file_tiers(config, described.kv_layout_key))
             if config.has_kv_tiers else None,
@@ -255,6 +256,7 @@ class EngineCore:
             prefix_cache_hits=scheduler.prefix_cache_hits,
             iteration_tokens=scheduler.iteration_tokens.snapshot(),
             cache_config=self.cache_config,
+            spec_decoding=scheduler.spec_decoding.stats() if self.config.speculative is not None else None,
             **self._tier_stats(),
         )
 

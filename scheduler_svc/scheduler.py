@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 from scheduler_svc.block_pool import BlockPool, KvEventLog, StoredBlock
 from scheduler_svc.kv_connector import KvConnector
+from scheduler_svc.ngram_proposer import propose_ngram
 from scheduler_svc.request import FinishReason, Request, RequestStatus
+from scheduler_svc.spec_decode_counts import SpecDecodingCounts
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.histogram_counts import BucketCounter
 from services.invalid_parameter import InvalidParameter
@@ -29,6 +31,7 @@ from services.messages import (
     TokenDelta,
 )
 from services.metric_buckets import ITERATION_TOKENS
+from services.speculative_config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class SchedulerConfig:
     # A request whose step is in flight may be planned into the next step, its input the
     # token that step will sample (vLLM's async scheduling; the worker fills it in).
     async_scheduling: bool = False
+    # Speculative decoding (docs/speculative.md): n-gram drafts appended to decoding requests' steps.
+    speculative: SpeculativeConfig | None = None
 
 
 class Scheduler:
@@ -69,6 +74,8 @@ class Scheduler:
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # tokens found there
         self.iteration_tokens = BucketCounter(ITERATION_TOKENS)  # see EngineStats.iteration_tokens
+        self.spec_decoding = SpecDecodingCounts(config.speculative.num_speculative_tokens
+                                                if config.speculative is not None else 0)
         self._step_ids = itertools.count()
         # Ended or preempted since the last plan; the next plan tells the worker.
         self._dropped_ids: list[str] = []
@@ -210,7 +217,11 @@ class Scheduler:
                 continue
             computed = request.num_computed_tokens + request.num_in_flight_tokens
             num_tokens = min(request.num_tokens + request.num_ahead_samples - computed, budget)
-            new_blocks = self._allocate_slots(request, computed + num_tokens)
+            drafts = self._propose(request, computed, num_tokens, budget)
+            new_blocks = self._allocate_slots(request, computed + num_tokens + len(drafts)) if drafts else None
+            if new_blocks is None:  # no drafts, or no free blocks for them (no preempting for drafts)
+                drafts = []
+                new_blocks = self._allocate_slots(request, computed + num_tokens)
             if new_blocks is None and ahead:
                 continue  # no preempting for a step ahead: it runs once its result is back
             while new_blocks is None:
@@ -221,9 +232,26 @@ class Scheduler:
                 if victim is request:
                     return budget
                 new_blocks = self._allocate_slots(request, computed + num_tokens)
-            self._add_to_plan(plan, request, num_tokens, new_blocks)
-            budget -= num_tokens
+            self._add_to_plan(plan, request, num_tokens, new_blocks, drafts)
+            budget -= num_tokens + len(drafts)
         return budget
+
+    def _propose(self, request: Request, computed: int, num_tokens: int, budget: int) -> list[int]:
+        """Draft tokens for a decoding request to verify in this step (docs/speculative.md).
+        A request whose next token depends on more than its logits (processors, a grammar,
+        a seed's per-position noise) decodes one token at a time, as without speculation."""
+        spec = self.config.speculative
+        if spec is None or num_tokens != 1 or computed + 1 != request.num_tokens or request.in_flight:
+            return []
+        params = request.sampling_params
+        if (params.reads_output_tokens or params.logit_bias or params.allowed_token_ids
+                or params.seed is not None):
+            return []
+        # Never past max_tokens or the context: the drafts' positions must exist.
+        k = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens)
+        if params.max_tokens is not None:
+            k = min(k, params.max_tokens - len(request.output_token_ids) - 1)
+        return propose_ngram(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, max_requests: int | None) -> None:
         while (self.waiting and self._num_seqs < self.config.max_num_seqs and budget > 0
@@ -363,12 +391,16 @@ class Scheduler:
         request.block_ids.extend(new_blocks)
         return new_blocks
 
-    def _add_to_plan(self, plan: StepPlan, request: Request, num_tokens: int, new_blocks: list[int]) -> None:
-        plan.num_scheduled_tokens[request.request_id] = num_tokens
+    def _add_to_plan(self, plan: StepPlan, request: Request, num_tokens: int, new_blocks: list[int],
+                     drafts: list[int] = ()) -> None:
+        """`drafts`: appended to the request's `num_tokens` inputs, to verify."""
+        plan.num_scheduled_tokens[request.request_id] = num_tokens + len(drafts)
+        if drafts:
+            plan.scheduled_spec_decode_tokens[request.request_id] = list(drafts)
         computed = request.num_computed_tokens + request.num_in_flight_tokens  # once the steps in flight are done
         if computed + num_tokens == request.num_tokens + request.num_ahead_samples:
             request.num_ahead_samples += 1  # the step reaches the last token: it samples the next
-        request.num_in_flight_tokens += num_tokens
+        request.num_in_flight_tokens += num_tokens + len(drafts)
         outputs = request.output_token_ids
         if request.known_to_worker:
             plan.cached_requests.append(CachedRequestData(request.request_id, new_blocks, computed,
@@ -458,14 +490,21 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_in_flight_tokens -= num_tokens
+            sampled = result.sampled_token_ids.get(request_id)
+            if drafts := plan.scheduled_spec_decode_tokens.get(request_id):
+                # Only the last token and the accepted drafts are computed: the rejected
+                # drafts' positions are written again next step, into the blocks it keeps.
+                num_accepted = len(sampled) - 1 if sampled else 0
+                self.spec_decoding.observe(len(drafts), num_accepted)
+                num_tokens -= len(drafts) - num_accepted
             request.num_computed_tokens += num_tokens
             if self.config.enable_prefix_caching:
                 # Before its tokens are accepted: a request that ends in this step (one
                 # token asked for) frees its blocks, which must go back cached, as vLLM's do.
+                # (Accepted drafts are not its tokens yet: their blocks are cached below.)
                 self._cache_computed_blocks(request)
             if request_id in result.prompt_logprobs:
                 request.prompt_logprobs += result.prompt_logprobs[request_id]
-            sampled = result.sampled_token_ids.get(request_id)
             if sampled:
                 request.num_ahead_samples -= 1
                 delta = self._accept(request, sampled, result.logprobs.get(request_id), now)
@@ -475,6 +514,8 @@ class Scheduler:
                     step_tokens += len(request.prompt_token_ids)
             if request.followers and request.num_computed_tokens >= len(request.prompt_token_ids):
                 self._fork_followers(request)
+            if drafts and self.config.enable_prefix_caching and not request.is_finished:
+                self._cache_computed_blocks(request)  # the blocks its accepted drafts filled
         if deltas:  # as vLLM, which records a step's stats only when it has outputs
             self.iteration_tokens.observe(step_tokens)
         return deltas
@@ -542,7 +583,9 @@ class Scheduler:
 
     def _cache_computed_blocks(self, request: Request) -> None:
         """Index the blocks whose tokens are now all computed, and save them to the offload tiers."""
-        num_full = request.num_computed_tokens // self.config.block_size
+        # Only blocks of its tokens: a speculative step's accepted drafts count as computed
+        # before they are appended to its output.
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.config.block_size
         if num_full <= request.num_cached_blocks:
             return
         self._hash_full_blocks(request)

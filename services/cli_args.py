@@ -65,9 +65,13 @@ _ENGINE_HELP = {
     "cuda_graph_sizes": "decode batch sizes captured as CUDA graphs; a batch runs in the smallest that holds it "
                         "(default: 1 2 4 8 16 24 32 48 64 ... up to --max-num-seqs)",
     "trust_remote_code": "accepted for vLLM's sake: kvfleet never runs a model repository's code",
+    "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                          "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} drafts tokens from the request's own "
+                          "prompt and output; the model verifies them in one step (ngram only, for now)",
 }
 # vLLM's short spellings.
-_ENGINE_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"]}
+_ENGINE_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"],
+                   "speculative_config": ["-sc"]}
 # What the tokenizer role needs of the engine flags: the text side of the model.
 TOKENIZER_FIELDS = ("model", "revision", "tokenizer", "tokenizer_revision", "generation_config")
 
@@ -77,7 +81,6 @@ _TLS = "kvfleet serves plain HTTP; terminate TLS in front of it (a reverse proxy
 VLLM_FLAGS_NOT_SUPPORTED = {
     "--enable-lora": _LORA,
     "--lora-modules": _LORA,
-    "--speculative-config": "speculative decoding is not supported yet; serve without it",
     "--kv-transfer-config": "disaggregated prefill (KV transfer) is not supported; serve without it",
     "--cpu-offload-gb": "weights offloaded to host memory are not supported; use a device that holds the model",
     "--limit-mm-per-prompt": "kvfleet serves text-only models; drop the flag",

@@ -11,6 +11,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from services.speculative_config import SpeculativeConfig, SpeculativeConfigError, parse_speculative_config
+
 
 class ConfigError(ValueError):
     """A setting that cannot work, found before any loading."""
@@ -77,6 +79,8 @@ class EngineConfig:
     async_scheduling: bool = False  # plan step N+1 while step N runs (one rank only, for now)
     cuda_graph_sizes: tuple[int, ...] | None = None  # None: DEFAULT_CUDA_GRAPH_SIZES up to max_num_seqs
     trust_remote_code: bool = False
+    # vLLM's JSON (a dict from the SDK); kept as canonical JSON, parsed into `speculative`.
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -118,6 +122,23 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: choose one of {', '.join(KV_CACHE_DTYPES)} "
                               "(fp8 caches are not supported)")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        self.speculative: SpeculativeConfig | None = None
+        if self.speculative_config is None:
+            return
+        try:
+            self.speculative = parse_speculative_config(self.speculative_config)
+        except SpeculativeConfigError as exc:
+            raise ConfigError(f"--speculative-config: {exc}") from exc
+        self.speculative_config = self.speculative.to_json()
+        # The verification step samples several tokens per request: these would need that too.
+        if self.async_scheduling:
+            raise ConfigError("--speculative-config with --async-scheduling is not supported yet: drop one of them")
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("--speculative-config serves one-rank workers for now: drop --tensor-parallel-size and "
+                              "--pipeline-parallel-size, or the speculative config")
 
     @property
     def has_kv_tiers(self) -> bool:

@@ -81,6 +81,10 @@ class StepPlan(msgspec.Struct, **_HOT):
     worker_instance_id: str = ""
     # The scheduler instance that made it: a worker drops the state of a previous one.
     scheduler_instance_id: str = ""
+    # Speculative decoding (vLLM's name): per decoding request, the draft tokens appended
+    # to its inputs. Its num_scheduled_tokens counts them; the worker verifies them and
+    # returns the accepted ones plus one token in sampled_token_ids.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -197,6 +201,17 @@ class KvTierStats(msgspec.Struct, omit_defaults=True):
     load_seconds: HistogramCounts
 
 
+class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
+    """Speculative decoding's counters since the scheduler started, as vLLM's: verification
+    steps of a request given drafts, draft tokens, accepted drafts (the bonus token is not
+    one), and accepted drafts by position in the draft (index 0: the first draft)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+
 class EngineStats(msgspec.Struct, omit_defaults=True):
     """A scheduler's gauges, counters and histograms, exported with vLLM's metric names."""
 
@@ -216,6 +231,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     kv_tiers: list[KvTierStats] = []
+    spec_decoding: SpecDecodingStats | None = None  # None: no speculative decoding configured
 
 
 class EngineInfo(msgspec.Struct, frozen=True):

@@ -71,6 +71,7 @@ class EngineStatsCollector(Collector):
                 yield family
         yield self._iteration_tokens(stats)
         yield from self._tier_families(stats)
+        yield from self._spec_decoding_families(stats)
         yield _cache_config_info(stats)
 
     def _tier_families(self, stats: EngineStats | None) -> Iterator[Metric]:
@@ -87,6 +88,26 @@ class EngineStatsCollector(Collector):
         for tier in tiers:
             counts = tier.load_seconds
             family.add_metric([*self._labels, tier.medium], list(zip(bounds, accumulate(counts.counts))), counts.sum)
+        yield family
+
+    _SPEC_COUNTERS = (
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "num_draft_tokens"),
+        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "num_accepted_tokens"),
+    )
+
+    def _spec_decoding_families(self, stats: EngineStats | None) -> Iterator[Metric]:
+        """Samples only when speculative decoding is configured, as vLLM exports them."""
+        spec = stats.spec_decoding if stats is not None else None
+        for name, doc, attribute in self._SPEC_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            if spec is not None:
+                family.add_metric(self._labels, getattr(spec, attribute))
+            yield family
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.", labels=["model_name", "position"])
+        for position, count in enumerate(spec.num_accepted_tokens_per_pos if spec is not None else []):
+            family.add_metric([*self._labels, str(position)], count)
         yield family
 
     def _iteration_tokens(self, stats: EngineStats | None) -> Metric:

@@ -41,10 +41,12 @@ class TextStream:
         self._hold_back = 0 if params.include_stop_str_in_output or not params.stop else max(map(len, params.stop)) - 1
 
     def apply(self, delta: TokenDelta) -> TextDelta:
-        new_text = self.detokenizer.step(delta.new_token_ids)
-        self._raw_text += new_text
-        result = TextDelta("", delta.new_token_ids, delta.logprobs, delta.finish_reason, delta.stop_reason)
-        hit = _find_stop_string(self._raw_text, len(new_text), self.params)
+        tokens, hit = self._decode(delta.new_token_ids)
+        if len(tokens) == len(delta.new_token_ids):
+            result = TextDelta("", tokens, delta.logprobs, delta.finish_reason, delta.stop_reason)
+        else:  # a stop string cut the delta: the tokens after it are not output
+            logprobs = delta.logprobs[: len(tokens)] if delta.logprobs is not None else None
+            result = TextDelta("", tokens, logprobs, None, None)
         if hit is not None:
             end, stop = hit
             result.finish_reason, result.stop_reason = "stop", stop
@@ -57,6 +59,19 @@ class TextStream:
         self.text += result.text
         self.finished = result.finish_reason is not None
         return result
+
+    def _decode(self, token_ids: list[int]) -> tuple[list[int], tuple[int, str] | None]:
+        """Detokenizes a delta: (its tokens up to the one completing a stop string, the hit).
+        With stop strings, a delta of several tokens (speculative decoding's accepted run)
+        goes one token at a time, so it ends where the same tokens one by one would."""
+        step = 1 if self.params.stop and len(token_ids) > 1 else max(1, len(token_ids))
+        for start in range(0, max(1, len(token_ids)), step):
+            new_text = self.detokenizer.step(token_ids[start : start + step])
+            self._raw_text += new_text
+            hit = _find_stop_string(self._raw_text, len(new_text), self.params)
+            if hit is not None:
+                return token_ids[: start + step], hit
+        return token_ids, None
 
 
 def _find_stop_string(text: str, new_chars: int, params: SamplingParams) -> tuple[int, str] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from services.histogram_counts import HistogramCounts
-from services.messages import CacheConfigInfo, EngineInfo, EngineStats, KvTierStats
+from services.messages import CacheConfigInfo, EngineInfo, EngineStats, KvTierStats, SpecDecodingStats
 from services.metric_buckets import ITERATION_TOKENS
 from services.registry import Member
 
@@ -33,7 +33,20 @@ def total(stats: list[EngineStats]) -> EngineStats:
         external_prefix_cache_queries=sum(s.external_prefix_cache_queries for s in stats),
         external_prefix_cache_hits=sum(s.external_prefix_cache_hits for s in stats),
         kv_tiers=_fleet_tiers([tier for s in stats for tier in s.kv_tiers]),
+        spec_decoding=_fleet_spec_decoding([s.spec_decoding for s in stats if s.spec_decoding is not None]),
     )
+
+
+def _fleet_spec_decoding(replicas: list[SpecDecodingStats]) -> SpecDecodingStats | None:
+    """The replicas' speculative decoding counters summed, position by position."""
+    if not replicas:
+        return None
+    per_pos = [0] * max(len(r.num_accepted_tokens_per_pos) for r in replicas)
+    for replica in replicas:
+        for position, count in enumerate(replica.num_accepted_tokens_per_pos):
+            per_pos[position] += count
+    return SpecDecodingStats(sum(r.num_drafts for r in replicas), sum(r.num_draft_tokens for r in replicas),
+                             sum(r.num_accepted_tokens for r in replicas), per_pos)
 
 
 def _fleet_tiers(tiers: list[KvTierStats]) -> list[KvTierStats]:

@@ -28,6 +28,8 @@ VLLM_LAUNCH = ["--tensor-parallel-size", "1", "--dtype", "half", "--max-model-le
                "--gpu-memory-utilization", "0.9", "--enable-prefix-caching", "--disable-log-requests",
                "--uvicorn-log-level", "warning", "--served-model-name", "a", "b", "--generation-config", "auto",
                "--trust-remote-code"]
+# A vLLM user's speculative decoding flag, on the same line.
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 ERROR_WITHIN_S = 3.0
 # What a person needs to see once the server is up (worker_svc/runtime/worker.py, gateway/drain.py).
 SUMMARY_FIELDS = ("model smollm2:", "(llama, 30 layers)",
@@ -40,7 +42,8 @@ def test_a_vllm_launch_line_serves(tmp_path: Path) -> None:
     port = free_port()
     log_path = tmp_path / "serve.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen([*KVFLEET, "serve", "smollm2", "--port", str(port), *VLLM_LAUNCH], cwd=REPO,
+        process = subprocess.Popen([*KVFLEET, "serve", "smollm2", "--port", str(port), *VLLM_LAUNCH,
+                                    "--speculative-config", json.dumps(SPECULATIVE)], cwd=REPO,
                                    env=ENV, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
@@ -57,6 +60,9 @@ def test_a_vllm_launch_line_serves(tmp_path: Path) -> None:
         assert reply.status_code == 200, reply.text
         assert reply.json()["model"] == "a"  # the first served name, as vLLM answers
         assert httpx.post(f"{url}/v1/chat/completions", json={**body, "model": "c"}).status_code == 404
+        # The speculative config reached the engine: vLLM's counters are exported (and counted).
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'vllm:spec_decode_num_drafts_total{model_name="a"}' in metrics, metrics
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
@@ -103,6 +109,10 @@ REFUSED = {
     "chat-template": (["--chat-template", "no-such-file"], "'no-such-file' is neither a file nor a template"),
     "generation-config": (["--generation-config", "/no/such/dir"], "--generation-config /no/such/dir: no "
                           "generation_config.json there"),
+    "speculative-method": (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+                           "--speculative-config: method 'eagle': kvfleet implements ngram"),
+    "speculative-async": (["-sc", '{"method": "ngram", "num_speculative_tokens": 2}', "--async-scheduling"],
+                          "--speculative-config with --async-scheduling is not supported yet"),
     "missing-model": (["--model", "/no/such/model"], "'/no/such/model'"),
     "missing-tokenizer": (["--tokenizer", "/no/such/tokenizer"], "'/no/such/tokenizer'"),
 }

@@ -18,6 +18,7 @@ from services.messages import (
     KvTierCounts,
     KvTierStats,
     NewRequestData,
+    SpecDecodingStats,
     StepPlan,
     StepResult,
     TokenDelta,
@@ -74,7 +75,7 @@ PLAN = StepPlan(
     step_id=41,
     new_requests=[NewRequestData("b", [5, 6, 7, 8], 3, [3, 4], 2, FULL_PARAMS)],
     cached_requests=[CachedRequestData("z", [9], 17, [42, 7]), CachedRequestData("a", [], 3)],
-    num_scheduled_tokens={"z": 1, "b": 2, "a": 1},
+    num_scheduled_tokens={"z": 3, "b": 2, "a": 1},
     finished_request_ids=["gone", "preempted"],
     blocks_to_copy=[(1, 2)],
     blocks_to_swap_out=[(10, 0), (11, 1)],
@@ -84,6 +85,7 @@ PLAN = StepPlan(
     kv_file_saves=[(9, b"\x05" * 32)],
     worker_instance_id="4f1c",
     scheduler_instance_id="9e2a",
+    scheduled_spec_decode_tokens={"z": [11, 12]},
 )
 TIER_COUNTS = KvTierCounts("SHARED", 1, 2, 3, 4, 5, 6, 7, [0.25], [b"\x06" * 32])
 TIER_EVENTS = TierEvents("CPU", True, [b"\x07" * 32], [b"\x08" * 32])
@@ -104,7 +106,8 @@ MESSAGES = [
     TIER_COUNTS,
     WorkerDescription(100, 20, 16, 2048, 49152, (2, 0), "4f1c", 2, 50, "ab" * 16),
     EngineStats(3, 4, 0.375, 5, 100, 1 << 40, 1 << 39, HistogramCounts((1, 0, 7), 23.0), CACHE_CONFIG, 64, 32,
-                [KvTierStats("DISK", 1, 2, 3, 4, 5, 6, 7, HistogramCounts((1, 0), 0.5))]),
+                [KvTierStats("DISK", 1, 2, 3, 4, 5, 6, 7, HistogramCounts((1, 0), 0.5))],
+                SpecDecodingStats(4, 16, 9, [4, 3, 2, 0])),
     SUBMIT, SubmitBatchRequest([SUBMIT], "s1"), SubmitBatchResponse([SubmitResult(3, "temperature: bad")]),
     AbortRequest("r"), StatsRequest("s1"), StreamOutputsRequest("g"), ReplayOutputsRequest("g", 7, "s1"),
     StepOutputs([DELTA], "s1", 7, True), NumberedKvEvents("s1", 3, True, [b"\x00" * 32], [b"\x01" * 32],

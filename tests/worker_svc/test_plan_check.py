@@ -43,6 +43,9 @@ def test_a_plan_for_another_instance_is_refused(plan: StepPlan, message: str) ->
     (StepPlan(1, cached_requests=[CachedRequestData("ghost", [], 4)]), "'ghost' is not held here"),
     (StepPlan(1, num_scheduled_tokens={"ghost": 1}), "'ghost' is scheduled but not held here"),
     (StepPlan(1, num_scheduled_tokens={"held": 0}), "0 tokens scheduled for 'held'"),
+    (StepPlan(1, num_scheduled_tokens={"held": 2}, scheduled_spec_decode_tokens={"held": [5, 6]}),
+     "2 drafts for 'held', which is scheduled 2 tokens"),
+    (StepPlan(1, scheduled_spec_decode_tokens={"held": [5]}), "1 drafts for 'held', which is scheduled 0 tokens"),
 ])
 def test_a_plan_outside_the_pools_or_the_held_requests_is_refused(plan: StepPlan, message: str) -> None:
     plan.worker_instance_id = ID

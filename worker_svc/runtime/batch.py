@@ -56,6 +56,10 @@ class StepInputs:
     sample_batch_rows: torch.Tensor  # [S] their rows in the InputBatch
     sampling: SamplingBatch | None  # for the sampled rows; None when nothing samples
     row_starts: list[int]  # each scheduled request's first row, in plan order
+    # Speculative decoding: the rows (of the flattened batch) of the requests given drafts,
+    # each request's last token and its drafts, all verified; and those requests in order.
+    spec_rows: torch.Tensor | None = None
+    spec_requests: list[tuple[str, list[int]]] | None = None
 
 
 class InputBatch:
@@ -126,10 +130,23 @@ class InputBatch:
         sampled: list[tuple[str, RequestState]] = []
         pending: list[int] = []  # where a token sampled on the device goes in input_ids
         pending_rows: list[int] = []
+        spec_rows: list[int] = []
+        spec_requests: list[tuple[str, list[int]]] = []
         for index, ((request_id, state), count) in enumerate(zip(zip(plan.num_scheduled_tokens, states), counts)):
             start = state.num_computed_tokens
             row_starts.append(len(input_ids))
             known = state.token_ids[start : start + count]
+            if drafts := plan.scheduled_spec_decode_tokens.get(request_id):
+                # The request's last token, then its drafts: every position is verified.
+                if start + count - len(drafts) != len(state.token_ids) or state.num_sampled_ahead:
+                    raise RuntimeError(f"worker out of sync on {request_id}: {len(drafts)} drafts after "
+                                       f"{count - len(drafts)} tokens from {start}, it knows {len(state.token_ids)}")
+                spec_rows += range(len(input_ids), len(input_ids) + count)
+                spec_requests.append((request_id, drafts))
+                input_ids += known + drafts
+                positions += range(start, start + count)
+                request_of_token += [index] * count
+                continue
             if len(known) < count:
                 if count - len(known) != 1 or not state.num_sampled_ahead:
                     raise RuntimeError(f"worker out of sync on {request_id}: {count} tokens from {start} "
@@ -149,9 +166,9 @@ class InputBatch:
         # step of few rows paid more for a score of small device ops than for its tokens.
         lengths = [s.num_computed_tokens + n for s, n in zip(states, counts)]
         (rows, query_lens, seq_lens, token_requests, token_positions, tokens, sample_index, sample_batch_rows,
-         pending_index, pending_batch_rows) = self._upload(
+         pending_index, pending_batch_rows, spec_index) = self._upload(
             [[s.row for s in states], counts, lengths, request_of_token, positions, input_ids, sample_rows,
-             [s.row for _, s in sampled], pending, pending_rows])
+             [s.row for _, s in sampled], pending, pending_rows, spec_rows])
         block_tables = self.block_table[rows, : -(-max(lengths) // self.block_size)]
         slot_mapping = (block_tables[token_requests, token_positions // self.block_size].long() * self.block_size
                         + token_positions % self.block_size)
@@ -166,6 +183,8 @@ class InputBatch:
             sample_batch_rows=sample_batch_rows,
             sampling=self._sampling(sample_batch_rows, [s for _, s in sampled]) if sampled else None,
             row_starts=row_starts,
+            spec_rows=spec_index if spec_requests else None,
+            spec_requests=spec_requests or None,
         )
 
     def _sampling(self, rows: torch.Tensor, states: list[RequestState]) -> SamplingBatch:

@@ -44,6 +44,10 @@ def check_plan(plan: StepPlan, instance_id: str, num_blocks: int, num_host_block
             raise InvalidPlan(f"step {plan.step_id}: {count} tokens scheduled for {request_id!r}")
         if request_id not in arriving and request_id not in known_requests:
             raise InvalidPlan(f"step {plan.step_id}: request {request_id!r} is scheduled but not held here")
+    for request_id, drafts in plan.scheduled_spec_decode_tokens.items():
+        if not 0 < len(drafts) < plan.num_scheduled_tokens.get(request_id, 0):
+            raise InvalidPlan(f"step {plan.step_id}: {len(drafts)} drafts for {request_id!r}, which is scheduled "
+                              f"{plan.num_scheduled_tokens.get(request_id, 0)} tokens")
 
 
 def _in_range(what: str, ids: Iterable[int], size: int) -> None:

@@ -263,13 +263,20 @@ class Worker:
             # Every collective first (the last stage's ranks gather logits together), so a
             # sampling error on the sampling rank cannot leave the others waiting in one.
             logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.sample_request_ids else None
+            spec_logits = self.model.compute_logits(hidden[inputs.spec_rows]) if inputs.spec_requests else None
             prompt_logits = self.outputs.prompt_logits(plan, self.requests, inputs.row_starts, hidden)
             if shard.samples:
                 try:
-                    outcome = self.outputs.sample(plan.step_id, inputs, self.requests, logits, prompt_logits)
+                    outcome = self.outputs.sample(plan.step_id, inputs, self.requests, logits, prompt_logits,
+                                                  spec_logits)
                 except Exception as exc:  # this step fails on every rank alike
                     outcome = exc
+        emitted = outcome.sampled_token_ids if isinstance(outcome, StepResult) else {}
         for request_id, count in plan.num_scheduled_tokens.items():
+            if request_id in plan.scheduled_spec_decode_tokens and request_id in emitted:
+                # Only the last token and the accepted drafts are computed: the rejected
+                # drafts' KV is overwritten by the next step's tokens.
+                count = len(emitted[request_id])
             self.requests[request_id].num_computed_tokens += count
         return outcome
 

@@ -42,19 +42,26 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.all_greedy:
         return greedy_tokens
     greedy = batch.temperature == 0
-    logits = logits / torch.where(greedy, 1.0, batch.temperature)[:, None]
-    logits = apply_top_k_top_p(logits, batch.top_k if batch.any_top_k else None,
-                               batch.top_p if batch.any_top_p else None)
-    probs = logits.softmax(dim=-1)
-    if batch.any_min_p:
-        threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < threshold, 0.0)
+    probs = probabilities(logits, batch)
     noise = torch.empty_like(probs).exponential_()
     for row, generator in enumerate(batch.generators):
         if generator is not None:
             noise[row].exponential_(generator=generator)
     random_tokens = (probs / noise).argmax(dim=-1)
     return torch.where(greedy, greedy_tokens, random_tokens)
+
+
+def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution [S, V] each row samples from: tempered, then filtered by top-k,
+    top-p and min-p (greedy rows at temperature 1: their callers take the argmax)."""
+    logits = logits / torch.where(batch.temperature == 0, 1.0, batch.temperature)[:, None]
+    logits = apply_top_k_top_p(logits, batch.top_k if batch.any_top_k else None,
+                               batch.top_p if batch.any_top_p else None)
+    probs = logits.softmax(dim=-1)
+    if batch.any_min_p:
+        threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
 
 
 def position_seed(seed: int, output_position: int) -> int:

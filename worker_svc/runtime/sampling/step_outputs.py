@@ -14,6 +14,7 @@ from worker_svc.formats.model_config import ModelConfig
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.runtime.batch import InputBatch, RequestState, StepInputs
 from worker_svc.runtime.sampling.logits_processors import LogitsAdjustments
+from worker_svc.runtime.sampling.rejection_sampler import verify
 from worker_svc.runtime.sampling.sampler import gather_logprobs, position_seed, sample
 
 if TYPE_CHECKING:
@@ -34,10 +35,13 @@ class StepOutputs:
 
     def sample(
         self, step_id: int, inputs: StepInputs, requests: dict[str, RequestState], logits: torch.Tensor | None,
-        prompt_logits: list[PromptLogits],
+        prompt_logits: list[PromptLogits], spec_logits: torch.Tensor | None = None,
     ) -> StepResult:
-        """The sampling rank's result: tokens from the processed logits, logprobs from the raw ones."""
+        """The sampling rank's result: tokens from the processed logits, logprobs from the raw ones;
+        with `spec_logits`, the verification of the drafts in `inputs.spec_requests`."""
         result = StepResult(step_id)
+        if spec_logits is not None and inputs.spec_requests:
+            self._verify(result, inputs.spec_requests, requests, spec_logits)
         if logits is not None and inputs.sampling is not None:
             states = [requests[r] for r in inputs.sample_request_ids]
             for state in states:
@@ -70,6 +74,21 @@ class StepOutputs:
             entries = gather_logprobs(scored, targets, [top] * len(targets))
             result.prompt_logprobs[request_id] = [entries[row] for row in range(len(targets))]
         return result
+
+    def _verify(self, result: StepResult, spec_requests: list[tuple[str, list[int]]],
+                requests: dict[str, RequestState], logits: torch.Tensor) -> None:
+        states = [requests[request_id] for request_id, _ in spec_requests]
+        emitted = verify(logits, [(s.sampling_params, drafts) for s, (_, drafts) in zip(states, spec_requests)])
+        first_row = 0
+        for (request_id, drafts), state, tokens in zip(spec_requests, states, emitted):
+            result.sampled_token_ids[request_id] = tokens
+            state.num_sampled_ahead += len(tokens)
+            wanted = state.sampling_params.logprobs
+            if wanted is not None:  # of the raw logits at each emitted token's position
+                rows = logits[first_row : first_row + len(tokens)]
+                entries = gather_logprobs(rows, torch.tensor(tokens, device=rows.device), [wanted] * len(tokens))
+                result.logprobs[request_id] = [entries[i] for i in range(len(tokens))]
+            first_row += len(drafts) + 1
 
     def prompt_logits(
         self, plan: StepPlan, requests: dict[str, RequestState], row_starts: list[int], hidden: torch.Tensor

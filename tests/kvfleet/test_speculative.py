@@ -1,0 +1,156 @@
+"""Speculative decoding with the ngram method (docs/speculative.md) against the same model
+without it: greedy tokens identical whatever the batch, stops landing inside an accepted
+run truncate it, the prefix cache holds only accepted tokens, requests speculation cannot
+serve decode one token at a time, vLLM's counters count, and a config that cannot work is
+refused before loading."""
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from gateway.cluster.fleet_stats import total
+from kvfleet import LLM, SamplingParams
+from services.config import ConfigError
+from services.telemetry import EngineStatsCollector
+
+from conftest import assert_no_leaks
+from corpus import TEXT, parity_prompts
+
+# The configuration vLLM users pass (and the issue's check): 4 drafts from 4-gram matches.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+CODE = ("def add_all(values):\n    total = 0\n    for value in values:\n        total = total + value\n"
+        "    print(\"the total is\", total)\n    return total\n")
+COPY = f"Rename the variable `total` to `result`.\n\n```python\n{CODE}```\n\nRenamed:\n\n```python\n"
+
+
+@pytest.fixture(scope="module")
+def spec_llm() -> LLM:
+    # A pool too small for the mixed batch below: its requests are preempted (by
+    # recompute) with drafts in flight and lookahead blocks held.
+    return LLM("smollm2", dtype="float32", speculative_config=NGRAM, num_gpu_blocks_override=24,
+               max_model_len=384)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request: pytest.FixtureRequest):
+    yield
+    if "spec_llm" in request.fixturenames:
+        assert_no_leaks(request.getfixturevalue("spec_llm"))
+
+
+def _tokens(llm: LLM, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_greedy_tokens_are_identical_in_a_mixed_batch(llm, spec_llm):
+    scheduler = spec_llm.engine.scheduler
+    accepted_before, preemptions_before = scheduler.spec_decoding.num_accepted_tokens, scheduler.num_preemptions
+    prompts = [COPY, *parity_prompts(llm.get_tokenizer().encode(TEXT))[:9:3]]
+    params = [SamplingParams(temperature=0.0, max_tokens=12 + 4 * i, ignore_eos=i % 2 == 0)
+              for i in range(len(prompts))]
+    # Beside them, requests that decode one token at a time (a seed's noise is per
+    # position, penalties read the output): identical too, the seeded one sampled.
+    extra = [SamplingParams(temperature=1.0, seed=7, max_tokens=24), SamplingParams(temperature=0.0,
+             repetition_penalty=1.3, max_tokens=24)]
+    plain = _tokens(llm, [*prompts, COPY, COPY], [*params, *extra])
+    assert _tokens(spec_llm, [*prompts, COPY, COPY], [*params, *extra]) == plain
+    assert scheduler.num_preemptions > preemptions_before
+    # ... and alone (another batch shape) too; drafts were accepted all along.
+    assert _tokens(spec_llm, [COPY], params[0]) == plain[:1]
+    assert scheduler.spec_decoding.num_accepted_tokens - accepted_before >= 16
+
+
+def test_logprobs_of_accepted_tokens_are_the_plain_ones(llm, spec_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2)
+    [plain], [spec] = (llm.generate([COPY], params, use_tqdm=False) for llm in (llm, spec_llm))
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+    for mine, theirs in zip(spec.outputs[0].logprobs, plain.outputs[0].logprobs, strict=True):
+        assert list(mine) == list(theirs)
+        assert all(mine[t] == pytest.approx(theirs[t], abs=1e-3) for t in mine)
+
+
+def _inside_a_run(spec_llm: LLM) -> tuple[list[int], int]:
+    """The greedy output of COPY, and the index of a token that arrived inside a run of
+    accepted tokens (not first in its step's delta), whose first occurrence it is."""
+    engine = spec_llm.engine
+    prompt = spec_llm.get_tokenizer().encode(COPY)
+    engine.add_request("probe", prompt, SamplingParams(temperature=0.0, max_tokens=60))
+    output, candidates = [], []
+    while engine.has_work:
+        for delta in engine.step():
+            candidates += [len(output) + i for i, token in enumerate(delta.new_token_ids)
+                           if i and token not in output + delta.new_token_ids[:i]]
+            output += delta.new_token_ids
+    assert candidates, "no run of accepted tokens"
+    return output, candidates[len(candidates) // 2]
+
+
+def test_stops_inside_an_accepted_run_truncate_it(llm, spec_llm):
+    output, index = _inside_a_run(spec_llm)
+    stop_token = output[index]
+    stop_text = llm.get_tokenizer().decode(output[index - 1:index + 1])
+    cases = [SamplingParams(temperature=0.0, max_tokens=index + 1),
+             SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[stop_token]),
+             SamplingParams(temperature=0.0, max_tokens=60, stop=[stop_text])]
+    for params in cases:
+        [plain], [spec] = (model.generate([COPY], params, use_tqdm=False) for model in (llm, spec_llm))
+        got, want = spec.outputs[0], plain.outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+            want.token_ids, want.text, want.finish_reason, want.stop_reason), params
+    assert plain.outputs[0].token_ids[: index + 1] == output[: index + 1]
+
+
+def test_the_prefix_cache_holds_only_accepted_tokens(llm, spec_llm):
+    """A second request over the first's prompt and output reads its cached blocks: they
+    must hold the accepted tokens' KV, not a rejected draft's."""
+    # Earlier tests cached COPY's blocks: a block computed again is not indexed twice, and the
+    # small pool may evict the old one meanwhile, so start from an empty cache.
+    spec_llm.engine.scheduler.block_pool.reset_prefix_cache()
+    [first] = spec_llm.generate([COPY], SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
+    more = llm.get_tokenizer().encode("\n\nNow rename `value` to `item` too:\n\n```python\n")
+    follow_up = {"prompt_token_ids": [*first.prompt_token_ids, *first.outputs[0].token_ids, *more]}
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    [plain], [spec] = (model.generate([follow_up], params, use_tqdm=False) for model in (llm, spec_llm))
+    assert spec.num_cached_tokens > len(first.prompt_token_ids) + 16  # blocks of the first's output
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_sampled_requests_run_and_counters_are_vllms(spec_llm):
+    before = spec_llm.engine.stats().spec_decoding
+    outputs = spec_llm.generate([COPY] * 3, SamplingParams(temperature=0.7, max_tokens=48), use_tqdm=False)
+    assert all(o.outputs[0].token_ids for o in outputs)
+    stats = spec_llm.engine.stats()
+    spec = stats.spec_decoding
+    assert spec.num_drafts > before.num_drafts and spec.num_draft_tokens > before.num_draft_tokens
+    assert len(spec.num_accepted_tokens_per_pos) == 4
+    assert sum(spec.num_accepted_tokens_per_pos) == spec.num_accepted_tokens <= spec.num_draft_tokens
+    # An accepted draft at position i was preceded by accepted ones at every earlier position.
+    assert spec.num_accepted_tokens_per_pos == sorted(spec.num_accepted_tokens_per_pos, reverse=True)
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(spec_llm.engine, "smollm2"))
+    text = generate_latest(registry).decode()
+    assert f'vllm:spec_decode_num_drafts_total{{model_name="smollm2"}} {float(spec.num_drafts)}' in text
+    assert f'vllm:spec_decode_num_draft_tokens_total{{model_name="smollm2"}} {float(spec.num_draft_tokens)}' in text
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{model_name="smollm2"}} {float(spec.num_accepted_tokens)}' in text
+    first = spec.num_accepted_tokens_per_pos[0]
+    assert (f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="smollm2",position="0"}} {float(first)}'
+            in text)
+    # A cluster's gateway sums its replicas.
+    fleet = total([stats, stats]).spec_decoding
+    assert fleet.num_drafts == 2 * spec.num_drafts
+    assert fleet.num_accepted_tokens_per_pos == [2 * n for n in spec.num_accepted_tokens_per_pos]
+
+
+@pytest.mark.parametrize(("config", "engine_args", "message"), [
+    ({"method": "eagle", "num_speculative_tokens": 2}, {}, "method 'eagle': kvfleet implements ngram"),
+    ({"method": "ngram"}, {}, "num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, {}, "model: not supported"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, {},
+     "prompt_lookup_min 5 is more than prompt_lookup_max 3"),
+    (NGRAM, {"async_scheduling": True}, "with --async-scheduling is not supported yet"),
+    (NGRAM, {"tensor_parallel_size": 2}, "serves one-rank workers for now"),
+])
+def test_a_config_that_cannot_work_is_refused_before_loading(config, engine_args, message):
+    with pytest.raises(ConfigError, match="--speculative-config") as refused:
+        LLM("smollm2", speculative_config=config, **engine_args)
+    assert message in str(refused.value) and "\n" not in str(refused.value)

@@ -1,0 +1,73 @@
+"""Verification of draft tokens (speculative decoding), as vLLM's rejection sampler.
+
+A request with k drafts ran k + 1 positions through the model in one step: the logits at
+position i give the target distribution p_i for draft i, and the last position's give the
+bonus token. Greedy rows accept the longest prefix of drafts equal to the argmax, then
+emit the argmax where they first differ (or the bonus): exactly the tokens decoding one by
+one would give. Sampled rows accept draft i with probability min(1, p_i(d)/q_i(d)); n-gram
+drafts are a point mass (q_i(d) = 1), so that is p_i(d). On the first rejection the token
+is drawn from the residual max(p_i - q_i, 0) normalized (p_i without d), and verification
+stops; every emitted token then follows p_i exactly (Leviathan et al., 2023).
+"""
+from __future__ import annotations
+
+import torch
+
+from services.sampling_params import SamplingParams
+from worker_svc.runtime.sampling.sampler import SamplingBatch, probabilities
+
+# One request's rows in the verification logits: its sampling params and its drafts.
+Verified = tuple[SamplingParams, list[int]]
+
+
+def verify(logits: torch.Tensor, requests: list[Verified]) -> list[list[int]]:
+    """The tokens each request emits: its accepted drafts and one more. `logits` [R, V]
+    (R = sum of drafts + 1 over the requests, in order) are raw: a request with logits
+    processors or a grammar is never given drafts."""
+    drafts_per_row: list[int] = []  # the draft each row verifies; -1 on a request's bonus row
+    for _, drafts in requests:
+        drafts_per_row += [*drafts, -1]
+    params = [p for p, drafts in requests for _ in range(len(drafts) + 1)]
+    greedy_tokens = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        target = greedy_tokens.tolist()
+        accepted = [t == d for t, d in zip(target, drafts_per_row)]
+    else:
+        target, accepted = _sample_rows(logits, params, drafts_per_row, greedy_tokens)
+    emitted = []
+    row = 0
+    for _, drafts in requests:
+        tokens = []
+        for i, draft in enumerate(drafts):
+            if not accepted[row + i]:
+                tokens.append(target[row + i])
+                break
+            tokens.append(draft)
+        else:
+            tokens.append(target[row + len(drafts)])
+        emitted.append(tokens)
+        row += len(drafts) + 1
+    return emitted
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], drafts_per_row: list[int],
+                 greedy_tokens: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Per row: the token it emits if it is the first rejected (or the bonus row), and
+    whether its draft is accepted. All rows at once: a uniform and a residual draw each."""
+    device = logits.device
+    columns = [torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+               for name, dtype in (("temperature", torch.float32), ("top_p", torch.float32),
+                                   ("top_k", torch.long), ("min_p", torch.float32))]
+    probs = probabilities(logits, SamplingBatch.of(params, [None] * len(params), tuple(columns)))
+    greedy = columns[0] == 0
+    drafts = torch.tensor(drafts_per_row, device=device)
+    has_draft = drafts >= 0
+    column = drafts.clamp(min=0)[:, None]
+    draft_probs = probs.gather(-1, column).squeeze(-1)
+    accepted = has_draft & (torch.rand(len(params), device=device) < draft_probs)
+    # The residual: p without the draft (q is a point mass on it); a bonus row samples p itself.
+    residual = torch.where(has_draft[:, None], probs.scatter(-1, column, 0.0), probs)
+    recovered = (residual / torch.empty_like(residual).exponential_()).argmax(dim=-1)
+    target = torch.where(greedy, greedy_tokens, recovered)
+    accepted = torch.where(greedy, greedy_tokens == drafts, accepted)
+    return target.tolist(), accepted.tolist()

@@ -1090,16 +1090,16 @@ def _long_prompt(index: int) -> str:
 
 def test_a_prompt_pushed_out_of_the_pool_comes_back_from_disk_and_counts_as_cached(server: Server,
                                                                                    client: openai.OpenAI) -> None:
-    def chat(prompt: str) -> tuple[str, int, int]:
+    def chat(prompt: str, max_tokens: int = 8) -> tuple[str, int, int]:
         answer = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": prompt}],
-                                                max_tokens=8, temperature=0)
+                                                max_tokens=max_tokens, temperature=0)
         usage = answer.usage
         return answer.choices[0].message.content, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
 
     before = server.metrics()
     text, prompt_tokens, cached = chat(_long_prompt(0))
     for index in range(1, 6):  # 5 x 28 blocks: the first prompt's blocks leave the 128-block pool
-        chat(_long_prompt(index))
+        chat(_long_prompt(index), max_tokens=1)
     again, _, cached = chat(_long_prompt(0))
     assert again == text
     assert cached == (prompt_tokens - 1) // 16 * 16  # every full block but the one with the last token

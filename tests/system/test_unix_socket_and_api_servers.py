@@ -17,8 +17,6 @@ from openai_servers import API_KEY, MODES, PROC, SERVED, Server, alive, descenda
 
 import kvfleet
 
-pytestmark = pytest.mark.serial
-
 
 @pytest.fixture(scope="module", params=MODES)
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:

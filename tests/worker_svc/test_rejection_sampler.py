@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from services.sampling_params import SamplingParams
-from worker_svc.runtime.sampling.rejection_sampler import verify
+from worker_svc.runtime.sampling.rejection_sampler import emitted_runs, verify
 
 VOCAB = 6
 SAMPLES = 20_000
@@ -41,19 +41,7 @@ def _skips_the_residual(logits: torch.Tensor, requests: list) -> list[list[int]]
     draft_probs = torch.tensor([probs[row, d] if d >= 0 else 0.0 for row, d in enumerate(drafts)])
     accepted = (torch.rand(len(drafts)) < draft_probs).tolist()
     redrawn = torch.multinomial(probs, 1).squeeze(-1).tolist()
-    out, row = [], 0
-    for _, ds in requests:
-        tokens = []
-        for i, d in enumerate(ds):
-            if not accepted[row + i]:
-                tokens.append(redrawn[row + i])
-                break
-            tokens.append(d)
-        else:
-            tokens.append(redrawn[row + len(ds)])
-        out.append(tokens)
-        row += len(ds) + 1
-    return out
+    return emitted_runs(requests, accepted, redrawn)
 
 
 def _position_statistics(emitted: list[list[int]]) -> list[float]:

@@ -34,6 +34,12 @@ def verify(logits: torch.Tensor, requests: list[Verified]) -> list[list[int]]:
         accepted = [t == d for t, d in zip(target, drafts_per_row)]
     else:
         target, accepted = _sample_rows(logits, params, drafts_per_row, greedy_tokens)
+    return emitted_runs(requests, accepted, target)
+
+
+def emitted_runs(requests: list[Verified], accepted: list[bool], target: list[int]) -> list[list[int]]:
+    """Per request, its drafts up to the first rejected one, then that row's `target`
+    token (or the bonus row's, when every draft was accepted)."""
     emitted = []
     row = 0
     for _, drafts in requests:

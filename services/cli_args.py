@@ -32,8 +32,9 @@ _ENGINE_HELP = {
     "quantization": "gguf (the default for GGUF files): run their 4-bit (Q4_0/Q4_1) projections and 8-bit (Q8_0) "
                     "embedding as stored, on CPU, computing in float32 over exactly the file's weights (less memory, "
                     "faster decode); none: dequantize them to --dtype (exactly transformers' tokens)",
-    "kv_cache_dtype": "auto: the KV cache in the model's dtype; bfloat16 or float16: in 16 bits, which for a "
-                      "float32 model holds twice the tokens and halves what decode attention reads",
+    "kv_cache_dtype": "auto: float16 for GGUF weights run as stored (llama.cpp's default), the model's dtype "
+                      "otherwise; bfloat16 or float16: in 16 bits, which for a float32 model holds twice the tokens "
+                      "and halves what decode attention reads",
     "block_size": "tokens per KV block",
     "max_num_seqs": "most requests in one step",
     "max_num_batched_tokens": "most tokens in one step (the per-step token budget)",

@@ -49,7 +49,7 @@ class EngineConfig:
     device: str = "auto"
     # gguf (a GGUF file's default, as in vLLM): its 4- and 8-bit weights run as stored on CPU; none: dequantized
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # the model's dtype; or bfloat16/float16: half a float32 model's KV bytes
+    kv_cache_dtype: str = "auto"  # float16 for GGUF run as stored, else the model's dtype; or bfloat16/float16
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

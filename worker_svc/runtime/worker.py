@@ -54,10 +54,10 @@ class Worker:
         self.max_model_len = checked.max_model_len
         self.device = torch_device(config, group.shard.rank)
         self.dtype = torch_dtype(config, self.device)
-        self.kv_dtype = kv_cache_dtype(config, self.dtype)
+        self.runs_q4 = runs_q4_as_stored(config, self.device, checked.config)
+        self.kv_dtype = kv_cache_dtype(config, self.dtype, self.runs_q4)
         torch.manual_seed(config.seed)  # what requests without a seed of their own draw from, as in vLLM
         started = time.perf_counter()
-        self.runs_q4 = runs_q4_as_stored(config, self.device, checked.config)
         self.model_config, weights = load_weights(self.source, self.dtype, keep_quantized=self.runs_q4, shard=group.shard)
         self.local_config = group.shard.local_config(self.model_config)  # the heads and layers this rank computes
         self.load_seconds = time.perf_counter() - started

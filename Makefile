@@ -22,12 +22,13 @@ $(STAMP): pyproject.toml
 
 # The layering contracts (pyproject.toml) and lint first: a wrong import fails the suite.
 # Then the tests two at a time (a file stays on one core, so its module fixtures load
-# once), and last, alone, those that time latencies.
+# once), and last, alone, those that time latencies. Each run lists its slowest tests:
+# the suite must stay under 15 minutes on a 2-core machine.
 test: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
-	$(PY) -m pytest -q -m serial
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=15
+	$(PY) -m pytest -q -m serial --durations=10
 
 serve: setup
 	$(PY) -m kvfleet.cli serve --model smollm2 --host 127.0.0.1 --port 8000

@@ -16,6 +16,8 @@ from scheduler_svc.engine_core import EngineCore
 from services.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from services.config import EngineConfig
 from services.outputs import RequestOutput
+from services.pooling_outputs import EmbeddingOutput, PoolingRequestOutput, fit_pooling_prompt
+from services.pooling_params import PoolingParams
 from services.prompt import fit_prompt
 from services.sampling_params import SamplingParams
 from services.telemetry import LOG_FORMAT
@@ -120,6 +122,38 @@ class LLM:
                 # As vLLM's LLM.beam_search: the text of the whole sequence, prompt included.
                 sequence.text = self.tokenizer.decode(sequence.tokens)
         return outputs
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """One vector per prompt (docs/pooling.md); the model must pool (--runner pooling)."""
+        if self.engine.description.pooler is None:
+            raise ValueError("LLM.embed() needs a pooling model: LLM(..., runner=\"pooling\") or convert=\"embed\"")
+        params = SamplingParams(pooling=pooling_params or PoolingParams())
+        token_lists = [fit_pooling_prompt(self._tokenize(p)[1], truncate_prompt_tokens, self.engine.max_model_len)
+                       for p in _as_prompt_list(prompts)]
+        order = [str(next(self._request_ids)) for _ in token_lists]
+        try:
+            for request_id, token_ids in zip(order, token_lists):
+                self.engine.add_request(request_id, token_ids, params)
+        except Exception:
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            raise
+        vectors: dict[str, list[float]] = {}
+        with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm or len(order) < 2) as bar:
+            while self.engine.has_work:
+                for delta in self.engine.step():
+                    if delta.pooled is None:
+                        raise RuntimeError(f"request {delta.request_id} ended without a vector: {delta.error}")
+                    vectors[delta.request_id] = delta.pooled
+                    bar.update(1)
+        return [PoolingRequestOutput(request_id, token_ids, EmbeddingOutput(vectors[request_id]))
+                for request_id, token_ids in zip(order, token_lists)]
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -92,6 +92,8 @@ class EngineCore:
                 num_host_blocks=described.num_host_blocks,
                 async_scheduling=self.runs_ahead,
                 speculative=config.speculative,
+                pooler=described.pooler,
+                generates=described.generates,
             ),
             KvConnector(described.num_offload_blocks, file_tiers(config, described.kv_layout_key))
             if config.has_kv_tiers else None,

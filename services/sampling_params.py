@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from services.invalid_parameter import InvalidParameter
+from services.pooling_params import PoolingParams
 from services.structured_outputs import StructuredOutputsParams
 
 MAX_PARALLEL_SAMPLES = 128
@@ -61,6 +62,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, repr_omit_defaults=True
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's older name for structured_outputs: moved there on construction, so always None after.
     guided_decoding: StructuredOutputsParams | None = None
+    # Set for a pooling request (an embedding): prefill only, its result a vector, no token.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -75,6 +78,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, repr_omit_defaults=True
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
+        if self.pooling is not None:
+            # The step that reaches the prompt's end is its last: it never decodes, so the
+            # scheduler must never plan a step past it (async scheduling, drafts).
+            if self.n != 1 or self.best_of not in (None, 1):
+                raise InvalidParameter("n", "a pooling request has one result")
+            self.max_tokens = 1
         self._validate()
 
     def _validate(self) -> None:

@@ -42,6 +42,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # How the file stores its weights, e.g. "GGUF Q4_1+Q8_0"; None for float checkpoints.
     quantization: str | None = None
+    # Its embeddings' prefixes are embeddings too (config.json's is_matryoshka or
+    # matryoshka_dimensions, as vLLM reads them): a request may ask for fewer dimensions.
+    is_matryoshka: bool = False
 
 
 def read_model_config(source: ModelSource) -> ModelConfig:
@@ -146,6 +149,7 @@ def _hf_config(directory: Path) -> ModelConfig:
         bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
         # generation_config.json holds the stop ids generate() uses (e.g. Llama 3's end-of-turn).
         eos_token_ids=_token_ids(generation.get("eos_token_id", raw.get("eos_token_id"))),
+        is_matryoshka=bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions")),
     )
     if not config.eos_token_ids:
         config = replace(config, eos_token_ids=_tokenizer_eos(directory))

@@ -28,6 +28,7 @@ from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block, copy
 from worker_svc.runtime.kv_sizing import size_kv_cache
 from worker_svc.runtime.kv_tiers import build_kv_transfer
 from worker_svc.runtime.plan_check import check_plan
+from worker_svc.runtime.pooler import Pooler, resolve_pooler
 from worker_svc.runtime.preflight import check_model
 from worker_svc.runtime.sampling.step_outputs import StepOutputs
 
@@ -74,6 +75,9 @@ class Worker:
         self.requests: dict[str, RequestState] = {}
         self.batch = InputBatch(-(-self.max_model_len // self.block_size), self.block_size, self.device)
         self.outputs = StepOutputs(self.model, self.model_config, self.batch, lambda: self.grammars)
+        self.pooler_config = resolve_pooler(config, self.model_config, {})
+        self.pooler = (Pooler(self.pooler_config, lambda rows: self.model.ops.norm(self.model.norm, rows))
+                       if self.pooler_config is not None else None)
         self.scheduler_instance_id = ""  # whose requests those are
         self.last_step_at = time.monotonic()  # when a step last began or ended
         # Block ids are the group's: every rank holds the same number, its own heads' and layers' share of each.
@@ -140,6 +144,8 @@ class Worker:
             max_plans_in_flight=self.group.shard.pp_size,
             num_offload_blocks=self.num_offload_blocks,
             kv_layout_key=self.kv_layout_key,
+            pooler=self.pooler_config,
+            generates=self.config.runner != "pooling",
         )
 
     @property
@@ -265,10 +271,12 @@ class Worker:
             logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.sample_request_ids else None
             spec_logits = self.model.compute_logits(hidden[inputs.spec_rows]) if inputs.spec_requests else None
             prompt_logits = self.outputs.prompt_logits(plan, self.requests, inputs.row_starts, hidden)
+            pooled = self.pooler.pool(plan, inputs.row_starts, hidden, self.requests) if self.pooler else {}
             if shard.samples:
                 try:
                     outcome = self.outputs.sample(plan.step_id, inputs, self.requests, logits, prompt_logits,
                                                   spec_logits)
+                    outcome.pooled = pooled
                 except Exception as exc:  # this step fails on every rank alike
                     outcome = exc
         emitted = outcome.sampled_token_ids if isinstance(outcome, StepResult) else {}

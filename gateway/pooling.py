@@ -31,6 +31,8 @@ async def token_lists(ctx: GatewayContext, prompts: str | list[str] | list[int] 
     else:
         lists = [list(ids) for ids in prompts]
     ctx.limits.check_fan_out(len(lists), 1, "input")
+    if not all(lists):  # a text of no tokens (a model that adds none)
+        raise bad_request("input", "The decoder prompt cannot be empty")
     return [fit_pooling_prompt(ids, truncate_prompt_tokens, ctx.max_model_len) for ids in lists]
 
 

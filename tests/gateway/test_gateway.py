@@ -85,7 +85,8 @@ class ServerThread:
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     tokenizer = Tokenizer.load(resolve_model(MODEL))
-    config = EngineConfig(model=MODEL, kv_cache_memory=KV_CACHE_MEMORY)
+    # It pools too (a --pooler-config): /v1/embeddings shares the chat tests' engine.
+    config = EngineConfig(model=MODEL, kv_cache_memory=KV_CACHE_MEMORY, pooler_config='{"pooling_type": "LAST"}')
     core = EngineCore(config, Worker(config))
     engine = AsyncEngine(core)
     engine.start()
@@ -482,3 +483,46 @@ def test_logprobs_past_the_default_max_logprobs_of_20_are_refused_in_vllm_s_word
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, logprobs=True, top_logprobs=-1)
     assert whole_vocabulary.value.param == "top_logprobs"
     assert "Requested sample logprobs of 49152, which is greater than max allowed: 20" in whole_vocabulary.value.message
+
+
+def test_embeddings_of_texts_and_token_ids_beside_a_chat_stream(client: openai.OpenAI, stack: Stack) -> None:
+    import base64
+
+    import numpy as np
+
+    texts = PROMPTS[:4]
+    ids = [stack.tokenizer.encode(text) for text in texts]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, stream=True)
+    by_text = client.embeddings.create(model=MODEL, input=texts)
+    by_ids = client.embeddings.create(model=MODEL, input=ids, encoding_format="base64")
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)  # served beside them
+    assert by_text.usage.prompt_tokens == by_text.usage.total_tokens == sum(map(len, ids))
+    assert [d.index for d in by_text.data] == [0, 1, 2, 3] and by_text.model == MODEL
+    for float_data, base64_data in zip(by_text.data, by_ids.data):
+        vector = np.array(float_data.embedding)
+        assert len(vector) == 576 and abs(np.linalg.norm(vector) - 1) < 1e-5
+        # Asked for base64, the client hands the string over: float32 little-endian bytes.
+        decoded = np.frombuffer(base64.b64decode(base64_data.embedding), dtype="<f4")
+        assert np.allclose(vector, decoded, atol=1e-4)
+    [alone] = client.embeddings.create(model=MODEL, input=texts[2]).data
+    assert np.dot(alone.embedding, by_text.data[2].embedding) > 0.9999  # the batch changes nothing
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "x", "dimensions": 8}, "dimensions"),  # not a Matryoshka model
+    ({"input": [1] * 9000}, "input"),  # past the context length
+    ({"input": []}, "input"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+])
+def test_bad_embedding_requests_are_400s_naming_the_field(server: ServerThread, body, param) -> None:
+    response = httpx.post(f"{server.url}/v1/embeddings", json=body)
+    assert response.status_code == 400, response.text
+    assert param in (response.json()["error"]["param"] or response.json()["error"]["message"])
+
+
+def test_truncate_prompt_tokens_keeps_an_embedding_s_head(client: openai.OpenAI) -> None:
+    long = list(range(100, 9100))
+    cut = client.embeddings.create(model=MODEL, input=[long], extra_body={"truncate_prompt_tokens": 12})
+    head = client.embeddings.create(model=MODEL, input=[long[:12]])
+    assert cut.usage.prompt_tokens == 12
+    assert cut.data[0].embedding == pytest.approx(head.data[0].embedding, abs=1e-5)

@@ -150,6 +150,9 @@ class WorkerDescription(msgspec.Struct, frozen=True, omit_defaults=True):
     # Set when the group pools (docs/pooling.md): how. `generates` False: it pools only (--runner pooling).
     pooler: PoolerConfig | None = None
     generates: bool = True
+    # An encoder: every token attends to every other, so a prompt is computed whole in one
+    # step (no chunked prefill) and no KV is kept (no prefix cache).
+    bidirectional: bool = False
 
 
 class FirstTokenTimes(msgspec.Struct, frozen=True, **_HOT):

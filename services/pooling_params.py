@@ -23,6 +23,9 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, repr_omit_defaults=True)
     normalize: bool | None = None
     # Matryoshka: keep the first `dimensions` of the vector (before normalizing).
     dimensions: int | None = None
+    # A cross-encoder's pair (query, document) in one prompt: where the second text starts;
+    # an encoder gives its tokens from there token type 1.
+    second_segment_start: int | None = None
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and self.dimensions < 1:

@@ -60,8 +60,21 @@ def resolve_pooler(config: EngineConfig, model_config: ModelConfig, defaults: di
     """How this worker pools, or None when it does not: the model's own pooling
     (`defaults`: an encoder's sentence-transformers config), else vLLM's default for a
     decoder converted to an embedder (LAST, normalized); --pooler-config over either. A
-    generating decoder given a --pooler-config pools too: one replica serves both kinds."""
-    if config.runner != "pooling" and config.pooler_config is None:
+    generating decoder given a --pooler-config pools too: one replica serves both kinds.
+    An encoder always pools."""
+    if config.runner != "pooling" and config.pooler_config is None and not model_config.is_encoder:
         return None
     settings = {"pooling_type": "LAST", "normalize": True, **defaults, **config.pooler_overrides}
     return PoolerConfig(hidden_size=model_config.hidden_size, is_matryoshka=model_config.is_matryoshka, **settings)
+
+
+def token_type_ids(plan: StepPlan, requests: dict[str, RequestState], device: torch.device) -> torch.Tensor:
+    """An encoder's segment of each scheduled token: 0, and 1 from a pair's second text on
+    (a cross-encoder's query and document, PoolingParams.second_segment_start)."""
+    types = []
+    for request_id, count in plan.num_scheduled_tokens.items():
+        state = requests[request_id]
+        start = state.num_computed_tokens
+        boundary = state.sampling_params.pooling.second_segment_start if state.sampling_params.pooling else None
+        types += [int(boundary is not None and position >= boundary) for position in range(start, start + count)]
+    return torch.tensor(types, dtype=torch.long, device=device)

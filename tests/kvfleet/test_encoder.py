@@ -36,7 +36,7 @@ def test_the_encoder_matches_sentence_transformers_in_one_batch(encoder, sentenc
     inputs = texts()
     outputs = encoder.embed(inputs, use_tqdm=False)
     expected = sentence_transformer.encode(inputs, batch_size=32, convert_to_tensor=True)
-    for text, output, reference in zip(inputs, outputs, expected):
+    for output, reference in zip(outputs, expected):
         assert output.prompt_token_ids[0] == 101 and output.prompt_token_ids[-1] == 102  # [CLS] ... [SEP]
         cosine = torch.nn.functional.cosine_similarity(torch.tensor(output.outputs.embedding), reference, dim=0)
         assert cosine.item() >= 0.999, (len(output.prompt_token_ids), cosine.item())

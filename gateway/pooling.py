@@ -48,10 +48,13 @@ def check_dimensions(ctx: GatewayContext, dimensions: int | None) -> None:
         raise bad_request("dimensions", f"dimensions must be in [1, {pooler.hidden_size}], got {dimensions}")
 
 
-async def pool(ctx: GatewayContext, request_id: str, lists: list[list[int]], params: PoolingParams) -> list[list[float]]:
-    """One vector per token list, all submitted at once so the engine batches them."""
-    sampling = SamplingParams(pooling=params)
-    streams = await prime_all([ctx.engine.generate(f"{request_id}-{i}", ids, sampling) for i, ids in enumerate(lists)])
+async def pool(ctx: GatewayContext, request_id: str, lists: list[list[int]],
+               params: PoolingParams | list[PoolingParams]) -> list[list[float]]:
+    """One vector per token list (with its own params, or all with the same), all submitted
+    at once so the engine batches them."""
+    each = params if isinstance(params, list) else [params] * len(lists)
+    streams = await prime_all([ctx.engine.generate(f"{request_id}-{i}", ids, SamplingParams(pooling=p))
+                               for i, (ids, p) in enumerate(zip(lists, each))])
     try:
         deltas = [await anext(stream) for stream in streams]
     finally:

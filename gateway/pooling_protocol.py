@@ -48,3 +48,105 @@ class EmbeddingResponse(BaseModel):
     model: str
     data: list[EmbeddingData]
     usage: PoolingUsage
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's /pooling: an embeddings request whose answer is the pooler's raw output."""
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"pool-{uuid.uuid4().hex}")
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingData]
+    usage: PoolingUsage
+
+
+class ClassificationRequest(_Request):
+    model: str | None = None
+    input: EmbeddingInput
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    add_special_tokens: bool = True
+    use_activation: bool | None = None
+    user: str | None = None
+    priority: int = 0
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str | None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"classify-{uuid.uuid4().hex}")
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ClassificationData]
+    usage: PoolingUsage
+
+
+class _ScoringFields(_Request):
+    model: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    use_activation: bool | None = None
+    user: str | None = None
+    priority: int = 0
+
+
+class ScoreRequest(_ScoringFields):
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"score-{uuid.uuid4().hex}")
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: PoolingUsage
+
+
+class RerankRequest(_ScoringFields):
+    query: str
+    documents: list[str]
+    top_n: int = Field(default=0, ge=0)  # 0: every document
+    return_documents: bool = True
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: RerankDocument | None
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"rerank-{uuid.uuid4().hex}")
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

@@ -12,12 +12,12 @@ from typing import Any
 import msgspec
 from tqdm.auto import tqdm
 
+from kvfleet.llm_pooling import PoolingMethods
+from kvfleet.prompts import Prompt, as_prompt_list
 from scheduler_svc.engine_core import EngineCore
 from services.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from services.config import EngineConfig
 from services.outputs import RequestOutput
-from services.pooling_outputs import EmbeddingOutput, PoolingRequestOutput, fit_pooling_prompt
-from services.pooling_params import PoolingParams
 from services.prompt import fit_prompt
 from services.sampling_params import SamplingParams
 from services.telemetry import LOG_FORMAT
@@ -31,13 +31,10 @@ logger = logging.getLogger(__name__)
 # Every package whose lines the SDK shows: load progress, the start-up summary, notes.
 _LOGGING_PACKAGES = ("kvfleet", "services", "worker_svc", "scheduler_svc", "tokenizer_svc")
 
-# A prompt is text, token ids, or vLLM's dict form {"prompt": ...} / {"prompt_token_ids": ...},
-# where the dict may carry a "cache_salt" that keeps its prefix cache apart from other tenants'.
-Prompt = str | Sequence[int] | dict[str, Any]
 _CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
 
 
-class LLM:
+class LLM(PoolingMethods):
     """Takes EngineConfig's fields, vLLM's names (`dtype`, `max_model_len`, `tensor_parallel_size`, ...)."""
 
     def __init__(self, model: str = "smollm2", **engine_args: Any) -> None:
@@ -68,7 +65,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompt_list))
         processor = OutputProcessor(self.tokenizer)
         order = []
@@ -116,44 +113,12 @@ class LLM:
             return [output.outputs[0].logprobs[0] for output in outputs]
 
         eos = self.engine.eos_token_ids
-        outputs = [beam_search(self._tokenize(p)[1], params, eos, next_tokens) for p in _as_prompt_list(prompts)]
+        outputs = [beam_search(self._tokenize(p)[1], params, eos, next_tokens) for p in as_prompt_list(prompts)]
         for output in outputs:
             for sequence in output.sequences:
                 # As vLLM's LLM.beam_search: the text of the whole sequence, prompt included.
                 sequence.text = self.tokenizer.decode(sequence.tokens)
         return outputs
-
-    def embed(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        pooling_params: PoolingParams | None = None,
-        use_tqdm: bool = True,
-        truncate_prompt_tokens: int | None = None,
-    ) -> list[PoolingRequestOutput]:
-        """One vector per prompt (docs/pooling.md); the model must pool (--runner pooling)."""
-        if self.engine.description.pooler is None:
-            raise ValueError("LLM.embed() needs a pooling model: LLM(..., runner=\"pooling\") or convert=\"embed\"")
-        params = SamplingParams(pooling=pooling_params or PoolingParams())
-        token_lists = [fit_pooling_prompt(self._tokenize(p)[1], truncate_prompt_tokens, self.engine.max_model_len)
-                       for p in _as_prompt_list(prompts)]
-        order = [str(next(self._request_ids)) for _ in token_lists]
-        try:
-            for request_id, token_ids in zip(order, token_lists):
-                self.engine.add_request(request_id, token_ids, params)
-        except Exception:
-            for request_id in order:
-                self.engine.abort_request(request_id)
-            raise
-        vectors: dict[str, list[float]] = {}
-        with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm or len(order) < 2) as bar:
-            while self.engine.has_work:
-                for delta in self.engine.step():
-                    if delta.pooled is None:
-                        raise RuntimeError(f"request {delta.request_id} ended without a vector: {delta.error}")
-                    vectors[delta.request_id] = delta.pooled
-                    bar.update(1)
-        return [PoolingRequestOutput(request_id, token_ids, EmbeddingOutput(vectors[request_id]))
-                for request_id, token_ids in zip(order, token_lists)]
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -172,14 +137,6 @@ class LLM:
                     done[output.request_id] = output
                     bar.update(1)
         return [done[request_id] for request_id in order]
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    return list(prompts)
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:

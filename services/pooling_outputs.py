@@ -17,12 +17,27 @@ class EmbeddingOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list[float]  # per label; raw logits without the activation
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
 class PoolingRequestOutput:
-    """vLLM's PoolingRequestOutput (EmbeddingRequestOutput for LLM.embed): `outputs.embedding`."""
+    """vLLM's PoolingRequestOutput: `outputs.embedding` from LLM.embed, `outputs.probs` from
+    LLM.classify, `outputs.score` from LLM.score."""
 
     request_id: str
     prompt_token_ids: list[int]
-    outputs: EmbeddingOutput
+    outputs: EmbeddingOutput | ClassificationOutput | ScoringOutput
     finished: bool = True
 
 

@@ -26,6 +26,9 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, repr_omit_defaults=True)
     # A cross-encoder's pair (query, document) in one prompt: where the second text starts;
     # an encoder gives its tokens from there token type 1.
     second_segment_start: int | None = None
+    # A classifier's scores through its activation (sigmoid for one label, else softmax)
+    # or as raw logits (vLLM's use_activation).
+    use_activation: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and self.dimensions < 1:
@@ -42,6 +45,8 @@ class PoolerConfig(msgspec.Struct, frozen=True, omit_defaults=True):
     hidden_size: int = 0
     # The vector length returned when a request gives no `dimensions` (None: the whole vector).
     dimensions: int | None = None
+    # A classification head's labels (a cross-encoder has one): its vector is their scores.
+    labels: tuple[str, ...] = ()
 
 
 def parse_pooler_config(text: str) -> dict:

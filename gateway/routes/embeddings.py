@@ -32,14 +32,14 @@ async def _embed(body: EmbeddingRequest, ctx: GatewayContext) -> Response:
     check_dimensions(ctx, body.dimensions)
     lists = await token_lists(ctx, body.input, body.add_special_tokens, body.truncate_prompt_tokens)
     vectors = await pool(ctx, f"embd-{uuid.uuid4().hex}", lists, PoolingParams(body.normalize, body.dimensions))
-    data = [EmbeddingData(index=i, embedding=_encoded(vector, body.encoding_format)) for i, vector in enumerate(vectors)]
+    data = [EmbeddingData(index=i, embedding=encoded(vector, body.encoding_format)) for i, vector in enumerate(vectors)]
     tokens = sum(len(ids) for ids in lists)
     response = EmbeddingResponse(model=ctx.served_model_name, data=data,
                                  usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+def encoded(vector: list[float], encoding_format: str) -> list[float] | str:
     """base64: the float32 values' little-endian bytes, as OpenAI's clients decode them."""
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()

@@ -49,6 +49,8 @@ class ModelConfig:
     is_matryoshka: bool = False
     # An encoder (BERT): its token type vocabulary (segments A and B of a pair); 0 for a decoder.
     type_vocab_size: int = 0
+    # A sequence-classification head (a cross-encoder, a classifier): its labels, by index.
+    labels: tuple[str, ...] = ()
 
     @property
     def is_encoder(self) -> bool:
@@ -180,7 +182,15 @@ def _encoder_config(raw: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=raw["max_position_embeddings"], tie_word_embeddings=False, attention_bias=True,
         is_matryoshka=bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions")),
         type_vocab_size=raw.get("type_vocab_size", 2),
+        labels=_labels(raw) if any(a.endswith("ForSequenceClassification") for a in raw.get("architectures", [])) else (),
     )
+
+
+def _labels(raw: dict[str, Any]) -> tuple[str, ...]:
+    """A classification head's label names in index order (transformers' id2label, LABEL_i without one)."""
+    names = raw.get("id2label") or {}
+    count = len(names) or raw.get("num_labels", 2)
+    return tuple(names.get(str(i), f"LABEL_{i}") for i in range(count))
 
 
 def _tokenizer_eos(directory: Path) -> tuple[int, ...]:

@@ -49,6 +49,14 @@ class BertModel(nn.Module):
         self.token_type_embeddings = nn.Embedding(max(config.type_vocab_size, 1), hidden)
         self.embeddings_norm = nn.LayerNorm(hidden, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
+        if config.labels:  # BertForSequenceClassification: its pooler (tanh) and classifier on [CLS]
+            self.pooler = nn.Linear(hidden, hidden)
+            self.classifier = nn.Linear(hidden, len(config.labels))
+
+    @torch.inference_mode()
+    def classify(self, cls_hidden: torch.Tensor) -> torch.Tensor:
+        """The classification head's logits [N, labels] for [CLS] hidden states [N, H]."""
+        return self.classifier(torch.tanh(self.pooler(cls_hidden.to(self.classifier.weight.dtype))))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor,
@@ -72,13 +80,13 @@ class BertModel(nn.Module):
             tensors.update({name.removeprefix("bert."): t for name, t in load_file(path).items()})
         with torch.device("meta"):
             model = cls(config)
-        model.load_state_dict(_our_names(tensors, config.num_hidden_layers), assign=True, strict=True)
+        model.load_state_dict(_our_names(tensors, config), assign=True, strict=True)
         return model.to(device=device, dtype=dtype).eval()
 
 
-def _our_names(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """transformers' BertModel names to ours, query/key/value fused; its pooler (unused by
-    sentence-transformers, vLLM's pooling) is left out."""
+def _our_names(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """transformers' BertModel names to ours, query/key/value fused; its pooler only under a
+    classification head (sentence-transformers' embeddings never use it)."""
     ours = {
         "word_embeddings.weight": tensors["embeddings.word_embeddings.weight"],
         "position_embeddings.weight": tensors["embeddings.position_embeddings.weight"],
@@ -86,7 +94,11 @@ def _our_names(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, t
         "embeddings_norm.weight": tensors["embeddings.LayerNorm.weight"],
         "embeddings_norm.bias": tensors["embeddings.LayerNorm.bias"],
     }
-    for i in range(num_layers):
+    if config.labels:
+        for kind in ("weight", "bias"):
+            ours[f"pooler.{kind}"] = tensors[f"pooler.dense.{kind}"]
+            ours[f"classifier.{kind}"] = tensors[f"classifier.{kind}"]
+    for i in range(config.num_hidden_layers):
         theirs, mine = f"encoder.layer.{i}.", f"layers.{i}."
         for kind in ("weight", "bias"):
             ours[f"{mine}qkv.{kind}"] = torch.cat(

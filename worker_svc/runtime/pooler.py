@@ -16,11 +16,14 @@ from worker_svc.runtime.batch import RequestState
 
 
 class Pooler:
-    def __init__(self, config: PoolerConfig, final_norm: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, config: PoolerConfig, final_norm: Callable[[torch.Tensor], torch.Tensor],
+                 head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """`final_norm`: what turns the model's forward output into its last hidden states
-        (a decoder's final norm, which its forward leaves to the rows that sample)."""
+        (a decoder's final norm, which its forward leaves to the rows that sample); `head`:
+        a classifier's, from the pooled vectors [N, H] to logits [N, labels]."""
         self.config = config
         self.final_norm = final_norm
+        self.head = head
 
     def pool(self, plan: StepPlan, row_starts: list[int], hidden: torch.Tensor,
              requests: dict[str, RequestState]) -> dict[str, list[float]]:
@@ -47,8 +50,14 @@ class Pooler:
         return pooled
 
     def finish(self, vector: torch.Tensor, state: RequestState) -> torch.Tensor:
-        """The request's dimensions (a Matryoshka prefix), then its normalization."""
+        """The request's dimensions (a Matryoshka prefix), then its normalization; a
+        classifier's label scores instead."""
         params = state.sampling_params.pooling
+        if self.head is not None:
+            logits = self.head(vector[None])[0].float()
+            if params.use_activation is False:
+                return logits
+            return torch.sigmoid(logits) if len(logits) == 1 else torch.softmax(logits, dim=0)
         dimensions = params.dimensions or self.config.dimensions
         if dimensions is not None:
             vector = vector[:dimensions]
@@ -64,8 +73,10 @@ def resolve_pooler(config: EngineConfig, model_config: ModelConfig, defaults: di
     An encoder always pools."""
     if config.runner != "pooling" and config.pooler_config is None and not model_config.is_encoder:
         return None
-    settings = {"pooling_type": "LAST", "normalize": True, **defaults, **config.pooler_overrides}
-    return PoolerConfig(hidden_size=model_config.hidden_size, is_matryoshka=model_config.is_matryoshka, **settings)
+    head = {"pooling_type": "CLS", "normalize": False} if model_config.labels else {}  # what the head reads
+    settings = {"pooling_type": "LAST", "normalize": True, **defaults, **head, **config.pooler_overrides}
+    return PoolerConfig(hidden_size=model_config.hidden_size, is_matryoshka=model_config.is_matryoshka,
+                        labels=model_config.labels, **settings)
 
 
 def token_type_ids(plan: StepPlan, requests: dict[str, RequestState], device: torch.device) -> torch.Tensor:

@@ -79,7 +79,8 @@ class Worker:
         self.pooler_config = resolve_pooler(config, self.model_config,
                                             pooling_defaults(self.source.path) if self.encoder else {})
         final_norm = (lambda rows: rows) if self.encoder else (lambda rows: self.model.ops.norm(self.model.norm, rows))
-        self.pooler = Pooler(self.pooler_config, final_norm) if self.pooler_config is not None else None
+        head = self.model.classify if self.model_config.labels else None
+        self.pooler = Pooler(self.pooler_config, final_norm, head) if self.pooler_config is not None else None
         self.scheduler_instance_id = ""  # whose requests those are
         self.last_step_at = time.monotonic()  # when a step last began or ended
         if self.encoder:

@@ -53,13 +53,17 @@ async def pool(ctx: GatewayContext, request_id: str, lists: list[list[int]],
     """One vector per token list (with its own params, or all with the same), all submitted
     at once so the engine batches them."""
     each = params if isinstance(params, list) else [params] * len(lists)
-    streams = await prime_all([ctx.engine.generate(f"{request_id}-{i}", ids, SamplingParams(pooling=p))
-                               for i, (ids, p) in enumerate(zip(lists, each))])
+    # Shortest first (the engine takes them in this order): an encoder's steps then hold
+    # sequences of like lengths, which its attention pads less.
+    order = sorted(range(len(lists)), key=lambda i: len(lists[i]))
+    streams = await prime_all([ctx.engine.generate(f"{request_id}-{i}", lists[i], SamplingParams(pooling=each[i]))
+                               for i in order])
     try:
-        deltas = [await anext(stream) for stream in streams]
+        arrived = [await anext(stream) for stream in streams]
     finally:
         for stream in streams:
             await stream.aclose()
+    deltas = [delta for _, delta in sorted(zip(order, arrived))]
     for delta in deltas:
         if delta.pooled is None:
             raise RequestFailed(delta.request_id, delta.error or f"ended ({delta.finish_reason}) without a vector")

@@ -79,8 +79,10 @@ class PoolingMethods:
         """(request id, prompt, vector) per token list, all in the engine at once."""
         order = [str(next(self._request_ids)) for _ in lists]
         try:
-            for request_id, token_ids, pooling in zip(order, lists, params):
-                self.engine.add_request(request_id, token_ids, SamplingParams(pooling=pooling))
+            # Shortest first, as sentence-transformers sorts its batches: a step's sequences
+            # then have like lengths, and an encoder's attention pads them less.
+            for index in sorted(range(len(lists)), key=lambda i: len(lists[i])):
+                self.engine.add_request(order[index], lists[index], SamplingParams(pooling=params[index]))
         except Exception:
             for request_id in order:
                 self.engine.abort_request(request_id)

@@ -2,8 +2,9 @@
 token type ids, bidirectional attention over each sequence, post-norm layers.
 
 A step's sequences arrive packed, as a decoder's do, each whole (an encoder's prefill is
-never chunked: every token attends to every other). Attention runs over them padded to
-the longest, the padding masked out; an encoder keeps no KV cache.
+never chunked: every token attends to every other). Everything but attention runs on the
+packed tokens, no padding; attention runs over the sequences padded to the longest, the
+padding masked out. An encoder keeps no KV cache.
 """
 from __future__ import annotations
 
@@ -28,15 +29,30 @@ class _Layer(nn.Module):
         self.output = nn.Linear(config.intermediate_size, hidden)
         self.output_norm = nn.LayerNorm(hidden, eps=eps)
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """`hidden` [B, L, H]; `mask` [B, 1, 1, L], True where a key is a real token."""
-        batch, length, size = hidden.shape
-        q, k, v = self.qkv(hidden).view(batch, length, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        attended = attended.transpose(1, 2).reshape(batch, length, size)
+    def forward(self, hidden: torch.Tensor, layout: _Padding) -> torch.Tensor:
+        """`hidden` [T, H], the step's sequences packed: only attention sees them padded."""
+        q, k, v = layout.pad(self.qkv(hidden)).view(*layout.shape, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask)
+        attended = layout.unpad(attended.transpose(1, 2).reshape(*layout.shape, -1))
         hidden = self.attention_norm(hidden + self.attention_out(attended))
         # BERT's gelu is the exact (erf) one.
         return self.output_norm(hidden + self.output(nn.functional.gelu(self.intermediate(hidden))))
+
+
+class _Padding:
+    """Where a step's packed sequences sit in a [B, L] batch padded to the longest."""
+
+    def __init__(self, lengths: list[int], device: torch.device) -> None:
+        self.lengths = lengths
+        self.shape = (len(lengths), max(lengths))
+        self.real = torch.arange(self.shape[1], device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+        self.mask = self.real[:, None, None, :]  # keys that are tokens, for every query
+
+    def pad(self, packed: torch.Tensor) -> torch.Tensor:
+        return nn.utils.rnn.pad_sequence(packed.split(self.lengths), batch_first=True)
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        return padded[self.real]
 
 
 class BertModel(nn.Module):
@@ -64,13 +80,10 @@ class BertModel(nn.Module):
         """The last hidden states [T, H] of packed whole sequences of `lengths` tokens."""
         hidden = self.embeddings_norm(self.word_embeddings(input_ids) + self.position_embeddings(positions)
                                       + self.token_type_embeddings(token_type_ids))
-        padded = nn.utils.rnn.pad_sequence(hidden.split(lengths), batch_first=True)
-        real = torch.arange(padded.shape[1], device=padded.device)[None, :] < torch.tensor(
-            lengths, device=padded.device)[:, None]
-        mask = real[:, None, None, :]
+        layout = _Padding(lengths, hidden.device)
         for layer in self.layers:
-            padded = layer(padded, mask)
-        return padded[real]
+            hidden = layer(hidden, layout)
+        return hidden
 
     @classmethod
     def load(cls, directory: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> BertModel:

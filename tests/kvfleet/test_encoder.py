@@ -143,3 +143,19 @@ def test_an_embedding_model_scores_by_cosine(encoder, sentence_transformer):
     [output] = encoder.score(first, second, use_tqdm=False)
     vectors = sentence_transformer.encode([first, second], convert_to_tensor=True)
     assert output.outputs.score == pytest.approx(torch.dot(vectors[0], vectors[1]).item(), abs=1e-3)
+
+
+@pytest.mark.parametrize("engine_args, message", [
+    ({"pooler_config": '{"pooling_type": "MAX"}'}, "--pooler-config: pooling_type 'MAX'"),
+    ({"pooler_config": '{"softmax": true}'}, "--pooler-config: unsupported keys ['softmax']"),
+    ({"convert": "classify"}, "--convert classify"),
+    ({"convert": "embed", "runner": "generate"}, "use --runner pooling"),
+    ({"model": MODEL, "runner": "generate"}, "is an encoder, it only pools"),
+    ({"model": MODEL, "max_num_batched_tokens": 64}, "must be at least --max-model-len"),
+])
+def test_a_pooling_config_that_cannot_work_is_refused_before_loading(engine_args, message):
+    from services.config import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        LLM(**{"model": "smollm2", **engine_args})
+    assert message in str(refused.value) and "\n" not in str(refused.value)

@@ -42,6 +42,9 @@ def check_model(config: EngineConfig) -> CheckedModel:
         _check_encoder(config, source)
         # As vLLM: an encoder's inputs stop at the length it was trained on, when it says.
         max_model_len = config.max_model_len or min(limit, max_seq_length(source.path) or limit)
+        if config.max_num_batched_tokens < max_model_len:
+            raise ConfigError(f"--max-num-batched-tokens {config.max_num_batched_tokens}: an encoder computes each "
+                              f"input whole in one step, so it must be at least --max-model-len ({max_model_len})")
     if max_model_len > limit and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN, "").lower() not in ("1", "true"):
         raise ConfigError(
             f"--max-model-len {max_model_len}: {source.name} has {limit} positions; use at most {limit}, or set "
@@ -59,9 +62,6 @@ def _check_encoder(config: EngineConfig, source: ModelSource) -> None:
     if config.has_kv_tiers or config.speculative_config is not None:
         raise ConfigError("an encoder keeps no KV cache and drafts no tokens: drop the --kv-offloading-*, "
                           "--kv-shared-* and --speculative-config flags")
-    if config.max_num_batched_tokens < (config.max_model_len or 0):
-        raise ConfigError(f"--max-num-batched-tokens {config.max_num_batched_tokens}: an encoder computes each input "
-                          "whole in one step, so it must be at least --max-model-len")
 
 
 def check_device(config: EngineConfig) -> None:

@@ -93,6 +93,8 @@ class Scheduler:
         its prompt is computed, so the prompt's KV is computed and held once."""
         for candidate in (request, *followers):
             self._validate(candidate)
+        if followers and request.sampling_params.pooling is not None:  # a follower would pool its last token only
+            raise InvalidParameter("n", "a pooling request has one result")
         self.requests[request.request_id] = request
         self.waiting.append(request)
         for follower in followers:
@@ -194,7 +196,8 @@ class Scheduler:
         ahead, a decode of the token its step in flight samples, when it will not certainly
         have finished by then and its sampling does not read its last token."""
         params = request.sampling_params
-        return (self.config.async_scheduling and request.num_ahead_samples == 1
+        # A pooling request's step that reaches its prompt's end is its last: nothing follows it.
+        return (self.config.async_scheduling and request.num_ahead_samples == 1 and params.pooling is None
                 and request.num_in_flight_tokens + request.num_computed_tokens == request.num_tokens
                 and (params.max_tokens is None or len(request.output_token_ids) + 1 < params.max_tokens)
                 and request.num_tokens + 1 < self.config.max_model_len and not params.reads_output_tokens)

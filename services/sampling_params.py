@@ -78,12 +78,6 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, repr_omit_defaults=True
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
-        if self.pooling is not None:
-            # The step that reaches the prompt's end is its last: it never decodes, so the
-            # scheduler must never plan a step past it (async scheduling, drafts).
-            if self.n != 1 or self.best_of not in (None, 1):
-                raise InvalidParameter("n", "a pooling request has one result")
-            self.max_tokens = 1
         self._validate()
 
     def _validate(self) -> None:

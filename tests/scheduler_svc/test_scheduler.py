@@ -229,6 +229,10 @@ def test_a_pooling_request_is_prefill_only_bypasses_mean_s_prefix_cache_and_free
         add(make_scheduler(), "p", 8, pooling=PoolingParams())
     with pytest.raises(InvalidParameter, match="generates no text"):
         add(make_scheduler(pooler=PoolerConfig(), generates=False), "g", 8)
+    pooled = SamplingParams(pooling=PoolingParams())
+    with pytest.raises(InvalidParameter, match="one result"):  # a forked follower would pool its last token only
+        make_scheduler(pooler=PoolerConfig()).add_request(Request("p", [10, 11], pooled, (EOS,)),
+                                                          [Request("p-1", [10, 11], pooled, (EOS,))])
     scheduler = make_scheduler(pooler=PoolerConfig(pooling_type="MEAN"), max_num_batched_tokens=16)
     add(scheduler, "g", 12)
     scheduler.update(plan := scheduler.schedule(), StepResult(plan.step_id, {"g": [4]}))

@@ -197,7 +197,7 @@ def test_health_and_version(server: ServerThread) -> None:
 def test_an_engine_that_is_not_running_is_503(stack: Stack) -> None:
     # Never started, so it never calls its core beyond the first stats().
     stopped = AsyncEngine(SimpleNamespace(stats=stack.engine.stats, max_model_len=stack.core.max_model_len,
-                                          eos_token_ids=stack.core.eos_token_ids))
+                                          eos_token_ids=stack.core.eos_token_ids, description=stack.core.description))
     app = build_app(stopped, InProcessEncoder(stack.tokenizer), MODEL)
     with ServerThread(app) as idle:
         assert httpx.get(f"{idle.url}/health").status_code == 503

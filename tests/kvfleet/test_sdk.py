@@ -302,3 +302,22 @@ def test_embed_api_dimensions_and_lengths(dense_llm):
 def test_generation_only_model_refuses_pooling(llm):
     with pytest.raises(ValueError, match="pooling model"):
         llm.embed("Hello")
+
+
+def test_mean_pooling_over_prefill_chunks_matches_transformers(make_llm, hf_smollm2):
+    """MEAN pooling sums each chunk's rows as a long prompt is prefilled in several steps:
+    the mean of transformers' last hidden states, normalized."""
+    import torch
+
+    from conftest import DENSE
+    from corpus import TEXT
+
+    llm = make_llm(**DENSE, pooler_config='{"pooling_type": "MEAN"}', max_num_batched_tokens=32)
+    tokens = llm.get_tokenizer().encode(TEXT)
+    prompts = [tokens[:20], tokens[30:75], tokens[80:150]]  # up to 3 chunks each, sharing steps
+    outputs = llm.embed(prompts, use_tqdm=False)
+    with torch.inference_mode():
+        for prompt, output in zip(prompts, outputs):
+            mean = hf_smollm2.model(torch.tensor([prompt])).last_hidden_state[0].mean(0)
+            cosine = torch.nn.functional.cosine_similarity(torch.tensor(output.outputs.embedding), mean, dim=0)
+            assert cosine.item() >= 0.999, (len(prompt), cosine.item())

@@ -18,7 +18,18 @@ from gateway.errors import install_error_handlers
 from gateway.limits import BodySizeMiddleware, RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.response_options import ResponseOptions
-from gateway.routes import chat, completions, models, sagemaker, system, tokenize, tokenizer_info
+from gateway.routes import (
+    chat,
+    classify,
+    completions,
+    embeddings,
+    models,
+    sagemaker,
+    scoring,
+    system,
+    tokenize,
+    tokenizer_info,
+)
 from gateway.server_load import ServerLoad, ServerLoadMiddleware
 from gateway.server_options import ServerOptions
 from gateway.tool_calls import ChatOptions
@@ -53,7 +64,7 @@ def build_app(
         chat_options=chat_options,
         options=options,
     )
-    for module in (models, completions, chat, tokenize, system, sagemaker):
+    for module in (models, completions, chat, embeddings, classify, scoring, tokenize, system, sagemaker):
         app.include_router(module.router)
     if server.tokenizer_info:
         app.include_router(tokenizer_info.router)

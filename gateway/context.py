@@ -20,6 +20,7 @@ from gateway.response_options import ResponseOptions
 from gateway.tool_calls import ChatOptions
 from services.engine_client import EngineClient
 from services.messages import EngineInfo
+from services.pooling_params import PoolerConfig
 from services.sampling_params import SamplingParams
 from services.tokenizer_api import PromptEncoder
 from tokenizer_svc.tokenizer import Tokenizer
@@ -62,6 +63,11 @@ class GatewayContext:
     def eos_token_ids(self) -> tuple[int, ...]:
         """What ends a beam in beam search."""
         return self._engine_info().eos_token_ids
+
+    @property
+    def pooler(self) -> PoolerConfig | None:
+        """How the engine pools; None when it serves no pooling (docs/pooling.md)."""
+        return self._engine_info().pooler
 
     def _engine_info(self) -> EngineInfo:
         info = self.engine.engine_info()

@@ -36,7 +36,7 @@ class _Add:
 class AsyncEngine(EngineThread[_Add, RequestStream]):
     def __init__(self, core: EngineCore) -> None:
         super().__init__(core, "kvfleet-engine")
-        self._info = EngineInfo(core.max_model_len, core.eos_token_ids)
+        self._info = EngineInfo(core.max_model_len, core.eos_token_ids, core.description.pooler)
         # Owned by the engine thread: what to deliver at the end of this iteration.
         self._outbox: defaultdict[RequestStream, list[Item]] = defaultdict(list)
 

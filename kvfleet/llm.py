@@ -12,6 +12,8 @@ from typing import Any
 import msgspec
 from tqdm.auto import tqdm
 
+from kvfleet.llm_pooling import PoolingMethods
+from kvfleet.prompts import Prompt, as_prompt_list
 from scheduler_svc.engine_core import EngineCore
 from services.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from services.config import EngineConfig
@@ -29,13 +31,10 @@ logger = logging.getLogger(__name__)
 # Every package whose lines the SDK shows: load progress, the start-up summary, notes.
 _LOGGING_PACKAGES = ("kvfleet", "services", "worker_svc", "scheduler_svc", "tokenizer_svc")
 
-# A prompt is text, token ids, or vLLM's dict form {"prompt": ...} / {"prompt_token_ids": ...},
-# where the dict may carry a "cache_salt" that keeps its prefix cache apart from other tenants'.
-Prompt = str | Sequence[int] | dict[str, Any]
 _CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
 
 
-class LLM:
+class LLM(PoolingMethods):
     """Takes EngineConfig's fields, vLLM's names (`dtype`, `max_model_len`, `tensor_parallel_size`, ...)."""
 
     def __init__(self, model: str = "smollm2", **engine_args: Any) -> None:
@@ -66,7 +65,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompt_list))
         processor = OutputProcessor(self.tokenizer)
         order = []
@@ -114,7 +113,7 @@ class LLM:
             return [output.outputs[0].logprobs[0] for output in outputs]
 
         eos = self.engine.eos_token_ids
-        outputs = [beam_search(self._tokenize(p)[1], params, eos, next_tokens) for p in _as_prompt_list(prompts)]
+        outputs = [beam_search(self._tokenize(p)[1], params, eos, next_tokens) for p in as_prompt_list(prompts)]
         for output in outputs:
             for sequence in output.sequences:
                 # As vLLM's LLM.beam_search: the text of the whole sequence, prompt included.
@@ -138,14 +137,6 @@ class LLM:
                     done[output.request_id] = output
                     bar.update(1)
         return [done[request_id] for request_id in order]
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    return list(prompts)
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:

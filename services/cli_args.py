@@ -69,6 +69,12 @@ _ENGINE_HELP = {
     "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} drafts tokens from the request's own "
                           "prompt and output; the model verifies them in one step (ngram only, for now)",
+    "runner": "auto: generate with a decoder model, pool with an encoder (BERT); pooling: serve embeddings "
+              "(/v1/embeddings, /pooling) rather than text; generate: serve text",
+    "convert": "embed: serve a decoder model as an embedder (its last token's normalized hidden state by default; "
+               "implies --runner pooling); auto/none: the model as it is",
+    "pooler_config": "how a pooling model pools, vLLM's JSON: {\"pooling_type\": \"LAST\"|\"MEAN\"|\"CLS\", "
+                     "\"normalize\": true, \"dimensions\": N} (default: the model's own, else LAST and normalize)",
 }
 # vLLM's short spellings.
 _ENGINE_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"],

@@ -11,6 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from services.pooling_params import parse_pooler_config
 from services.speculative_config import SpeculativeConfig, SpeculativeConfigError, parse_speculative_config
 
 
@@ -27,6 +28,8 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")  # vLLM's names; auto: the mod
 GENERATION_CONFIGS = ("auto", "vllm")  # or a directory holding generation_config.json
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner (draft models are not supported)
+CONVERTS = ("auto", "none", "embed")  # vLLM's --convert, as far as kvfleet converts
 # Decode batch sizes captured as CUDA graphs when --cuda-graph-sizes is not given (cut at --max-num-seqs).
 DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -81,6 +84,11 @@ class EngineConfig:
     trust_remote_code: bool = False
     # vLLM's JSON (a dict from the SDK); kept as canonical JSON, parsed into `speculative`.
     speculative_config: str | None = None
+    # Pooling (docs/pooling.md), vLLM's flags: auto generates with a decoder and pools with an
+    # encoder; --convert embed makes a decoder an embedder (it implies --runner pooling).
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: str | None = None  # vLLM's JSON: pooling_type, normalize, dimensions
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -123,6 +131,26 @@ class EngineConfig:
             raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: choose one of {', '.join(KV_CACHE_DTYPES)} "
                               "(fp8 caches are not supported)")
         self._check_speculative()
+        self._check_pooling()
+
+    def _check_pooling(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ConfigError(f"--runner {self.runner}: choose one of {', '.join(RUNNERS)}")
+        if self.convert not in CONVERTS:
+            raise ConfigError(f"--convert {self.convert}: choose one of {', '.join(CONVERTS)} (classify is not "
+                              "supported for decoder models yet)")
+        if self.convert == "embed":
+            if self.runner == "generate":
+                raise ConfigError("--convert embed makes a pooling model: use --runner pooling (or auto)")
+            self.runner = "pooling"
+        self.pooler_overrides: dict = {}
+        if self.pooler_config is not None:
+            try:
+                self.pooler_overrides = parse_pooler_config(self.pooler_config)
+            except ValueError as exc:
+                raise ConfigError(f"--pooler-config: {exc}") from exc
+        if self.runner == "pooling" and self.speculative_config is not None:
+            raise ConfigError("--speculative-config drafts tokens: a pooling model generates none; drop it")
 
     def _check_speculative(self) -> None:
         self.speculative: SpeculativeConfig | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from services.histogram_counts import HistogramCounts
+from services.pooling_params import PoolerConfig
 from services.sampling_params import SamplingParams
 
 # Sent every step: field order is the wire format.
@@ -125,6 +126,8 @@ class StepResult(msgspec.Struct, **_HOT):
     kv_loads_done: dict[str, int] = {}
     # What the offload tiers did since the last result, per medium.
     kv_tiers: list[KvTierCounts] = []
+    # Pooling requests whose prompt this step finished: their pooled vector (docs/pooling.md).
+    pooled: dict[str, list[float]] = {}
 
 
 class WorkerDescription(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -144,6 +147,12 @@ class WorkerDescription(msgspec.Struct, frozen=True, omit_defaults=True):
     # which the file tiers keep this model's blocks ("" without file tiers).
     num_offload_blocks: int = 0
     kv_layout_key: str = ""
+    # Set when the group pools (docs/pooling.md): how. `generates` False: it pools only (--runner pooling).
+    pooler: PoolerConfig | None = None
+    generates: bool = True
+    # An encoder: every token attends to every other, so a prompt is computed whole in one
+    # step (no chunked prefill) and no KV is kept (no prefix cache).
+    bidirectional: bool = False
 
 
 class FirstTokenTimes(msgspec.Struct, frozen=True, **_HOT):
@@ -171,6 +180,8 @@ class TokenDelta(msgspec.Struct, **_HOT):
     # a failure of what carried it (a worker or scheduler gone), not of the request.
     error: str = ""
     lost: bool = False
+    # A pooling request's one delta: its pooled vector (no tokens; finish_reason "stop").
+    pooled: list[float] | None = None
 
 
 class CacheConfigInfo(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -239,3 +250,5 @@ class EngineInfo(msgspec.Struct, frozen=True):
 
     max_model_len: int
     eos_token_ids: tuple[int, ...]  # what ends a sequence (and a beam in beam search)
+    # Set when the engine pools (--runner pooling) rather than generates.
+    pooler: PoolerConfig | None = None

@@ -81,8 +81,9 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def dense_llm() -> LLM:
-    """The default model dequantized (exactly transformers' tokens), shared by a module's tests."""
-    return LLM("smollm2", **DENSE)
+    """The default model dequantized (exactly transformers' tokens), shared by a module's tests.
+    It pools as well as it generates (a --pooler-config): the pooling tests share its load."""
+    return LLM("smollm2", **DENSE, pooler_config='{"pooling_type": "LAST"}')
 
 
 @pytest.fixture(autouse=True)

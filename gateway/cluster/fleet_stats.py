@@ -7,14 +7,17 @@ import msgspec
 from services.histogram_counts import HistogramCounts
 from services.messages import CacheConfigInfo, EngineInfo, EngineStats, KvTierStats, SpecDecodingStats
 from services.metric_buckets import ITERATION_TOKENS
+from services.pooling_params import PoolerConfig
 from services.registry import Member
 
 
 def engine_info(schedulers: list[Member]) -> EngineInfo:
     """What the schedulers know from their workers; replicas of one model agree on it."""
     eos = schedulers[0].metadata["eos_token_ids"]
+    pooler = schedulers[0].metadata.get("pooler")
     return EngineInfo(min(int(s.metadata["max_model_len"]) for s in schedulers),
-                      tuple(int(t) for t in eos.split(",") if t))
+                      tuple(int(t) for t in eos.split(",") if t),
+                      msgspec.json.decode(pooler, type=PoolerConfig) if pooler else None)
 
 
 def total(stats: list[EngineStats]) -> EngineStats:

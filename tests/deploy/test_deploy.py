@@ -73,6 +73,7 @@ VALUE_SETS = {
     # helm install -f values-gpu-example.yaml -f values-gpu-tp-example.yaml
     "gpu-tp-example": merge_values(yaml.safe_load((CHART / "values-gpu-example.yaml").read_text()),
                                    yaml.safe_load((CHART / "values-gpu-tp-example.yaml").read_text())),
+    "embeddings-example": yaml.safe_load((CHART / "values-embeddings-example.yaml").read_text()),
     "external-nats-redis": {
         "nats": {"bundled": False, "url": "nats://nats.messaging.svc:4222", "existingSecret": "team-llm-nats"},
         "redis": {"bundled": False, "url": "redis://redis.cache.svc:6379/0", "existingSecret": "team-llm-redis"},

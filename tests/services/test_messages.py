@@ -24,6 +24,7 @@ from services.messages import (
     TokenDelta,
     WorkerDescription,
 )
+from services.pooling_params import PoolerConfig, PoolingParams
 from services.sampling_params import SamplingParams
 from services.scheduler_messages import (
     AbortRequest,
@@ -66,11 +67,13 @@ FULL_PARAMS = SamplingParams(
     bad_words_token_ids=[[11, 12], [13]],
     structured_outputs=StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True,
                                                field_name="response_format", reasoning_end_token_ids=(5, 6)),
+    pooling=PoolingParams(normalize=False, dimensions=8, second_segment_start=3, use_activation=False),
 )
+POOLER = PoolerConfig("MEAN", False, True, 384, 64, ("no", "yes"))
 # Dict order is the order that matters (best first, then the sampled token).
 LOGPROBS = [{9: -0.25, 3: -1.5, 7: -8.0}, {2: -0.1}]
 DELTA = TokenDelta("r", [9, 2], "stop", "END", LOGPROBS, LOGPROBS[1:], FirstTokenTimes(0.25, 1.5), 16,
-                   "worker unreachable", True)
+                   "worker unreachable", True, [0.6, 0.8])
 PLAN = StepPlan(
     step_id=41,
     new_requests=[NewRequestData("b", [5, 6, 7, 8], 3, [3, 4], 2, FULL_PARAMS)],
@@ -102,9 +105,11 @@ _ALTERNATIVES = {*KINDS, "text", "guided_decoding"}
 # One of each message, every field set (where a field has a default, away from it).
 MESSAGES = [
     Empty(), FULL_PARAMS, FULL_PARAMS.structured_outputs, DELTA, PLAN,
-    StepResult(7, {"a": [9], "b": [2, 4]}, {"a": LOGPROBS[:1]}, {"b": LOGPROBS}, {"c": 1}, [TIER_COUNTS]),
+    StepResult(7, {"a": [9], "b": [2, 4]}, {"a": LOGPROBS[:1]}, {"b": LOGPROBS}, {"c": 1}, [TIER_COUNTS],
+               {"p": [0.6, 0.8]}),
     TIER_COUNTS,
-    WorkerDescription(100, 20, 16, 2048, 49152, (2, 0), "4f1c", 2, 50, "ab" * 16),
+    WorkerDescription(100, 20, 16, 2048, 49152, (2, 0), "4f1c", 2, 50, "ab" * 16, POOLER, False, True),
+    FULL_PARAMS.pooling, POOLER,
     EngineStats(3, 4, 0.375, 5, 100, 1 << 40, 1 << 39, HistogramCounts((1, 0, 7), 23.0), CACHE_CONFIG, 64, 32,
                 [KvTierStats("DISK", 1, 2, 3, 4, 5, 6, 7, HistogramCounts((1, 0), 0.5))],
                 SpecDecodingStats(4, 16, 9, [4, 3, 2, 0])),

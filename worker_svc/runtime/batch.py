@@ -40,6 +40,8 @@ class RequestState:
     # one step later, or (async scheduling) two, and a step ahead reads its input from
     # the InputBatch's last_sampled on the device meanwhile.
     num_sampled_ahead: int = 0
+    # A pooling request's vector so far (worker_svc/runtime/pooler.py: MEAN's running sum).
+    pooled: torch.Tensor | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -158,8 +160,10 @@ class InputBatch:
             input_ids += known
             positions += range(start, start + count)
             request_of_token += [index] * count
-            # Only a chunk that reaches the last token (sampled here or not) yields a new token.
-            if start + count == len(state.token_ids) + state.num_sampled_ahead:
+            # Only a chunk that reaches the last token (sampled here or not) yields a new token;
+            # a pooling request's yields its vector instead (worker_svc/runtime/pooler.py).
+            if (start + count == len(state.token_ids) + state.num_sampled_ahead
+                    and state.sampling_params.pooling is None):
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append((request_id, state))
         # Index lists are built here, where a range costs C speed, and go up in one copy: a

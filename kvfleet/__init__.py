@@ -10,6 +10,7 @@ from importlib.metadata import version
 from typing import Any
 
 from services.beam_search import BeamSearchParams
+from services.lora_request import LoRARequest
 from services.outputs import CompletionOutput, RequestOutput
 from services.sampling_params import SamplingParams
 from services.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
@@ -17,7 +18,7 @@ from services.structured_outputs import GuidedDecodingParams, StructuredOutputsP
 __version__ = version("kvfleet")  # what GET /version answers, as vllm.__version__ is vLLM's
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
-           "StructuredOutputsParams", "GuidedDecodingParams"]
+           "StructuredOutputsParams", "GuidedDecodingParams", "LoRARequest"]
 
 
 def __getattr__(name: str) -> Any:

@@ -68,6 +68,11 @@ _ENGINE_HELP = {
     "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} drafts tokens from the request's own "
                           "prompt and output; the model verifies them in one step (ngram only, for now)",
+    "enable_lora": "serve LoRA adapters (PEFT's adapter_config.json + adapter_model.safetensors) beside the "
+                   "base model: a request names one in `model` (docs/lora.md)",
+    "max_loras": "adapters one step may run, each in a device slot",
+    "max_lora_rank": "the largest adapter rank accepted (device slots are sized for it)",
+    "max_cpu_loras": "adapters kept in host memory, least recently used evicted (default: --max-loras)",
 }
 # vLLM's short spellings.
 _ENGINE_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"],
@@ -76,11 +81,8 @@ _ENGINE_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["
 TOKENIZER_FIELDS = ("model", "revision", "tokenizer", "tokenizer_revision", "generation_config")
 
 # vLLM flags for what kvfleet does not do (yet): refused by name, saying what to do instead.
-_LORA = "LoRA adapters are not supported yet; merge the adapter into the weights and serve those"
 _TLS = "kvfleet serves plain HTTP; terminate TLS in front of it (a reverse proxy, an ingress)"
 VLLM_FLAGS_NOT_SUPPORTED = {
-    "--enable-lora": _LORA,
-    "--lora-modules": _LORA,
     "--kv-transfer-config": "disaggregated prefill (KV transfer) is not supported; serve without it",
     "--cpu-offload-gb": "weights offloaded to host memory are not supported; use a device that holds the model",
     "--limit-mm-per-prompt": "kvfleet serves text-only models; drop the flag",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from services.histogram_counts import HistogramCounts
+from services.lora_request import LoRARequest
 from services.sampling_params import SamplingParams
 
 # Sent every step: field order is the wire format.
@@ -33,6 +34,7 @@ class NewRequestData(msgspec.Struct, **_HOT):
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
+    lora_request: LoRARequest | None = None  # the adapter it runs with (docs/lora.md); None: the base model
 
 
 class CachedRequestData(msgspec.Struct, **_HOT):

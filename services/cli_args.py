@@ -11,6 +11,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from services.config import EngineConfig, flag
+from services.lora_modules import LoRAModulePath, parse_lora_module
 from services.registry import DEFAULT_TTL_S
 from services.sampling_params import MAX_LOGPROBS
 
@@ -186,8 +187,18 @@ def add_http_args(parser: argparse.ArgumentParser, port: int = 8000) -> None:
                         help="how the model writes tool calls, to turn its text into tool_calls")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                         help="split <think>...</think> reasoning into reasoning (and reasoning_content)")
+    parser.add_argument("--lora-modules", nargs="+", type=_lora_module, metavar="NAME=PATH",
+                        help="LoRA adapters to serve from the start (needs --enable-lora): name=path, or JSON "
+                        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request names one in `model`')
     add_server_args(parser)
     add_shutdown_arg(parser)
+
+
+def _lora_module(text: str) -> LoRAModulePath:
+    try:
+        return parse_lora_module(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

@@ -46,6 +46,11 @@ def save_adapter(hf_model, spec: AdapterSpec, directory: Path, std: float = 0.05
     return directory
 
 
+# The parity prompts and length: few and short, each oracle token costs a transformers forward.
+TEXTS = ("The capital of France is", "def fibonacci(n):")
+NEW_TOKENS = 6
+
+
 def merged_greedy(hf_model, directory: Path | None, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """transformers' greedy tokens with the adapter in `directory` merged (None: the base model)."""
     if directory is None:
@@ -54,3 +59,12 @@ def merged_greedy(hf_model, directory: Path | None, prompts: list[list[int]], ne
 
     merged = PeftModel.from_pretrained(copy.deepcopy(hf_model), directory).merge_and_unload().eval()
     return [hf_greedy(merged, prompt, new_tokens) for prompt in prompts]
+
+
+def references(hf_model, directories: dict[str, Path], prompts: list[list[int]]) -> dict[str | None, list[list[int]]]:
+    """Each adapter's oracle tokens for `prompts`, and the base model's (under None); every
+    adapter must change some of the base model's, or it would test nothing."""
+    wanted = {name: merged_greedy(hf_model, directory, prompts, NEW_TOKENS)
+              for name, directory in {None: None, **directories}.items()}
+    assert all(wanted[name] != wanted[None] for name in directories), wanted
+    return wanted

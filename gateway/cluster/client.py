@@ -18,6 +18,8 @@ from gateway.cluster.replica import Replica
 from gateway.cluster.replica_set import ReplicaSet
 from gateway.cluster.streams import RequestStreams
 from services.engine_client import EngineUnavailable
+from services.invalid_parameter import InvalidParameter
+from services.lora_request import LoRARequest
 from services.messages import EngineInfo, EngineStats, TokenDelta
 from services.registry import DEFAULT_TTL_S
 from services.sampling_params import SamplingParams
@@ -76,8 +78,11 @@ class ClusterEngineClient:
         return self._replicas.info
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[TokenDelta]:
+        if lora_request is not None:  # add_lora refuses every adapter, so no name resolves to one
+            raise InvalidParameter("model", "LoRA adapters are not served by a cluster yet")
         if not self._replicas.running:
             raise EngineUnavailable("the cluster client is not running")
 
@@ -91,3 +96,9 @@ class ClusterEngineClient:
     async def abort(self, request_id: str) -> None:
         """A request id aborts the request and its children; a child id, that child only."""
         await self._streams.abort(request_id)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        raise ValueError("LoRA adapters are not served by a cluster yet: serve them with `kvfleet serve`")
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return False

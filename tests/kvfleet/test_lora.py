@@ -13,23 +13,10 @@ from safetensors.torch import save_file
 from kvfleet import LoRARequest, SamplingParams
 from worker_svc.formats.peft_adapter import LoraAdapterError
 
-from conftest import DENSE
-from lora_adapters import SPECS, merged_greedy, save_adapter
+from conftest import DENSE, assert_no_leaks
+from lora_adapters import NEW_TOKENS, SPECS
 
-NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-TEXTS = ["The capital of France is", "Once upon a time, in a land far away,", "def fibonacci(n):"]
-
-
-@pytest.fixture(scope="module")
-def adapter_dirs(hf_smollm2, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("adapters")
-    return {name: save_adapter(hf_smollm2, spec, root / name) for name, spec in SPECS.items()}
-
-
-@pytest.fixture(scope="module")
-def lora_llm(make_module_llm):
-    return make_module_llm(**DENSE, enable_lora=True, max_loras=len(SPECS), max_lora_rank=16)
 
 
 @pytest.fixture(scope="module")
@@ -44,28 +31,26 @@ def make_module_llm():
 
     yield build
     for llm in built:
-        llm.engine.worker.close()
+        assert_no_leaks(llm)
+
+
+@pytest.fixture(scope="module")
+def lora_llm(make_module_llm):
+    return make_module_llm(**DENSE, enable_lora=True, max_loras=len(SPECS), max_lora_rank=16)
 
 
 def lora_requests(adapter_dirs: dict[str, Path]) -> dict[str, LoRARequest]:
     return {name: LoRARequest(name, index, str(path)) for index, (name, path) in enumerate(adapter_dirs.items(), 1)}
 
 
-def test_three_adapters_and_the_base_in_one_batch_match_merged_transformers(lora_llm, adapter_dirs, hf_smollm2):
-    prompts = [lora_llm.get_tokenizer().encode(text) for text in TEXTS]
-    loras = lora_requests(adapter_dirs)
-    batch, wanted = [], []
-    for name in (None, *loras):
-        reference = merged_greedy(hf_smollm2, adapter_dirs.get(name), prompts, NEW_TOKENS)
-        batch += [loras.get(name)] * len(prompts)
-        wanted += reference
-    base = wanted[: len(prompts)]
-    for index in range(len(loras)):  # every adapter changes some of the base model's tokens
-        assert wanted[(index + 1) * len(prompts) : (index + 2) * len(prompts)] != base
-    outputs = lora_llm.generate(prompts * (len(loras) + 1), GREEDY, use_tqdm=False, lora_request=batch)
-    assert [o.outputs[0].token_ids for o in outputs] == wanted
-    # The step that began them held every adapter and the base model's rows together.
-    assert lora_llm.engine.scheduler.num_preemptions == 0
+def test_three_adapters_and_the_base_in_one_batch_match_merged_transformers(lora_llm, lora_adapter_dirs,
+                                                                            lora_references):
+    prompts, wanted = lora_references
+    loras = lora_requests(lora_adapter_dirs)
+    names = [None, *loras]
+    outputs = lora_llm.generate(prompts * len(names), GREEDY, use_tqdm=False,
+                                lora_request=[loras.get(name) for name in names for _ in prompts])
+    assert [o.outputs[0].token_ids for o in outputs] == [tokens for name in names for tokens in wanted[name]]
 
 
 def _write_adapter(directory: Path, config: dict, tensors: dict[str, torch.Tensor]) -> str:
@@ -80,7 +65,7 @@ def _pair(module: str, rank: int, shape_in: int, shape_out: int, block: str = "s
     return {f"{prefix}.lora_A.weight": torch.zeros(rank, shape_in), f"{prefix}.lora_B.weight": torch.zeros(shape_out, rank)}
 
 
-def test_bad_adapters_are_refused_by_name_and_disturb_nothing(lora_llm, adapter_dirs, tmp_path):
+def test_bad_adapters_are_refused_by_name_and_disturb_nothing(lora_llm, lora_adapter_dirs, tmp_path):
     hidden = 576  # SmolLM2-135M's
     no_weights = tmp_path / "no_weights"
     no_weights.mkdir()
@@ -102,14 +87,14 @@ def test_bad_adapters_are_refused_by_name_and_disturb_nothing(lora_llm, adapter_
             lora_llm.generate("Hi", GREEDY, use_tqdm=False, lora_request=LoRARequest(f"bad{index}", index, path))
     assert not lora_llm.engine.scheduler.has_unfinished_requests  # refused before any request was queued
     assert set(lora_llm.engine.worker.list_loras()) <= set(range(1, len(SPECS) + 1))
-    witness = LoRARequest("attn8", 1, str(adapter_dirs["attn8"]))
-    assert len(lora_llm.generate("Hi", GREEDY, use_tqdm=False, lora_request=witness)[0].outputs[0].token_ids) == 8
+    witness = LoRARequest("attn8", 1, str(lora_adapter_dirs["attn8"]))
+    assert len(lora_llm.generate("Hi", GREEDY, use_tqdm=False, lora_request=witness)[0].outputs[0].token_ids) == 6
 
 
-def test_adapters_share_prefix_blocks_only_with_themselves(lora_llm, adapter_dirs):
+def test_adapters_share_prefix_blocks_only_with_themselves(lora_llm, lora_adapter_dirs):
     prompt = list(range(1000, 1050))  # three full blocks of 16; the last token is always computed
     scheduler = lora_llm.engine.scheduler
-    loras = lora_requests(adapter_dirs)
+    loras = lora_requests(lora_adapter_dirs)
 
     def hits_for(lora: LoRARequest | None) -> int:
         before = scheduler.prefix_cache_hits
@@ -124,13 +109,12 @@ def test_adapters_share_prefix_blocks_only_with_themselves(lora_llm, adapter_dir
 
 
 def test_adapters_beyond_max_loras_wait_their_turn_and_the_host_cache_reads_evicted_ones_again(
-    make_module_llm, adapter_dirs, hf_smollm2
+    make_module_llm, lora_adapter_dirs, lora_references
 ):
     # One device slot, two adapters in host memory, three adapters asked for at once.
     llm = make_module_llm(**DENSE, enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=16)
-    prompts = [llm.get_tokenizer().encode(TEXTS[0])]
-    loras = lora_requests(adapter_dirs)
-    wanted = [merged_greedy(hf_smollm2, adapter_dirs[name], prompts, NEW_TOKENS)[0] for name in loras]
-    outputs = llm.generate(prompts * len(loras), GREEDY, use_tqdm=False, lora_request=list(loras.values()))
-    assert [o.outputs[0].token_ids for o in outputs] == wanted
+    prompts, wanted = lora_references
+    loras = lora_requests(lora_adapter_dirs)
+    outputs = llm.generate(prompts[:1] * len(loras), GREEDY, use_tqdm=False, lora_request=list(loras.values()))
+    assert [o.outputs[0].token_ids for o in outputs] == [wanted[name][0] for name in loras]
     assert len(llm.engine.worker.lora._host) == 2

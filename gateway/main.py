@@ -17,7 +17,14 @@ import os
 from gateway.cluster.gateway_id import checked_gateway_name
 from gateway.cluster.migration import DEFAULT_MIGRATION_LIMIT
 from gateway.cluster.routing import ROUTING_POLICIES
-from services.cli_args import add_http_args, add_nats_arg, add_registry_args, add_tls_args, at_least
+from services.cli_args import (
+    add_http_args,
+    add_nats_arg,
+    add_registry_args,
+    add_tls_args,
+    at_least,
+    refuse_cluster_lora,
+)
 from services.registry import Lease, Member, Registry
 from services.role_process import advertised
 from services.telemetry import configure_logging
@@ -70,6 +77,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     from services.transport.tls import configure_tls
 
     configure_logging()
+    refuse_cluster_lora(args)
     configure_tls(args)  # before any server or channel opens
     listener = listen(args)
     registry = Registry(args.redis_url)

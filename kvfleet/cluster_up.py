@@ -53,6 +53,7 @@ from services.cli_args import (
     engine_args,
     engine_argv,
     gateway_argv,
+    refuse_cluster_lora,
 )
 from services.config import EngineConfig
 from services.telemetry import configure_logging
@@ -88,6 +89,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     configure_logging()
     # What can be checked here is, before anything starts; torch's build is the worker's to check.
     config = EngineConfig(**engine_args(args))
+    refuse_cluster_lora(args)
     check_model(config)
     check_device(config)
     listener = listen(args)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 
-from services.config import EngineConfig, flag
+from services.config import ConfigError, EngineConfig, flag
 from services.lora_modules import LoRAModulePath, parse_lora_module
 from services.registry import DEFAULT_TTL_S
 from services.sampling_params import MAX_LOGPROBS
@@ -192,6 +192,12 @@ def add_http_args(parser: argparse.ArgumentParser, port: int = 8000) -> None:
                         '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request names one in `model`')
     add_server_args(parser)
     add_shutdown_arg(parser)
+
+
+def refuse_cluster_lora(namespace: argparse.Namespace) -> None:
+    """A cluster's gateways cannot load adapters on their schedulers yet (docs/lora.md)."""
+    if getattr(namespace, "lora_modules", None) or getattr(namespace, "enable_lora", False):
+        raise ConfigError("LoRA adapters are served by `kvfleet serve` only for now; a cluster serves the base model")
 
 
 def _lora_module(text: str) -> LoRAModulePath:

@@ -6,6 +6,7 @@ import pytest
 from scheduler_svc.block_pool import BlockPool, NoFreeBlocks
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from services.lora_request import LoRARequest
 from services.messages import StepResult
 from services.sampling_params import SamplingParams
 
@@ -219,3 +220,17 @@ def test_parallel_samples_count_against_max_num_seqs():
         run_step(scheduler)
         assert len(scheduler.running) <= 3
     assert len(scheduler.running) == 3 and len(scheduler.waiting) == 1  # the fourth sample waits its turn
+
+
+def test_requests_of_adapters_beyond_max_loras_wait_and_the_others_pass_them():
+    scheduler = make_scheduler(max_loras=1)
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    for request_id, lora in (("a1", a), ("b1", b), ("base", None), ("a2", a)):
+        scheduler.add_request(Request(request_id, [10, 11, 12], SamplingParams(max_tokens=1), (EOS,),
+                                      lora_request=lora))
+    plan, _ = run_step(scheduler)
+    assert list(plan.num_scheduled_tokens) == ["a1", "base", "a2"]
+    assert [new.lora_request for new in plan.new_requests] == [a, None, a]
+    assert [request.request_id for request in scheduler.waiting] == ["b1"]
+    plan, _ = run_step(scheduler)  # a's requests finished: b's turn
+    assert list(plan.num_scheduled_tokens) == ["b1"] and plan.new_requests[0].lora_request == b

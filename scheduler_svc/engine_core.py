@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -25,6 +25,7 @@ from services.lora_request import LoRARequest
 from services.messages import (
     CacheConfigInfo,
     EngineStats,
+    LoraStats,
     StepPlan,
     StepResult,
     TokenDelta,
@@ -279,8 +280,15 @@ class EngineCore:
             iteration_tokens=scheduler.iteration_tokens.snapshot(),
             cache_config=self.cache_config,
             spec_decoding=scheduler.spec_decoding.stats() if self.config.speculative is not None else None,
+            lora=self._lora_stats() if self.config.enable_lora else None,
             **self._tier_stats(),
         )
+
+    def _lora_stats(self) -> LoraStats:
+        def names(requests: Iterable[Request]) -> list[str]:
+            return list(dict.fromkeys(r.lora_request.lora_name for r in requests if r.lora_request is not None))
+
+        return LoraStats(self.config.max_loras, names(self.scheduler.running), names(self.scheduler.waiting))
 
     def _tier_stats(self) -> dict:
         connector = self.scheduler.connector

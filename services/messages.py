@@ -214,6 +214,14 @@ class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
     num_accepted_tokens_per_pos: list[int] = []
 
 
+class LoraStats(msgspec.Struct, omit_defaults=True):
+    """Which adapters the scheduler's requests run with: vllm:lora_requests_info's labels."""
+
+    max_lora: int
+    running: list[str] = []  # adapter names of the running requests, each once
+    waiting: list[str] = []
+
+
 class EngineStats(msgspec.Struct, omit_defaults=True):
     """A scheduler's gauges, counters and histograms, exported with vLLM's metric names."""
 
@@ -234,6 +242,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     external_prefix_cache_hits: int = 0
     kv_tiers: list[KvTierStats] = []
     spec_decoding: SpecDecodingStats | None = None  # None: no speculative decoding configured
+    lora: LoraStats | None = None  # None: LoRA not enabled
 
 
 class EngineInfo(msgspec.Struct, frozen=True):

@@ -55,6 +55,18 @@ def test_adapters_are_listed_and_named_completions_match_merged_transformers(lor
     lora_server.wait_idle()
 
 
+def test_lora_requests_info_names_the_running_adapters(lora_server, lora_references):
+    prompts, _ = lora_references
+    body = {"model": "attn8", "prompt": prompts[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with lora_server.http() as client, client.stream("POST", "/v1/completions", headers=HEADERS, json=body) as stream:
+        # Its first token (the head chunk has no choice): it runs until this stream closes.
+        next(line for line in stream.iter_lines() if line.startswith("data: {") and json.loads(line[6:])["choices"])
+        running = [name for name in lora_server.metrics() if name.startswith("vllm:lora_requests_info")]
+    assert running == ["vllm:lora_requests_info{max_lora=3,running_lora_adapters=attn8,waiting_lora_adapters=}"]
+    idle = [name for name in lora_server.wait_idle() if name.startswith("vllm:lora_requests_info")]
+    assert idle == ["vllm:lora_requests_info{max_lora=3,running_lora_adapters=,waiting_lora_adapters=}"]
+
+
 def test_bad_loads_and_unknown_names_are_answered_by_name_and_a_witness_finishes(lora_server, lora_references,
                                                                                  tmp_path: Path):
     prompts, wanted = lora_references

@@ -23,7 +23,6 @@ from services.cli_args import (
     add_registry_args,
     add_tls_args,
     at_least,
-    refuse_cluster_lora,
 )
 from services.registry import Lease, Member, Registry
 from services.role_process import advertised
@@ -77,7 +76,6 @@ def run_gateway(args: argparse.Namespace) -> int:
     from services.transport.tls import configure_tls
 
     configure_logging()
-    refuse_cluster_lora(args)
     configure_tls(args)  # before any server or channel opens
     listener = listen(args)
     registry = Registry(args.redis_url)
@@ -89,6 +87,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     app = build_app(client, encoder, args.served_model_name or [args.model], args.api_key,
                     RequestLimits.from_args(args), ChatOptions.from_args(args), ResponseOptions.from_args(args),
                     args.model, ServerOptions.from_args(args))
+    for module in args.lora_modules or []:  # checked by `cluster up`; each replica reads them on first use
+        app.state.gateway.loras.register(module.name, module.path, module.base_model_name)
     member = Member("gateway", client.gateway_id, advertised(args), {"model": args.model})
     client.start()
     encoder.start()

@@ -85,6 +85,9 @@ class AsyncEngine(EngineThread[_Add, RequestStream]):
     async def remove_lora(self, lora_int_id: int) -> bool:
         return await asyncio.to_thread(self.core.remove_lora, lora_int_id)
 
+    def lora_requests(self) -> dict[str, LoRARequest]:
+        return {}  # one front end: its own adapters are all there are
+
     # -- the engine thread -----------------------------------------------------------
 
     def _handle(self, command: _Add) -> None:

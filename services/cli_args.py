@@ -5,12 +5,13 @@ role, so `kvfleet <command> --help` answers at once."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 
-from services.config import ConfigError, EngineConfig, flag
+from services.config import EngineConfig, flag
 from services.lora_modules import LoRAModulePath, parse_lora_module
 from services.registry import DEFAULT_TTL_S
 from services.sampling_params import MAX_LOGPROBS
@@ -194,12 +195,6 @@ def add_http_args(parser: argparse.ArgumentParser, port: int = 8000) -> None:
     add_shutdown_arg(parser)
 
 
-def refuse_cluster_lora(namespace: argparse.Namespace) -> None:
-    """A cluster's gateways cannot load adapters on their schedulers yet (docs/lora.md)."""
-    if getattr(namespace, "lora_modules", None) or getattr(namespace, "enable_lora", False):
-        raise ConfigError("LoRA adapters are served by `kvfleet serve` only for now; a cluster serves the base model")
-
-
 def _lora_module(text: str) -> LoRAModulePath:
     try:
         return parse_lora_module(text)
@@ -256,6 +251,9 @@ def gateway_argv(namespace: argparse.Namespace) -> list[str]:
             argv.append(f"{flag(name)}={getattr(namespace, name)}")
     if namespace.served_model_name:
         argv += ["--served-model-name", *namespace.served_model_name]
+    if namespace.lora_modules:
+        argv += ["--lora-modules", *(json.dumps({"name": m.name, "path": m.path, "base_model_name": m.base_model_name})
+                                     for m in namespace.lora_modules)]
     return argv + server_argv(namespace)
 
 

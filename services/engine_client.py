@@ -80,3 +80,6 @@ class EngineClient(Protocol):
     async def add_lora(self, lora_request: LoRARequest) -> None: ...
 
     async def remove_lora(self, lora_int_id: int) -> bool: ...
+
+    def lora_requests(self) -> dict[str, LoRARequest]:
+        """Adapters served beyond those this front end loaded (a cluster's other gateways'), by name."""

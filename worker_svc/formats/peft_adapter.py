@@ -17,11 +17,14 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
 
 from worker_svc.formats.model_config import ModelConfig
+
+if TYPE_CHECKING:  # checking an adapter (cluster up, before anything loads) needs no torch
+    import torch
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -55,6 +58,20 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def read_peft_adapter(path: str, config: ModelConfig, max_rank: int) -> PeftAdapter:
+    rank, scaling, names = check_peft_adapter(path, config, max_rank)
+    directory = Path(path)
+    weights = {}
+    with safe_open(directory / WEIGHTS_FILE, framework="pt") as checkpoint:
+        for key, (a_name, b_name) in names.items():
+            weights[key] = (checkpoint.get_tensor(a_name).float().contiguous(),
+                            checkpoint.get_tensor(b_name).float().contiguous())
+    return PeftAdapter(rank, scaling, weights)
+
+
+def check_peft_adapter(
+    path: str, config: ModelConfig, max_rank: int
+) -> tuple[int, float, dict[tuple[int, str], tuple[str, str]]]:
+    """The adapter's rank, scaling and tensor names, from its config and header alone."""
     directory = Path(path)
     if not (directory / CONFIG_FILE).is_file():
         # vLLM's words: its servers answer this one 404, every other load error 400.
@@ -62,14 +79,7 @@ def read_peft_adapter(path: str, config: ModelConfig, max_rank: int) -> PeftAdap
     if not (directory / WEIGHTS_FILE).is_file():
         raise LoraAdapterError(f"{path} has no {WEIGHTS_FILE} (PEFT's .bin checkpoints are not supported)")
     rank, scaling = _check_config(directory / CONFIG_FILE, max_rank)
-    shapes = _header_shapes(directory / WEIGHTS_FILE)
-    names = _check_tensors(shapes, rank, config, path)
-    weights = {}
-    with safe_open(directory / WEIGHTS_FILE, framework="pt") as checkpoint:
-        for key, (a_name, b_name) in names.items():
-            weights[key] = (checkpoint.get_tensor(a_name).float().contiguous(),
-                            checkpoint.get_tensor(b_name).float().contiguous())
-    return PeftAdapter(rank, scaling, weights)
+    return rank, scaling, _check_tensors(_header_shapes(directory / WEIGHTS_FILE), rank, config, path)
 
 
 def _check_config(file: Path, max_rank: int) -> tuple[int, float]:

@@ -103,7 +103,8 @@ VALUE_SETS = {
         "networkPolicy": {"enabled": False},
     },
     # LoRA adapters read by every replica's worker from one claim.
-    "lora": {"engine": {"enable-lora": True, "max-loras": 4}, "loraAdapters": {"existingClaim": "adapters", "runtimeUpdating": True}},
+    "lora": {"engine": {"enable-lora": True, "max-loras": 4},
+             "loraAdapters": {"existingClaim": "adapters", "runtimeUpdating": True}},
     # The KV offload tiers: host memory, a disk per replica and the fleet-shared store.
     "kv-tiers": {
         "engine": {"kv-offloading-size": 2},

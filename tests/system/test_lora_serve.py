@@ -5,6 +5,7 @@ merged; bad loads and unknown names answered by name while a witness finishes in
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -61,8 +62,11 @@ def test_lora_requests_info_names_the_running_adapters(lora_server, lora_referen
     with lora_server.http() as client, client.stream("POST", "/v1/completions", headers=HEADERS, json=body) as stream:
         # Its first token (the head chunk has no choice): it runs until this stream closes.
         next(line for line in stream.iter_lines() if line.startswith("data: {") and json.loads(line[6:])["choices"])
-        running = [name for name in lora_server.metrics() if name.startswith("vllm:lora_requests_info")]
-    assert running == ["vllm:lora_requests_info{max_lora=3,running_lora_adapters=attn8,waiting_lora_adapters=}"]
+        wanted = "vllm:lora_requests_info{max_lora=3,running_lora_adapters=attn8,waiting_lora_adapters=}"
+        deadline = time.monotonic() + 5  # a scrape may come before the engine's next iteration
+        while wanted not in (running := lora_server.metrics()):
+            assert time.monotonic() < deadline, [name for name in running if name.startswith("vllm:lora")]
+            time.sleep(0.05)
     idle = [name for name in lora_server.wait_idle() if name.startswith("vllm:lora_requests_info")]
     assert idle == ["vllm:lora_requests_info{max_lora=3,running_lora_adapters=,waiting_lora_adapters=}"]
 

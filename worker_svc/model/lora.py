@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker_svc.kernels.triton.sgmv import segmented_mm
+
 # Each fused projection of a layer and the modules (PEFT's names) it concatenates, in order.
 FUSED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -86,10 +88,15 @@ class LoraStep:
         order = torch.argsort(token_slots, stable=True)  # the base model's -1 rows first
         return cls(order[len(token_slots) - start :], segments)
 
-    def add(self, slots: LoraSlots, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`out` (the base projection of `x`) plus each row's adapter delta."""
+    def add(self, slots: LoraSlots, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor,
+            kernel: bool = False) -> torch.Tensor:
+        """`out` (the base projection of `x`) plus each row's adapter delta; with `kernel`,
+        the shrink and the expand as one Triton launch each (worker_svc/kernels/triton/sgmv.py)."""
         a, b = slots.a[layer][fused], slots.b[layer][fused]
         grouped = x.index_select(0, self.rows)
+        if kernel:
+            deltas = segmented_mm(segmented_mm(grouped, a, self.segments), b, self.segments)
+            return out.index_add_(0, self.rows, deltas)
         deltas = out.new_empty(len(self.rows), out.shape[-1])
         for slot, start, end in self.segments:  # one shrink and one expand per adapter, written in place
             torch.mm(grouped[start:end] @ a[slot].T, b[slot].T, out=deltas[start:end])
@@ -98,12 +105,14 @@ class LoraStep:
 
 
 class LoraContext:
-    """What the layers read: the slots, and the step now running (None: no row has an adapter)."""
+    """What the layers read: the slots, and the step now running (None: no row has an adapter).
+    `kernel`: the grouped products run as Triton kernels (where the model's other kernels do)."""
 
-    def __init__(self, slots: LoraSlots) -> None:
+    def __init__(self, slots: LoraSlots, kernel: bool = False) -> None:
         self.slots = slots
+        self.kernel = kernel
         self.step: LoraStep | None = None
 
     def project(self, linear: torch.nn.Module, layer: int, fused: str, x: torch.Tensor) -> torch.Tensor:
         out = linear(x)
-        return out if self.step is None else self.step.add(self.slots, layer, fused, x, out)
+        return out if self.step is None else self.step.add(self.slots, layer, fused, x, out, self.kernel)

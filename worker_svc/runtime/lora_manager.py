@@ -21,10 +21,11 @@ from worker_svc.model.lora import LoraContext, LoraSlots, LoraStep
 
 class LoraManager:
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, kernel: bool = False) -> None:
+        """`kernel`: the deltas as Triton kernels (worker_svc/kernels/triton/sgmv.py)."""
         self.model_config, self.max_rank, self.max_cpu_loras = config, max_rank, max_cpu_loras
         self.context = LoraContext(LoraSlots(module_shapes(config), config.num_hidden_layers, max_loras, max_rank,
-                                             dtype, device))
+                                             dtype, device), kernel)
         self._host: OrderedDict[int, PeftAdapter] = OrderedDict()  # by lora_int_id, least recent first
         self._requests: dict[int, LoRARequest] = {}  # every adapter added and not removed: where to read it again
         self._slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recent first

@@ -75,7 +75,7 @@ class Worker:
         self.lora: LoraManager | None = None
         if config.enable_lora:
             self.lora = LoraManager(self.model_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
-                                    self.dtype, self.device)
+                                    self.dtype, self.device, kernel_choice.uses_triton(config, self.device))
             self.model.attach_lora(self.lora.context)
         self.block_size = config.block_size
         self.requests: dict[str, RequestState] = {}

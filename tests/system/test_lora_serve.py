@@ -65,7 +65,8 @@ def test_lora_requests_info_names_the_running_adapters(lora_server, lora_referen
         wanted = "vllm:lora_requests_info{max_lora=3,running_lora_adapters=attn8,waiting_lora_adapters=}"
         deadline = time.monotonic() + 5  # a scrape may come before the engine's next iteration
         while wanted not in (running := lora_server.metrics()):
-            assert time.monotonic() < deadline, [name for name in running if name.startswith("vllm:lora")]
+            assert time.monotonic() < deadline, (  # what the scrape and the stream said
+                [name for name in running if name.startswith("vllm:lora")], [next(stream.iter_lines()) for _ in range(4)])
             time.sleep(0.05)
     idle = [name for name in lora_server.wait_idle() if name.startswith("vllm:lora_requests_info")]
     assert idle == ["vllm:lora_requests_info{max_lora=3,running_lora_adapters=,waiting_lora_adapters=}"]

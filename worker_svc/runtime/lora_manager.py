@@ -30,7 +30,9 @@ class LoraManager:
         self._requests: dict[int, LoRARequest] = {}  # every adapter added and not removed: where to read it again
         self._slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recent first
         self._free_slots = list(range(max_loras - 1, -1, -1))
-        self._lock = threading.Lock()  # add and remove come on the front end's threads, steps on the step thread
+        # add and remove come on the front end's threads, steps on the step thread; a step
+        # holds it while it fills and reads the slots (and reads again what the host cache let go).
+        self._lock = threading.RLock()
 
     def add(self, request: LoRARequest) -> None:
         """Reads and checks the adapter into the host cache; LoraAdapterError names what is wrong.
@@ -67,11 +69,13 @@ class LoraManager:
         if not ids:
             self.context.step = None
             return None
-        if len(ids) > len(self._slots) + len(self._free_slots):
-            raise RuntimeError(f"a step with {len(ids)} adapters, more than --max-loras: the scheduler's plan is wrong")
-        for lora in ids.values():
-            self._ensure_in_slot(lora, ids)
-        slot_of_request = [self._slots[lora.lora_int_id] if lora is not None else -1 for lora in request_loras]
+        with self._lock:
+            if len(ids) > len(self._slots) + len(self._free_slots):
+                raise RuntimeError(f"a step with {len(ids)} adapters, more than --max-loras: the scheduler's plan "
+                                   "is wrong")
+            for lora in ids.values():
+                self._ensure_in_slot(lora, ids)
+            slot_of_request = [self._slots[lora.lora_int_id] if lora is not None else -1 for lora in request_loras]
         slot_counts: dict[int, int] = {}
         for slot, count in zip(slot_of_request, counts):
             slot_counts[slot] = slot_counts.get(slot, 0) + count
@@ -84,11 +88,10 @@ class LoraManager:
             self._slots.move_to_end(lora.lora_int_id)
             return
         self.add(lora)  # read again if the host cache let it go, or first met in a request
-        with self._lock:
-            adapter = self._host[lora.lora_int_id]
-            if not self._free_slots:
-                victim = next(i for i in self._slots if i not in needed)
-                self._free_slots.append(self._slots.pop(victim))
-            slot = self._free_slots.pop()
-            self._slots[lora.lora_int_id] = slot
+        adapter = self._host[lora.lora_int_id]
+        if not self._free_slots:
+            victim = next(i for i in self._slots if i not in needed)
+            self._free_slots.append(self._slots.pop(victim))
+        slot = self._free_slots.pop()
+        self._slots[lora.lora_int_id] = slot
         self.context.slots.write(slot, adapter.rank, adapter.scaling, adapter.weights)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from gateway.metrics import GatewayMetrics
 from services.engine_client import EngineClient
+from services.lora_request import LoRARequest
 from services.messages import TokenDelta
 from services.parallel_sampling import child_params, engine_request_ids, num_children
 from services.sampling_params import SamplingParams
@@ -72,6 +73,7 @@ async def generate_choices(
     prompt_token_ids: list[int],
     params: SamplingParams,
     cache_salt: str | None,
+    lora_request: LoRARequest | None = None,
 ) -> AsyncGenerator[ChoiceDelta, None]:
     count = num_children(params)
     engine_ids = engine_request_ids(request_id, count)
@@ -79,7 +81,7 @@ async def generate_choices(
     ranked = params.best_of is not None and params.best_of > params.n
     rejected = False
     try:
-        async with aclosing(engine.generate(request_id, prompt_token_ids, params, cache_salt)) as deltas:
+        async with aclosing(engine.generate(request_id, prompt_token_ids, params, cache_salt, lora_request)) as deltas:
             if ranked:
                 choices = _ranked(engine, tokenizer, meters, deltas, request_id, prompt_token_ids, params)
             else:

@@ -10,6 +10,7 @@ from importlib.metadata import version
 from typing import Any
 
 from services.beam_search import BeamSearchParams
+from services.lora_request import LoRARequest
 from services.outputs import CompletionOutput, RequestOutput
 from services.pooling_outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, ScoringOutput
 from services.pooling_params import PoolingParams
@@ -20,7 +21,7 @@ __version__ = version("kvfleet")  # what GET /version answers, as vllm.__version
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
            "StructuredOutputsParams", "GuidedDecodingParams", "PoolingParams", "PoolingRequestOutput",
-           "EmbeddingOutput", "ClassificationOutput", "ScoringOutput"]
+           "EmbeddingOutput", "ClassificationOutput", "ScoringOutput", "LoRARequest"]
 
 
 def __getattr__(name: str) -> Any:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.engine_thread import EngineThread
 from services.engine_client import EngineUnavailable, RequestFailed, RequestLost
+from services.lora_request import LoRARequest
 from services.messages import EngineInfo, TokenDelta
 from services.parallel_sampling import num_children
 from services.request_routes import Route
@@ -31,6 +32,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
+    lora_request: LoRARequest | None = None
 
 
 class AsyncEngine(EngineThread[_Add, RequestStream]):
@@ -58,12 +60,13 @@ class AsyncEngine(EngineThread[_Add, RequestStream]):
     # -- requests (asyncio side) -----------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[TokenDelta]:
         stream = RequestStream(request_id, num_children(params))
         if params.structured_outputs is not None:  # off the loop: a new grammar takes milliseconds to compile
             await asyncio.to_thread(self.core.compile_grammar, params)
-        self._send(_Add(stream, list(prompt_token_ids), params, cache_salt), "the engine is not running")
+        self._send(_Add(stream, list(prompt_token_ids), params, cache_salt, lora_request), "the engine is not running")
         try:
             async for delta in stream.deltas():
                 yield delta
@@ -75,12 +78,23 @@ class AsyncEngine(EngineThread[_Add, RequestStream]):
         """Aborts a request (every child of it), or one child by its child id."""
         self._send_abort(request_id)
 
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        # Off the loop and off the engine thread: reading an adapter takes milliseconds to seconds.
+        await asyncio.to_thread(self.core.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await asyncio.to_thread(self.core.remove_lora, lora_int_id)
+
+    def lora_requests(self) -> dict[str, LoRARequest]:
+        return {}  # one front end: its own adapters are all there are
+
     # -- the engine thread -----------------------------------------------------------
 
     def _handle(self, command: _Add) -> None:
         stream = command.stream
         try:
-            self.core.add_request(stream.request_id, command.prompt_token_ids, command.params, command.cache_salt)
+            self.core.add_request(stream.request_id, command.prompt_token_ids, command.params, command.cache_salt,
+                                  lora_request=command.lora_request)
         except Exception as exc:  # rejected input: the caller gets the error, the loop goes on
             self._outbox[stream].append(exc)
             return

@@ -17,6 +17,7 @@ from kvfleet.prompts import Prompt, as_prompt_list
 from scheduler_svc.engine_core import EngineCore
 from services.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from services.config import EngineConfig
+from services.lora_request import LoRARequest
 from services.outputs import RequestOutput
 from services.prompt import fit_prompt
 from services.sampling_params import SamplingParams
@@ -64,13 +65,18 @@ class LLM(PoolingMethods):
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: the adapter every prompt runs with, or one per prompt (None: the base model)."""
         prompt_list = as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompt_list))
+        lora_list = _as_lora_list(lora_request, len(prompt_list))
+        for lora in dict.fromkeys(lora for lora in lora_list if lora is not None):
+            self.engine.add_lora(lora)  # read and checked before any request is queued
         processor = OutputProcessor(self.tokenizer)
         order = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for prompt, params, lora in zip(prompt_list, params_list, lora_list):
                 if params.bad_words:
                     banned = self.tokenizer.bad_words_token_ids(params.bad_words)
                     params = msgspec.structs.replace(params, bad_words_token_ids=banned)
@@ -79,7 +85,7 @@ class LLM(PoolingMethods):
                 request_id = str(next(self._request_ids))
                 cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
                 self.engine.compile_grammar(params)
-                self.engine.add_request(request_id, token_ids, params, cache_salt=cache_salt)
+                self.engine.add_request(request_id, token_ids, params, cache_salt=cache_salt, lora_request=lora)
                 processor.add_request(request_id, text, token_ids, params)
                 order.append(request_id)
         except Exception:
@@ -95,6 +101,7 @@ class LLM(PoolingMethods):
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
@@ -105,7 +112,7 @@ class LLM(PoolingMethods):
             }
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         def next_tokens(token_lists: list[list[int]], round_params: SamplingParams) -> list[dict[int, float]]:
@@ -145,6 +152,16 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams], count: in
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
     return list(params)
+
+
+def _as_lora_list(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    if len(lora) != count:
+        raise ValueError(f"got {len(lora)} LoRA requests for {count} prompts")
+    return list(lora)
 
 
 def show_log_lines() -> None:

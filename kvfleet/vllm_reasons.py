@@ -36,7 +36,8 @@ _METRICS = "kvfleet's /metrics carries vLLM's V1 metrics as they are; it has no 
 GROUP_REASONS: dict[str, str] = {
     "LoadConfig": _LOADER,
     "MultiModalConfig": _TEXT_ONLY,
-    "LoRAConfig": "LoRA adapters are not supported yet; merge the adapter into the weights and serve those",
+    "LoRAConfig": "kvfleet's LoRA (docs/lora.md) takes --enable-lora, --max-loras, --max-lora-rank and "
+                  "--max-cpu-loras, adapters of the decoder's projections computed in the model's dtype; drop the flag",
     "OffloadConfig": "weights offloaded to host memory are not supported; use a device that holds the model",
     "ObservabilityConfig": f"{_METRICS}; drop the flag",
     "ParallelConfig": _ONE_MACHINE,

@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from services.lora_request import LoRARequest
 from services.sampling_params import SamplingParams
 
 
@@ -43,6 +44,7 @@ class Request:
     num_in_flight_tokens: int = 0
     num_ahead_samples: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # its adapter; None: the base model
     # Prefix caching: hashes of the full blocks of all_token_ids, and how many of
     # this request's blocks are indexed in the pool already.
     block_hashes: list[bytes] = field(default_factory=list)
@@ -56,6 +58,10 @@ class Request:
     # and prefill times its first token reports.
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None
+
+    @property
+    def lora_int_id(self) -> int | None:
+        return self.lora_request.lora_int_id if self.lora_request is not None else None
 
     @property
     def num_tokens(self) -> int:

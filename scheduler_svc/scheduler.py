@@ -55,6 +55,8 @@ class SchedulerConfig:
     # Set when the worker pools (docs/pooling.md): pooling requests share its steps with the others.
     pooler: PoolerConfig | None = None
     generates: bool = True  # False: it pools only (--runner pooling)
+    # Adapters one step may run (--max-loras): a waiting request of another adapter waits.
+    max_loras: int = 0
 
 
 class Scheduler:
@@ -268,9 +270,22 @@ class Scheduler:
         return propose_ngram(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, max_requests: int | None) -> None:
+        skipped: list[Request] = []  # of adapters that have no slot this step: back in front, in order
+        try:
+            self._admit_waiting(plan, budget, max_requests, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _admit_waiting(self, plan: StepPlan, budget: int, max_requests: int | None, skipped: list[Request]) -> None:
+        loras = {r.lora_int_id for r in self.running} - {None}
         while (self.waiting and self._num_seqs < self.config.max_num_seqs and budget > 0
                and len(plan.num_scheduled_tokens) != max_requests):
             request = self.waiting[0]
+            if request.lora_int_id is not None and request.lora_int_id not in loras:
+                if len(loras) >= self.config.max_loras:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                loras.add(request.lora_int_id)
             if request.status is RequestStatus.SWAPPED:
                 admitted = self._swap_in(request, plan, budget)
             else:
@@ -382,7 +397,7 @@ class Scheduler:
             request.sampling_params.pooling is not None and self.config.pooler.pooling_type != "LAST")
 
     def _hash_full_blocks(self, request: Request) -> None:
-        extra = extra_keys_bytes(cache_salt=request.cache_salt)
+        extra = extra_keys_bytes(cache_salt=request.cache_salt, lora_id=request.lora_int_id)
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.config.block_size, extra)
 
     def _swap_in(self, request: Request, plan: StepPlan, budget: int) -> tuple[int, list[int]] | None:
@@ -437,6 +452,7 @@ class Scheduler:
                 block_ids=list(request.block_ids),
                 num_computed_tokens=request.num_computed_tokens,
                 sampling_params=request.sampling_params,
+                lora_request=request.lora_request,
             )
         )
 
@@ -633,7 +649,8 @@ class Scheduler:
         tokens = request.all_token_ids if self.block_pool.events is not None else None  # for KV events only
         for index in range(request.num_cached_blocks, end):
             stored = None if tokens is None else StoredBlock(
-                hashes[index - 1] if index else None, tokens[index * size:(index + 1) * size], request.cache_salt)
+                hashes[index - 1] if index else None, tokens[index * size:(index + 1) * size], request.cache_salt,
+                request.lora_int_id, request.lora_request.lora_name if request.lora_request is not None else None)
             self.block_pool.cache(request.block_ids[index], hashes[index], stored)
             if save and self.connector is not None:
                 self.connector.computed(request.block_ids[index], hashes[index])

@@ -89,6 +89,12 @@ class EngineConfig:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: str | None = None  # vLLM's JSON: pooling_type, normalize, dimensions
+    # LoRA adapters (docs/lora.md), vLLM's names and defaults: device slots, the largest rank,
+    # and adapters kept in host memory (None: as many as the slots).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -132,6 +138,7 @@ class EngineConfig:
                               "(fp8 caches are not supported)")
         self._check_speculative()
         self._check_pooling()
+        self._check_lora()
 
     def _check_pooling(self) -> None:
         if self.runner not in RUNNERS:
@@ -151,6 +158,19 @@ class EngineConfig:
                 raise ConfigError(f"--pooler-config: {exc}") from exc
         if self.runner == "pooling" and self.speculative_config is not None:
             raise ConfigError("--speculative-config drafts tokens: a pooling model generates none; drop it")
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag(name)} {value}: must be positive")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:  # as vLLM: the host cache feeds the slots
+            raise ConfigError(f"--max-cpu-loras {self.max_cpu_loras}: must be at least --max-loras {self.max_loras}")
+        if self.enable_lora and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("--enable-lora serves one-rank workers for now: drop --tensor-parallel-size and "
+                              "--pipeline-parallel-size")
 
     def _check_speculative(self) -> None:
         self.speculative: SpeculativeConfig | None = None

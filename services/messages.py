@@ -15,6 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from services.histogram_counts import HistogramCounts
+from services.lora_request import LoRARequest
 from services.pooling_params import PoolerConfig
 from services.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class NewRequestData(msgspec.Struct, **_HOT):
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
+    lora_request: LoRARequest | None = None  # the adapter it runs with (docs/lora.md); None: the base model
 
 
 class CachedRequestData(msgspec.Struct, **_HOT):
@@ -223,6 +225,14 @@ class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
     num_accepted_tokens_per_pos: list[int] = []
 
 
+class LoraStats(msgspec.Struct, omit_defaults=True):
+    """Which adapters the scheduler's requests run with: vllm:lora_requests_info's labels."""
+
+    max_lora: int
+    running: list[str] = []  # adapter names of the running requests, each once
+    waiting: list[str] = []
+
+
 class EngineStats(msgspec.Struct, omit_defaults=True):
     """A scheduler's gauges, counters and histograms, exported with vLLM's metric names."""
 
@@ -243,6 +253,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     external_prefix_cache_hits: int = 0
     kv_tiers: list[KvTierStats] = []
     spec_decoding: SpecDecodingStats | None = None  # None: no speculative decoding configured
+    lora: LoraStats | None = None  # None: LoRA not enabled
 
 
 class EngineInfo(msgspec.Struct, frozen=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from services.invalid_parameter import InvalidParameter
+from services.lora_request import LoRARequest
 from services.messages import TokenDelta
 from services.sampling_params import SamplingParams
 
@@ -29,9 +30,14 @@ class SubmitRequest(msgspec.Struct, omit_defaults=True):
     cache_salt: str | None = None
     # Resumed after its replica died (gateway/migration.py): the tokens it generated there.
     output_token_ids: list[int] = []
+    lora_request: LoRARequest | None = None  # the adapter it runs with (docs/lora.md)
 
     def __post_init__(self) -> None:
         _required(request_id=self.request_id, gateway_id=self.gateway_id)
+
+
+class RemoveLoraRequest(msgspec.Struct):
+    lora_int_id: int
 
 
 class SubmitBatchRequest(msgspec.Struct, omit_defaults=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from services.histogram_counts import HistogramCounts
-from services.messages import CacheConfigInfo, EngineInfo, EngineStats, KvTierStats, SpecDecodingStats
+from services.messages import CacheConfigInfo, EngineInfo, EngineStats, KvTierStats, LoraStats, SpecDecodingStats
 from services.metric_buckets import ITERATION_TOKENS
 from services.pooling_params import PoolerConfig
 from services.registry import Member
@@ -37,7 +37,16 @@ def total(stats: list[EngineStats]) -> EngineStats:
         external_prefix_cache_hits=sum(s.external_prefix_cache_hits for s in stats),
         kv_tiers=_fleet_tiers([tier for s in stats for tier in s.kv_tiers]),
         spec_decoding=_fleet_spec_decoding([s.spec_decoding for s in stats if s.spec_decoding is not None]),
+        lora=_fleet_lora([s.lora for s in stats if s.lora is not None]),
     )
+
+
+def _fleet_lora(replicas: list[LoraStats]) -> LoraStats | None:
+    """The adapters any replica runs or queues, each once; max_lora the largest replica's."""
+    if not replicas:
+        return None
+    return LoraStats(max(r.max_lora for r in replicas), list(dict.fromkeys(n for r in replicas for n in r.running)),
+                     list(dict.fromkeys(n for r in replicas for n in r.waiting)))
 
 
 def _fleet_spec_decoding(replicas: list[SpecDecodingStats]) -> SpecDecodingStats | None:

@@ -23,6 +23,7 @@ from gateway.cluster.replica import Replica
 from gateway.cluster.replica_set import ReplicaSet
 from gateway.cluster.submit_batcher import Scheduler, SubmitRefused, submit_batch
 from services.engine_client import EngineOverloaded, EngineUnavailable
+from services.lora_request import LoRARequest
 from services.messages import TokenDelta
 from services.parallel_sampling import engine_request_ids, num_children
 from services.registry import Member
@@ -64,7 +65,7 @@ class RequestStreams:
 
     async def place(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None,
-        resumed: list[int], tried: set[Replica],
+        resumed: list[int], tried: set[Replica], lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """One placement of the request on a replica (gateway/cluster/migration.py); `resumed`:
         the tokens it generated on replicas that died."""
@@ -75,10 +76,11 @@ class RequestStreams:
         stream = self._subscriber.open(request_id, count)  # before Submit: no delta can slip past
         submit: asyncio.Future[None] | None = None
         try:
-            replica = self._placement.claim(placed, prompt_token_ids, cache_salt, tried)
+            replica = self._placement.claim(placed, prompt_token_ids, cache_salt, tried, lora_request)
             if resumed:  # the prompt's logprobs went out with its first delta
                 params = msgspec.structs.replace(params, prompt_logprobs=None)
-            request = SubmitRequest(request_id, prompt_token_ids, params, self.gateway_id, cache_salt, resumed)
+            request = SubmitRequest(request_id, prompt_token_ids, params, self.gateway_id, cache_salt, resumed,
+                                    lora_request)
             while True:
                 tried.add(replica)
                 self._subscriber.expect(request_id, replica.instance_id)

@@ -3,11 +3,13 @@ each method's name, request and response types, and whether it streams. Servers
 register their servicers and clients build their stubs from these, and nothing else."""
 from __future__ import annotations
 
+from services.lora_request import LoRARequest
 from services.messages import Empty, EngineStats, StepPlan, StepResult, WorkerDescription
 from services.scheduler_messages import (
     AbortRequest,
     KvSnapshotRequest,
     KvSnapshotResponse,
+    RemoveLoraRequest,
     ReplayOutputsRequest,
     StatsRequest,
     StepOutputs,
@@ -40,6 +42,9 @@ SCHEDULER = Service("kvfleet.v1.Scheduler", (
     # What was published on NATS to a gateway that missed it.
     Method("ReplayOutputs", ReplayOutputsRequest, StepOutputs, server_streaming=True),
     Method("KvSnapshot", KvSnapshotRequest, KvSnapshotResponse),
+    # A LoRA adapter read and checked by the replica's worker, before requests name it (docs/lora.md).
+    Method("AddLora", LoRARequest, Empty),
+    Method("RemoveLora", RemoveLoraRequest, Empty),
 ))
 
 TOKENIZER = Service("kvfleet.v1.Tokenizer", (
@@ -56,4 +61,6 @@ WORKER = Service("kvfleet.v1.Worker", (
     Method("ExecuteStep", StepPlan, StepResult),
     # Checked beside the steps, when a request arrives: a bad constraint is refused then.
     Method("CompileGrammar", StructuredOutputsParams, Empty),
+    Method("AddLora", LoRARequest, Empty),
+    Method("RemoveLora", RemoveLoraRequest, Empty),
 ))

@@ -7,6 +7,7 @@ from scheduler_svc.block_pool import BlockPool, NoFreeBlocks
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from services.invalid_parameter import InvalidParameter
+from services.lora_request import LoRARequest
 from services.messages import StepResult
 from services.sampling_params import SamplingParams
 
@@ -247,3 +248,17 @@ def test_a_pooling_request_is_prefill_only_bypasses_mean_s_prefix_cache_and_free
     assert (delta.request_id, delta.pooled, delta.new_token_ids, delta.finish_reason) == ("p", [0.6, 0.8], [], "stop")
     assert "p" not in scheduler.requests and len(scheduler.running) == 1
     assert scheduler.schedule().finished_request_ids == ["p"]  # the worker drops its state
+
+
+def test_requests_of_adapters_beyond_max_loras_wait_and_the_others_pass_them():
+    scheduler = make_scheduler(max_loras=1)
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    for request_id, lora in (("a1", a), ("b1", b), ("base", None), ("a2", a)):
+        scheduler.add_request(Request(request_id, [10, 11, 12], SamplingParams(max_tokens=1), (EOS,),
+                                      lora_request=lora))
+    plan, _ = run_step(scheduler)
+    assert list(plan.num_scheduled_tokens) == ["a1", "base", "a2"]
+    assert [new.lora_request for new in plan.new_requests] == [a, None, a]
+    assert [request.request_id for request in scheduler.waiting] == ["b1"]
+    plan, _ = run_step(scheduler)  # a's requests finished: b's turn
+    assert list(plan.num_scheduled_tokens) == ["b1"] and plan.new_requests[0].lora_request == b

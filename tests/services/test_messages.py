@@ -8,6 +8,7 @@ import pytest
 
 from services.histogram_counts import HistogramCounts
 from services.invalid_parameter import InvalidParameter
+from services.lora_request import LoRARequest
 from services.messages import (
     CacheConfigInfo,
     CachedRequestData,
@@ -17,6 +18,7 @@ from services.messages import (
     KvLoad,
     KvTierCounts,
     KvTierStats,
+    LoraStats,
     NewRequestData,
     SpecDecodingStats,
     StepPlan,
@@ -31,6 +33,7 @@ from services.scheduler_messages import (
     KvSnapshotRequest,
     KvSnapshotResponse,
     NumberedKvEvents,
+    RemoveLoraRequest,
     ReplayOutputsRequest,
     StatsRequest,
     StepOutputs,
@@ -70,13 +73,14 @@ FULL_PARAMS = SamplingParams(
     pooling=PoolingParams(normalize=False, dimensions=8, second_segment_start=3, use_activation=False),
 )
 POOLER = PoolerConfig("MEAN", False, True, 384, 64, ("no", "yes"))
+LORA = LoRARequest("sql", 1 << 50, "/adapters/sql", "base")
 # Dict order is the order that matters (best first, then the sampled token).
 LOGPROBS = [{9: -0.25, 3: -1.5, 7: -8.0}, {2: -0.1}]
 DELTA = TokenDelta("r", [9, 2], "stop", "END", LOGPROBS, LOGPROBS[1:], FirstTokenTimes(0.25, 1.5), 16,
                    "worker unreachable", True, [0.6, 0.8])
 PLAN = StepPlan(
     step_id=41,
-    new_requests=[NewRequestData("b", [5, 6, 7, 8], 3, [3, 4], 2, FULL_PARAMS)],
+    new_requests=[NewRequestData("b", [5, 6, 7, 8], 3, [3, 4], 2, FULL_PARAMS, LORA)],
     cached_requests=[CachedRequestData("z", [9], 17, [42, 7]), CachedRequestData("a", [], 3)],
     num_scheduled_tokens={"z": 3, "b": 2, "a": 1},
     finished_request_ids=["gone", "preempted"],
@@ -97,7 +101,7 @@ CHAT = ChatPrompt([{"role": "user", "content": "hi", "name": "ann"},
                    {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"arguments": {}}}]}],
                   add_generation_prompt=False, add_special_tokens=True, tools=[{"type": "function"}],
                   continue_final_message=True)
-SUBMIT = SubmitRequest("r", [1, 2, 3], FULL_PARAMS, "g", "salt", [4, 5])
+SUBMIT = SubmitRequest("r", [1, 2, 3], FULL_PARAMS, "g", "salt", [4, 5], LORA)
 TOKENIZED = TokenizeResponse([1, 2], "<s>hi", b"\x01\x02")
 
 # Fields an example may leave at their default: one-of alternatives, and an alias.
@@ -112,7 +116,8 @@ MESSAGES = [
     FULL_PARAMS.pooling, POOLER,
     EngineStats(3, 4, 0.375, 5, 100, 1 << 40, 1 << 39, HistogramCounts((1, 0, 7), 23.0), CACHE_CONFIG, 64, 32,
                 [KvTierStats("DISK", 1, 2, 3, 4, 5, 6, 7, HistogramCounts((1, 0), 0.5))],
-                SpecDecodingStats(4, 16, 9, [4, 3, 2, 0])),
+                SpecDecodingStats(4, 16, 9, [4, 3, 2, 0]), LoraStats(2, ["sql"], ["chat", "fr"])),
+    LORA, RemoveLoraRequest(7), LoraStats(2, ["sql"], ["chat"]),
     SUBMIT, SubmitBatchRequest([SUBMIT], "s1"), SubmitBatchResponse([SubmitResult(3, "temperature: bad")]),
     AbortRequest("r"), StatsRequest("s1"), StreamOutputsRequest("g"), ReplayOutputsRequest("g", 7, "s1"),
     StepOutputs([DELTA], "s1", 7, True), NumberedKvEvents("s1", 3, True, [b"\x00" * 32], [b"\x01" * 32],

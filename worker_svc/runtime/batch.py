@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.lora_request import LoRARequest
 from services.messages import StepPlan
 from services.sampling_params import SamplingParams
 from worker_svc.attention.backend import BatchLayout
@@ -42,6 +43,7 @@ class RequestState:
     num_sampled_ahead: int = 0
     # A pooling request's vector so far (worker_svc/runtime/pooler.py: MEAN's running sum).
     pooled: torch.Tensor | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -62,6 +64,7 @@ class StepInputs:
     # each request's last token and its drafts, all verified; and those requests in order.
     spec_rows: torch.Tensor | None = None
     spec_requests: list[tuple[str, list[int]]] | None = None
+    token_requests: torch.Tensor | None = None  # [T] each row's index in plan order (on the device)
 
 
 class InputBatch:
@@ -189,6 +192,7 @@ class InputBatch:
             row_starts=row_starts,
             spec_rows=spec_index if spec_requests else None,
             spec_requests=spec_requests or None,
+            token_requests=token_requests,
         )
 
     def _sampling(self, rows: torch.Tensor, states: list[RequestState]) -> SamplingBatch:

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 from services.config import ConfigError, EngineConfig
 from services.generation_config import sampling_defaults
+from services.lora_modules import LoRAModulePath
 from services.model_source import ModelFormat, ModelSource, resolve_model, resolve_tokenizer
 from worker_svc.formats.model_config import ModelConfig, read_model_config
+from worker_svc.formats.peft_adapter import LoraAdapterError, check_peft_adapter
 from worker_svc.formats.sentence_transformers import max_seq_length
 from worker_svc.group.shard import Shard
 
@@ -80,3 +82,15 @@ def _cuda_driver_devices() -> int:
     if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
         return 0
     return count.value
+
+
+def check_lora_modules(modules: list[LoRAModulePath], config: EngineConfig, model: ModelConfig) -> None:
+    """--lora-modules where no worker reads them before serving (`cluster up`): each adapter
+    checked from its config and header, a bad one a ConfigError naming it."""
+    if modules and not config.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
+    for module in modules:
+        try:
+            check_peft_adapter(module.path, model, config.max_lora_rank)
+        except LoraAdapterError as exc:
+            raise ConfigError(f"--lora-modules {module.name}={module.path}: {exc}") from exc

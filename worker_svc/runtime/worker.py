@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.config import EngineConfig
+from services.lora_request import LoRARequest
 from services.messages import StepPlan, StepResult, WorkerDescription
 from services.structured_outputs import StructuredOutputsParams
 from worker_svc.formats.sentence_transformers import pooling_defaults
@@ -29,6 +30,7 @@ from worker_svc.runtime.device import kv_cache_dtype, runs_q4_as_stored, torch_d
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
 from worker_svc.runtime.kv_sizing import size_kv_cache
 from worker_svc.runtime.kv_tiers import build_kv_transfer
+from worker_svc.runtime.lora_manager import LoraManager
 from worker_svc.runtime.plan_check import check_plan
 from worker_svc.runtime.pooler import Pooler, resolve_pooler, token_type_ids
 from worker_svc.runtime.preflight import check_model
@@ -59,6 +61,7 @@ class Worker:
         self.dtype = torch_dtype(config, self.device)
         # An encoder (BERT, docs/pooling.md) only pools: no KV cache, no sampling, one rank.
         self.encoder = checked.config.is_encoder
+        self.lora: LoraManager | None = None  # --enable-lora's adapters (a decoder's, docs/lora.md)
         self.runs_q4 = not self.encoder and runs_q4_as_stored(config, self.device, checked.config)
         self.kv_dtype = kv_cache_dtype(config, self.dtype, self.runs_q4)
         torch.manual_seed(config.seed)  # what requests without a seed of their own draw from, as in vLLM
@@ -102,6 +105,10 @@ class Worker:
                                           group, kernel_choice.decoder_ops(config, self.device, self.dtype))
         self.model.load_weights({name: t.to(self.device) for name, t in weights.items()})
         self.model.eval()
+        if config.enable_lora:
+            self.lora = LoraManager(self.model_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                                    self.dtype, self.device, kernel_choice.uses_triton(config, self.device))
+            self.model.attach_lora(self.lora.context)
 
     def _allocate_kv_cache(self, config: EngineConfig, group: RankGroup) -> None:
         # Block ids are the group's: every rank holds the same number, its own heads' and layers' share of each.
@@ -196,6 +203,22 @@ class Worker:
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compiles a constraint into the grammar cache; raises InvalidParameter when it is invalid."""
         self.grammars.compile(params)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Reads and checks an adapter into the host cache (LoraAdapterError names what is
+        wrong), on the caller's thread: steps go on meanwhile."""
+        self._lora_manager().add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora_manager().remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.lora.list_loras() if self.lora is not None else []
+
+    def _lora_manager(self) -> LoraManager:
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled: start the server with --enable-lora")
+        return self.lora
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs a plan of the scheduler's; a group's leader first hands it to every rank."""
@@ -294,7 +317,12 @@ class Worker:
         """The step's forward; on the sampling rank, its outcome (an exception when sampling failed)."""
         shard = self.group.shard
         inputs = self.batch.prepare(plan, self.requests)
-        hidden = self.graphs.forward(inputs.input_ids, inputs.positions, inputs.layout) if self.graphs else None
+        adapters = self.lora is not None and self.lora.step(
+            [self.requests[request_id].lora_request for request_id in plan.num_scheduled_tokens],
+            list(plan.num_scheduled_tokens.values()), inputs.token_requests) is not None
+        # A captured graph knows no adapter: a step with one runs eagerly.
+        graphs = self.graphs if not adapters else None
+        hidden = graphs.forward(inputs.input_ids, inputs.positions, inputs.layout) if graphs else None
         if self.encoder:
             hidden = self.model(inputs.input_ids, inputs.positions, token_type_ids(plan, self.requests, self.device),
                                 list(plan.num_scheduled_tokens.values()))
@@ -340,6 +368,9 @@ class Worker:
             if samples and new.sampling_params.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(new.sampling_params.seed)
             constraint = new.sampling_params.structured_outputs
+            if new.lora_request is not None and self.lora is None:
+                raise RuntimeError(f"{new.request_id} names adapter {new.lora_request.lora_name!r}, and this worker "
+                                   "runs without --enable-lora")
             state = RequestState(
                 list(new.token_ids),
                 new.num_prompt_tokens,
@@ -348,6 +379,7 @@ class Worker:
                 generator,
                 self.grammars.request_grammar(constraint, new.token_ids[new.num_prompt_tokens:])
                 if constraint and samples else None,
+                lora_request=new.lora_request,
             )
             self._add_request(new.request_id, state, list(new.block_ids))
         for cached in plan.cached_requests:

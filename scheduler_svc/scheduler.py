@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from scheduler_svc.block_pool import BlockPool, KvEventLog, StoredBlock
 from scheduler_svc.kv_connector import KvConnector
-from scheduler_svc.ngram_proposer import propose_ngram
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.spec_decode_counts import SpecDecodingCounts
+from scheduler_svc.spec_proposer import make_proposer
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.histogram_counts import BucketCounter
 from services.invalid_parameter import InvalidParameter
@@ -49,7 +49,7 @@ class SchedulerConfig:
     # A request whose step is in flight may be planned into the next step, its input the
     # token that step will sample (vLLM's async scheduling; the worker fills it in).
     async_scheduling: bool = False
-    # Speculative decoding (docs/speculative.md): n-gram drafts appended to decoding requests' steps.
+    # Speculative decoding (docs/speculative.md): drafts appended to decoding requests' steps.
     speculative: SpeculativeConfig | None = None
 
 
@@ -76,6 +76,7 @@ class Scheduler:
         self.iteration_tokens = BucketCounter(ITERATION_TOKENS)  # see EngineStats.iteration_tokens
         self.spec_decoding = SpecDecodingCounts(config.speculative.num_speculative_tokens
                                                 if config.speculative is not None else 0)
+        self.proposer = make_proposer(config.speculative) if config.speculative is not None else None
         self._step_ids = itertools.count()
         # Ended or preempted since the last plan; the next plan tells the worker.
         self._dropped_ids: list[str] = []
@@ -251,7 +252,7 @@ class Scheduler:
         k = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens)
         if params.max_tokens is not None:
             k = min(k, params.max_tokens - len(request.output_token_ids) - 1)
-        return propose_ngram(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+        return self.proposer.propose(request, k) if k > 0 else []
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, max_requests: int | None) -> None:
         while (self.waiting and self._num_seqs < self.config.max_num_seqs and budget > 0
@@ -629,6 +630,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._forget_on_worker(request)
+        if self.proposer is not None:
+            self.proposer.finish(request)
         del self.requests[request.request_id]
 
 

@@ -67,7 +67,8 @@ _ENGINE_HELP = {
     "trust_remote_code": "accepted for vLLM's sake: kvfleet never runs a model repository's code",
     "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} drafts tokens from the request's own "
-                          "prompt and output; the model verifies them in one step (ngram only, for now)",
+                          "prompt and output, {\"method\": \"suffix\"} from suffix trees over it and past "
+                          "outputs; the model verifies them in one step (ngram and suffix, for now)",
 }
 # vLLM's short spellings.
 _ENGINE_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"],

@@ -1,5 +1,6 @@
-"""Speculative decoding with the ngram method (docs/speculative.md) against the same model
-without it: greedy tokens identical whatever the batch, stops landing inside an accepted
+"""Speculative decoding with the ngram and suffix methods (docs/speculative.md) against the
+same model without it: greedy tokens identical whatever the batch, suffix decoding drafting
+from past outputs, stops landing inside an accepted
 run truncate it, the prefix cache holds only accepted tokens, requests speculation cannot
 serve decode one token at a time, vLLM's counters count, and a config that cannot work is
 refused before loading."""
@@ -18,6 +19,7 @@ from corpus import TEXT, parity_prompts
 
 # The configuration vLLM users pass (and the issue's check): 4 drafts from 4-gram matches.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+SUFFIX = {"method": "suffix"}
 CODE = ("def add_all(values):\n    total = 0\n    for value in values:\n        total = total + value\n"
         "    print(\"the total is\", total)\n    return total\n")
 COPY = f"Rename the variable `total` to `result`.\n\n```python\n{CODE}```\n\nRenamed:\n\n```python\n"
@@ -34,30 +36,61 @@ def spec_llm() -> LLM:
 @pytest.fixture(autouse=True)
 def _no_leaks(request: pytest.FixtureRequest):
     yield
-    if "spec_llm" in request.fixturenames:
-        assert_no_leaks(request.getfixturevalue("spec_llm"))
+    for engine in ("spec_llm", "suffix_llm"):
+        if engine in request.fixturenames:
+            assert_no_leaks(request.getfixturevalue(engine))
 
 
 def _tokens(llm: LLM, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_greedy_tokens_are_identical_in_a_mixed_batch(llm, spec_llm):
-    scheduler = spec_llm.engine.scheduler
+@pytest.fixture(scope="module")
+def suffix_llm() -> LLM:
+    # vLLM's suffix defaults (24 drafts at most), the same small pool as spec_llm's.
+    return LLM("smollm2", dtype="float32", speculative_config=SUFFIX, num_gpu_blocks_override=24,
+               max_model_len=384)
+
+
+@pytest.fixture(scope="module")
+def mixed_batch(llm) -> tuple[list, list[SamplingParams], list[list[int]]]:
+    """Prompts, their params and the plain model's tokens: a batch too large for the
+    speculative engines' pools (preemption by recompute with drafts in flight and
+    lookahead blocks held), with requests that decode one token at a time beside (a seed's
+    noise is per position, penalties read the output), the seeded one sampled."""
+    prompts = [COPY, *parity_prompts(llm.get_tokenizer().encode(TEXT))[:9:3], COPY, COPY]
+    params = [SamplingParams(temperature=0.0, max_tokens=12 + 4 * i, ignore_eos=i % 2 == 0) for i in range(4)]
+    params += [SamplingParams(temperature=1.0, seed=7, max_tokens=24), SamplingParams(temperature=0.0,
+               repetition_penalty=1.3, max_tokens=24)]
+    return prompts, params, _tokens(llm, prompts, params)
+
+
+@pytest.mark.parametrize("engine", ["spec_llm", "suffix_llm"])
+def test_greedy_tokens_are_identical_in_a_mixed_batch(engine, mixed_batch, request):
+    spec = request.getfixturevalue(engine)
+    prompts, params, plain = mixed_batch
+    scheduler = spec.engine.scheduler
     accepted_before, preemptions_before = scheduler.spec_decoding.num_accepted_tokens, scheduler.num_preemptions
-    prompts = [COPY, *parity_prompts(llm.get_tokenizer().encode(TEXT))[:9:3]]
-    params = [SamplingParams(temperature=0.0, max_tokens=12 + 4 * i, ignore_eos=i % 2 == 0)
-              for i in range(len(prompts))]
-    # Beside them, requests that decode one token at a time (a seed's noise is per
-    # position, penalties read the output): identical too, the seeded one sampled.
-    extra = [SamplingParams(temperature=1.0, seed=7, max_tokens=24), SamplingParams(temperature=0.0,
-             repetition_penalty=1.3, max_tokens=24)]
-    plain = _tokens(llm, [*prompts, COPY, COPY], [*params, *extra])
-    assert _tokens(spec_llm, [*prompts, COPY, COPY], [*params, *extra]) == plain
+    assert _tokens(spec, prompts, params) == plain
     assert scheduler.num_preemptions > preemptions_before
     # ... and alone (another batch shape) too; drafts were accepted all along.
-    assert _tokens(spec_llm, [COPY], params[0]) == plain[:1]
+    assert _tokens(spec, [COPY], params[0]) == plain[:1]
     assert scheduler.spec_decoding.num_accepted_tokens - accepted_before >= 16
+
+
+def test_suffix_drafts_from_past_outputs(llm, suffix_llm):
+    """A prompt asked again (a retry, an agent's loop) is drafted from the first answer,
+    kept in the global tree: nearly every draft accepted, the same tokens."""
+    prompt = "Write a short poem about the sea."
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    counts = suffix_llm.engine.scheduler.spec_decoding
+    plain = _tokens(llm, [prompt], params)
+    rates = []
+    for _ in range(2):
+        before = counts.num_draft_tokens, counts.num_accepted_tokens
+        assert _tokens(suffix_llm, [prompt], params) == plain
+        rates.append((counts.num_accepted_tokens - before[1]) / max(1, counts.num_draft_tokens - before[0]))
+    assert rates[0] < 0.5 < 0.9 < rates[1], rates
 
 
 def test_logprobs_of_accepted_tokens_are_the_plain_ones(llm, spec_llm):
@@ -147,6 +180,9 @@ def test_sampled_requests_run_and_counters_are_vllms(spec_llm):
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, {}, "model: not supported"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, {},
      "prompt_lookup_min 5 is more than prompt_lookup_max 3"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, {},
+     "suffix_decoding_min_token_prob 2: give a number between 0.0 and 1.0"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 64}, {}, "num_speculative_tokens 64: at most 32"),
     (NGRAM, {"async_scheduling": True}, "with --async-scheduling is not supported yet"),
     (NGRAM, {"tensor_parallel_size": 2}, "serves one-rank workers for now"),
 ])

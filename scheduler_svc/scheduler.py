@@ -31,7 +31,7 @@ from services.messages import (
     TokenDelta,
 )
 from services.metric_buckets import ITERATION_TOKENS
-from services.speculative_config import SpeculativeConfig
+from services.speculative_config import SpeculativeConfig, can_speculate
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,8 @@ class Scheduler:
         self.spec_decoding = SpecDecodingCounts(config.speculative.num_speculative_tokens
                                                 if config.speculative is not None else 0)
         self.proposer = make_proposer(config.speculative) if config.speculative is not None else None
+        self._lookahead = config.speculative.num_speculative_tokens if (
+            config.speculative is not None and config.speculative.method == "draft_model") else 0
         self._step_ids = itertools.count()
         # Ended or preempted since the last plan; the next plan tells the worker.
         self._dropped_ids: list[str] = []
@@ -245,8 +247,7 @@ class Scheduler:
         if spec is None or num_tokens != 1 or computed + 1 != request.num_tokens or request.in_flight:
             return []
         params = request.sampling_params
-        if (params.reads_output_tokens or params.logit_bias or params.allowed_token_ids
-                or params.seed is not None):
+        if not can_speculate(params):
             return []
         # Never past max_tokens or the context: the drafts' positions must exist.
         k = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens)
@@ -289,7 +290,7 @@ class Scheduler:
         if not self.config.enable_chunked_prefill and remaining > budget:
             return None
         num_tokens = min(remaining, budget)
-        needed = -(-(num_computed + num_tokens) // self.config.block_size) - len(hits)
+        needed = self._blocks_for(num_computed + num_tokens) - len(hits)
         if needed > self.block_pool.num_free_blocks - self.block_pool.num_unheld(hits):
             return None
         self.block_pool.share(hits)
@@ -382,8 +383,7 @@ class Scheduler:
 
     def _allocate_slots(self, request: Request, num_tokens: int) -> list[int] | None:
         """Blocks for KV of `num_tokens` tokens in all (the new blocks), or None when the pool is short."""
-        needed = -(-num_tokens // self.config.block_size)
-        missing = needed - len(request.block_ids)
+        missing = self._blocks_for(num_tokens) - len(request.block_ids)
         if missing <= 0:
             return []
         if missing > self.block_pool.num_free_blocks:
@@ -391,6 +391,11 @@ class Scheduler:
         new_blocks = self.block_pool.allocate(missing)
         request.block_ids.extend(new_blocks)
         return new_blocks
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        """Blocks a request holding KV of `num_tokens` tokens needs; with a draft model, also
+        for its lookahead slots, where the drafts' KV is written after the step."""
+        return -(-min(num_tokens + self._lookahead, self.config.max_model_len) // self.config.block_size)
 
     def _add_to_plan(self, plan: StepPlan, request: Request, num_tokens: int, new_blocks: list[int],
                      drafts: list[int] = ()) -> None:
@@ -509,6 +514,7 @@ class Scheduler:
             if sampled:
                 request.num_ahead_samples -= 1
                 delta = self._accept(request, sampled, result.logprobs.get(request_id), now)
+                request.draft_token_ids = result.draft_token_ids.get(request_id, [])
                 deltas.append(delta)
                 step_tokens += len(delta.new_token_ids)
                 if delta.first_token_times is not None:

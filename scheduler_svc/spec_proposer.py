@@ -1,5 +1,6 @@
 """The scheduler's draft proposer for the configured speculative method
-(docs/speculative.md): `ngram` (prompt lookup) or `suffix` (suffix decoding)."""
+(docs/speculative.md): `ngram` (prompt lookup), `suffix` (suffix decoding), or
+`draft_model`, whose drafts the worker's draft model made in the step before."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -29,5 +30,18 @@ class NgramProposer:
         pass  # it keeps nothing
 
 
+class DraftModelProposer:
+    """The draft model's tokens from the request's last result (worker_svc/runtime/draft_model.py)."""
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        drafts, request.draft_token_ids = request.draft_token_ids[:k], []
+        return drafts
+
+    def finish(self, request: Request) -> None:
+        pass  # the drafts go with the request
+
+
 def make_proposer(spec: SpeculativeConfig) -> Proposer:
+    if spec.method == "draft_model":
+        return DraftModelProposer()
     return SuffixProposer(spec) if spec.method == "suffix" else NgramProposer(spec)

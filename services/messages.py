@@ -125,6 +125,9 @@ class StepResult(msgspec.Struct, **_HOT):
     kv_loads_done: dict[str, int] = {}
     # What the offload tiers did since the last result, per medium.
     kv_tiers: list[KvTierCounts] = []
+    # Speculative decoding's draft_model method: per request that sampled, the draft
+    # model's tokens to follow them, for the scheduler to verify in the next step.
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 class WorkerDescription(msgspec.Struct, frozen=True, omit_defaults=True):

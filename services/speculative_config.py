@@ -1,24 +1,28 @@
 """vLLM's --speculative-config (and LLM(speculative_config=...)): which proposer drafts
 tokens for the target model to verify, checked before anything loads.
 
-The `ngram` (prompt lookup) and `suffix` (suffix decoding) methods are implemented: their
-drafts come from tokens the scheduler holds, so they need no model. Other methods and keys
-are refused by name.
+The `ngram` (prompt lookup) and `suffix` (suffix decoding) methods draft from tokens the
+scheduler holds, so they need no model; `draft_model` drafts with a smaller model (`model`,
+same tokenizer) that the worker runs beside the target. Other methods and keys are refused
+by name.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
+from services.sampling_params import SamplingParams
+
 
 class SpeculativeConfigError(ValueError):
     """What is wrong with a speculative config, in one line (services.config wraps it)."""
 
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
+DRAFT_KEYS = ("model", "quantization", "draft_tensor_parallel_size")
 SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", *SUFFIX_KEYS)
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", *SUFFIX_KEYS, *DRAFT_KEYS)
 # The most drafts per step: a verification step's tokens grow with it. Suffix decoding
 # proposes up to its tree depth (vLLM's default 24) when its matches are long.
 MAX_SPECULATIVE_TOKENS = 32
@@ -37,6 +41,11 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # The draft model (an alias, a .gguf file or a model directory) and how its weights run:
+    # None as the target's --quantization, "none" dequantized, "gguf" 4-bit as stored.
+    model: str | None = None
+    quantization: str | None = None
+    draft_tensor_parallel_size: int = 1
 
     def to_json(self) -> str:
         return json.dumps({key: getattr(self, key) for key in KEYS})
@@ -57,7 +66,7 @@ def parse_speculative_config(value: str | dict) -> SpeculativeConfig:
     method = value.get("method")
     if method not in METHODS:
         raise SpeculativeConfigError(f"method {method!r}: kvfleet implements {', '.join(METHODS)} only; "
-                                     "draft_model, eagle, eagle3 and mtp are not supported yet")
+                                     "eagle, eagle3 and mtp are not supported yet")
     depth = _positive(value, "suffix_decoding_max_tree_depth", 24)
     # vLLM's default for suffix decoding: as many drafts as the tree is deep.
     num = _positive(value, "num_speculative_tokens", depth if method == "suffix" else None)
@@ -74,7 +83,23 @@ def parse_speculative_config(value: str | dict) -> SpeculativeConfig:
         raise SpeculativeConfigError(f"suffix_decoding_max_cached_requests {cached!r}: give an integer >= 0")
     factor = _number(value, "suffix_decoding_max_spec_factor", 1.0, 0.0, None)
     min_prob = _number(value, "suffix_decoding_min_token_prob", 0.1, 0.0, 1.0)
-    return SpeculativeConfig(method, num, low, high, depth, cached, factor, min_prob)
+    model, quantization = value.get("model"), value.get("quantization")
+    if method == "draft_model" and not isinstance(model, str):
+        raise SpeculativeConfigError("method 'draft_model' needs \"model\": the draft model (same tokenizer)")
+    if quantization not in (None, "none", "gguf"):
+        raise SpeculativeConfigError(f"quantization {quantization!r}: the draft's weights run as \"gguf\" "
+                                     "(4-bit as stored) or \"none\" (dequantized)")
+    if value.get("draft_tensor_parallel_size", 1) != 1:
+        raise SpeculativeConfigError("draft_tensor_parallel_size: only 1 (one-rank workers)")
+    return SpeculativeConfig(method, num, low, high, depth, cached, factor, min_prob, model, quantization)
+
+
+def can_speculate(params: SamplingParams) -> bool:
+    """Whether a request may be given drafts: its next token must depend on the model's
+    logits at that position alone (no logits processors, grammar or per-position seed
+    noise), or speculation could change its output."""
+    return not (params.reads_output_tokens or params.logit_bias or params.allowed_token_ids
+                or params.seed is not None)
 
 
 def _positive(value: dict, key: str, default: int | None) -> int:

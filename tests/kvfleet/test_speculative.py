@@ -1,18 +1,25 @@
-"""Speculative decoding with the ngram and suffix methods (docs/speculative.md) against the
-same model without it: greedy tokens identical whatever the batch, suffix decoding drafting
+"""Speculative decoding with the ngram, suffix and draft_model methods (docs/speculative.md)
+against the same model without it: greedy tokens identical whatever the batch, suffix decoding drafting
 from past outputs, stops landing inside an accepted
 run truncate it, the prefix cache holds only accepted tokens, requests speculation cannot
 serve decode one token at a time, vLLM's counters count, and a config that cannot work is
 refused before loading."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, generate_latest
+from safetensors.torch import save_file
 
 from gateway.cluster.fleet_stats import total
 from kvfleet import LLM, SamplingParams
 from services.config import ConfigError
+from services.model_source import resolve_model
 from services.telemetry import EngineStatsCollector
+from worker_svc.model.weights import load_weights
 
 from conftest import assert_no_leaks
 from corpus import TEXT, parity_prompts
@@ -36,7 +43,7 @@ def spec_llm() -> LLM:
 @pytest.fixture(autouse=True)
 def _no_leaks(request: pytest.FixtureRequest):
     yield
-    for engine in ("spec_llm", "suffix_llm"):
+    for engine in ("spec_llm", "suffix_llm", "draft_llm"):
         if engine in request.fixturenames:
             assert_no_leaks(request.getfixturevalue(engine))
 
@@ -52,6 +59,39 @@ def suffix_llm() -> LLM:
                max_model_len=384)
 
 
+def _smollm2_without_layers(directory: Path, dropped: range) -> Path:
+    """A draft model built from the default one by dropping some middle layers (the rest,
+    the embedding, final norm and tied LM head kept), saved as a model directory. It
+    agrees with the whole model on part of the tokens only, so its drafts are often rejected."""
+    config, weights = load_weights(resolve_model("smollm2"), torch.float32)
+    layers = [i for i in range(config.num_hidden_layers) if i not in dropped]
+    kept = {}
+    for name, tensor in weights.items():
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            if index in dropped:
+                continue
+            name = name.replace(f"model.layers.{index}.", f"model.layers.{layers.index(index)}.")
+        kept[name] = tensor.to(torch.float16)
+    num_layers = len(layers)
+    save_file(kept, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings, "tie_word_embeddings": True,
+        "eos_token_id": list(config.eos_token_ids)}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def draft_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    draft = _smollm2_without_layers(tmp_path_factory.mktemp("draft"), range(12, 18))
+    return LLM("smollm2", dtype="float32", num_gpu_blocks_override=24, max_model_len=384,
+               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+
+
 @pytest.fixture(scope="module")
 def mixed_batch(llm) -> tuple[list, list[SamplingParams], list[list[int]]]:
     """Prompts, their params and the plain model's tokens: a batch too large for the
@@ -65,17 +105,21 @@ def mixed_batch(llm) -> tuple[list, list[SamplingParams], list[list[int]]]:
     return prompts, params, _tokens(llm, prompts, params)
 
 
-@pytest.mark.parametrize("engine", ["spec_llm", "suffix_llm"])
+@pytest.mark.parametrize("engine", ["spec_llm", "suffix_llm", "draft_llm"])
 def test_greedy_tokens_are_identical_in_a_mixed_batch(engine, mixed_batch, request):
     spec = request.getfixturevalue(engine)
     prompts, params, plain = mixed_batch
     scheduler = spec.engine.scheduler
-    accepted_before, preemptions_before = scheduler.spec_decoding.num_accepted_tokens, scheduler.num_preemptions
+    counts, preemptions_before = scheduler.spec_decoding, scheduler.num_preemptions
+    accepted_before, drafted_before = counts.num_accepted_tokens, counts.num_draft_tokens
     assert _tokens(spec, prompts, params) == plain
     assert scheduler.num_preemptions > preemptions_before
-    # ... and alone (another batch shape) too; drafts were accepted all along.
+    # ... and alone (another batch shape) too; drafts were accepted all along, and the
+    # draft model's (it lacks 6 of the 30 layers) rejected often.
     assert _tokens(spec, [COPY], params[0]) == plain[:1]
-    assert scheduler.spec_decoding.num_accepted_tokens - accepted_before >= 16
+    accepted = counts.num_accepted_tokens - accepted_before
+    rejected = counts.num_draft_tokens - drafted_before - accepted
+    assert accepted >= 16 and (engine != "draft_llm" or rejected >= 16), (accepted, rejected)
 
 
 def test_suffix_drafts_from_past_outputs(llm, suffix_llm):
@@ -175,14 +219,17 @@ def test_sampled_requests_run_and_counters_are_vllms(spec_llm):
 
 
 @pytest.mark.parametrize(("config", "engine_args", "message"), [
-    ({"method": "eagle", "num_speculative_tokens": 2}, {}, "method 'eagle': kvfleet implements ngram"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, {}, "method 'eagle': kvfleet implements ngram, suffix, draft_model"),
     ({"method": "ngram"}, {}, "num_speculative_tokens is required"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, {}, "model: not supported"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "eagle_head": "x"}, {}, "eagle_head: not supported"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, {},
      "prompt_lookup_min 5 is more than prompt_lookup_max 3"),
     ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, {},
      "suffix_decoding_min_token_prob 2: give a number between 0.0 and 1.0"),
     ({"method": "suffix", "suffix_decoding_max_tree_depth": 64}, {}, "num_speculative_tokens 64: at most 32"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, {}, "method 'draft_model' needs \"model\""),
+    ({"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2}, {},
+     "model '/no/such/draft': model '/no/such/draft' is not a known alias"),
     (NGRAM, {"async_scheduling": True}, "with --async-scheduling is not supported yet"),
     (NGRAM, {"tensor_parallel_size": 2}, "serves one-rank workers for now"),
 ])

@@ -18,6 +18,7 @@ from scheduler_svc.block_pool import BlockPool, KvEventLog, StoredBlock
 from scheduler_svc.kv_connector import KvConnector
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.spec_decode_counts import SpecDecodingCounts
+from scheduler_svc.spec_gate import SpecGate
 from scheduler_svc.spec_proposer import make_proposer
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.histogram_counts import BucketCounter
@@ -77,6 +78,7 @@ class Scheduler:
         self.spec_decoding = SpecDecodingCounts(config.speculative.num_speculative_tokens
                                                 if config.speculative is not None else 0)
         self.proposer = make_proposer(config.speculative) if config.speculative is not None else None
+        self.spec_gate = SpecGate(config.speculative.disable_by_batch_size) if config.speculative is not None else None
         self._lookahead = config.speculative.num_speculative_tokens if (
             config.speculative is not None and config.speculative.method == "draft_model") else 0
         self._step_ids = itertools.count()
@@ -253,7 +255,9 @@ class Scheduler:
         k = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens)
         if params.max_tokens is not None:
             k = min(k, params.max_tokens - len(request.output_token_ids) - 1)
-        return self.proposer.propose(request, k) if k > 0 else []
+        if k <= 0:
+            return []
+        return self.spec_gate.admit(request.request_id, self.proposer.propose(request, k), len(self.running))
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, max_requests: int | None) -> None:
         while (self.waiting and self._num_seqs < self.config.max_num_seqs and budget > 0
@@ -503,6 +507,8 @@ class Scheduler:
                 num_accepted = len(sampled) - 1 if sampled else 0
                 self.spec_decoding.observe(len(drafts), num_accepted)
                 num_tokens -= len(drafts) - num_accepted
+            if self.spec_gate is not None and sampled:
+                self.spec_gate.observe(request_id, len(drafts or ()), sampled)
             request.num_computed_tokens += num_tokens
             if self.config.enable_prefix_caching:
                 # Before its tokens are accepted: a request that ends in this step (one
@@ -638,6 +644,7 @@ class Scheduler:
         self._forget_on_worker(request)
         if self.proposer is not None:
             self.proposer.finish(request)
+            self.spec_gate.finish(request.request_id)
         del self.requests[request.request_id]
 
 

@@ -22,7 +22,8 @@ METHODS = ("ngram", "suffix", "draft_model")
 DRAFT_KEYS = ("model", "quantization", "draft_tensor_parallel_size")
 SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", *SUFFIX_KEYS, *DRAFT_KEYS)
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+        *SUFFIX_KEYS, *DRAFT_KEYS)
 # The most drafts per step: a verification step's tokens grow with it. Suffix decoding
 # proposes up to its tree depth (vLLM's default 24) when its matches are long.
 MAX_SPECULATIVE_TOKENS = 32
@@ -34,6 +35,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
+    # vLLM's: no drafts in a step while this many requests (or more) are running.
+    disable_by_batch_size: int | None = None
     # Suffix decoding, vLLM's defaults: the trees' depth (match plus drafts), how many ended
     # requests' outputs the global tree keeps (FIFO), the most drafts per matched token,
     # and the least estimated probability (from the trees' counts) of a draft.
@@ -91,7 +94,10 @@ def parse_speculative_config(value: str | dict) -> SpeculativeConfig:
                                      "(4-bit as stored) or \"none\" (dequantized)")
     if value.get("draft_tensor_parallel_size", 1) != 1:
         raise SpeculativeConfigError("draft_tensor_parallel_size: only 1 (one-rank workers)")
-    return SpeculativeConfig(method, num, low, high, depth, cached, factor, min_prob, model, quantization)
+    disable = value.get("disable_by_batch_size")
+    if disable is not None:
+        disable = _positive(value, "disable_by_batch_size", None)
+    return SpeculativeConfig(method, num, low, high, disable, depth, cached, factor, min_prob, model, quantization)
 
 
 def can_speculate(params: SamplingParams) -> bool:

@@ -73,6 +73,8 @@ class DraftModel:
                 continue
             position = len(state.token_ids) + state.num_sampled_ahead - 1  # of its newest token
             count = min(self.k, batch.num_blocks[state.row] * batch.block_size - position)
+            if (max_tokens := state.sampling_params.max_tokens) is not None:  # drafts past it would be cut
+                count = min(count, max_tokens - (position + 1 - state.num_prompt_tokens) - 1)
             if count > 0:
                 ids.append(request_id)
                 rows.append(state.row)

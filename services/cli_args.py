@@ -68,7 +68,8 @@ _ENGINE_HELP = {
     "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} drafts tokens from the request's own "
                           "prompt and output, {\"method\": \"suffix\"} from suffix trees over it and past "
-                          "outputs; the model verifies them in one step (ngram and suffix, for now)",
+                          "outputs, {\"method\": \"draft_model\", \"model\": ...} from a smaller model; the model "
+                          "verifies them in one step (ngram, suffix and draft_model, for now)",
 }
 # vLLM's short spellings.
 _ENGINE_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"],

@@ -81,11 +81,23 @@ def parse_speculative_config(value: str | dict) -> SpeculativeConfig:
     high = _positive(value, "prompt_lookup_max", low)
     if low > high:
         raise SpeculativeConfigError(f"prompt_lookup_min {low} is more than prompt_lookup_max {high}")
+    disable = value.get("disable_by_batch_size")
+    if disable is not None:
+        disable = _positive(value, "disable_by_batch_size", None)
+    return SpeculativeConfig(method, num, low, high, disable, depth, *_suffix_keys(value), *_draft_keys(value, method))
+
+
+def _suffix_keys(value: dict) -> tuple[int, float, float]:
+    """suffix_decoding_max_cached_requests, _max_spec_factor and _min_token_prob, checked."""
     cached = value.get("suffix_decoding_max_cached_requests", 10000)
     if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
         raise SpeculativeConfigError(f"suffix_decoding_max_cached_requests {cached!r}: give an integer >= 0")
-    factor = _number(value, "suffix_decoding_max_spec_factor", 1.0, 0.0, None)
-    min_prob = _number(value, "suffix_decoding_min_token_prob", 0.1, 0.0, 1.0)
+    return (cached, _number(value, "suffix_decoding_max_spec_factor", 1.0, 0.0, None),
+            _number(value, "suffix_decoding_min_token_prob", 0.1, 0.0, 1.0))
+
+
+def _draft_keys(value: dict, method: str) -> tuple[str | None, str | None]:
+    """The draft model and its quantization, checked (whether the model exists is the worker's check)."""
     model, quantization = value.get("model"), value.get("quantization")
     if method == "draft_model" and not isinstance(model, str):
         raise SpeculativeConfigError("method 'draft_model' needs \"model\": the draft model (same tokenizer)")
@@ -94,10 +106,7 @@ def parse_speculative_config(value: str | dict) -> SpeculativeConfig:
                                      "(4-bit as stored) or \"none\" (dequantized)")
     if value.get("draft_tensor_parallel_size", 1) != 1:
         raise SpeculativeConfigError("draft_tensor_parallel_size: only 1 (one-rank workers)")
-    disable = value.get("disable_by_batch_size")
-    if disable is not None:
-        disable = _positive(value, "disable_by_batch_size", None)
-    return SpeculativeConfig(method, num, low, high, disable, depth, cached, factor, min_prob, model, quantization)
+    return model, quantization
 
 
 def can_speculate(params: SamplingParams) -> bool:

@@ -40,6 +40,10 @@ class RequestState:
     # one step later, or (async scheduling) two, and a step ahead reads its input from
     # the InputBatch's last_sampled on the device meanwhile.
     num_sampled_ahead: int = 0
+    # The draft model's last drafts for it and, when it samples, the distributions [n, V]
+    # they were drawn from: its verification accepts with min(1, p/q) (speculative decoding).
+    draft_token_ids: list[int] | None = None
+    draft_probs: torch.Tensor | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

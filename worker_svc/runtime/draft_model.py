@@ -8,9 +8,11 @@ alike), so its KV at every computed position holds the same tokens as the target
 rejected draft's slot is written again with the token that replaces it. After the target
 has sampled, each request that may speculate decodes up to k tokens with it, one forward
 per token, from its newest token: the drafts travel back in the step's result and come in
-the next plan, so proposing and verifying take no extra round trip. Drafts are the draft
-model's argmax, a point mass: the rejection sampler then accepts draft d with probability
-p(d) and resamples from p without d, so every emitted token follows the target exactly.
+the next plan, so proposing and verifying take no extra round trip. A greedy request's
+drafts are the draft model's argmax. A request that samples draws its drafts from the
+draft's distribution q (after its temperature, top-k, top-p and min-p), kept on its
+state: the rejection sampler accepts each with min(1, p/q) and resamples from
+max(p - q, 0), as in the paper, so every emitted token follows the target exactly.
 The scheduler allocates k lookahead slots past each step's tokens for the drafts' KV.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ from worker_svc.runtime import kernel_choice
 from worker_svc.runtime.batch import InputBatch, RequestState, StepInputs
 from worker_svc.runtime.device import runs_q4_as_stored
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block
+from worker_svc.runtime.sampling.sampler import SamplingBatch, probabilities
 
 
 class DraftModel:
@@ -69,6 +72,7 @@ class DraftModel:
         ids, rows, tokens, starts, counts = [], [], [], [], []
         for request_id, sampled in emitted.items():
             state = requests[request_id]
+            state.draft_token_ids = state.draft_probs = None
             if not can_speculate(state.sampling_params):
                 continue
             position = len(state.token_ids) + state.num_sampled_ahead - 1  # of its newest token
@@ -82,17 +86,45 @@ class DraftModel:
                 starts.append(position)
                 counts.append(count)
         drafts: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        proposals: dict[str, list[torch.Tensor]] = {request_id: [] for request_id in ids}
         for step in range(max(counts, default=0)):
             live = [i for i, count in enumerate(counts) if count > step]
-            new = self._decode([rows[i] for i in live], [tokens[i] for i in live], [starts[i] + step for i in live],
-                               batch)
-            for i, token in zip(live, new):
+            logits = self._decode([rows[i] for i in live], [tokens[i] for i in live],
+                                  [starts[i] + step for i in live], batch)
+            new, probs = self._draw(logits, [requests[ids[i]] for i in live], [rows[i] for i in live], batch)
+            for j, (i, token) in enumerate(zip(live, new)):
                 drafts[ids[i]].append(token)
                 tokens[i] = token
+                if probs[j] is not None:
+                    proposals[ids[i]].append(probs[j])
+        for request_id in ids:
+            state = requests[request_id]
+            state.draft_token_ids = drafts[request_id]
+            if proposals[request_id]:
+                state.draft_probs = torch.stack(proposals[request_id])
         return drafts
 
-    def _decode(self, rows: list[int], tokens: list[int], positions: list[int], batch: InputBatch) -> list[int]:
-        """One token per request at `positions` through the draft: its argmax next tokens."""
+    @staticmethod
+    def _draw(logits: torch.Tensor, states: list[RequestState], rows: list[int],
+              batch: InputBatch) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Each request's draft: the argmax when it is greedy, else a draw from q (its
+        sampling settings over the draft's logits), with q."""
+        tokens = logits.argmax(dim=-1)
+        sampled = [j for j, state in enumerate(states) if not state.sampling_params.greedy]
+        q: list[torch.Tensor | None] = [None] * len(states)
+        if sampled:
+            index = torch.tensor([rows[j] for j in sampled], device=logits.device)
+            settings = SamplingBatch.of([states[j].sampling_params for j in sampled], [None] * len(sampled),
+                                        (batch.temperature[index], batch.top_p[index], batch.top_k[index],
+                                         batch.min_p[index]))
+            probs = probabilities(logits[sampled], settings)
+            tokens[sampled] = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+            for j, row in zip(sampled, probs):
+                q[j] = row
+        return tokens.tolist(), q
+
+    def _decode(self, rows: list[int], tokens: list[int], positions: list[int], batch: InputBatch) -> torch.Tensor:
+        """One token per request at `positions` through the draft: the logits of its next tokens."""
         device, block_size = self.device, batch.block_size
         position = torch.tensor(positions, dtype=torch.long, device=device)
         block_tables = batch.block_table[torch.tensor(rows, device=device), : max(positions) // block_size + 1]
@@ -102,4 +134,4 @@ class DraftModel:
                              slots, block_size, 1)
         hidden = self.model(torch.tensor(tokens, dtype=torch.long, device=device), position, self.kv_caches,
                             self.backend.build_metadata(layout))
-        return self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+        return self.model.compute_logits(hidden)

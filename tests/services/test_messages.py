@@ -102,7 +102,7 @@ _ALTERNATIVES = {*KINDS, "text", "guided_decoding"}
 # One of each message, every field set (where a field has a default, away from it).
 MESSAGES = [
     Empty(), FULL_PARAMS, FULL_PARAMS.structured_outputs, DELTA, PLAN,
-    StepResult(7, {"a": [9], "b": [2, 4]}, {"a": LOGPROBS[:1]}, {"b": LOGPROBS}, {"c": 1}, [TIER_COUNTS]),
+    StepResult(7, {"a": [9], "b": [2, 4]}, {"a": LOGPROBS[:1]}, {"b": LOGPROBS}, {"c": 1}, [TIER_COUNTS], {"a": [3, 5]}),
     TIER_COUNTS,
     WorkerDescription(100, 20, 16, 2048, 49152, (2, 0), "4f1c", 2, 50, "ab" * 16),
     EngineStats(3, 4, 0.375, 5, 100, 1 << 40, 1 << 39, HistogramCounts((1, 0, 7), 23.0), CACHE_CONFIG, 64, 32,

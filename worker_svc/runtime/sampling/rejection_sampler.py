@@ -61,18 +61,23 @@ def emitted_runs(requests: list[Verified], accepted: list[bool], target: list[in
     return emitted
 
 
-def _proposal_rows(requests: list[Verified], draft_probs: list[torch.Tensor | None]) -> dict[int, torch.Tensor]:
-    """The rows whose draft was sampled from a distribution, and that distribution."""
-    rows, row = {}, 0
+def _proposal_rows(requests: list[Verified],
+                   draft_probs: list[torch.Tensor | None]) -> tuple[list[int], torch.Tensor] | None:
+    """The rows whose draft was sampled from a distribution, and those distributions [rows, V]."""
+    rows: list[int] = []
+    found: list[torch.Tensor] = []
+    row = 0
     for (_, drafts), probs in zip(requests, draft_probs):
         if probs is not None:
-            rows.update({row + i: probs[i] for i in range(len(drafts))})
+            rows += range(row, row + len(drafts))
+            found.append(probs[: len(drafts)])
         row += len(drafts) + 1
-    return rows
+    return (rows, torch.cat(found)) if rows else None
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], drafts_per_row: list[int],
-                 greedy_tokens: torch.Tensor, proposals: dict[int, torch.Tensor]) -> tuple[list[int], list[bool]]:
+                 greedy_tokens: torch.Tensor,
+                 proposals: tuple[list[int], torch.Tensor] | None) -> tuple[list[int], list[bool]]:
     """Per row: the token it emits if it is the first rejected (or the bonus row), and
     whether its draft is accepted. All rows at once: a uniform and a residual draw each."""
     device = logits.device
@@ -89,9 +94,9 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], drafts_per_
     proposal_probs = torch.ones_like(draft_probs)
     # The residual: p without the draft for a point mass; a bonus row samples p itself.
     residual = torch.where(has_draft[:, None], probs.scatter(-1, column, 0.0), probs)
-    if proposals:
-        rows = torch.tensor(list(proposals), device=device)
-        q = torch.stack(list(proposals.values())).to(probs.dtype)
+    if proposals is not None:
+        rows = torch.tensor(proposals[0], device=device)
+        q = proposals[1].to(device=device, dtype=probs.dtype)
         proposal_probs[rows] = q.gather(-1, column[rows]).squeeze(-1)
         residual[rows] = (probs[rows] - q).clamp(min=0)
     accepted = has_draft & (torch.rand(len(params), device=device) * proposal_probs < draft_probs)

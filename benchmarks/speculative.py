@@ -1,4 +1,4 @@
-"""Speculative decoding (ngram prompt lookup) against plain decoding, side by side.
+"""Speculative decoding (ngram, suffix, and draft_model given a draft) against plain decoding, side by side.
 
 Two workloads, each at 1 and 8 concurrent requests, greedy, on the same weights and
 threads: (a) copy-heavy, code-editing prompts ("rename this variable in the following
@@ -8,6 +8,8 @@ model soon repeats itself on them, so drafts do match) and sampled at temperatur
 second with and without speculation, their ratio, the acceptance rate (accepted draft
 tokens / draft tokens) and the mean accepted length (1 + accepted / drafts: tokens per
 verification step, as vLLM reports it). Greedy outputs are checked token-identical.
+The methods: ngram (two configs), suffix (vLLM's defaults) and, with --draft-model, a
+draft model proposing 3 tokens.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ from kvfleet import LLM, SamplingParams  # noqa: E402
 SPECULATIVE_CONFIGS = {
     "ngram_k4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
     "ngram_k3": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    # Suffix decoding with vLLM's defaults (up to 24 drafts, as the match warrants).
+    "suffix": {"method": "suffix"},
 }
 TOKEN_RANGE = (1000, 40000)  # plain vocabulary ids
 
@@ -126,11 +130,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer prompts, for a sanity run")
     parser.add_argument("--rounds", type=int, default=2, help="alternated rounds of each engine")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/speculative.json"))
+    parser.add_argument("--draft-model", help="also measure the draft_model method with this draft (3 drafts)")
     args = parser.parse_args()
+    configs = dict(SPECULATIVE_CONFIGS)
+    if args.draft_model:
+        configs["draft_model_k3"] = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": 3}
     rng = random.Random(0)
     plain = LLM("smollm2", dtype="float32")
-    specs = {name: LLM("smollm2", dtype="float32", speculative_config=config)
-             for name, config in SPECULATIVE_CONFIGS.items()}
+    specs = {name: LLM("smollm2", dtype="float32", speculative_config=config) for name, config in configs.items()}
     copy_prompts = copy_heavy_prompts()[: 2 if args.quick else None]
     noise = random_prompts(rng, 8, 64)[: 2 if args.quick else None]
     copy_params = SamplingParams(temperature=0.0, max_tokens=128)
@@ -141,7 +148,7 @@ def main() -> None:
     report = {
         "threads": int(os.environ["KVFLEET_NUM_THREADS"]),
         "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
-        "speculative_configs": SPECULATIVE_CONFIGS,
+        "speculative_configs": configs,
         "cpu_count": os.cpu_count(),
         "copy_heavy": [measure(plain, specs, "copy-heavy", copy_prompts, copy_params, c, args.rounds) for c in (1, 8)],
         "random": [measure(plain, specs, "random", noise, noise_params, c, args.rounds) for c in (1, 8)],

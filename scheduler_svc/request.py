@@ -52,6 +52,8 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache supplied when first scheduled
     host_block_ids: list[int] = field(default_factory=list)  # while SWAPPED
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # when asked for
+    # The draft model's tokens to follow the last step's (speculative decoding's draft_model method).
+    draft_token_ids: list[int] = field(default_factory=list)
     # Parallel samples forked from this request once its prompt is computed.
     followers: list[Request] = field(default_factory=list)
     # time.monotonic() at arrival in the scheduler and when first scheduled: the queue

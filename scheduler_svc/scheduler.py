@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 from scheduler_svc.block_pool import BlockPool, KvEventLog, StoredBlock
 from scheduler_svc.kv_connector import KvConnector
-from scheduler_svc.ngram_proposer import propose_ngram
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.spec_decode_counts import SpecDecodingCounts
+from scheduler_svc.spec_gate import SpecGate
+from scheduler_svc.spec_proposer import make_proposer
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.histogram_counts import BucketCounter
 from services.invalid_parameter import InvalidParameter
@@ -32,7 +33,7 @@ from services.messages import (
 )
 from services.metric_buckets import ITERATION_TOKENS
 from services.pooling_params import PoolerConfig
-from services.speculative_config import SpeculativeConfig
+from services.speculative_config import SpeculativeConfig, can_speculate
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class SchedulerConfig:
     # A request whose step is in flight may be planned into the next step, its input the
     # token that step will sample (vLLM's async scheduling; the worker fills it in).
     async_scheduling: bool = False
-    # Speculative decoding (docs/speculative.md): n-gram drafts appended to decoding requests' steps.
+    # Speculative decoding (docs/speculative.md): drafts appended to decoding requests' steps.
     speculative: SpeculativeConfig | None = None
     # Set when the worker pools (docs/pooling.md): pooling requests share its steps with the others.
     pooler: PoolerConfig | None = None
@@ -82,6 +83,10 @@ class Scheduler:
         self.iteration_tokens = BucketCounter(ITERATION_TOKENS)  # see EngineStats.iteration_tokens
         self.spec_decoding = SpecDecodingCounts(config.speculative.num_speculative_tokens
                                                 if config.speculative is not None else 0)
+        self.proposer = make_proposer(config.speculative) if config.speculative is not None else None
+        self.spec_gate = SpecGate(config.speculative.disable_by_batch_size) if config.speculative is not None else None
+        self._lookahead = config.speculative.num_speculative_tokens if (
+            config.speculative is not None and config.speculative.method == "draft_model") else 0
         self._step_ids = itertools.count()
         # Ended or preempted since the last plan; the next plan tells the worker.
         self._dropped_ids: list[str] = []
@@ -260,14 +265,15 @@ class Scheduler:
                 or request.sampling_params.pooling is not None):
             return []
         params = request.sampling_params
-        if (params.reads_output_tokens or params.logit_bias or params.allowed_token_ids
-                or params.seed is not None):
+        if not can_speculate(params):
             return []
         # Never past max_tokens or the context: the drafts' positions must exist.
         k = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens)
         if params.max_tokens is not None:
             k = min(k, params.max_tokens - len(request.output_token_ids) - 1)
-        return propose_ngram(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+        if k <= 0:
+            return []
+        return self.spec_gate.admit(request.request_id, self.proposer.propose(request, k), len(self.running))
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, max_requests: int | None) -> None:
         skipped: list[Request] = []  # of adapters that have no slot this step: back in front, in order
@@ -317,7 +323,7 @@ class Scheduler:
         if not self.config.enable_chunked_prefill and remaining > budget:
             return None
         num_tokens = min(remaining, budget)
-        needed = -(-(num_computed + num_tokens) // self.config.block_size) - len(hits)
+        needed = self._blocks_for(num_computed + num_tokens) - len(hits)
         if needed > self.block_pool.num_free_blocks - self.block_pool.num_unheld(hits):
             return None
         self.block_pool.share(hits)
@@ -416,8 +422,7 @@ class Scheduler:
 
     def _allocate_slots(self, request: Request, num_tokens: int) -> list[int] | None:
         """Blocks for KV of `num_tokens` tokens in all (the new blocks), or None when the pool is short."""
-        needed = -(-num_tokens // self.config.block_size)
-        missing = needed - len(request.block_ids)
+        missing = self._blocks_for(num_tokens) - len(request.block_ids)
         if missing <= 0:
             return []
         if missing > self.block_pool.num_free_blocks:
@@ -425,6 +430,11 @@ class Scheduler:
         new_blocks = self.block_pool.allocate(missing)
         request.block_ids.extend(new_blocks)
         return new_blocks
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        """Blocks a request holding KV of `num_tokens` tokens needs; with a draft model, also
+        for its lookahead slots, where the drafts' KV is written after the step."""
+        return -(-min(num_tokens + self._lookahead, self.config.max_model_len) // self.config.block_size)
 
     def _add_to_plan(self, plan: StepPlan, request: Request, num_tokens: int, new_blocks: list[int],
                      drafts: list[int] = ()) -> None:
@@ -535,6 +545,8 @@ class Scheduler:
                 num_accepted = len(sampled) - 1 if sampled else 0
                 self.spec_decoding.observe(len(drafts), num_accepted)
                 num_tokens -= len(drafts) - num_accepted
+            if self.spec_gate is not None and sampled:
+                self.spec_gate.observe(request_id, len(drafts or ()), sampled)
             request.num_computed_tokens += num_tokens
             if self.config.enable_prefix_caching:
                 # Before its tokens are accepted: a request that ends in this step (one
@@ -549,6 +561,7 @@ class Scheduler:
             if sampled:
                 request.num_ahead_samples -= 1
                 delta = self._accept(request, sampled, result.logprobs.get(request_id), now)
+                request.draft_token_ids = result.draft_token_ids.get(request_id, [])
                 deltas.append(delta)
                 step_tokens += len(delta.new_token_ids)
                 if delta.first_token_times is not None:
@@ -681,6 +694,9 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._forget_on_worker(request)
+        if self.proposer is not None:
+            self.proposer.finish(request)
+            self.spec_gate.finish(request.request_id)
         del self.requests[request.request_id]
 
 

@@ -70,7 +70,9 @@ _ENGINE_HELP = {
     "trust_remote_code": "accepted for vLLM's sake: kvfleet never runs a model repository's code",
     "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} drafts tokens from the request's own "
-                          "prompt and output; the model verifies them in one step (ngram only, for now)",
+                          "prompt and output, {\"method\": \"suffix\"} from suffix trees over it and past "
+                          "outputs, {\"method\": \"draft_model\", \"model\": ...} from a smaller model; the model "
+                          "verifies them in one step (ngram, suffix and draft_model, for now)",
     "runner": "auto: generate with a decoder model, pool with an encoder (BERT); pooling: serve embeddings "
               "(/v1/embeddings, /pooling) rather than text; generate: serve text",
     "convert": "embed: serve a decoder model as an embedder (its last token's normalized hidden state by default; "

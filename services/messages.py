@@ -130,6 +130,9 @@ class StepResult(msgspec.Struct, **_HOT):
     kv_tiers: list[KvTierCounts] = []
     # Pooling requests whose prompt this step finished: their pooled vector (docs/pooling.md).
     pooled: dict[str, list[float]] = {}
+    # Speculative decoding's draft_model method: per request that sampled, the draft
+    # model's tokens to follow them, for the scheduler to verify in the next step.
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 class WorkerDescription(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -1,23 +1,33 @@
-"""Speculative decoding with the ngram method (docs/speculative.md) against the same model
-without it: greedy tokens identical whatever the batch, stops landing inside an accepted
+"""Speculative decoding with the ngram, suffix and draft_model methods (docs/speculative.md)
+against the same model without it: greedy tokens identical whatever the batch, suffix decoding drafting
+from past outputs, stops landing inside an accepted
 run truncate it, the prefix cache holds only accepted tokens, requests speculation cannot
 serve decode one token at a time, vLLM's counters count, and a config that cannot work is
 refused before loading."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, generate_latest
+from safetensors.torch import save_file
 
 from gateway.cluster.fleet_stats import total
 from kvfleet import LLM, SamplingParams
 from services.config import ConfigError
+from services.model_source import resolve_model
 from services.telemetry import EngineStatsCollector
+from worker_svc.model.weights import load_weights
 
 from conftest import assert_no_leaks
 from corpus import TEXT, parity_prompts
 
 # The configuration vLLM users pass (and the issue's check): 4 drafts from 4-gram matches.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+# vLLM's suffix defaults (24 drafts at most); no drafts while 6 requests run.
+SUFFIX = {"method": "suffix", "disable_by_batch_size": 6}
 CODE = ("def add_all(values):\n    total = 0\n    for value in values:\n        total = total + value\n"
         "    print(\"the total is\", total)\n    return total\n")
 COPY = f"Rename the variable `total` to `result`.\n\n```python\n{CODE}```\n\nRenamed:\n\n```python\n"
@@ -34,30 +44,120 @@ def spec_llm() -> LLM:
 @pytest.fixture(autouse=True)
 def _no_leaks(request: pytest.FixtureRequest):
     yield
-    if "spec_llm" in request.fixturenames:
-        assert_no_leaks(request.getfixturevalue("spec_llm"))
+    for engine in ("spec_llm", "suffix_llm", "draft_llm"):
+        if engine in request.fixturenames:
+            assert_no_leaks(request.getfixturevalue(engine))
 
 
 def _tokens(llm: LLM, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_greedy_tokens_are_identical_in_a_mixed_batch(llm, spec_llm):
-    scheduler = spec_llm.engine.scheduler
-    accepted_before, preemptions_before = scheduler.spec_decoding.num_accepted_tokens, scheduler.num_preemptions
-    prompts = [COPY, *parity_prompts(llm.get_tokenizer().encode(TEXT))[:9:3]]
-    params = [SamplingParams(temperature=0.0, max_tokens=12 + 4 * i, ignore_eos=i % 2 == 0)
-              for i in range(len(prompts))]
-    # Beside them, requests that decode one token at a time (a seed's noise is per
-    # position, penalties read the output): identical too, the seeded one sampled.
-    extra = [SamplingParams(temperature=1.0, seed=7, max_tokens=24), SamplingParams(temperature=0.0,
-             repetition_penalty=1.3, max_tokens=24)]
-    plain = _tokens(llm, [*prompts, COPY, COPY], [*params, *extra])
-    assert _tokens(spec_llm, [*prompts, COPY, COPY], [*params, *extra]) == plain
+@pytest.fixture(scope="module")
+def suffix_llm() -> LLM:
+    # The same small pool as spec_llm's.
+    return LLM("smollm2", dtype="float32", speculative_config=SUFFIX, num_gpu_blocks_override=24,
+               max_model_len=384)
+
+
+def _smollm2_without_layers(directory: Path, dropped: range) -> Path:
+    """A draft model built from the default one by dropping some middle layers (the rest,
+    the embedding, final norm and tied LM head kept), saved as a model directory. It
+    agrees with the whole model on part of the tokens only, so its drafts are often rejected."""
+    config, weights = load_weights(resolve_model("smollm2"), torch.float32)
+    layers = [i for i in range(config.num_hidden_layers) if i not in dropped]
+    kept = {}
+    for name, tensor in weights.items():
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            if index in dropped:
+                continue
+            name = name.replace(f"model.layers.{index}.", f"model.layers.{layers.index(index)}.")
+        kept[name] = tensor.to(torch.float16)
+    num_layers = len(layers)
+    save_file(kept, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings, "tie_word_embeddings": True,
+        "eos_token_id": list(config.eos_token_ids)}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def draft_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    draft = _smollm2_without_layers(tmp_path_factory.mktemp("draft"), range(12, 18))
+    # A smaller pool than spec_llm's: its mixed batch is smaller.
+    return LLM("smollm2", dtype="float32", num_gpu_blocks_override=16, max_model_len=256,
+               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+
+
+@pytest.fixture(scope="module")
+def mixed_batch(llm) -> tuple[list, list[SamplingParams], list[list[int]]]:
+    """Prompts, their params and the plain model's tokens: a batch too large for the
+    speculative engines' pools (preemption by recompute with drafts in flight and
+    lookahead blocks held), with requests that decode one token at a time beside (a seed's
+    noise is per position, penalties read the output), the seeded one sampled."""
+    prompts = [COPY, *parity_prompts(llm.get_tokenizer().encode(TEXT))[:9:3], COPY, COPY]
+    params = [SamplingParams(temperature=0.0, max_tokens=12 + 4 * i, ignore_eos=i % 2 == 0) for i in range(4)]
+    params += [SamplingParams(temperature=1.0, seed=7, max_tokens=24), SamplingParams(temperature=0.0,
+               repetition_penalty=1.3, max_tokens=24)]
+    return prompts, params, _tokens(llm, prompts, params)
+
+
+@pytest.mark.parametrize("engine", ["spec_llm", "suffix_llm", "draft_llm"])
+def test_greedy_tokens_are_identical_in_a_mixed_batch(engine, mixed_batch, request):
+    spec = request.getfixturevalue(engine)
+    prompts, params, plain = mixed_batch
+    if engine == "draft_llm":  # its steps cost two models: three copies and a short prompt preempt in its pool
+        prompts, params, plain = ([items[i] for i in (0, 1, 4, 5)] for items in mixed_batch)
+    scheduler = spec.engine.scheduler
+    counts, preemptions_before = scheduler.spec_decoding, scheduler.num_preemptions
+    accepted_before, drafted_before = counts.num_accepted_tokens, counts.num_draft_tokens
+    assert _tokens(spec, prompts, params) == plain
     assert scheduler.num_preemptions > preemptions_before
-    # ... and alone (another batch shape) too; drafts were accepted all along.
-    assert _tokens(spec_llm, [COPY], params[0]) == plain[:1]
-    assert scheduler.spec_decoding.num_accepted_tokens - accepted_before >= 16
+    # ... and alone (another batch shape) too; drafts were accepted all along, and the
+    # draft model's (it lacks 6 of the 30 layers) rejected often.
+    assert _tokens(spec, [COPY], params[0]) == plain[:1]
+    accepted = counts.num_accepted_tokens - accepted_before
+    rejected = counts.num_draft_tokens - drafted_before - accepted
+    if engine == "draft_llm":
+        assert accepted >= 8 and rejected >= 16, (accepted, rejected)
+    else:
+        assert accepted >= 16, accepted
+
+
+def test_suffix_drafts_from_past_outputs(llm, suffix_llm):
+    """A prompt asked again (a retry, an agent's loop) is drafted from the first answer,
+    kept in the global tree: nearly every draft accepted, the same tokens."""
+    prompt = "Write a short poem about the sea."
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    counts = suffix_llm.engine.scheduler.spec_decoding
+    plain = _tokens(llm, [prompt], params)
+    rates = []
+    for _ in range(2):
+        before = counts.num_draft_tokens, counts.num_accepted_tokens
+        assert _tokens(suffix_llm, [prompt], params) == plain
+        rates.append((counts.num_accepted_tokens - before[1]) / max(1, counts.num_draft_tokens - before[0]))
+    assert rates[0] < 0.5 < 0.9 < rates[1], rates
+
+
+def test_no_drafts_while_disable_by_batch_size_requests_run(suffix_llm):
+    """vLLM's disable_by_batch_size: no step with 6 requests running verifies drafts; with
+    fewer, the same answers draft from one another's outputs."""
+    engine, scheduler = suffix_llm.engine, suffix_llm.engine.scheduler
+    prompt = suffix_llm.get_tokenizer().encode("Name three colours of the sea.")
+    for i, max_tokens in enumerate([6, 6, 6, 6, 12, 24, 32]):
+        engine.add_request(f"batch-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                 ignore_eos=True))
+    drafted_when = {"at 6 or more": 0, "fewer": 0}
+    while engine.has_work:
+        running, before = len(scheduler.running), scheduler.spec_decoding.num_drafts
+        engine.step()
+        drafted_when["at 6 or more" if running >= 6 else "fewer"] += scheduler.spec_decoding.num_drafts - before
+    assert drafted_when["at 6 or more"] == 0 and drafted_when["fewer"] >= 3, drafted_when
 
 
 def test_logprobs_of_accepted_tokens_are_the_plain_ones(llm, spec_llm):
@@ -142,11 +242,17 @@ def test_sampled_requests_run_and_counters_are_vllms(spec_llm):
 
 
 @pytest.mark.parametrize(("config", "engine_args", "message"), [
-    ({"method": "eagle", "num_speculative_tokens": 2}, {}, "method 'eagle': kvfleet implements ngram"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, {}, "method 'eagle': kvfleet implements ngram, suffix, draft_model"),
     ({"method": "ngram"}, {}, "num_speculative_tokens is required"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, {}, "model: not supported"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "eagle_head": "x"}, {}, "eagle_head: not supported"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, {},
      "prompt_lookup_min 5 is more than prompt_lookup_max 3"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, {},
+     "suffix_decoding_min_token_prob 2: give a number between 0.0 and 1.0"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 64}, {}, "num_speculative_tokens 64: at most 32"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, {}, "method 'draft_model' needs \"model\""),
+    ({"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2}, {},
+     "model '/no/such/draft': model '/no/such/draft' is not a known alias"),
     (NGRAM, {"async_scheduling": True}, "with --async-scheduling is not supported yet"),
     (NGRAM, {"tensor_parallel_size": 2}, "serves one-rank workers for now"),
 ])

@@ -110,7 +110,7 @@ _ALTERNATIVES = {*KINDS, "text", "guided_decoding"}
 MESSAGES = [
     Empty(), FULL_PARAMS, FULL_PARAMS.structured_outputs, DELTA, PLAN,
     StepResult(7, {"a": [9], "b": [2, 4]}, {"a": LOGPROBS[:1]}, {"b": LOGPROBS}, {"c": 1}, [TIER_COUNTS],
-               {"p": [0.6, 0.8]}),
+               {"p": [0.6, 0.8]}, {"a": [3, 5]}),
     TIER_COUNTS,
     WorkerDescription(100, 20, 16, 2048, 49152, (2, 0), "4f1c", 2, 50, "ab" * 16, POOLER, False, True),
     FULL_PARAMS.pooling, POOLER,

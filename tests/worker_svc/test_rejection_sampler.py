@@ -1,7 +1,8 @@
 """Verification of draft tokens (worker_svc/runtime/sampling/rejection_sampler.py):
 greedy rows give the argmax decoding would give; sampled rows follow the target
 distribution exactly, checked by chi-square on a small vocabulary, where a sampler that
-skips the residual (a common bug) fails the same check."""
+skips the residual (a common bug) fails the same check; drafts sampled from a proposal
+distribution q (a draft model's) too, where verifying them as point masses fails."""
 from __future__ import annotations
 
 import torch
@@ -19,6 +20,9 @@ LOGITS = torch.tensor([[1.0, 0.2, -0.5, 0.7, 0.0, -1.0],
                        [0.1, 0.9, 0.3, -0.2, 0.5, 0.0],
                        [0.0, 0.0, 1.2, 0.4, -0.3, 0.6]])
 DRAFTS = [3, 0]
+# A draft model's distributions for the two drafts: q, unlike the target.
+PROPOSAL = torch.tensor([[0.3, 1.0, 0.0, -0.4, 0.8, 0.2],
+                         [1.1, -0.3, 0.6, 0.2, -0.8, 0.4]]).softmax(-1)
 
 
 def _chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
@@ -73,3 +77,37 @@ def test_greedy_rows_accept_the_prefix_matching_the_argmax_then_its_token() -> N
     # A sampled request beside them changes nothing for the greedy ones.
     mixed = verify(torch.cat([logits, logits[:2]]), [*requests, (sampled, [3])])
     assert mixed[:3] == [[3, 0, 5], [2, 1, 4], [4]] and 1 <= len(mixed[3]) <= 2
+
+
+def _residual_ignores_q(logits: torch.Tensor, requests: list) -> list[list[int]]:
+    """Biased on purpose: accepts with min(1, p/q) as it should, but on a rejection draws
+    from p without the draft (the point mass's residual) instead of max(p - q, 0)."""
+    probs = (logits / TEMPERATURE).softmax(-1)
+    drafts = [d for _, ds in requests for d in (*ds, -1)]
+    q = PROPOSAL.repeat(len(requests), 1)
+    rows = [row for row, d in enumerate(drafts) if d >= 0]
+    ratio = torch.ones(len(drafts))
+    ratio[rows] = probs[rows, [drafts[r] for r in rows]] / q[torch.arange(len(rows)), [drafts[r] for r in rows]]
+    accepted = [d >= 0 and u < r for d, u, r in zip(drafts, torch.rand(len(drafts)).tolist(), ratio.tolist())]
+    without = probs.clone()
+    without[rows, [drafts[r] for r in rows]] = 0
+    return emitted_runs(requests, accepted, torch.multinomial(without, 1).squeeze(-1).tolist())
+
+
+def test_drafts_sampled_from_a_proposal_follow_the_target_and_are_accepted_more() -> None:
+    """A draft model's sampled drafts, verified against their q (min(1, p/q), residual
+    max(p - q, 0)): the target distribution, more drafts accepted than verifying them as
+    point masses (also exact: accept with p(d), residual p without d), and a residual
+    that ignores q fails."""
+    torch.manual_seed(0)
+    drafts = torch.multinomial(PROPOSAL, SAMPLES, replacement=True).T.tolist()  # per sample, one per position
+    requests = [(SamplingParams(temperature=TEMPERATURE), pair) for pair in drafts]
+    logits = LOGITS.repeat(SAMPLES, 1)
+    with_q = verify(logits, requests, [PROPOSAL] * SAMPLES)
+    assert all(s < CRITICAL for s in _position_statistics(with_q))
+    as_point_masses = verify(logits, requests)
+    assert all(s < CRITICAL for s in _position_statistics(as_point_masses))
+    accepted = [sum(len(tokens) > 1 for tokens in emitted) / SAMPLES for emitted in (with_q, as_point_masses)]
+    assert accepted[0] > accepted[1] + 0.2, accepted
+    torch.manual_seed(0)
+    assert _position_statistics(_residual_ignores_q(logits, requests))[0] > 10 * CRITICAL

@@ -44,6 +44,10 @@ class RequestState:
     # A pooling request's vector so far (worker_svc/runtime/pooler.py: MEAN's running sum).
     pooled: torch.Tensor | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
+    # The draft model's last drafts for it and, when it samples, the distributions [n, V]
+    # they were drawn from: its verification accepts with min(1, p/q) (speculative decoding).
+    draft_token_ids: list[int] | None = None
+    draft_probs: torch.Tensor | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -18,10 +18,6 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size
 
 
-def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
-    return budget_bytes // bytes_per_block(config, block_size, dtype)
-
-
 def check_fits_one_request(num_blocks: int, block_size: int, max_model_len: int, block_bytes: int) -> None:
     """Fail at start-up, not mid-request, when a max-length request cannot fit."""
     needed = -(-max_model_len // block_size)

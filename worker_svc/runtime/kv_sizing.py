@@ -16,7 +16,8 @@ from worker_svc.formats.model_config import ModelConfig
 from worker_svc.group.rank_group import RankGroup
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.runtime.batch import InputBatch, RequestState
-from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block, check_fits_one_request, num_blocks_for_budget
+from worker_svc.runtime.draft_model import DraftModel
+from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block, check_fits_one_request
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class SizedWorker(Protocol):
     attention_backend: AttentionBackend
     model: LlamaForCausalLM
     group: RankGroup
+    drafter: DraftModel | None  # speculative decoding's draft model: its KV shares the target's block ids
 
 
 def size_kv_cache(worker: SizedWorker) -> int:
@@ -41,6 +43,8 @@ def size_kv_cache(worker: SizedWorker) -> int:
     (on CPU the budget is each rank's). `worker` has its model and batch, no KV cache yet."""
     config, device = worker.config, worker.device
     block_bytes = bytes_per_block(worker.local_config, worker.block_size, worker.kv_dtype)
+    if worker.drafter is not None:  # every block id is a block in both caches
+        block_bytes += worker.drafter.bytes_per_block(worker.block_size, worker.kv_dtype)
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
         fits = num_blocks * worker.block_size
@@ -60,7 +64,7 @@ def size_kv_cache(worker: SizedWorker) -> int:
     else:
         # On CPU the KV budget is given outright, as vLLM's VLLM_CPU_KVCACHE_SPACE, and
         # activations come from the host heap: there is nothing for a profile to size.
-        num_blocks = num_blocks_for_budget(worker.local_config, worker.block_size, worker.kv_dtype, config.kv_cache_memory)
+        num_blocks = config.kv_cache_memory // block_bytes
     check_fits_one_request(num_blocks, worker.block_size, worker.max_model_len, block_bytes)
     return num_blocks
 

@@ -52,6 +52,8 @@ def check_model(config: EngineConfig) -> CheckedModel:
             f"--max-model-len {max_model_len}: {source.name} has {limit} positions; use at most {limit}, or set "
             f"{ALLOW_LONG_MAX_MODEL_LEN}=1 to allow more (outputs past {limit} tokens may be wrong)"
         )
+    if config.speculative is not None and config.speculative.method == "draft_model":
+        check_draft(config.speculative.model, model_config)
     return CheckedModel(source, model_config, max_model_len)
 
 
@@ -64,6 +66,17 @@ def _check_encoder(config: EngineConfig, source: ModelSource) -> None:
     if config.has_kv_tiers or config.speculative_config is not None:
         raise ConfigError("an encoder keeps no KV cache and drafts no tokens: drop the --kv-offloading-*, "
                           "--kv-shared-* and --speculative-config flags")
+
+
+def check_draft(model: str, target: ModelConfig) -> None:
+    """The draft model exists and shares the target's vocabulary (its tokens are verified as the target's)."""
+    try:
+        draft = read_model_config(resolve_model(model, require_tokenizer=False))
+    except (ConfigError, OSError, ValueError) as exc:
+        raise ConfigError(f"--speculative-config model {model!r}: {exc}") from exc
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(f"--speculative-config model {model!r}: its vocabulary has {draft.vocab_size} tokens, "
+                          f"the target's {target.vocab_size}; a draft model needs the target's tokenizer")
 
 
 def check_device(config: EngineConfig) -> None:

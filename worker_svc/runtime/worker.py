@@ -27,6 +27,7 @@ from worker_svc.model.weights import load_weights
 from worker_svc.runtime import kernel_choice
 from worker_svc.runtime.batch import InputBatch, RequestState
 from worker_svc.runtime.device import kv_cache_dtype, runs_q4_as_stored, torch_device, torch_dtype
+from worker_svc.runtime.draft_model import DraftModel
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
 from worker_svc.runtime.kv_sizing import size_kv_cache
 from worker_svc.runtime.kv_tiers import build_kv_transfer
@@ -86,6 +87,9 @@ class Worker:
         self.pooler = Pooler(self.pooler_config, final_norm, head) if self.pooler_config is not None else None
         self.scheduler_instance_id = ""  # whose requests those are
         self.last_step_at = time.monotonic()  # when a step last began or ended
+        spec = config.speculative
+        self.drafter = (DraftModel(config, self.device, self.dtype, self.max_model_len)
+                        if spec is not None and spec.method == "draft_model" else None)
         if self.encoder:
             self._no_kv_cache()
         else:
@@ -114,6 +118,8 @@ class Worker:
         # Block ids are the group's: every rank holds the same number, its own heads' and layers' share of each.
         self.num_blocks = group.minimum(size_kv_cache(self))
         self.kv_caches = allocate_kv_cache(self.local_config, self.num_blocks, self.block_size, self.kv_dtype, self.device)
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_blocks, self.block_size, self.kv_dtype)
         block_bytes = bytes_per_block(self.local_config, self.block_size, self.kv_dtype)
         swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
         self.num_host_blocks = group.minimum(swap_blocks)
@@ -329,6 +335,8 @@ class Worker:
         elif hidden is None:
             metadata = self.attention_backend.build_metadata(inputs.layout)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
+        if self.drafter is not None:
+            self.drafter.run(inputs)
         outcome: StepResult | Exception | None = None
         if shard.is_last_stage:
             # Every collective first (the last stage's ranks gather logits together), so a
@@ -344,6 +352,8 @@ class Worker:
                     outcome.pooled = pooled
                 except Exception as exc:  # this step fails on every rank alike
                     outcome = exc
+        if self.drafter is not None and isinstance(outcome, StepResult):
+            outcome.draft_token_ids = self.drafter.propose(outcome.sampled_token_ids, self.requests, self.batch)
         emitted = outcome.sampled_token_ids if isinstance(outcome, StepResult) else {}
         for request_id, count in plan.num_scheduled_tokens.items():
             if request_id in plan.scheduled_spec_decode_tokens and request_id in emitted:
@@ -358,6 +368,8 @@ class Worker:
             if (state := self.requests.pop(request_id, None)) is not None:
                 self.batch.remove(state)
         copy_blocks(plan.blocks_to_copy, self.kv_caches, self.kv_caches)
+        if self.drafter is not None:  # a forked request's partly filled block, in the draft's cache too
+            copy_blocks(plan.blocks_to_copy, self.drafter.kv_caches, self.drafter.kv_caches)
         copy_blocks(plan.blocks_to_swap_out, self.kv_caches, self.host_kv_caches)
         copy_blocks(plan.blocks_to_swap_in, self.host_kv_caches, self.kv_caches)
         if self.kv_transfer is not None:

@@ -4,10 +4,12 @@ A request with k drafts ran k + 1 positions through the model in one step: the l
 position i give the target distribution p_i for draft i, and the last position's give the
 bonus token. Greedy rows accept the longest prefix of drafts equal to the argmax, then
 emit the argmax where they first differ (or the bonus): exactly the tokens decoding one by
-one would give. Sampled rows accept draft i with probability min(1, p_i(d)/q_i(d)); n-gram
-drafts are a point mass (q_i(d) = 1), so that is p_i(d). On the first rejection the token
-is drawn from the residual max(p_i - q_i, 0) normalized (p_i without d), and verification
-stops; every emitted token then follows p_i exactly (Leviathan et al., 2023).
+one would give. Sampled rows accept draft i with probability min(1, p_i(d)/q_i(d)), where
+q_i is the distribution the draft was drawn from: a draft model's sampled drafts come with
+it; n-gram, suffix and greedy draft-model drafts are a point mass (q_i(d) = 1), so that is
+p_i(d). On the first rejection the token is drawn from the residual max(p_i - q_i, 0)
+normalized (for a point mass: p_i without d), and verification stops; every emitted token
+then follows p_i exactly (Leviathan et al., 2023).
 """
 from __future__ import annotations
 
@@ -20,10 +22,12 @@ from worker_svc.runtime.sampling.sampler import SamplingBatch, probabilities
 Verified = tuple[SamplingParams, list[int]]
 
 
-def verify(logits: torch.Tensor, requests: list[Verified]) -> list[list[int]]:
+def verify(logits: torch.Tensor, requests: list[Verified],
+           draft_probs: list[torch.Tensor | None] | None = None) -> list[list[int]]:
     """The tokens each request emits: its accepted drafts and one more. `logits` [R, V]
     (R = sum of drafts + 1 over the requests, in order) are raw: a request with logits
-    processors or a grammar is never given drafts."""
+    processors or a grammar is never given drafts. `draft_probs`: per request, the
+    distributions [drafts, V] its drafts were sampled from, or None for a point mass."""
     drafts_per_row: list[int] = []  # the draft each row verifies; -1 on a request's bonus row
     for _, drafts in requests:
         drafts_per_row += [*drafts, -1]
@@ -33,7 +37,8 @@ def verify(logits: torch.Tensor, requests: list[Verified]) -> list[list[int]]:
         target = greedy_tokens.tolist()
         accepted = [t == d for t, d in zip(target, drafts_per_row)]
     else:
-        target, accepted = _sample_rows(logits, params, drafts_per_row, greedy_tokens)
+        target, accepted = _sample_rows(logits, params, drafts_per_row, greedy_tokens,
+                                        _proposal_rows(requests, draft_probs or [None] * len(requests)))
     return emitted_runs(requests, accepted, target)
 
 
@@ -56,8 +61,23 @@ def emitted_runs(requests: list[Verified], accepted: list[bool], target: list[in
     return emitted
 
 
+def _proposal_rows(requests: list[Verified],
+                   draft_probs: list[torch.Tensor | None]) -> tuple[list[int], torch.Tensor] | None:
+    """The rows whose draft was sampled from a distribution, and those distributions [rows, V]."""
+    rows: list[int] = []
+    found: list[torch.Tensor] = []
+    row = 0
+    for (_, drafts), probs in zip(requests, draft_probs):
+        if probs is not None:
+            rows += range(row, row + len(drafts))
+            found.append(probs[: len(drafts)])
+        row += len(drafts) + 1
+    return (rows, torch.cat(found)) if rows else None
+
+
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], drafts_per_row: list[int],
-                 greedy_tokens: torch.Tensor) -> tuple[list[int], list[bool]]:
+                 greedy_tokens: torch.Tensor,
+                 proposals: tuple[list[int], torch.Tensor] | None) -> tuple[list[int], list[bool]]:
     """Per row: the token it emits if it is the first rejected (or the bonus row), and
     whether its draft is accepted. All rows at once: a uniform and a residual draw each."""
     device = logits.device
@@ -70,9 +90,16 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], drafts_per_
     has_draft = drafts >= 0
     column = drafts.clamp(min=0)[:, None]
     draft_probs = probs.gather(-1, column).squeeze(-1)
-    accepted = has_draft & (torch.rand(len(params), device=device) < draft_probs)
-    # The residual: p without the draft (q is a point mass on it); a bonus row samples p itself.
+    # q(d): 1 for a point mass; accepted with probability min(1, p(d) / q(d)).
+    proposal_probs = torch.ones_like(draft_probs)
+    # The residual: p without the draft for a point mass; a bonus row samples p itself.
     residual = torch.where(has_draft[:, None], probs.scatter(-1, column, 0.0), probs)
+    if proposals is not None:
+        rows = torch.tensor(proposals[0], device=device)
+        q = proposals[1].to(device=device, dtype=probs.dtype)
+        proposal_probs[rows] = q.gather(-1, column[rows]).squeeze(-1)
+        residual[rows] = (probs[rows] - q).clamp(min=0)
+    accepted = has_draft & (torch.rand(len(params), device=device) * proposal_probs < draft_probs)
     recovered = (residual / torch.empty_like(residual).exponential_()).argmax(dim=-1)
     target = torch.where(greedy, greedy_tokens, recovered)
     accepted = torch.where(greedy, greedy_tokens == drafts, accepted)

@@ -78,7 +78,8 @@ class StepOutputs:
     def _verify(self, result: StepResult, spec_requests: list[tuple[str, list[int]]],
                 requests: dict[str, RequestState], logits: torch.Tensor) -> None:
         states = [requests[request_id] for request_id, _ in spec_requests]
-        emitted = verify(logits, [(s.sampling_params, drafts) for s, (_, drafts) in zip(states, spec_requests)])
+        emitted = verify(logits, [(s.sampling_params, drafts) for s, (_, drafts) in zip(states, spec_requests)],
+                         [_proposal(state, drafts) for state, (_, drafts) in zip(states, spec_requests)])
         first_row = 0
         for (request_id, drafts), state, tokens in zip(spec_requests, states, emitted):
             result.sampled_token_ids[request_id] = tokens
@@ -109,3 +110,11 @@ class StepOutputs:
                 targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=hidden.device)
                 found.append((request_id, logits, targets, top))
         return found
+
+
+def _proposal(state: RequestState, drafts: list[int]) -> torch.Tensor | None:
+    """The distributions a draft model sampled `drafts` from, when these are its drafts;
+    None verifies them as point masses, exact whatever proposed them (only less often accepted)."""
+    if state.draft_probs is None or state.draft_token_ids[: len(drafts)] != drafts:
+        return None
+    return state.draft_probs[: len(drafts)]

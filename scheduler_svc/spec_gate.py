@@ -1,0 +1,63 @@
+"""When not to speculate: whole batches past vLLM's `disable_by_batch_size`, and requests
+whose drafts keep being rejected (docs/speculative.md, "Knowing when not to").
+
+A verification step of 1 + k tokens costs more than a decode step (on the CPU here, 1.35x
+with 3 drafts, 1.77x with 4), and with acceptance a per draft (the chance each next draft
+is accepted) it yields (1 - a^(k+1)) / (1 - a) tokens: 3 drafts pay from a ~ 0.27, 4 from
+a ~ 0.45. Each request's a is estimated as a moving average (weight ALPHA per
+observation) of whether its first draft was accepted, starting optimistic at 1. Below
+MIN_ACCEPTANCE its drafts are held back: it decodes one token per step, while the
+proposer still proposes (free for ngram and suffix; the worker drafts anyway for
+draft_model) and each held-back first draft is compared with the token the step then
+produces, so the estimate keeps moving; once it is back at MIN_ACCEPTANCE the request
+speculates again. Held-back drafts are never verified and count in no metric.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIN_ACCEPTANCE = 0.3
+ALPHA = 0.2
+
+
+@dataclass
+class _Estimate:
+    acceptance: float = 1.0
+    held_back: int | None = None  # the first draft of the step in flight, held back
+
+
+class SpecGate:
+    def __init__(self, disable_by_batch_size: int | None) -> None:
+        self.disable_by_batch_size = disable_by_batch_size
+        self._estimates: dict[str, _Estimate] = {}
+
+    def admit(self, request_id: str, drafts: list[int], num_running: int) -> list[int]:
+        """The drafts to verify this step: all of them, or none."""
+        if not drafts or (self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size):
+            return []
+        estimate = self._estimates.setdefault(request_id, _Estimate())
+        if estimate.acceptance >= MIN_ACCEPTANCE:
+            return drafts
+        estimate.held_back = drafts[0]
+        return []
+
+    def observe(self, request_id: str, num_drafts: int, emitted: list[int]) -> None:
+        """A step's outcome for a request: `num_drafts` verified, `emitted` the tokens it produced."""
+        estimate = self._estimates.get(request_id)
+        if estimate is None or not emitted:
+            return
+        if num_drafts:
+            hit = len(emitted) > 1
+        elif estimate.held_back is not None:
+            hit = emitted[0] == estimate.held_back
+        else:
+            return
+        estimate.held_back = None
+        estimate.acceptance += ALPHA * (hit - estimate.acceptance)
+
+    def acceptance(self, request_id: str) -> float:
+        estimate = self._estimates.get(request_id)
+        return 1.0 if estimate is None else estimate.acceptance
+
+    def finish(self, request_id: str) -> None:
+        self._estimates.pop(request_id, None)

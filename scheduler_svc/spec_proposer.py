@@ -1,0 +1,47 @@
+"""The scheduler's draft proposer for the configured speculative method
+(docs/speculative.md): `ngram` (prompt lookup), `suffix` (suffix decoding), or
+`draft_model`, whose drafts the worker's draft model made in the step before."""
+from __future__ import annotations
+
+from typing import Protocol
+
+from scheduler_svc.ngram_proposer import propose_ngram
+from scheduler_svc.request import Request
+from scheduler_svc.suffix_proposer import SuffixProposer
+from services.speculative_config import SpeculativeConfig
+
+
+class Proposer(Protocol):
+    def propose(self, request: Request, k: int) -> list[int]:
+        """At most `k` drafts to follow the request's tokens."""
+
+    def finish(self, request: Request) -> None:
+        """The request ended (or was aborted): forget it."""
+
+
+class NgramProposer:
+    def __init__(self, spec: SpeculativeConfig) -> None:
+        self.spec = spec
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        return propose_ngram(request.all_token_ids, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max, k)
+
+    def finish(self, request: Request) -> None:
+        pass  # it keeps nothing
+
+
+class DraftModelProposer:
+    """The draft model's tokens from the request's last result (worker_svc/runtime/draft_model.py)."""
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        drafts, request.draft_token_ids = request.draft_token_ids[:k], []
+        return drafts
+
+    def finish(self, request: Request) -> None:
+        pass  # the drafts go with the request
+
+
+def make_proposer(spec: SpeculativeConfig) -> Proposer:
+    if spec.method == "draft_model":
+        return DraftModelProposer()
+    return SuffixProposer(spec) if spec.method == "suffix" else NgramProposer(spec)

@@ -1,0 +1,32 @@
+"""When not to speculate (scheduler_svc/spec_gate.py): a request whose first drafts keep
+being rejected stops getting drafts, its held-back drafts still judged against the tokens
+it produces, and speculates again once they would have been accepted; no drafts while
+disable_by_batch_size requests run."""
+from __future__ import annotations
+
+from scheduler_svc.spec_gate import MIN_ACCEPTANCE, SpecGate
+
+
+def test_rejected_drafts_stop_speculation_until_held_back_ones_would_pass() -> None:
+    gate = SpecGate(disable_by_batch_size=None)
+    steps = 0
+    while gate.admit("r", [5, 6], 1):  # each step: the first draft rejected (7 emitted instead)
+        gate.observe("r", 2, [7])
+        steps += 1
+    assert 3 <= steps <= 8 and gate.acceptance("r") < MIN_ACCEPTANCE
+    # Held back, not verified: a held-back draft the step then produces counts as a hit.
+    gate.observe("r", 0, [5])
+    assert gate.admit("r", [9], 1) == [9]
+    # A step whose first draft is accepted (two tokens emitted) keeps it going.
+    gate.observe("r", 1, [9, 4])
+    assert gate.admit("r", [1, 2], 1) == [1, 2]
+    # Each request has its own estimate; a finished one is forgotten.
+    assert gate.admit("other", [3], 1) == [3]
+    gate.finish("r")
+    assert gate.acceptance("r") == 1.0
+
+
+def test_no_drafts_while_the_batch_is_at_disable_by_batch_size() -> None:
+    gate = SpecGate(disable_by_batch_size=4)
+    assert gate.admit("r", [5], 3) == [5]
+    assert gate.admit("r", [5], 4) == []

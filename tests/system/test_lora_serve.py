@@ -60,13 +60,15 @@ def test_lora_requests_info_names_the_running_adapters(lora_server, lora_referen
     prompts, _ = lora_references
     body = {"model": "attn8", "prompt": prompts[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
     with lora_server.http() as client, client.stream("POST", "/v1/completions", headers=HEADERS, json=body) as stream:
-        # Its first token (the head chunk has no choice): it runs until this stream closes.
-        next(line for line in stream.iter_lines() if line.startswith("data: {") and json.loads(line[6:])["choices"])
+        # Its first token (the head chunk has no choice): it runs until this stream closes. `lines`
+        # outlives the search: a finished iter_lines() closes the response, which aborts the request.
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: {") and json.loads(line[6:])["choices"])
         wanted = "vllm:lora_requests_info{max_lora=3,running_lora_adapters=attn8,waiting_lora_adapters=}"
         deadline = time.monotonic() + 5  # a scrape may come before the engine's next iteration
         while wanted not in (running := lora_server.metrics()):
             assert time.monotonic() < deadline, (  # what the scrape and the stream said
-                [name for name in running if name.startswith("vllm:lora")], [next(stream.iter_lines()) for _ in range(4)])
+                [name for name in running if name.startswith("vllm:lora")], running["vllm:num_requests_running"])
             time.sleep(0.05)
     idle = [name for name in lora_server.wait_idle() if name.startswith("vllm:lora_requests_info")]
     assert idle == ["vllm:lora_requests_info{max_lora=3,running_lora_adapters=,waiting_lora_adapters=}"]

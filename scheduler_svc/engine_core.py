@@ -15,12 +15,14 @@ from typing import Protocol
 import msgspec
 
 from scheduler_svc.kv_connector import KvConnector
+from scheduler_svc.kv_handoff import KvHandoff
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from services.config import EngineConfig
 from services.engine_client import EngineUnavailable
 from services.invalid_parameter import InvalidParameter
 from services.kv_block_files import file_tiers
+from services.kv_transfer_messages import KvTransferParams
 from services.messages import (
     CacheConfigInfo,
     EngineStats,
@@ -63,7 +65,9 @@ class WorkerHandle(Protocol):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, worker: WorkerHandle) -> None:
+    def __init__(self, config: EngineConfig, worker: WorkerHandle, worker_address: str | None = None) -> None:
+        """`worker_address`: where the worker serves gRPC, which a prefill/decode handoff
+        needs (docs/disaggregation.md): other replicas' workers fetch its blocks there."""
         self.config = config
         self.worker = worker
         self.instance_id = uuid.uuid4().hex  # its worker drops what a previous instance left there
@@ -94,7 +98,8 @@ class EngineCore:
                 speculative=config.speculative,
             ),
             KvConnector(described.num_offload_blocks, file_tiers(config, described.kv_layout_key))
-            if config.has_kv_tiers else None,
+            if config.has_kv_connector else None,
+            self._handoff(config, worker_address, described.kv_block_bytes),
         )
         # Built once: every stats() shares it.
         self.cache_config = CacheConfigInfo(
@@ -108,6 +113,14 @@ class EngineCore:
             cache_dtype=config.kv_cache_dtype,
         )
 
+    def _handoff(self, config: EngineConfig, worker_address: str | None, block_bytes: int) -> KvHandoff | None:
+        if config.kv_transfer is None:
+            return None
+        if worker_address is None:
+            raise EngineUnavailable("--kv-transfer-config needs the cluster's roles (kvfleet worker and scheduler, "
+                                    "or cluster up): another replica's worker fetches the KV from this one's")
+        return KvHandoff(config.kv_transfer, self.instance_id, worker_address, block_bytes)
+
     def add_request(
         self,
         request_id: str,
@@ -115,6 +128,7 @@ class EngineCore:
         params: SamplingParams,
         cache_salt: str | None = None,
         output_token_ids: Sequence[int] = (),
+        kv_transfer_params: KvTransferParams | None = None,
     ) -> None:
         """Queue a request; with n > 1 (or best_of) as child requests named by
         `child_request_id`, which share the prompt's KV. `output_token_ids` resumes a
@@ -124,9 +138,13 @@ class EngineCore:
         count = num_children(params)
         if output_token_ids and count > 1:
             raise InvalidParameter("output_token_ids", "a request with n or best_of > 1 cannot be resumed")
+        if kv_transfer_params is not None and (count > 1 or output_token_ids):
+            raise InvalidParameter("kv_transfer_params", "a request with n or best_of > 1, or resumed, cannot hand "
+                                   "its KV over")
         if count == 1:
             request = self._request(request_id, prompt_token_ids, params, cache_salt)
             request.output_token_ids = list(output_token_ids)
+            request.kv_transfer_params = kv_transfer_params
             self.scheduler.add_request(request)
             return
         leader, *followers = (
@@ -257,6 +275,8 @@ class EngineCore:
             iteration_tokens=scheduler.iteration_tokens.snapshot(),
             cache_config=self.cache_config,
             spec_decoding=scheduler.spec_decoding.stats() if self.config.speculative is not None else None,
+            prompt_tokens_by_source=dict(scheduler.prompt_tokens_by_source),
+            kv_transfer=scheduler.handoff.stats() if scheduler.handoff is not None else None,
             **self._tier_stats(),
         )
 

@@ -68,6 +68,11 @@ _ENGINE_HELP = {
     "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} drafts tokens from the request's own "
                           "prompt and output; the model verifies them in one step (ngram only, for now)",
+    "kv_transfer_config": "prefill/decode disaggregation, vLLM's JSON: {\"kv_connector\": \"KvfleetConnector\", "
+                          "\"kv_role\": \"kv_producer\"} (a prefill replica), kv_consumer (a decode replica) or "
+                          "kv_both; optional kv_ip (the host other workers dial for this worker's blocks) and "
+                          "kv_connector_extra_config {\"abort_timeout_s\", \"fetch_timeout_s\"} "
+                          "(docs/disaggregation.md)",
 }
 # vLLM's short spellings.
 _ENGINE_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"],
@@ -81,7 +86,6 @@ _TLS = "kvfleet serves plain HTTP; terminate TLS in front of it (a reverse proxy
 VLLM_FLAGS_NOT_SUPPORTED = {
     "--enable-lora": _LORA,
     "--lora-modules": _LORA,
-    "--kv-transfer-config": "disaggregated prefill (KV transfer) is not supported; serve without it",
     "--cpu-offload-gb": "weights offloaded to host memory are not supported; use a device that holds the model",
     "--limit-mm-per-prompt": "kvfleet serves text-only models; drop the flag",
     "--enable-expert-parallel": "kvfleet implements no mixture-of-experts model; drop the flag",

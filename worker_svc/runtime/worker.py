@@ -89,7 +89,7 @@ class Worker:
             else []
         )
         self.kv_transfer, self.num_offload_blocks, self.kv_layout_key = (
-            build_kv_transfer(self) if config.has_kv_tiers else (None, 0, ""))
+            build_kv_transfer(self) if config.has_kv_connector else (None, 0, ""))
         self.graphs = kernel_choice.decode_graphs(config, self.device, group, self.model, self.attention_backend,
                                             self.kv_caches, self.batch)
         # A pipeline's leader gets each plan's outcome later, from the last stage.
@@ -140,6 +140,7 @@ class Worker:
             max_plans_in_flight=self.group.shard.pp_size,
             num_offload_blocks=self.num_offload_blocks,
             kv_layout_key=self.kv_layout_key,
+            kv_block_bytes=bytes_per_block(self.local_config, self.block_size, self.kv_dtype),
         )
 
     @property
@@ -244,6 +245,7 @@ class Worker:
             # Taken only into a result that goes back: a failed step leaves them for the next.
             outcome.kv_loads_done = self.kv_transfer.take_loads_done()
             outcome.kv_tiers = self.kv_transfer.take_counts()
+            outcome.kv_sent_done = self.kv_transfer.take_sent_done()
         if shard.rank != 0:
             self.group.send_outcome(RuntimeError(repr(outcome)) if isinstance(outcome, Exception) else outcome)
         if isinstance(outcome, Exception):

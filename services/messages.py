@@ -166,8 +166,12 @@ class FirstTokenTimes(msgspec.Struct, frozen=True, **_HOT):
 
     queued_s: float  # from arrival at the scheduler to being first scheduled
     prefill_s: float  # from being first scheduled to the first token
-    # The part of prefill_s spent fetching the prompt's KV from a producer (docs/disaggregation.md).
+    # Prefill/decode disaggregation (docs/disaggregation.md): the part of prefill_s spent
+    # fetching the prompt's KV from a producer; and the producer's own queue and prefill
+    # times, which the gateway adds from the prefill leg.
     kv_transfer_s: float = 0.0
+    remote_queued_s: float = 0.0
+    remote_prefill_s: float = 0.0
 
 
 class TokenDelta(msgspec.Struct, **_HOT):

@@ -36,9 +36,11 @@ class KvBlockSource(Protocol):
         """Fetches the producer's `block_ids` in order, handing each to `land(index, block)`
         as it arrives; returns how many leading blocks arrived whole."""
 
-    def serve(self, request: KvFetchRequest, held: Callable[[], AbstractContextManager[None]]) -> Iterator[KvBlock]:
+    def serve(self, request: KvFetchRequest, held: Callable[[int], AbstractContextManager[None]]
+              ) -> Iterator[KvBlock]:
         """The blocks a consumer asked of this worker, in its order; each read inside
-        `held()`, which raises once the hold ended (the blocks may be rewritten)."""
+        `held(block)`, which raises (ValueError) unless the block is held for the request:
+        a block that is not may be rewritten meanwhile."""
 
 
 class GrpcKvBlocks:
@@ -52,11 +54,12 @@ class GrpcKvBlocks:
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
 
-    def serve(self, request: KvFetchRequest, held: Callable[[], AbstractContextManager[None]]) -> Iterator[KvBlock]:
+    def serve(self, request: KvFetchRequest, held: Callable[[int], AbstractContextManager[None]]
+              ) -> Iterator[KvBlock]:
         if request.layout != self.layout:
             raise ValueError(f"the consumer's KV layout {request.layout} is not this worker's {self.layout}")
         for index, block in enumerate(request.block_ids):
-            with held():  # a copy (stack), taken while nothing can write the block
+            with held(block):  # a copy (stack), taken while nothing can write the block
                 stacked = torch.stack([cache[:, block] for cache in self.kv_caches]).cpu()
             yield KvBlock(index, stacked.contiguous().view(torch.uint8).numpy().tobytes())
 

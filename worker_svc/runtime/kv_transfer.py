@@ -107,29 +107,28 @@ class KvTransfer:
                 self._load_finished.wait(timeout_s)
 
     def serve(self, request: KvFetchRequest) -> Iterator[KvBlock]:
-        """A consumer's fetch of blocks held here; once it has them all, the scheduler
-        hears the request was fetched (and frees its blocks). Only blocks the scheduler
+        """A consumer's fetch of blocks held here; once it ended, the scheduler hears the
+        request was fetched (and frees its blocks). Only blocks the scheduler
         holds for that request are served, and only while it holds them: a fetch that
-        comes before the plan saying so waits for it a moment, one that comes after the
-        hold ended is refused (ValueError), and the consumer recomputes."""
+        comes before the plan saying so waits for it a moment; the stream stops (ValueError)
+        at a block not held for the request, and the consumer recomputes from there."""
         with self._load_finished:
-            if not self._load_finished.wait_for(lambda: request.request_id in self._holds, _HOLD_WAIT_S):
-                raise ValueError(f"no KV is held here for request {request.request_id!r} (its hold ended, or "
-                                 "never began)")
-            if not set(request.block_ids) <= self._holds[request.request_id]:
-                raise ValueError(f"blocks asked of request {request.request_id!r} are not the ones held for it")
+            self._load_finished.wait_for(lambda: request.request_id in self._holds, _HOLD_WAIT_S)
 
         @contextmanager
-        def held() -> Iterator[None]:
+        def held(block: int) -> Iterator[None]:
             with self._lock:
-                if request.request_id not in self._holds:
-                    raise ValueError(f"the hold of request {request.request_id!r} ended mid-fetch")
+                if block not in self._holds.get(request.request_id, ()):
+                    raise ValueError(f"block {block} is not held here for request {request.request_id!r} (its "
+                                     "hold ended, or never began)")
                 yield
 
-        yield from self.peer.serve(request, held)
-        with self._load_finished:
-            self._sent.append(request.request_id)
-            self._load_finished.notify_all()
+        try:
+            yield from self.peer.serve(request, held)
+        finally:  # however the fetch ended (whole, refused midway, cancelled), no one else comes for them
+            with self._load_finished:
+                self._sent.append(request.request_id)
+                self._load_finished.notify_all()
 
     def _change_holds(self, plan: StepPlan) -> None:
         """Before the plan's forward pass, which may write into blocks whose hold ended."""

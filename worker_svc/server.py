@@ -93,8 +93,8 @@ class WorkerServicer:
         (docs/disaggregation.md); beside the steps, on a server thread of its own."""
         transfer = self._worker.kv_transfer
         if transfer is None or transfer.peer is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker hands no KV over: it runs without "
-                          "--kv-transfer-config")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker hands no KV over: a worker of "
+                          "several ranks (-tp, -pp) does not yet")
         try:
             yield from transfer.serve(request)
         except ValueError as exc:

@@ -63,7 +63,10 @@ class Replica:
         config = dict(ENGINE, num_gpu_blocks_override=POOLS[role], kv_transfer_config={
             "kv_connector": "KvfleetConnector", "kv_role": role,
             "kv_connector_extra_config": {"abort_timeout_s": HOLD_S, "fetch_timeout_s": FETCH_TIMEOUT_S}})
-        self.worker_process = Worker(EngineConfig(**config))
+        # The prefill replica's worker without the config: a one-rank worker serves what its
+        # scheduler holds whatever its flags (the decode side's has it, for its fetch timeout).
+        worker_config = dict(config, kv_transfer_config=None) if role == "kv_producer" else config
+        self.worker_process = Worker(EngineConfig(**worker_config))
         self.worker = start_worker_server(self.worker_process, "127.0.0.1:0")
         self.remote = RemoteWorker(self.worker.address)
         self.core = EngineCore(EngineConfig(**config), self.remote, self.worker.address)

@@ -9,6 +9,7 @@ import torch
 
 from services.config import EngineConfig
 from services.kv_block_files import file_tiers
+from services.kv_transfer_config import DEFAULT_FETCH_TIMEOUT_S
 from services.model_source import ModelSource
 from worker_svc.formats.model_config import ModelConfig
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block
@@ -47,5 +48,5 @@ def build_kv_transfer(worker: TieredWorker) -> tuple[KvTransfer, int, str]:
                          runs_q4=worker.runs_q4, device=worker.device, block_size=worker.block_size)
         files = file_tiers(config, key)
     transfer = config.kv_transfer
-    peer = GrpcKvBlocks(worker.kv_caches, transfer.fetch_timeout_s) if transfer is not None else None
+    peer = GrpcKvBlocks(worker.kv_caches, transfer.fetch_timeout_s if transfer is not None else DEFAULT_FETCH_TIMEOUT_S)
     return KvTransfer(worker.kv_caches, host_caches, files, peer), num_host_blocks, key

@@ -43,7 +43,7 @@ _HOLD_WAIT_S = 2.0
 class KvTransfer:
     def __init__(self, kv_caches: list[torch.Tensor], host_caches: list[torch.Tensor],
                  files: Sequence[BlockFiles], peer: KvBlockSource | None = None) -> None:
-        """`peer`: the worker-to-worker transport, with a --kv-transfer-config."""
+        """`peer`: the worker-to-worker transport (docs/disaggregation.md)."""
         self.kv_caches = kv_caches
         self.host_caches = host_caches
         self._host = HostCopies(kv_caches, host_caches)
@@ -72,7 +72,7 @@ class KvTransfer:
             tiers.append(f"host memory {blocks} blocks ({blocks * self.block_bytes / 2**30:.2f} GiB)")
         tiers += [f"{tier.medium.lower()} {tier.directory} (up to {tier.max_bytes / 2**30:.1f} GiB)"
                   for tier in self.files]
-        peer = ["blocks to and from other replicas' workers (--kv-transfer-config)"] if self.peer is not None else []
+        peer = ["blocks to and from other replicas' workers"] if self.peer is not None else []
         return f"KV connector: {', '.join(tiers + peer)}; {self.block_bytes / 2**20:.2f} MiB a block"
 
     def apply(self, plan: StepPlan) -> None:
@@ -99,11 +99,11 @@ class KvTransfer:
             done[request_id] = count
 
     def wait_for_loads(self, timeout_s: float) -> None:
-        """For a step with nothing to compute: returns once a load finished (or, on a
-        worker that serves peers, a consumer fetched its blocks), or after the timeout,
-        rather than have the scheduler spin on empty steps."""
+        """For a step with nothing to compute: returns once a load finished (or, while it
+        holds blocks for other replicas, one fetched them), or after the timeout, rather
+        than have the scheduler spin on empty steps."""
         with self._load_finished:
-            if (self._num_loading or self.peer is not None) and self._done.empty() and not self._sent:
+            if (self._num_loading or self._holds) and self._done.empty() and not self._sent:
                 self._load_finished.wait(timeout_s)
 
     def serve(self, request: KvFetchRequest) -> Iterator[KvBlock]:

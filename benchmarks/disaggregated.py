@@ -115,7 +115,10 @@ class SimReplica:
     def __init__(self, name: str, role: str | None, cost: StepCost, num_blocks: int, transfer_s: float) -> None:
         self.worker = PdSimWorker(num_blocks, cost, transfer_s)
         transfer = {"kv_connector": "KvfleetConnector", "kv_role": role} if role else None
-        config = EngineConfig(model="sim", max_model_len=MAX_MODEL_LEN, kv_transfer_config=transfer)
+        # Chunked prefill in 512-token steps: it bounds a long prompt's stall of the decodes
+        # sharing its steps, but spreads it over four of them.
+        config = EngineConfig(model="sim", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=512,
+                              kv_transfer_config=transfer)
         address = f"{name}:1"
         self.core = EngineCore(config, self.worker, address)
         PRODUCERS[address] = self.worker

@@ -17,8 +17,10 @@ from collections.abc import Iterator
 from contextlib import aclosing
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.cluster.client import ClusterEngineClient
+from gateway.metrics import GatewayMetrics
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.main import lease_metadata
 from scheduler_svc.nats_publisher import NatsOutputHub
@@ -31,6 +33,7 @@ from services.messages import EngineStats, TokenDelta
 from services.model_source import resolve_model
 from services.registry import Lease, Member, Registry
 from services.sampling_params import SamplingParams
+from services.telemetry import EngineStatsCollector
 from tokenizer_svc.server import start_tokenizer_server
 from tokenizer_svc.tokenizer import Tokenizer
 from worker_svc.runtime.worker import Worker
@@ -149,6 +152,13 @@ def moved(replica: Replica) -> tuple[int, float, int]:
     return sum(transfer.bytes_transferred.counts), transfer.bytes_transferred.sum, transfer.failed_blocks
 
 
+def _scrape(replica: Replica) -> str:
+    """The replica's scheduler /metrics, as its role serves them."""
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(replica.loop, "smollm2"))
+    return generate_latest(registry).decode()
+
+
 def block_bytes(replica: Replica) -> int:
     """Block size x layers x 2 (K and V) x KV heads x head size x element size, from the model's config."""
     model = replica.worker_process.model_config
@@ -172,6 +182,22 @@ def test_split_requests_decode_the_combined_replicas_tokens_moving_only_full_blo
     short = sum(len(p) for p in prompts if len(p) <= THRESHOLD)
     assert computed == short + sum(len(p) - (len(p) - 1) // BLOCK * BLOCK for p in long) <= short + BLOCK * len(long)
     assert sources["external_kv_transfer"] - sources_before.get("external_kv_transfer", 0) == full_blocks * BLOCK
+    # The decode replica's /metrics says so under vLLM's name.
+    scraped = _scrape(decode)
+    assert f'vllm:prompt_tokens_by_source_total{{model_name="smollm2",source="local_compute"}} ' \
+           f'{float(sources["local_compute"])}' in scraped
+    # A split request's first token says how long its prefill and its transfer took; the
+    # gateway's histograms split its TTFT by them.
+    metrics = GatewayMetrics(client, "smollm2")
+    for prompt, deltas in zip(prompts, split):
+        times = next(d.first_token_times for d in deltas if d.new_token_ids)
+        assert (times.remote_prefill_s > 0 and times.kv_transfer_s > 0) == (len(prompt) > THRESHOLD)
+        meter = metrics.request(len(prompt), GREEDY.max_tokens)
+        meter.tokens(1, times)
+        meter.finished("length")
+    rendered = metrics.render().decode()
+    for name in ("pd_queue_time", "pd_prefill_time", "pd_kv_transfer_time", "pd_first_decode_step"):
+        assert f'kvfleet:{name}_seconds_count{{model_name="smollm2"}} {float(len(long))}' in rendered
     assert [tokens(d) for d in split] == combined(client, prompts, "parity")
     wait_until(lambda: prefill.stats().kv_transfer.held_blocks == 0, "the prefill replica kept blocks")
 

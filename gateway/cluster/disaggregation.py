@@ -38,12 +38,13 @@ if TYPE_CHECKING:  # the gateway's --help imports this module for its default: n
 
 logger = logging.getLogger(__name__)
 
-# Below this many uncached prompt tokens the decode replica prefills itself. Measured on
-# this project's 2-core CPU machine (benchmarks/disaggregated.py, docs/disaggregation.md):
-# a handoff costs about two scheduler round trips and a step of waiting, some 40 ms,
-# and a 16-token block costs about 50 ms to compute and 3 ms to move, so past a few
-# blocks the handoff pays for itself in the decode replica's step time; 256 tokens
-# (16 blocks) keeps short prompts, whose prefill barely stalls a decode step, local.
+# Below this many uncached prompt tokens the decode replica prefills itself. On this
+# project's 2-core CPU machine a 16-token block of the default model takes about 50 ms
+# to compute and 3 ms to fetch (docs/disaggregation.md), while a handoff adds a second
+# request's trip through a scheduler (a step, its output over NATS) to the time to first
+# token; 256 tokens (16 blocks, about 0.8 s of prefill) takes off the decode replica many
+# times what the handoff costs, and keeps short prompts, whose prefill barely stalls a
+# decode step, local. (The handoff's own overhead was not measured apart.)
 DEFAULT_PD_MIN_PREFILL_TOKENS = 256
 PREFILL_ROLES = ("kv_producer", "kv_both")
 CONSUMER_ROLES = ("kv_consumer", "kv_both")

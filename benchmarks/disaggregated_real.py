@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gateway.cluster.client import ClusterEngineClient
 from kvfleet.processes import start_listening, start_nats, start_redis, stop_together
+from services.registry import Lease, Member, Registry
 from services.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,6 +68,8 @@ def run(roles: list[str | None], streams: int, stream_tokens: int, long_every_s:
     with tempfile.TemporaryDirectory() as logs, cluster(roles, Path(logs)) as (nats_url, redis_url):
         client = ClusterEngineClient(redis_url, nats_url, poll_interval_s=0.2, pd_min_prefill_tokens=threshold)
         client.start()
+        # As `kvfleet gateway` does: schedulers abort the requests of a gateway without a lease.
+        lease = Lease(Registry(redis_url), Member("gateway", client.gateway_id, f"{HOST}:0"), 5.0).start()
         deadline = time.monotonic() + 300
         while not (client.is_ready() and len(client._replicas.routable()) == len(roles)):
             assert time.monotonic() < deadline, "the replicas never came up"
@@ -74,6 +77,7 @@ def run(roles: list[str | None], streams: int, stream_tokens: int, long_every_s:
         try:
             return asyncio.run(_load(client, streams, stream_tokens, long_every_s, long_len, duration_s))
         finally:
+            lease.stop()
             client.shutdown()
 
 

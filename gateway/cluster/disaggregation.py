@@ -38,14 +38,16 @@ if TYPE_CHECKING:  # the gateway's --help imports this module for its default: n
 
 logger = logging.getLogger(__name__)
 
-# Below this many uncached prompt tokens the decode replica prefills itself. On this
-# project's 2-core CPU machine a 16-token block of the default model takes about 50 ms
-# to compute and 3 ms to fetch (docs/disaggregation.md), while a handoff adds a second
-# request's trip through a scheduler (a step, its output over NATS) to the time to first
-# token; 256 tokens (16 blocks, about 0.8 s of prefill) takes off the decode replica many
-# times what the handoff costs, and keeps short prompts, whose prefill barely stalls a
-# decode step, local. (The handoff's own overhead was not measured apart.)
-DEFAULT_PD_MIN_PREFILL_TOKENS = 256
+# Up to this many uncached prompt tokens the decode replica prefills itself: one block.
+# Only full blocks move, so a split of a prompt with at most a block uncached would move
+# nothing and the decode replica would compute the same tokens; past one block, each
+# block moved saves the decode replica its compute for the price of its fetch, which on
+# this project's 2-core CPU is about 50 ms against 3 ms for a 16-token block of the
+# default model (docs/disaggregation.md). So every split prompt leaves the decode replica
+# at most its last partial block. A deployment that would rather keep short prompts
+# local (a split adds a second request's trip through a scheduler to the time to first
+# token) raises it.
+DEFAULT_PD_MIN_PREFILL_TOKENS = 16
 PREFILL_ROLES = ("kv_producer", "kv_both")
 CONSUMER_ROLES = ("kv_consumer", "kv_both")
 

@@ -668,7 +668,7 @@ def test_disaggregation_runs_a_prefill_and_a_decode_pool():
     assert roles == {"decode": ("kv_consumer", None), "prefill": ("kv_producer", 2)}  # KEDA scales the decode pool
     gateway = next(c for d in rendered.find("Deployment") if d["metadata"]["name"].startswith(f"{RELEASE}-gateway")
                    for c in containers(d["spec"]["template"]["spec"]))
-    assert "--pd-min-prefill-tokens=256" in gateway["args"]
+    assert "--pd-min-prefill-tokens=16" in gateway["args"]
     default = render("default")
     assert not default.find("Deployment", f"{RELEASE}-prefill") and "kv-transfer-config" not in str(default.manifests)
 

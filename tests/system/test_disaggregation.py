@@ -16,9 +16,11 @@ import time
 from collections.abc import Iterator
 from contextlib import aclosing
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from gateway.app import build_app
 from gateway.cluster.client import ClusterEngineClient
 from gateway.metrics import GatewayMetrics
 from scheduler_svc.engine_core import EngineCore
@@ -34,6 +36,7 @@ from services.model_source import resolve_model
 from services.registry import Lease, Member, Registry
 from services.sampling_params import SamplingParams
 from services.telemetry import EngineStatsCollector
+from tokenizer_svc.in_process import InProcessEncoder
 from tokenizer_svc.server import start_tokenizer_server
 from tokenizer_svc.tokenizer import Tokenizer
 from worker_svc.runtime.worker import Worker
@@ -249,6 +252,35 @@ def test_blocks_that_never_arrive_are_recomputed(pair, client, tokenizer) -> Non
     assert tokens(out) == combined(client, [prompt], "partial")[0]
     # The fetch ended (refused midway): the prefill replica let the request's blocks go.
     wait_until(lambda: pair["prefill"].stats().kv_transfer.held_blocks == 0, "the refused fetch's hold stayed")
+
+
+def test_vllms_proxy_drives_the_pair_with_kv_transfer_params_over_rest(pair, client, tokenizer) -> None:
+    """As vLLM's disaggregation proxy does: the prompt with do_remote_decode and one token
+    asked; the response's kv_transfer_params with the request for the text."""
+    prompt = tokenizer.encode(TEXT)[360:440]
+    app = build_app(client, InProcessEncoder(tokenizer), "smollm2")
+    decode = pair["decode"]
+
+    async def proxy() -> tuple[dict, dict, dict]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway",
+                                     timeout=60) as http:
+            body = {"model": "smollm2", "prompt": prompt, "temperature": 0, "ignore_eos": True}
+            held = (await http.post("/v1/completions", json={**body, "max_tokens": 1, "kv_transfer_params": {
+                "do_remote_decode": True, "do_remote_prefill": False}})).json()
+            fetched, before, _ = moved(decode)
+            out = (await http.post("/v1/completions", json={**body, "max_tokens": GREEDY.max_tokens,
+                                                             "kv_transfer_params": held["kv_transfer_params"]})).json()
+            refused = await http.post("/v1/completions", json={**body, "kv_transfer_params": {"remote_port": "x"}})
+            return held, out, {"fetched": fetched, "before": before, "refused": refused}
+
+    held, out, seen = asyncio.run(proxy())
+    handoff = held["kv_transfer_params"]
+    assert handoff["do_remote_prefill"] and handoff["remote_request_id"] and len(handoff["remote_block_ids"]) == 5
+    count, after, _ = moved(decode)
+    assert count == seen["fetched"] + 1 and after - seen["before"] == (80 - 1) // BLOCK * block_bytes(decode)
+    assert out["kv_transfer_params"] is None
+    assert out["choices"][0]["text"] == tokenizer.decode(combined(client, [prompt], "proxy")[0])
+    assert seen["refused"].status_code == 400 and "kv_transfer_params" in seen["refused"].text
 
 
 def test_a_hold_nobody_fetches_and_a_fetch_nobody_answers_free_their_blocks(pair, client, tokenizer) -> None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from services.engine_client import EngineUnavailable, RequestLost
+from services.engine_client import EngineUnavailable, RequestFailed
 from services.kv_transfer_messages import KvTransferParams
 from services.messages import FirstTokenTimes, TokenDelta
 from services.parallel_sampling import num_children
@@ -89,7 +89,7 @@ class Disaggregation:
                 async for delta in deltas:
                     times = delta.first_token_times or times
                     handoff = delta.kv_transfer_params or handoff
-        except (EngineUnavailable, RequestLost) as exc:
+        except (EngineUnavailable, RequestFailed) as exc:  # full, gone, or its step failed: none is the request's fault
             logger.warning("request %s: the prefill replica failed (%s); the decode replica computes the prompt",
                            request_id, exc)
             return None, None

@@ -16,9 +16,23 @@ from gateway.context import GatewayContext
 from gateway.drain import DrainMiddleware
 from gateway.errors import install_error_handlers
 from gateway.limits import BodySizeMiddleware, RequestLimits
+from gateway.lora_adapters import LoraAdapters
 from gateway.metrics import GatewayMetrics
 from gateway.response_options import ResponseOptions
-from gateway.routes import chat, completions, models, sagemaker, system, tokenize, tokenizer_info
+from gateway.routes import (
+    chat,
+    classify,
+    completions,
+    embeddings,
+    lora,
+    models,
+    sagemaker,
+    scoring,
+    system,
+    tokenize,
+    tokenizer_info,
+)
+from gateway.routes.lora import runtime_lora_updating
 from gateway.server_load import ServerLoad, ServerLoadMiddleware
 from gateway.server_options import ServerOptions
 from gateway.tool_calls import ChatOptions
@@ -52,11 +66,14 @@ def build_app(
         model=model or names[0],
         chat_options=chat_options,
         options=options,
+        loras=LoraAdapters(engine_client),
     )
-    for module in (models, completions, chat, tokenize, system, sagemaker):
+    for module in (models, completions, chat, embeddings, classify, scoring, tokenize, system, sagemaker):
         app.include_router(module.router)
     if server.tokenizer_info:
         app.include_router(tokenizer_info.router)
+    if runtime_lora_updating():
+        app.include_router(lora.router)
     install_error_handlers(app)
     app.state.server_load = ServerLoad()
     if server.load_tracking:  # innermost: requests the key refused are not counted

@@ -25,10 +25,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.types import ASGIApp, Message
 
 # What the runner answers, by URL; the rest are refused by name.
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-UNSUPPORTED_ENDPOINTS = {
-    "/v1/embeddings": "kvfleet runs generative models only: it has no pooling runner, so no embeddings yet",
-}
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank")
 _STREAM = TypeAdapter(bool)  # read as the request models read `stream` (so "True" is true)
 
 
@@ -83,8 +80,6 @@ async def answer_line(app: ASGIApp, number: int, text: str, headers: Mapping[str
         return _malformed(number, raw, f"{where}: {first['msg']}" if where else first["msg"])
     if request.method.upper() != "POST":
         return _refused(request, f"method {request.method}: only POST is supported")
-    if request.url in UNSUPPORTED_ENDPOINTS:
-        return _refused(request, f"URL {request.url}: {UNSUPPORTED_ENDPOINTS[request.url]}")
     if request.url not in ENDPOINTS:
         return _refused(request, f"URL {request.url} was used. Supported endpoints: {', '.join(ENDPOINTS)}")
     try:

@@ -21,6 +21,7 @@ from gateway.choices import ChoiceDelta
 from gateway.metrics import GatewayMetrics
 from services.beam_search import BeamSearchParams, beam_search
 from services.engine_client import EngineClient
+from services.lora_request import LoRARequest
 from services.messages import TokenDelta
 from services.sampling_params import SamplingParams
 from tokenizer_svc.text_output import TextStream
@@ -31,11 +32,13 @@ class _Rounds:
     """beam_search's `next_tokens`, called on its thread, run as engine requests on `loop`."""
 
     def __init__(
-        self, engine: EngineClient, request_id: str, cache_salt: str | None, loop: asyncio.AbstractEventLoop
+        self, engine: EngineClient, request_id: str, cache_salt: str | None, loop: asyncio.AbstractEventLoop,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self._engine = engine
         self._request_id = request_id
         self._cache_salt = cache_salt
+        self._lora_request = lora_request
         self._loop = loop
         self._numbers = itertools.count()
         self._cancelled = threading.Event()
@@ -58,7 +61,8 @@ class _Rounds:
 
     async def _round(self, round_id: str, prompts: list[list[int]], params: SamplingParams) -> list[dict[int, float]]:
         async def top(index: int, prompt: list[int]) -> dict[int, float]:
-            request = self._engine.generate(f"{round_id}-{index}", prompt, params, self._cache_salt)
+            request = self._engine.generate(f"{round_id}-{index}", prompt, params, self._cache_salt,
+                                            lora_request=self._lora_request)
             async with aclosing(request) as deltas:
                 entries = [entry async for delta in deltas for entry in delta.logprobs or []]
             return entries[0]
@@ -82,10 +86,11 @@ async def beam_choices(
     eos_token_ids: tuple[int, ...],
     max_model_len: int,
     cache_salt: str | None,
+    lora_request: LoRARequest | None = None,
 ) -> AsyncGenerator[ChoiceDelta, None]:
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(prompt_token_ids)
     search = BeamSearchParams(params.best_of or params.n, max_tokens, params.ignore_eos, length_penalty)
-    rounds = _Rounds(engine, request_id, cache_salt, asyncio.get_running_loop())
+    rounds = _Rounds(engine, request_id, cache_salt, asyncio.get_running_loop(), lora_request)
     meter = metrics.request(len(prompt_token_ids), max_tokens)
     try:
         output = await asyncio.to_thread(beam_search, prompt_token_ids, search, eos_token_ids, rounds.next_tokens)

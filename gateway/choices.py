@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from gateway.metrics import GatewayMetrics
 from services.engine_client import EngineClient
 from services.kv_transfer_messages import KvTransferParams
+from services.lora_request import LoRARequest
 from services.messages import TokenDelta
 from services.parallel_sampling import child_params, engine_request_ids, num_children
 from services.sampling_params import SamplingParams
@@ -76,6 +77,7 @@ async def generate_choices(
     params: SamplingParams,
     cache_salt: str | None,
     kv_transfer_params: KvTransferParams | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> AsyncGenerator[ChoiceDelta, None]:
     count = num_children(params)
     engine_ids = engine_request_ids(request_id, count)
@@ -84,7 +86,7 @@ async def generate_choices(
     rejected = False
     try:
         async with aclosing(engine.generate(request_id, prompt_token_ids, params, cache_salt,
-                                            kv_transfer_params)) as deltas:
+                                            kv_transfer_params, lora_request)) as deltas:
             if ranked:
                 choices = _ranked(engine, tokenizer, meters, deltas, request_id, prompt_token_ids, params)
             else:

@@ -15,13 +15,16 @@ from gateway.choices import ChoiceDelta, generate_choices
 from gateway.drain import Drain
 from gateway.errors import OpenAIError, bad_request
 from gateway.limits import RequestLimits
+from gateway.lora_adapters import LoraAdapters
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import SamplingFields
 from gateway.response_options import ResponseOptions
 from gateway.tool_calls import ChatOptions
 from services.engine_client import EngineClient
 from services.kv_transfer_messages import KvTransferParams
+from services.lora_request import LoRARequest
 from services.messages import EngineInfo
+from services.pooling_params import PoolerConfig
 from services.sampling_params import SamplingParams
 from services.tokenizer_api import PromptEncoder
 from tokenizer_svc.tokenizer import Tokenizer
@@ -38,6 +41,7 @@ class GatewayContext:
     chat_options: ChatOptions = field(default_factory=ChatOptions)
     options: ResponseOptions = field(default_factory=ResponseOptions)
     drain: Drain = field(default_factory=Drain)  # set on SIGTERM by gateway.drain.serve
+    loras: LoraAdapters | None = None  # the LoRA adapters served (docs/lora.md); set by build_app
 
     @property
     def served_model_name(self) -> str:
@@ -65,6 +69,11 @@ class GatewayContext:
         """What ends a beam in beam search."""
         return self._engine_info().eos_token_ids
 
+    @property
+    def pooler(self) -> PoolerConfig | None:
+        """How the engine pools; None when it serves no pooling (docs/pooling.md)."""
+        return self._engine_info().pooler
+
     def _engine_info(self) -> EngineInfo:
         info = self.engine.engine_info()
         if info is None:
@@ -73,8 +82,16 @@ class GatewayContext:
 
     def check_model(self, model: str | None) -> None:
         # Like vLLM, a request that names no model (absent, null or "") gets the served one.
-        if model and model not in self.served_model_names:
+        if model and model not in self.served_model_names and self.lora(model) is None:
             raise OpenAIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def lora(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names; None for the base model."""
+        return self.loras.get(model) if self.loras is not None else None
+
+    def response_model(self, model: str | None) -> str:
+        """The name a response carries: the adapter's when the request named one, as vLLM."""
+        return model if self.lora(model) is not None else self.served_model_name
 
     def is_ready(self) -> bool:
         return self.engine.is_ready() and self.encoder.is_ready() and self.engine.engine_info() is not None
@@ -92,11 +109,11 @@ class GatewayContext:
         if body.use_beam_search:
             return beam_choices(
                 self.engine, self.tokenizer, self.metrics, request_id, prompt_token_ids, params, body.length_penalty,
-                self.eos_token_ids, self.max_model_len, body.cache_salt,
+                self.eos_token_ids, self.max_model_len, body.cache_salt, self.lora(body.model),
             )
         return generate_choices(
             self.engine, self.tokenizer, self.metrics, request_id, prompt_token_ids, params, body.cache_salt,
-            _kv_transfer_params(body),
+            _kv_transfer_params(body), self.lora(body.model),
         )
 
 

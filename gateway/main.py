@@ -18,7 +18,13 @@ from gateway.cluster.disaggregation import DEFAULT_PD_MIN_PREFILL_TOKENS
 from gateway.cluster.gateway_id import checked_gateway_name
 from gateway.cluster.migration import DEFAULT_MIGRATION_LIMIT
 from gateway.cluster.routing import ROUTING_POLICIES
-from services.cli_args import add_http_args, add_nats_arg, add_registry_args, add_tls_args, at_least
+from services.cli_args import (
+    add_http_args,
+    add_nats_arg,
+    add_registry_args,
+    add_tls_args,
+    at_least,
+)
 from services.registry import Lease, Member, Registry
 from services.role_process import advertised
 from services.telemetry import configure_logging
@@ -88,6 +94,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     app = build_app(client, encoder, args.served_model_name or [args.model], args.api_key,
                     RequestLimits.from_args(args), ChatOptions.from_args(args), ResponseOptions.from_args(args),
                     args.model, ServerOptions.from_args(args))
+    for module in args.lora_modules or []:  # checked by `cluster up`; each replica reads them on first use
+        app.state.gateway.loras.register(module.name, module.path, module.base_model_name)
     member = Member("gateway", client.gateway_id, advertised(args), {"model": args.model})
     client.start()
     encoder.start()

@@ -10,14 +10,18 @@ from importlib.metadata import version
 from typing import Any
 
 from services.beam_search import BeamSearchParams
+from services.lora_request import LoRARequest
 from services.outputs import CompletionOutput, RequestOutput
+from services.pooling_outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, ScoringOutput
+from services.pooling_params import PoolingParams
 from services.sampling_params import SamplingParams
 from services.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 __version__ = version("kvfleet")  # what GET /version answers, as vllm.__version__ is vLLM's
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
-           "StructuredOutputsParams", "GuidedDecodingParams"]
+           "StructuredOutputsParams", "GuidedDecodingParams", "PoolingParams", "PoolingRequestOutput",
+           "EmbeddingOutput", "ClassificationOutput", "ScoringOutput", "LoRARequest"]
 
 
 def __getattr__(name: str) -> Any:

@@ -17,6 +17,7 @@ from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.engine_thread import EngineThread
 from services.engine_client import EngineUnavailable, RequestFailed, RequestLost
 from services.kv_transfer_messages import KvTransferParams
+from services.lora_request import LoRARequest
 from services.messages import EngineInfo, TokenDelta
 from services.parallel_sampling import num_children
 from services.request_routes import Route
@@ -32,12 +33,13 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
+    lora_request: LoRARequest | None = None
 
 
 class AsyncEngine(EngineThread[_Add, RequestStream]):
     def __init__(self, core: EngineCore) -> None:
         super().__init__(core, "kvfleet-engine")
-        self._info = EngineInfo(core.max_model_len, core.eos_token_ids)
+        self._info = EngineInfo(core.max_model_len, core.eos_token_ids, core.description.pooler)
         # Owned by the engine thread: what to deliver at the end of this iteration.
         self._outbox: defaultdict[RequestStream, list[Item]] = defaultdict(list)
 
@@ -60,14 +62,14 @@ class AsyncEngine(EngineThread[_Add, RequestStream]):
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
-        kv_transfer_params: KvTransferParams | None = None,
+        kv_transfer_params: KvTransferParams | None = None, lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """`kv_transfer_params` change nothing here: the embedded engine has no worker another
         replica could fetch from, nor one to fetch with (serve refuses --kv-transfer-config)."""
         stream = RequestStream(request_id, num_children(params))
         if params.structured_outputs is not None:  # off the loop: a new grammar takes milliseconds to compile
             await asyncio.to_thread(self.core.compile_grammar, params)
-        self._send(_Add(stream, list(prompt_token_ids), params, cache_salt), "the engine is not running")
+        self._send(_Add(stream, list(prompt_token_ids), params, cache_salt, lora_request), "the engine is not running")
         try:
             async for delta in stream.deltas():
                 yield delta
@@ -79,12 +81,23 @@ class AsyncEngine(EngineThread[_Add, RequestStream]):
         """Aborts a request (every child of it), or one child by its child id."""
         self._send_abort(request_id)
 
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        # Off the loop and off the engine thread: reading an adapter takes milliseconds to seconds.
+        await asyncio.to_thread(self.core.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await asyncio.to_thread(self.core.remove_lora, lora_int_id)
+
+    def lora_requests(self) -> dict[str, LoRARequest]:
+        return {}  # one front end: its own adapters are all there are
+
     # -- the engine thread -----------------------------------------------------------
 
     def _handle(self, command: _Add) -> None:
         stream = command.stream
         try:
-            self.core.add_request(stream.request_id, command.prompt_token_ids, command.params, command.cache_salt)
+            self.core.add_request(stream.request_id, command.prompt_token_ids, command.params, command.cache_salt,
+                                  lora_request=command.lora_request)
         except Exception as exc:  # rejected input: the caller gets the error, the loop goes on
             self._outbox[stream].append(exc)
             return

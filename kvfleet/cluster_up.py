@@ -83,12 +83,13 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     from services.nats_link import NATS_PASSWORD_ENV, NATS_USER_ENV
     from services.registry import REDIS_PASSWORD_ENV
     from services.transport.cluster_token import TOKEN_ENV, cluster_token
-    from worker_svc.runtime.preflight import check_device, check_model
+    from worker_svc.runtime.preflight import check_device, check_lora_modules, check_model
 
     configure_logging()
     # What can be checked here is, before anything starts; torch's build is the worker's to check.
     config = EngineConfig(**engine_args(args))
-    check_model(config)
+    checked = check_model(config)
+    check_lora_modules(args.lora_modules or [], config, checked.config)
     check_device(config)
     listener = listen(args)
     listener.listen()  # from now on connections wait in its backlog until a gateway takes them

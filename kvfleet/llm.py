@@ -12,9 +12,12 @@ from typing import Any
 import msgspec
 from tqdm.auto import tqdm
 
+from kvfleet.llm_pooling import PoolingMethods
+from kvfleet.prompts import Prompt, as_prompt_list
 from scheduler_svc.engine_core import EngineCore
 from services.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from services.config import EngineConfig
+from services.lora_request import LoRARequest
 from services.outputs import RequestOutput
 from services.prompt import fit_prompt
 from services.sampling_params import SamplingParams
@@ -29,13 +32,10 @@ logger = logging.getLogger(__name__)
 # Every package whose lines the SDK shows: load progress, the start-up summary, notes.
 _LOGGING_PACKAGES = ("kvfleet", "services", "worker_svc", "scheduler_svc", "tokenizer_svc")
 
-# A prompt is text, token ids, or vLLM's dict form {"prompt": ...} / {"prompt_token_ids": ...},
-# where the dict may carry a "cache_salt" that keeps its prefix cache apart from other tenants'.
-Prompt = str | Sequence[int] | dict[str, Any]
 _CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
 
 
-class LLM:
+class LLM(PoolingMethods):
     """Takes EngineConfig's fields, vLLM's names (`dtype`, `max_model_len`, `tensor_parallel_size`, ...)."""
 
     def __init__(self, model: str = "smollm2", **engine_args: Any) -> None:
@@ -65,13 +65,18 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        prompt_list = _as_prompt_list(prompts)
+        """`lora_request`: the adapter every prompt runs with, or one per prompt (None: the base model)."""
+        prompt_list = as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompt_list))
+        lora_list = _as_lora_list(lora_request, len(prompt_list))
+        for lora in dict.fromkeys(lora for lora in lora_list if lora is not None):
+            self.engine.add_lora(lora)  # read and checked before any request is queued
         processor = OutputProcessor(self.tokenizer)
         order = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for prompt, params, lora in zip(prompt_list, params_list, lora_list):
                 if params.bad_words:
                     banned = self.tokenizer.bad_words_token_ids(params.bad_words)
                     params = msgspec.structs.replace(params, bad_words_token_ids=banned)
@@ -80,7 +85,7 @@ class LLM:
                 request_id = str(next(self._request_ids))
                 cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
                 self.engine.compile_grammar(params)
-                self.engine.add_request(request_id, token_ids, params, cache_salt=cache_salt)
+                self.engine.add_request(request_id, token_ids, params, cache_salt=cache_salt, lora_request=lora)
                 processor.add_request(request_id, text, token_ids, params)
                 order.append(request_id)
         except Exception:
@@ -96,6 +101,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
@@ -106,7 +112,7 @@ class LLM:
             }
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         def next_tokens(token_lists: list[list[int]], round_params: SamplingParams) -> list[dict[int, float]]:
@@ -114,7 +120,7 @@ class LLM:
             return [output.outputs[0].logprobs[0] for output in outputs]
 
         eos = self.engine.eos_token_ids
-        outputs = [beam_search(self._tokenize(p)[1], params, eos, next_tokens) for p in _as_prompt_list(prompts)]
+        outputs = [beam_search(self._tokenize(p)[1], params, eos, next_tokens) for p in as_prompt_list(prompts)]
         for output in outputs:
             for sequence in output.sequences:
                 # As vLLM's LLM.beam_search: the text of the whole sequence, prompt included.
@@ -140,20 +146,22 @@ class LLM:
         return [done[request_id] for request_id in order]
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    return list(prompts)
-
-
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * count
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
     return list(params)
+
+
+def _as_lora_list(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    if len(lora) != count:
+        raise ValueError(f"got {len(lora)} LoRA requests for {count} prompts")
+    return list(lora)
 
 
 def show_log_lines() -> None:

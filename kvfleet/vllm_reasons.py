@@ -36,7 +36,8 @@ _METRICS = "kvfleet's /metrics carries vLLM's V1 metrics as they are; it has no 
 GROUP_REASONS: dict[str, str] = {
     "LoadConfig": _LOADER,
     "MultiModalConfig": _TEXT_ONLY,
-    "LoRAConfig": "LoRA adapters are not supported yet; merge the adapter into the weights and serve those",
+    "LoRAConfig": "kvfleet's LoRA (docs/lora.md) takes --enable-lora, --max-loras, --max-lora-rank and "
+                  "--max-cpu-loras, adapters of the decoder's projections computed in the model's dtype; drop the flag",
     "OffloadConfig": "weights offloaded to host memory are not supported; use a device that holds the model",
     "ObservabilityConfig": f"{_METRICS}; drop the flag",
     "ParallelConfig": _ONE_MACHINE,
@@ -83,8 +84,6 @@ FLAG_REASONS: dict[str, str] = {
     "--h11-max-incomplete-event-size": "kvfleet keeps uvicorn's h11 limits; --max-request-body-bytes bounds bodies",
     "--h11-max-header-count": "kvfleet keeps uvicorn's h11 limits; --max-request-body-bytes bounds bodies",
     # ModelConfig
-    "--runner": "kvfleet has one runner, generation: no pooling or embedding models; drop the flag",
-    "--convert": "kvfleet has one runner, generation: no pooling or embedding models; drop the flag",
     "--tokenizer-mode": "kvfleet uses the model's fast tokenizer (tokenizer.json) or a GGUF file's own; drop the flag",
     "--hf-config-path": "kvfleet reads the model's configuration from --model's files; drop the flag",
     "--allowed-local-media-path": _TEXT_ONLY,
@@ -102,7 +101,6 @@ FLAG_REASONS: dict[str, str] = {
     "--config-format": "kvfleet reads config.json or a GGUF file's metadata, as the files say; drop the flag",
     "--hf-token": "kvfleet downloads nothing: models come from local paths or the local HF cache; drop the flag",
     "--hf-overrides": "kvfleet applies no overrides to the model's configuration; edit config.json in a local copy",
-    "--pooler-config": "kvfleet has one runner, generation: no pooling or embedding models; drop the flag",
     "--override-generation-config": "write the settings in a generation_config.json and pass its directory with "
                                     "--generation-config",
     "--enable-sleep-mode": "kvfleet has no sleep mode; stop the server, or drain a replica, to free its device",

@@ -25,11 +25,13 @@ class NoFreeBlocks(RuntimeError):
 @dataclass(frozen=True)
 class StoredBlock:
     """What a stored hash stands for (services/block_hash.py): the hash of the block
-    before it (None for a request's first block), its tokens and the request's salt."""
+    before it (None for a request's first block), its tokens, the request's salt and adapter."""
 
     parent: bytes | None
     token_ids: list[int]
     cache_salt: str | None = None
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)

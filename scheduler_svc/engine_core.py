@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -23,9 +23,11 @@ from services.engine_client import EngineUnavailable
 from services.invalid_parameter import InvalidParameter
 from services.kv_block_files import file_tiers
 from services.kv_transfer_messages import KvTransferParams
+from services.lora_request import LoRARequest
 from services.messages import (
     CacheConfigInfo,
     EngineStats,
+    LoraStats,
     StepPlan,
     StepResult,
     TokenDelta,
@@ -63,6 +65,11 @@ class WorkerHandle(Protocol):
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compiles a constraint into the worker's grammar cache; InvalidParameter when invalid."""
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Reads and checks an adapter into the worker's host cache; ValueError naming what is wrong."""
+
+    def remove_lora(self, lora_int_id: int) -> bool: ...
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, worker: WorkerHandle, worker_address: str | None = None) -> None:
@@ -90,12 +97,15 @@ class EngineCore:
                 block_size=described.block_size,
                 num_blocks=described.num_kv_blocks,
                 vocab_size=described.vocab_size,
-                enable_prefix_caching=config.enable_prefix_caching,
-                enable_chunked_prefill=config.enable_chunked_prefill,
+                enable_prefix_caching=config.enable_prefix_caching and not described.bidirectional,
+                enable_chunked_prefill=config.enable_chunked_prefill and not described.bidirectional,
                 preemption_mode=config.preemption_mode,
                 num_host_blocks=described.num_host_blocks,
                 async_scheduling=self.runs_ahead,
                 speculative=config.speculative,
+                pooler=described.pooler,
+                generates=described.generates,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             KvConnector(described.num_offload_blocks, file_tiers(config, described.kv_layout_key))
             if config.has_kv_connector else None,
@@ -129,6 +139,7 @@ class EngineCore:
         cache_salt: str | None = None,
         output_token_ids: Sequence[int] = (),
         kv_transfer_params: KvTransferParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; with n > 1 (or best_of) as child requests named by
         `child_request_id`, which share the prompt's KV. `output_token_ids` resumes a
@@ -141,14 +152,18 @@ class EngineCore:
         if kv_transfer_params is not None and (count > 1 or output_token_ids):
             raise InvalidParameter("kv_transfer_params", "a request with n or best_of > 1, or resumed, cannot hand "
                                    "its KV over")
+        if lora_request is not None and not self.config.enable_lora:
+            raise InvalidParameter("model", f"adapter {lora_request.lora_name!r}: LoRA is not enabled "
+                                   "(start with --enable-lora)")
         if count == 1:
-            request = self._request(request_id, prompt_token_ids, params, cache_salt)
+            request = self._request(request_id, prompt_token_ids, params, cache_salt, lora_request)
             request.output_token_ids = list(output_token_ids)
             request.kv_transfer_params = kv_transfer_params
             self.scheduler.add_request(request)
             return
         leader, *followers = (
-            self._request(child_request_id(request_id, i), prompt_token_ids, child_params(params, i), cache_salt)
+            self._request(child_request_id(request_id, i), prompt_token_ids, child_params(params, i), cache_salt,
+                          lora_request)
             for i in range(count)
         )
         self.scheduler.add_request(leader, followers)
@@ -161,10 +176,20 @@ class EngineCore:
         if params.structured_outputs is not None:
             self.worker.compile_grammar(params.structured_outputs)
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Has the worker read and check the adapter, as compile_grammar: on the caller's
+        thread, before the requests that name it. Raises ValueError naming what is wrong."""
+        self.worker.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.worker.remove_lora(lora_int_id)
+
     def _request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str | None
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, cache_salt: str | None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
-        return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, cache_salt=cache_salt)
+        return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, cache_salt=cache_salt,
+                       lora_request=lora_request)
 
     def abort_request(self, request_id: str) -> TokenDelta | None:
         return self.scheduler.abort_request(request_id)
@@ -277,8 +302,15 @@ class EngineCore:
             spec_decoding=scheduler.spec_decoding.stats() if self.config.speculative is not None else None,
             prompt_tokens_by_source=dict(scheduler.prompt_tokens_by_source),
             kv_transfer=scheduler.handoff.stats() if scheduler.handoff is not None else None,
+            lora=self._lora_stats() if self.config.enable_lora else None,
             **self._tier_stats(),
         )
+
+    def _lora_stats(self) -> LoraStats:
+        def names(requests: Iterable[Request]) -> list[str]:
+            return list(dict.fromkeys(r.lora_request.lora_name for r in requests if r.lora_request is not None))
+
+        return LoraStats(self.config.max_loras, names(self.scheduler.running), names(self.scheduler.waiting))
 
     def _tier_stats(self) -> dict:
         connector = self.scheduler.connector

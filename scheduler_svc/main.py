@@ -8,6 +8,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from scheduler_svc.worker_client import DEADLINE_TOKENS, DEFAULT_STEP_TIMEOUT_S
 from services.cli_args import (
     add_engine_args,
@@ -160,7 +162,9 @@ def lease_metadata(worker_address: str, model: str, core: EngineCore, max_queued
             "block_size": str(core.scheduler.config.block_size),
             # Its side of prefill/decode disaggregation: gateways keep a prefill and a decode pool.
             "kv_role": core.config.kv_transfer.kv_role if core.config.kv_transfer is not None else "",
-            "max_queued_requests": "" if max_queued_requests is None else str(max_queued_requests)}
+            "max_queued_requests": "" if max_queued_requests is None else str(max_queued_requests),
+            # How it pools (docs/pooling.md), as JSON; "" when it does not.
+            "pooler": "" if core.description.pooler is None else msgspec.json.encode(core.description.pooler).decode()}
 
 
 def _scheduler_lease(args: argparse.Namespace, port: int, loop: StepLoop, hub: NatsOutputHub) -> Lease:

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.kv_transfer_messages import KvTransferParams
+from services.lora_request import LoRARequest
 from services.sampling_params import SamplingParams
 
 
@@ -44,6 +45,7 @@ class Request:
     num_in_flight_tokens: int = 0
     num_ahead_samples: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # its adapter; None: the base model
     # Prefix caching: hashes of the full blocks of all_token_ids, and how many of
     # this request's blocks are indexed in the pool already.
     block_hashes: list[bytes] = field(default_factory=list)
@@ -63,6 +65,10 @@ class Request:
     kv_transfer_params_out: KvTransferParams | None = None
     num_external_tokens: int = 0  # prompt tokens whose KV was loaded (offload tiers, a producer)
     kv_transfer_s: float = 0.0  # seconds its KV load from a producer took
+
+    @property
+    def lora_int_id(self) -> int | None:
+        return self.lora_request.lora_int_id if self.lora_request is not None else None
 
     @property
     def num_tokens(self) -> int:

@@ -32,6 +32,7 @@ from services.messages import (
     TokenDelta,
 )
 from services.metric_buckets import ITERATION_TOKENS
+from services.pooling_params import PoolerConfig
 from services.speculative_config import SpeculativeConfig
 
 
@@ -52,6 +53,11 @@ class SchedulerConfig:
     async_scheduling: bool = False
     # Speculative decoding (docs/speculative.md): n-gram drafts appended to decoding requests' steps.
     speculative: SpeculativeConfig | None = None
+    # Set when the worker pools (docs/pooling.md): pooling requests share its steps with the others.
+    pooler: PoolerConfig | None = None
+    generates: bool = True  # False: it pools only (--runner pooling)
+    # Adapters one step may run (--max-loras): a waiting request of another adapter waits.
+    max_loras: int = 0
 
 
 class Scheduler:
@@ -94,6 +100,8 @@ class Scheduler:
         its prompt is computed, so the prompt's KV is computed and held once."""
         for candidate in (request, *followers):
             self._validate(candidate)
+        if followers and request.sampling_params.pooling is not None:  # a follower would pool its last token only
+            raise InvalidParameter("n", "a pooling request has one result")
         self.requests[request.request_id] = request
         self.waiting.append(request)
         for follower in followers:
@@ -113,6 +121,12 @@ class Scheduler:
                 "prompt",
                 f"the prompt is {prompt_len} tokens long, more than the maximum model length of {limit}",
             )
+        if request.sampling_params.pooling is not None and self.config.pooler is None:
+            raise InvalidParameter("pooling", "this model does not pool: serve it with --runner pooling "
+                                   "(or --convert embed, or a --pooler-config)")
+        if request.sampling_params.pooling is None and not self.config.generates:
+            raise InvalidParameter("prompt", "this model is served for pooling (--runner pooling): it generates no "
+                                   "text; ask /v1/embeddings")
         resumed = len(request.output_token_ids)
         max_tokens = request.sampling_params.max_tokens
         if resumed and (prompt_len + resumed >= limit or (max_tokens is not None and resumed >= max_tokens)):
@@ -190,7 +204,8 @@ class Scheduler:
         ahead, a decode of the token its step in flight samples, when it will not certainly
         have finished by then and its sampling does not read its last token."""
         params = request.sampling_params
-        return (self.config.async_scheduling and request.num_ahead_samples == 1
+        # A pooling request's step that reaches its prompt's end is its last: nothing follows it.
+        return (self.config.async_scheduling and request.num_ahead_samples == 1 and params.pooling is None
                 and request.num_in_flight_tokens + request.num_computed_tokens == request.num_tokens
                 and (params.max_tokens is None or len(request.output_token_ids) + 1 < params.max_tokens)
                 and request.num_tokens + 1 < self.config.max_model_len and not params.reads_output_tokens)
@@ -251,7 +266,8 @@ class Scheduler:
         A request whose next token depends on more than its logits (processors, a grammar,
         a seed's per-position noise) decodes one token at a time, as without speculation."""
         spec = self.config.speculative
-        if spec is None or num_tokens != 1 or computed + 1 != request.num_tokens or request.in_flight:
+        if (spec is None or num_tokens != 1 or computed + 1 != request.num_tokens or request.in_flight
+                or request.sampling_params.pooling is not None):
             return []
         params = request.sampling_params
         if (params.reads_output_tokens or params.logit_bias or params.allowed_token_ids
@@ -264,9 +280,22 @@ class Scheduler:
         return propose_ngram(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, max_requests: int | None) -> None:
+        skipped: list[Request] = []  # of adapters that have no slot this step: back in front, in order
+        try:
+            self._admit_waiting(plan, budget, max_requests, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _admit_waiting(self, plan: StepPlan, budget: int, max_requests: int | None, skipped: list[Request]) -> None:
+        loras = {r.lora_int_id for r in self.running} - {None}
         while (self.waiting and self._num_seqs < self.config.max_num_seqs and budget > 0
                and len(plan.num_scheduled_tokens) != max_requests):
             request = self.waiting[0]
+            if request.lora_int_id is not None and request.lora_int_id not in loras:
+                if len(loras) >= self.config.max_loras:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                loras.add(request.lora_int_id)
             if request.status is RequestStatus.SWAPPED:
                 admitted = self._swap_in(request, plan, budget)
             else:
@@ -330,7 +359,7 @@ class Scheduler:
                 plan.kv_loads.append(load)
                 return True
         max_hit_blocks = (request.num_tokens - 1) // self.config.block_size
-        if request.sampling_params.prompt_logprobs is not None or len(hits) >= max_hit_blocks:
+        if self._needs_every_position(request) or len(hits) >= max_hit_blocks:
             return False
         sources = self.connector.find(request.block_hashes, len(hits), max_hit_blocks)
         if not sources or len(sources) > self.block_pool.num_free_blocks - self.block_pool.num_unheld(hits):
@@ -377,15 +406,21 @@ class Scheduler:
 
     def _cached_prefix(self, request: Request) -> list[int]:
         # Prompt logprobs need every prompt position computed, cached or not.
-        if not self.config.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.config.enable_prefix_caching or self._needs_every_position(request):
             return []
         self._hash_full_blocks(request)
         # At least one token must be computed to get logits for the next one.
         max_hit_blocks = (request.num_tokens - 1) // self.config.block_size
         return self.block_pool.lookup(request.block_hashes[:max_hit_blocks])
 
+    def _needs_every_position(self, request: Request) -> bool:
+        """Prompt logprobs, and pooling other than LAST (MEAN, CLS), read every prompt
+        position's output: a cached prefix has none to give."""
+        return request.sampling_params.prompt_logprobs is not None or (
+            request.sampling_params.pooling is not None and self.config.pooler.pooling_type != "LAST")
+
     def _hash_full_blocks(self, request: Request) -> None:
-        extra = extra_keys_bytes(cache_salt=request.cache_salt)
+        extra = extra_keys_bytes(cache_salt=request.cache_salt, lora_id=request.lora_int_id)
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.config.block_size, extra)
 
     def _swap_in(self, request: Request, plan: StepPlan, budget: int) -> tuple[int, list[int]] | None:
@@ -440,6 +475,7 @@ class Scheduler:
                 block_ids=list(request.block_ids),
                 num_computed_tokens=request.num_computed_tokens,
                 sampling_params=request.sampling_params,
+                lora_request=request.lora_request,
             )
         )
 
@@ -447,7 +483,9 @@ class Scheduler:
         """Free the request's device blocks and requeue it at the front: its KV goes to
         the host pool in swap mode (when it fits), otherwise it is recomputed later."""
         num_blocks = len(request.block_ids)
-        if self.host_pool is not None and num_blocks <= self.host_pool.num_free_blocks:
+        # A pooling request's partial vector lives in the worker's state, which a swap drops: recomputed.
+        if (self.host_pool is not None and num_blocks <= self.host_pool.num_free_blocks
+                and request.sampling_params.pooling is None):
             request.host_block_ids = self.host_pool.allocate(num_blocks)
             plan.blocks_to_swap_out.extend(zip(request.block_ids, request.host_block_ids))
             request.status = RequestStatus.SWAPPED
@@ -532,6 +570,9 @@ class Scheduler:
                 self._cache_computed_blocks(request)
             if request_id in result.prompt_logprobs:
                 request.prompt_logprobs += result.prompt_logprobs[request_id]
+            if (pooled := result.pooled.get(request_id)) is not None:
+                deltas.append(self._pooled(request, pooled, now))
+                step_tokens += len(request.prompt_token_ids)
             if sampled:
                 request.num_ahead_samples -= 1
                 delta = self._accept(request, sampled, result.logprobs.get(request_id), now)
@@ -610,6 +651,16 @@ class Scheduler:
             kv_transfer_params=request.kv_transfer_params_out,
         )
 
+    def _pooled(self, request: Request, pooled: list[float], now: float) -> TokenDelta:
+        """A pooling request's prompt is computed: it ends with its vector, its blocks freed
+        (into the prefix cache, when it keeps them)."""
+        request.num_ahead_samples -= 1
+        self.running.remove(request)
+        self._finish(request, FinishReason.STOP)
+        times = FirstTokenTimes(request.scheduled_time - request.arrival_time, now - request.scheduled_time)
+        return TokenDelta(request.request_id, [], FinishReason.STOP.value, first_token_times=times,
+                          num_cached_tokens=request.num_cached_tokens or 0, pooled=pooled)
+
     def _cache_computed_blocks(self, request: Request) -> None:
         """Index the blocks whose tokens are now all computed, and save them to the offload tiers."""
         # Only blocks of its tokens: a speculative step's accepted drafts count as computed
@@ -627,7 +678,8 @@ class Scheduler:
         tokens = request.all_token_ids if self.block_pool.events is not None else None  # for KV events only
         for index in range(request.num_cached_blocks, end):
             stored = None if tokens is None else StoredBlock(
-                hashes[index - 1] if index else None, tokens[index * size:(index + 1) * size], request.cache_salt)
+                hashes[index - 1] if index else None, tokens[index * size:(index + 1) * size], request.cache_salt,
+                request.lora_int_id, request.lora_request.lora_name if request.lora_request is not None else None)
             self.block_pool.cache(request.block_ids[index], hashes[index], stored)
             if save and self.connector is not None:
                 self.connector.computed(request.block_ids[index], hashes[index])

@@ -10,11 +10,13 @@ import msgspec
 from scheduler_svc.output_hub import OutputHub
 from scheduler_svc.step_loop import StepLoop
 from services.engine_client import EngineOverloaded, EngineUnavailable
+from services.lora_request import LoRARequest
 from services.messages import Empty, EngineStats
 from services.scheduler_messages import (
     AbortRequest,
     KvSnapshotRequest,
     KvSnapshotResponse,
+    RemoveLoraRequest,
     ReplayOutputsRequest,
     StatsRequest,
     StepOutputs,
@@ -94,6 +96,17 @@ class SchedulerServicer:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         except Exception as exc:  # the worker is away: the request may well succeed later
             raise _Refused(grpc.StatusCode.UNAVAILABLE, f"the worker could not compile the constraint: {exc}") from exc
+
+    def AddLora(self, request: LoRARequest, context: grpc.ServicerContext) -> Empty:
+        try:
+            self._loop.core.add_lora(request)  # on this gRPC thread: reading an adapter must not stall steps
+        except ValueError as exc:  # LoraAdapterError: what is wrong with it
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return Empty()
+
+    def RemoveLora(self, request: RemoveLoraRequest, context: grpc.ServicerContext) -> Empty:
+        self._loop.core.remove_lora(request.lora_int_id)
+        return Empty()
 
     def Abort(self, request: AbortRequest, context: grpc.ServicerContext) -> Empty:
         self._loop.abort(request.request_id)

@@ -8,7 +8,9 @@ from typing import Any
 import grpc
 
 from scheduler_svc.engine_core import WorkerLost
+from services.lora_request import LoRARequest
 from services.messages import Empty, StepPlan, StepResult, WorkerDescription
+from services.scheduler_messages import RemoveLoraRequest
 from services.structured_outputs import StructuredOutputsParams
 from services.transport.channel import open_channel
 from services.transport.futures import invalid_argument
@@ -91,6 +93,19 @@ class RemoteWorker:
             if isinstance(cause, grpc.RpcError) and cause.code() is grpc.StatusCode.INVALID_ARGUMENT:
                 raise invalid_argument(cause.details()) from None
             raise
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        try:
+            self._call(self._stub.AddLora, lora_request)
+        except WorkerError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, grpc.RpcError) and cause.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(cause.details()) from None
+            raise
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self._call(self._stub.RemoveLora, RemoveLoraRequest(lora_int_id))
+        return True
 
     def close(self) -> None:
         self._channel.close()

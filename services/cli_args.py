@@ -5,12 +5,14 @@ role, so `kvfleet <command> --help` answers at once."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 
 from services.config import EngineConfig, flag
+from services.lora_modules import LoRAModulePath, parse_lora_module
 from services.registry import DEFAULT_TTL_S
 from services.sampling_params import MAX_LOGPROBS
 
@@ -32,8 +34,9 @@ _ENGINE_HELP = {
     "quantization": "gguf (the default for GGUF files): run their 4-bit (Q4_0/Q4_1) projections and 8-bit (Q8_0) "
                     "embedding as stored, on CPU, computing in float32 over exactly the file's weights (less memory, "
                     "faster decode); none: dequantize them to --dtype (exactly transformers' tokens)",
-    "kv_cache_dtype": "auto: the KV cache in the model's dtype; bfloat16 or float16: in 16 bits, which for a "
-                      "float32 model holds twice the tokens and halves what decode attention reads",
+    "kv_cache_dtype": "auto: float16 for GGUF weights run as stored (llama.cpp's default), the model's dtype "
+                      "otherwise; bfloat16 or float16: in 16 bits, which for a float32 model holds twice the tokens "
+                      "and halves what decode attention reads",
     "block_size": "tokens per KV block",
     "max_num_seqs": "most requests in one step",
     "max_num_batched_tokens": "most tokens in one step (the per-step token budget)",
@@ -73,6 +76,17 @@ _ENGINE_HELP = {
                           "kv_both; optional kv_ip (the host other workers dial for this worker's blocks) and "
                           "kv_connector_extra_config {\"abort_timeout_s\", \"fetch_timeout_s\"} "
                           "(docs/disaggregation.md)",
+    "runner": "auto: generate with a decoder model, pool with an encoder (BERT); pooling: serve embeddings "
+              "(/v1/embeddings, /pooling) rather than text; generate: serve text",
+    "convert": "embed: serve a decoder model as an embedder (its last token's normalized hidden state by default; "
+               "implies --runner pooling); auto/none: the model as it is",
+    "pooler_config": "how a pooling model pools, vLLM's JSON: {\"pooling_type\": \"LAST\"|\"MEAN\"|\"CLS\", "
+                     "\"normalize\": true, \"dimensions\": N} (default: the model's own, else LAST and normalize)",
+    "enable_lora": "serve LoRA adapters (PEFT's adapter_config.json + adapter_model.safetensors) beside the "
+                   "base model: a request names one in `model` (docs/lora.md)",
+    "max_loras": "adapters one step may run, each in a device slot",
+    "max_lora_rank": "the largest adapter rank accepted (device slots are sized for it)",
+    "max_cpu_loras": "adapters kept in host memory, least recently used evicted (default: --max-loras)",
 }
 # vLLM's short spellings.
 _ENGINE_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"],
@@ -81,11 +95,8 @@ _ENGINE_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["
 TOKENIZER_FIELDS = ("model", "revision", "tokenizer", "tokenizer_revision", "generation_config")
 
 # vLLM flags for what kvfleet does not do (yet): refused by name, saying what to do instead.
-_LORA = "LoRA adapters are not supported yet; merge the adapter into the weights and serve those"
 _TLS = "kvfleet serves plain HTTP; terminate TLS in front of it (a reverse proxy, an ingress)"
 VLLM_FLAGS_NOT_SUPPORTED = {
-    "--enable-lora": _LORA,
-    "--lora-modules": _LORA,
     "--cpu-offload-gb": "weights offloaded to host memory are not supported; use a device that holds the model",
     "--limit-mm-per-prompt": "kvfleet serves text-only models; drop the flag",
     "--enable-expert-parallel": "kvfleet implements no mixture-of-experts model; drop the flag",
@@ -188,8 +199,18 @@ def add_http_args(parser: argparse.ArgumentParser, port: int = 8000) -> None:
                         help="how the model writes tool calls, to turn its text into tool_calls")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                         help="split <think>...</think> reasoning into reasoning (and reasoning_content)")
+    parser.add_argument("--lora-modules", nargs="+", type=_lora_module, metavar="NAME=PATH",
+                        help="LoRA adapters to serve from the start (needs --enable-lora): name=path, or JSON "
+                        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request names one in `model`')
     add_server_args(parser)
     add_shutdown_arg(parser)
+
+
+def _lora_module(text: str) -> LoRAModulePath:
+    try:
+        return parse_lora_module(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -241,6 +262,9 @@ def gateway_argv(namespace: argparse.Namespace) -> list[str]:
             argv.append(f"{flag(name)}={getattr(namespace, name)}")
     if namespace.served_model_name:
         argv += ["--served-model-name", *namespace.served_model_name]
+    if namespace.lora_modules:
+        argv += ["--lora-modules", *(json.dumps({"name": m.name, "path": m.path, "base_model_name": m.base_model_name})
+                                     for m in namespace.lora_modules)]
     return argv + server_argv(namespace)
 
 

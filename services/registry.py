@@ -24,6 +24,7 @@ import redis
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "kvfleet:role"
+LORA_KEY = "kvfleet:lora_adapters"
 DEFAULT_TTL_S = 10.0
 REDIS_PASSWORD_ENV = "KVFLEET_REDIS_PASSWORD"
 # An ACL user's name (Redis 6+), logged in with the password above; without it, the
@@ -78,6 +79,18 @@ class Registry:
             record = json.loads(value)
             members.append(Member(role, key.rsplit(":", 1)[1], record["address"], record["metadata"]))
         return members
+
+    # The LoRA adapters a cluster's gateways serve (docs/lora.md): one hash, name -> the
+    # LoRARequest's JSON, so a load through one gateway is served by all. Unlike a lease it
+    # has no TTL: an adapter stays until unloaded (a restarted, empty Redis forgets them).
+    def put_lora(self, name: str, value: str) -> None:
+        self._redis.hset(LORA_KEY, name, value)
+
+    def remove_lora(self, name: str) -> None:
+        self._redis.hdel(LORA_KEY, name)
+
+    def loras(self) -> dict[str, str]:
+        return self._redis.hgetall(LORA_KEY)
 
     def ping(self) -> bool:
         return bool(self._redis.ping())

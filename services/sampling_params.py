@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from services.invalid_parameter import InvalidParameter
+from services.pooling_params import PoolingParams
 from services.structured_outputs import StructuredOutputsParams
 
 MAX_PARALLEL_SAMPLES = 128
@@ -61,6 +62,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, repr_omit_defaults=True
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's older name for structured_outputs: moved there on construction, so always None after.
     guided_decoding: StructuredOutputsParams | None = None
+    # Set for a pooling request (an embedding): prefill only, its result a vector, no token.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:

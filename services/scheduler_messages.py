@@ -10,6 +10,7 @@ import msgspec
 
 from services.invalid_parameter import InvalidParameter
 from services.kv_transfer_messages import KvTransferParams
+from services.lora_request import LoRARequest
 from services.messages import TokenDelta
 from services.sampling_params import SamplingParams
 
@@ -33,9 +34,14 @@ class SubmitRequest(msgspec.Struct, omit_defaults=True):
     # vLLM's kv_transfer_params: hold the prompt's KV for a consumer, or fetch it from a
     # producer (docs/disaggregation.md).
     kv_transfer_params: KvTransferParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (docs/lora.md)
 
     def __post_init__(self) -> None:
         _required(request_id=self.request_id, gateway_id=self.gateway_id)
+
+
+class RemoveLoraRequest(msgspec.Struct):
+    lora_int_id: int
 
 
 class SubmitBatchRequest(msgspec.Struct, omit_defaults=True):

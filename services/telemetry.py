@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from itertools import accumulate
 from typing import Protocol
@@ -73,6 +74,7 @@ class EngineStatsCollector(Collector):
         yield from self._tier_families(stats)
         yield from self._spec_decoding_families(stats)
         yield from self._kv_transfer_families(stats)
+        yield from _lora_requests_info(stats)
         yield _cache_config_info(stats)
 
     def _tier_families(self, stats: EngineStats | None) -> Iterator[Metric]:
@@ -165,6 +167,19 @@ def _cache_config_info(stats: EngineStats | None) -> Metric:
     if config is not None:
         family.add_metric(list(labels.values()), 1)
     return family
+
+
+def _lora_requests_info(stats: EngineStats | None) -> Iterator[Metric]:
+    """vLLM's, only where LoRA is enabled: one sample whose labels are the adapters in use
+    (comma-separated names) and whose value is the time it was read, which routers such as
+    the Gateway API Inference Extension read to route by loaded adapters."""
+    lora = stats.lora if stats is not None else None
+    if lora is None:
+        return
+    family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                               labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+    family.add_metric([str(lora.max_lora), ",".join(lora.waiting), ",".join(lora.running)], time.time())
+    yield family
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -37,6 +37,29 @@ def hf_smollm2():
     return model.eval()
 
 
+@pytest.fixture(scope="session")
+def lora_adapter_dirs(hf_smollm2, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Three random PEFT adapters for the default model (tests/lora_adapters.py), by name."""
+    from lora_adapters import SPECS, save_adapter
+
+    root = tmp_path_factory.mktemp("lora_adapters")
+    return {name: save_adapter(hf_smollm2, spec, root / name) for name, spec in SPECS.items()}
+
+
+@pytest.fixture(scope="session")
+def lora_references(hf_smollm2, lora_adapter_dirs) -> tuple[list[list[int]], dict[str | None, list[list[int]]]]:
+    """The LoRA parity prompts and, per adapter (None: the base model), transformers + PEFT's
+    greedy tokens with the adapter merged."""
+    from services.model_source import resolve_model
+    from tokenizer_svc.tokenizer import Tokenizer
+
+    from lora_adapters import TEXTS, references
+
+    tokenizer = Tokenizer.load(resolve_model("smollm2"))
+    prompts = [tokenizer.encode(text) for text in TEXTS]
+    return prompts, references(hf_smollm2, lora_adapter_dirs, prompts)
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.inference_mode():
         out = model.generate(
@@ -81,8 +104,9 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def dense_llm() -> LLM:
-    """The default model dequantized (exactly transformers' tokens), shared by a module's tests."""
-    return LLM("smollm2", **DENSE)
+    """The default model dequantized (exactly transformers' tokens), shared by a module's tests.
+    It pools as well as it generates (a --pooler-config): the pooling tests share its load."""
+    return LLM("smollm2", **DENSE, pooler_config='{"pooling_type": "LAST"}')
 
 
 @pytest.fixture(autouse=True)

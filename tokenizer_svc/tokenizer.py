@@ -92,6 +92,10 @@ def _convert(source: ModelSource, destination: Path) -> None:
 
 class Tokenizer:
     def __init__(self, hf: PreTrainedTokenizerBase, name: str, sampling_defaults: dict[str, Any] | None = None) -> None:
+        # A prompt is its tokens, no more, no fewer: a tokenizer.json may pad and truncate
+        # (sentence-transformers' do, to 128); the engine checks lengths itself.
+        hf.backend_tokenizer.no_padding()
+        hf.backend_tokenizer.no_truncation()
         self._hf = hf
         self.name = name
         # SamplingParams fields that requests leaving them unset get (services/generation_config.py).

@@ -12,7 +12,9 @@ from contextlib import contextmanager
 import grpc
 
 from services.kv_transfer_messages import KvBlock, KvFetchRequest
+from services.lora_request import LoRARequest
 from services.messages import Empty, StepPlan, StepResult, WorkerDescription
+from services.scheduler_messages import RemoveLoraRequest
 from services.structured_outputs import StructuredOutputsParams
 from services.transport.role_services import WORKER
 from services.transport.server import RoleServer
@@ -105,6 +107,18 @@ class WorkerServicer:
             self._worker.compile_grammar(params)
         except ValueError as exc:  # InvalidParameter: "field: the compiler's message"
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return Empty()
+
+
+    def AddLora(self, lora_request: LoRARequest, context: grpc.ServicerContext) -> Empty:
+        try:
+            self._worker.add_lora(lora_request)
+        except ValueError as exc:  # LoraAdapterError: what is wrong with the adapter
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return Empty()
+
+    def RemoveLora(self, request: RemoveLoraRequest, context: grpc.ServicerContext) -> Empty:
+        self._worker.remove_lora(request.lora_int_id)
         return Empty()
 
 

@@ -8,11 +8,13 @@ where the prompt's prefix is cached, from the replicas' KV events, balanced with
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from gateway.cluster.disaggregation import DEFAULT_PD_MIN_PREFILL_TOKENS, Disaggregation, decodes, prefills
 from gateway.cluster.gateway_id import new_gateway_id
+from gateway.cluster.lora_calls import each_replica
 from gateway.cluster.migration import DEFAULT_MIGRATION_LIMIT, migrating
 from gateway.cluster.placement import Placement
 from gateway.cluster.replica import Replica
@@ -20,9 +22,11 @@ from gateway.cluster.replica_set import ReplicaSet
 from gateway.cluster.streams import RequestStreams
 from services.engine_client import EngineUnavailable
 from services.kv_transfer_messages import KvTransferParams
+from services.lora_request import LoRARequest
 from services.messages import EngineInfo, EngineStats, TokenDelta
 from services.registry import DEFAULT_TTL_S
 from services.sampling_params import SamplingParams
+from services.scheduler_messages import RemoveLoraRequest
 
 # A /metrics scrape waits this long at most for the replicas' Stats; one that answers
 # later counts with its last answer.
@@ -84,7 +88,7 @@ class ClusterEngineClient:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
-        kv_transfer_params: KvTransferParams | None = None,
+        kv_transfer_params: KvTransferParams | None = None, lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """`kv_transfer_params`: vLLM's, as its disaggregation proxy sends them (docs/disaggregation.md)."""
         if not self._replicas.running:
@@ -95,7 +99,8 @@ class ClusterEngineClient:
             handoff = kv_transfer_params if not resumed else None
             # vLLM's proxy asks a prefill first (do_remote_decode): a prefill replica takes it.
             pool = prefills if handoff is not None and handoff.do_remote_decode else decodes
-            return self._streams.place(request_id, prompt_token_ids, params, cache_salt, resumed, tried, handoff, pool)
+            return self._streams.place(request_id, prompt_token_ids, params, cache_salt, resumed, tried, handoff, pool,
+                                       lora_request)
 
         async with aclosing(migrating(attempt, request_id, params, self._migration_limit)) as deltas:
             async for delta in deltas:
@@ -104,3 +109,18 @@ class ClusterEngineClient:
     async def abort(self, request_id: str) -> None:
         """A request id aborts the request and its children; a child id, that child only."""
         await self._streams.abort(request_id)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Every routable replica's worker reads and checks the adapter; a replica that joins
+        later reads it from its path when a request first names it."""
+        await each_replica(self._replicas.routable(), "AddLora", lora_request)
+        await asyncio.to_thread(self._replicas.share_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        await asyncio.to_thread(self._replicas.unshare_lora, lora_int_id)  # first: no gateway serves it any more
+        await each_replica(self._replicas.routable(), "RemoveLora", RemoveLoraRequest(lora_int_id))
+        return True
+
+    def lora_requests(self) -> dict[str, LoRARequest]:
+        """Every adapter the cluster's gateways serve, by name (the registry's, as of the last poll)."""
+        return self._replicas.loras

@@ -14,8 +14,10 @@ computes the prompt itself: the client sees the same text either way.
 
 Requests that carry their own kv_transfer_params (vLLM's disaggregation proxy, llm-d's
 sidecar) are placed as they say and never split again; nor are resumed (migrated)
-requests, parallel samples, and those that want prompt logprobs (every position must
-be computed where they decode).
+requests, parallel samples, those that want prompt logprobs (every position must be
+computed where they decode) and pooling requests (docs/pooling.md: they pool every
+position's hidden state where they run). An adapter's request (docs/lora.md) runs its
+prefill leg with the same adapter.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import msgspec
 
 from services.engine_client import EngineUnavailable, RequestFailed
 from services.kv_transfer_messages import KvTransferParams
+from services.lora_request import LoRARequest
 from services.messages import FirstTokenTimes, TokenDelta
 from services.parallel_sampling import num_children
 from services.sampling_params import SamplingParams
@@ -72,20 +75,24 @@ class Disaggregation:
                       params: SamplingParams) -> bool:
         return (decode.kv_role in CONSUMER_ROLES and uncached_tokens > self.min_prefill_tokens
                 and any(replica is not decode for replica in prefill_pool)
-                and num_children(params) == 1 and params.prompt_logprobs is None)
+                and num_children(params) == 1 and params.prompt_logprobs is None
+                # a pooling request needs every prompt position's hidden state where it pools
+                and params.pooling is None)
 
     async def prefill(self, place: Place, request_id: str, prompt_token_ids: list[int], cache_salt: str | None,
-                      decode: Replica) -> tuple[KvTransferParams | None, FirstTokenTimes | None]:
+                      decode: Replica, lora_request: LoRARequest | None = None,
+                      ) -> tuple[KvTransferParams | None, FirstTokenTimes | None]:
         """Has a prefill replica compute the prompt's KV and hold it: where it waits, and the
         prefill leg's times (its queue and prefill, measured there). None when it failed:
-        the decode replica then computes the prompt."""
+        the decode replica then computes the prompt. With an adapter's request the prefill
+        leg runs the same adapter: its KV depends on it."""
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         hold = KvTransferParams(do_remote_decode=True)
         started = time.monotonic()
         handoff, times = None, None
         try:
             async with aclosing(place(f"{request_id}-prefill", prompt_token_ids, params, cache_salt, [], {decode},
-                                      kv_transfer_params=hold, pool=prefills)) as deltas:
+                                      kv_transfer_params=hold, pool=prefills, lora_request=lora_request)) as deltas:
                 async for delta in deltas:
                     times = delta.first_token_times or times
                     handoff = delta.kv_transfer_params or handoff

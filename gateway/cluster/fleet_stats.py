@@ -11,17 +11,21 @@ from services.messages import (
     EngineStats,
     KvTierStats,
     KvTransferStats,
+    LoraStats,
     SpecDecodingStats,
 )
 from services.metric_buckets import ITERATION_TOKENS
+from services.pooling_params import PoolerConfig
 from services.registry import Member
 
 
 def engine_info(schedulers: list[Member]) -> EngineInfo:
     """What the schedulers know from their workers; replicas of one model agree on it."""
     eos = schedulers[0].metadata["eos_token_ids"]
+    pooler = schedulers[0].metadata.get("pooler")
     return EngineInfo(min(int(s.metadata["max_model_len"]) for s in schedulers),
-                      tuple(int(t) for t in eos.split(",") if t))
+                      tuple(int(t) for t in eos.split(",") if t),
+                      msgspec.json.decode(pooler, type=PoolerConfig) if pooler else None)
 
 
 def total(stats: list[EngineStats]) -> EngineStats:
@@ -43,6 +47,7 @@ def total(stats: list[EngineStats]) -> EngineStats:
         spec_decoding=_fleet_spec_decoding([s.spec_decoding for s in stats if s.spec_decoding is not None]),
         prompt_tokens_by_source=_summed([s.prompt_tokens_by_source for s in stats]),
         kv_transfer=_fleet_kv_transfer([s.kv_transfer for s in stats if s.kv_transfer is not None]),
+        lora=_fleet_lora([s.lora for s in stats if s.lora is not None]),
     )
 
 
@@ -61,6 +66,14 @@ def _fleet_kv_transfer(replicas: list[KvTransferStats]) -> KvTransferStats | Non
                            sum((r.xfer_time_seconds for r in replicas[1:]), replicas[0].xfer_time_seconds),
                            sum(r.expired_requests for r in replicas), sum(r.failed_blocks for r in replicas),
                            sum(r.held_blocks for r in replicas))
+
+
+def _fleet_lora(replicas: list[LoraStats]) -> LoraStats | None:
+    """The adapters any replica runs or queues, each once; max_lora the largest replica's."""
+    if not replicas:
+        return None
+    return LoraStats(max(r.max_lora for r in replicas), list(dict.fromkeys(n for r in replicas for n in r.running)),
+                     list(dict.fromkeys(n for r in replicas for n in r.waiting)))
 
 
 def _fleet_spec_decoding(replicas: list[SpecDecodingStats]) -> SpecDecodingStats | None:

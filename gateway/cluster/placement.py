@@ -15,6 +15,7 @@ from gateway.cluster.replica_set import ReplicaSet
 from gateway.cluster.routing import NOT_CACHED, Candidate, pick
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.engine_client import EngineOverloaded, EngineUnavailable
+from services.lora_request import LoRARequest
 from services.scheduler_messages import KvSnapshotRequest, KvSnapshotResponse
 
 logger = logging.getLogger(__name__)
@@ -39,10 +40,14 @@ class Placement:
             self.kv_index.close()
 
     def claim(self, ids: list[str], prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
-              avoid: set[Replica] = frozenset(), pool: Callable[[Replica], bool] | None = None) -> Replica:
+              avoid: set[Replica] = frozenset(), pool: Callable[[Replica], bool] | None = None,
+              lora_request: LoRARequest | None = None) -> Replica:
         """A routable replica for the request, by the routing policy; one in `avoid` (where
         it ran before, and failed) only when no other can take it. `pool`: only replicas it
-        admits (prefill/decode disaggregation, gateway/cluster/disaggregation.py), while any does."""
+        admits (prefill/decode disaggregation, gateway/cluster/disaggregation.py), while any does.
+        An adapter's request goes to the replicas already running it when one of them has
+        room (no slot to fill, its prefix blocks there), else anywhere: any replica reads it
+        from its path."""
         routable = self._replicas.routable()
         if pool is not None:
             routable = [replica for replica in routable if pool(replica)] or routable
@@ -52,9 +57,13 @@ class Placement:
         routable = [replica for replica in routable if not replica.full]
         if not routable:
             raise EngineOverloaded("every scheduler's queue is full; try again shortly")
+        lora_id = lora_request.lora_int_id if lora_request is not None else None
+        if lora_request is not None:
+            routable = [replica for replica in routable if replica.runs_lora(lora_request.lora_name)] or routable
         hashes: list[bytes] = []
         if self.kv_index is not None and prompt_token_ids and len(routable) > 1:  # one replica: no choice
-            extend_block_hashes(hashes, prompt_token_ids, routable[0].block_size, extra_keys_bytes(cache_salt))
+            extend_block_hashes(hashes, prompt_token_ids, routable[0].block_size,
+                                extra_keys_bytes(cache_salt, lora_id))
         cached = self.kv_index.cached_blocks(hashes) if hashes else {}
         with self._lock:
             candidates = [Candidate(r.load, cached.get(r.instance_id, NOT_CACHED)) for r in routable]
@@ -90,13 +99,15 @@ class Placement:
     def routable_in(self, pool: Callable[[Replica], bool]) -> list[Replica]:
         return [replica for replica in self._replicas.routable() if pool(replica)]
 
-    def cached_tokens(self, replica: Replica, prompt_token_ids: list[int], cache_salt: str | None) -> int:
+    def cached_tokens(self, replica: Replica, prompt_token_ids: list[int], cache_salt: str | None,
+                      lora_request: LoRARequest | None = None) -> int:
         """The prompt's leading tokens the replica holds (device pool or offload tiers), as
         its KV events tell; 0 without a prefix index (another routing policy)."""
         if self.kv_index is None:
             return 0
+        lora_id = lora_request.lora_int_id if lora_request is not None else None
         hashes: list[bytes] = []
-        extend_block_hashes(hashes, prompt_token_ids, replica.block_size, extra_keys_bytes(cache_salt))
+        extend_block_hashes(hashes, prompt_token_ids, replica.block_size, extra_keys_bytes(cache_salt, lora_id))
         cached = self.kv_index.cached_blocks(hashes).get(replica.instance_id, NOT_CACHED)
         return (cached.device + cached.tiers) * replica.block_size
 

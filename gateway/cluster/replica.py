@@ -58,6 +58,11 @@ class Replica:
         bound = self.member.metadata.get("max_queued_requests")
         return self.refused_as_full or (bool(bound) and self.waiting >= int(bound))
 
+    def runs_lora(self, name: str) -> bool:
+        """Its requests ran or waited with this adapter at the last poll (vllm:lora_requests_info's view)."""
+        lora = self.stats.lora if self.stats is not None else None
+        return lora is not None and (name in lora.running or name in lora.waiting)
+
     def record_stats(self, stats: EngineStats, asked_at: float) -> None:
         """Under the replica set's lock."""
         if asked_at >= self.stats_asked_at:

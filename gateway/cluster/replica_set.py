@@ -29,8 +29,10 @@ from grpc_health.v1 import health_pb2
 
 from gateway.cluster.fleet_stats import engine_info, total
 from gateway.cluster.kv_index import KvIndex
+from gateway.cluster.lora_calls import encode_lora, read_loras
 from gateway.cluster.replica import Replica
 from services.engine_client import RequestLost
+from services.lora_request import LoRARequest
 from services.messages import EngineInfo, EngineStats
 from services.registry import ClusterView, Registry
 from services.scheduler_messages import AbortRequest, StatsRequest
@@ -68,6 +70,7 @@ class ReplicaSet:
         # Replaced (never mutated) by the poller, so any thread may read them.
         self.ready = False
         self.info: EngineInfo | None = None
+        self.loras: dict[str, LoRARequest] = {}  # the cluster's adapters by name, as the registry holds them
 
     @property
     def running(self) -> bool:
@@ -127,6 +130,17 @@ class ReplicaSet:
                 with self.lock:
                     replica.record_stats(call.result(), asked_at)
 
+    def share_lora(self, lora_request: LoRARequest) -> None:
+        """Lists an adapter in the registry, for every gateway to serve."""
+        self._registry.put_lora(lora_request.lora_name, encode_lora(lora_request))
+        self.loras = {**self.loras, lora_request.lora_name: lora_request}
+
+    def unshare_lora(self, lora_int_id: int) -> None:
+        names = [name for name, lora in self.loras.items() if lora.lora_int_id == lora_int_id]
+        for name in names:
+            self._registry.remove_lora(name)
+        self.loras = {name: lora for name, lora in self.loras.items() if name not in names}
+
     def replica_of(self, instance_id: str) -> Replica | None:
         """The listed replica that is this scheduler process, if it still is."""
         with self.lock:
@@ -144,6 +158,7 @@ class ReplicaSet:
     def _refresh(self) -> None:
         try:
             view = ClusterView.read(self._registry)
+            self.loras = read_loras(self._registry)
         except redis.RedisError as exc:  # keep the last view: a Redis blip must not stop serving
             logger.warning("cannot read the registry at %s: %s", self._redis_url, exc)
             self._registry_since = None

@@ -25,6 +25,7 @@ from gateway.cluster.replica_set import ReplicaSet
 from gateway.cluster.submit_batcher import Scheduler, SubmitRefused, submit_batch
 from services.engine_client import EngineOverloaded, EngineUnavailable
 from services.kv_transfer_messages import KvTransferParams
+from services.lora_request import LoRARequest
 from services.messages import TokenDelta
 from services.parallel_sampling import engine_request_ids, num_children
 from services.registry import Member
@@ -69,7 +70,7 @@ class RequestStreams:
     async def place(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None,
         resumed: list[int], tried: set[Replica], kv_transfer_params: KvTransferParams | None = None,
-        pool: Callable[[Replica], bool] = decodes,
+        pool: Callable[[Replica], bool] = decodes, lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """One placement of the request on a replica of `pool` (gateway/cluster/migration.py);
         `resumed`: the tokens it generated on replicas that died. A long uncached prompt is
@@ -82,17 +83,18 @@ class RequestStreams:
         stream = self._subscriber.open(request_id, count)  # before Submit: no delta can slip past
         submit: asyncio.Future[None] | None = None
         try:
-            replica = self._placement.claim(placed, prompt_token_ids, cache_salt, tried, pool)
+            replica = self._placement.claim(placed, prompt_token_ids, cache_salt, tried, pool, lora_request)
             if resumed:  # the prompt's logprobs went out with its first delta
                 params = msgspec.structs.replace(params, prompt_logprobs=None)
             remote_times = None
             if kv_transfer_params is None and pool is decodes and not resumed and self._pd.wants_prefill(
-                    replica, len(prompt_token_ids) - self._placement.cached_tokens(replica, prompt_token_ids, cache_salt),
+                    replica, len(prompt_token_ids) - self._placement.cached_tokens(replica, prompt_token_ids, cache_salt,
+                                                                                   lora_request),
                     self._placement.routable_in(prefills), params):
                 kv_transfer_params, remote_times = await self._pd.prefill(self.place, request_id, prompt_token_ids,
-                                                                          cache_salt, replica)
+                                                                          cache_salt, replica, lora_request)
             request = SubmitRequest(request_id, prompt_token_ids, params, self.gateway_id, cache_salt, resumed,
-                                    kv_transfer_params)
+                                    kv_transfer_params, lora_request)
             while True:
                 tried.add(replica)
                 self._subscriber.expect(request_id, replica.instance_id)

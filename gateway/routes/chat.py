@@ -108,7 +108,7 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
     role = "assistant" if body.add_generation_prompt else messages[-1]["role"]
     echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == role else ""
     if body.stream:
-        head = ChatCompletionChunk(id=request_id, model=ctx.served_model_name, choices=[])
+        head = ChatCompletionChunk(id=request_id, model=ctx.response_model(body.model), choices=[])
         shape = _StreamShape(role, echo, prompt_token_ids, bool(body.return_token_ids),
                              ctx.options.stream_usage(body.stream_options))
         return sse_response(_events(head, params.n, stream, logprobs_of, shape, reader), stream)
@@ -145,7 +145,7 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
         ))
     num_tokens = sum(map(len, token_ids))
     response = ChatCompletionResponse(
-        id=request_id, model=ctx.served_model_name, choices=choices,
+        id=request_id, model=ctx.response_model(body.model), choices=choices,
         usage=Usage.of(len(prompt_token_ids), num_tokens,
                        num_cached_tokens if ctx.options.prompt_tokens_details else None),
         prompt_logprobs=prompt_logprobs(ctx.tokenizer, entries or [], num_prompt_logprobs)

@@ -126,7 +126,7 @@ async def _complete(body: CompletionRequest, ctx: GatewayContext) -> Response:
                 if num_logprobs is not None else None, body.echo)
         for prompt in prompts for _ in range(params.n)
     ]
-    head = CompletionResponse(id=request_id, model=ctx.served_model_name, choices=[])
+    head = CompletionResponse(id=request_id, model=ctx.response_model(body.model), choices=[])
     deltas = _flat(merge(streams), params.n)
     with_ids = bool(body.return_token_ids)
     if body.stream:

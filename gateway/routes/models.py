@@ -1,4 +1,4 @@
-"""GET /v1/models: the model this server serves, under each of its served names."""
+"""GET /v1/models: the model this server serves, under each of its served names, and its LoRA adapters."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
@@ -11,5 +11,8 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(ctx: GatewayContext = Depends(get_context)) -> ModelList:
-    return ModelList(data=[ModelCard(id=name, root=ctx.model, max_model_len=ctx.max_model_len)
-                           for name in ctx.served_model_names])
+    cards = [ModelCard(id=name, root=ctx.model, max_model_len=ctx.max_model_len) for name in ctx.served_model_names]
+    # vLLM's adapter cards: root the adapter's path, parent the base model's served name.
+    cards += [ModelCard(id=lora.lora_name, root=lora.lora_path, parent=lora.base_model_name or ctx.served_model_name,
+                        max_model_len=ctx.max_model_len) for lora in (ctx.loras.all() if ctx.loras else [])]
+    return ModelList(data=cards)

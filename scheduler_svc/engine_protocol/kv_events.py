@@ -59,8 +59,8 @@ def to_batch(seq: int, events: KvEvents) -> smg.KvEventBatch:
 def stored_chains(events: KvEvents) -> list[smg.KvBlocksStored]:
     """The stored blocks as vLLM publishes them: one event per chain, each block the
     child of the one before it and the first the child of `parent_block_hash` (unset for
-    a request's first block), with its tokens and the request's cache salt (no LoRA in
-    kvfleet). Hashes the pool was told nothing about go together, hash only."""
+    a request's first block), with its tokens, the request's cache salt and adapter (its
+    name on the chain, its id on each block). Hashes the pool was told nothing about go together, hash only."""
     chains: list[smg.KvBlocksStored] = []
     last, last_known = b"", False  # the hash before, and whether what it held is known
     for block_hash in events.stored:
@@ -72,11 +72,15 @@ def stored_chains(events: KvEvents) -> list[smg.KvBlocksStored]:
                 chains[-1].parent_block_hash = block_hash_int64(block.parent)
             if block is not None and block.cache_salt is not None:
                 chains[-1].cache_salt = block.cache_salt
+            if block is not None and block.lora_name is not None:
+                chains[-1].lora_name = block.lora_name
         if block is None:
             chains[-1].blocks.add(block_hash=block_hash_int64(block_hash))
         else:
-            chains[-1].blocks.add(block_hash=block_hash_int64(block_hash), token_ids=block.token_ids,
-                                  block_size=len(block.token_ids))
+            added = chains[-1].blocks.add(block_hash=block_hash_int64(block_hash), token_ids=block.token_ids,
+                                          block_size=len(block.token_ids))
+            if block.lora_id is not None:
+                added.lora_id = block.lora_id
         last, last_known = block_hash, block is not None
     return chains
 

@@ -23,7 +23,11 @@ from scheduler_svc.engine_protocol.text import EngineText
 from scheduler_svc.output_hub import OutputHub
 from scheduler_svc.step_loop import StepLoop
 from services.engine_client import EngineOverloaded, EngineUnavailable
+from services.invalid_parameter import InvalidParameter
 from services.parallel_sampling import num_children
+from services.pooling_outputs import fit_pooling_prompt
+from services.pooling_params import PoolingParams
+from services.sampling_params import SamplingParams
 from services.scheduler_messages import SubmitRequest
 from services.tokenizer_archive import chunks
 from services.transport.server import RoleServer
@@ -117,7 +121,43 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     def Embed(self, request: pb.EmbedRequest, context: grpc.ServicerContext) -> pb.EmbedResponse:
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "kvfleet serves generative models only: no embeddings")
+        """One pooling request (docs/pooling.md): the model's pooled vector of the token ids."""
+        core = self._loop.core
+        if core.description.pooler is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this model does not pool: serve it with --runner pooling "
+                          "(or --convert embed)")
+        try:
+            if not request.request_id:
+                raise InvalidParameter("request_id", "must not be empty")
+            if not request.tokenized.input_ids:
+                raise InvalidParameter("tokenized", "input_ids must not be empty")
+            prompt = fit_pooling_prompt(list(request.tokenized.input_ids), None, core.max_model_len, "tokenized")
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        gateway_id = f"vllm-engine-{uuid.uuid4().hex}"
+        try:
+            subscription = self._hub.subscribe(gateway_id)
+        except EngineUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        if not context.add_callback(subscription.close):
+            subscription.close()
+        pooled = None
+        try:
+            self._submit(SubmitRequest(request.request_id, prompt, SamplingParams(pooling=PoolingParams()), gateway_id),
+                         context)
+            while pooled is None and (batch := subscription.next_batch()) is not None:
+                for delta in batch:
+                    if delta.error:
+                        context.abort(grpc.StatusCode.UNAVAILABLE if delta.lost else grpc.StatusCode.INTERNAL,
+                                      delta.error)
+                    pooled = delta.pooled
+        finally:
+            self._hub.unsubscribe(subscription)
+            if pooled is None:  # the client went away, or the request failed: free its blocks now
+                self._loop.abort(request.request_id)
+        if pooled is None:
+            context.abort(grpc.StatusCode.CANCELLED, "the request ended without its vector")
+        return pb.EmbedResponse(embedding=pooled, prompt_tokens=len(prompt), embedding_dim=len(pooled))
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         for request_id in request.request_ids:

@@ -4,11 +4,13 @@ register their servicers and clients build their stubs from these, and nothing e
 from __future__ import annotations
 
 from services.kv_transfer_messages import KvBlock, KvFetchRequest
+from services.lora_request import LoRARequest
 from services.messages import Empty, EngineStats, StepPlan, StepResult, WorkerDescription
 from services.scheduler_messages import (
     AbortRequest,
     KvSnapshotRequest,
     KvSnapshotResponse,
+    RemoveLoraRequest,
     ReplayOutputsRequest,
     StatsRequest,
     StepOutputs,
@@ -41,6 +43,9 @@ SCHEDULER = Service("kvfleet.v1.Scheduler", (
     # What was published on NATS to a gateway that missed it.
     Method("ReplayOutputs", ReplayOutputsRequest, StepOutputs, server_streaming=True),
     Method("KvSnapshot", KvSnapshotRequest, KvSnapshotResponse),
+    # A LoRA adapter read and checked by the replica's worker, before requests name it (docs/lora.md).
+    Method("AddLora", LoRARequest, Empty),
+    Method("RemoveLora", RemoveLoraRequest, Empty),
 ))
 
 TOKENIZER = Service("kvfleet.v1.Tokenizer", (
@@ -59,4 +64,6 @@ WORKER = Service("kvfleet.v1.Worker", (
     Method("CompileGrammar", StructuredOutputsParams, Empty),
     # Another replica's worker fetching the blocks this one holds for it (docs/disaggregation.md).
     Method("FetchKvBlocks", KvFetchRequest, KvBlock, server_streaming=True),
+    Method("AddLora", LoRARequest, Empty),
+    Method("RemoveLora", RemoveLoraRequest, Empty),
 ))

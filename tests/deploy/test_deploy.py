@@ -73,6 +73,7 @@ VALUE_SETS = {
     # helm install -f values-gpu-example.yaml -f values-gpu-tp-example.yaml
     "gpu-tp-example": merge_values(yaml.safe_load((CHART / "values-gpu-example.yaml").read_text()),
                                    yaml.safe_load((CHART / "values-gpu-tp-example.yaml").read_text())),
+    "embeddings-example": yaml.safe_load((CHART / "values-embeddings-example.yaml").read_text()),
     "external-nats-redis": {
         "nats": {"bundled": False, "url": "nats://nats.messaging.svc:4222", "existingSecret": "team-llm-nats"},
         "redis": {"bundled": False, "url": "redis://redis.cache.svc:6379/0", "existingSecret": "team-llm-redis"},
@@ -104,6 +105,9 @@ VALUE_SETS = {
         "modelCache": {"hostPath": "/var/lib/kvfleet/models"},
         "networkPolicy": {"enabled": False},
     },
+    # LoRA adapters read by every replica's worker from one claim.
+    "lora": {"engine": {"enable-lora": True, "max-loras": 4},
+             "loraAdapters": {"existingClaim": "adapters", "runtimeUpdating": True}},
     # The KV offload tiers: host memory, a disk per replica and the fleet-shared store.
     "kv-tiers": {
         "engine": {"kv-offloading-size": 2},
@@ -698,6 +702,18 @@ def test_kv_tiers_mount_one_store_in_every_replica_for_its_scheduler_and_worker(
         assert {"--kv-shared-dir=/kv-shared", "--kv-shared-dir-size=100", "--kv-offloading-dir=/kv-local",
                 "--kv-offloading-dir-size=8"} <= set(container["args"])
     assert "kv-shared" not in str(render("default").manifests)
+
+
+def test_lora_adapters_are_a_read_only_volume_of_every_worker():
+    pod = render("lora").one("Deployment", f"{RELEASE}-replica")["spec"]["template"]["spec"]
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    assert volumes["lora-adapters"]["persistentVolumeClaim"] == {"claimName": "adapters", "readOnly": True}
+    worker = next(container for container in containers(pod) if container["name"] == "worker")
+    assert {"name": "lora-adapters", "mountPath": "/adapters", "readOnly": True} in worker["volumeMounts"]
+    gateway = containers(render("lora").one("Deployment", f"{RELEASE}-gateway-0")["spec"]["template"]["spec"])[0]
+    assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in gateway["env"]
+    assert "lora-adapters" not in str(render("default").manifests)
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in str(render("default").manifests)
 
 
 def test_chart_refuses_contradictory_values():

@@ -35,7 +35,7 @@ from worker_svc.runtime.worker import Worker
 from conftest import assert_no_leaks
 from test_gateway import MODEL, ServerThread, wait_until_idle
 
-CASES = 500  # per endpoint
+CASES = 300  # per endpoint (1,200 bodies a run, each run drawing new ones)
 MAX_MODEL_LEN = 256  # small, so that junk lengths reach the context checks
 HEALTH_EVERY = 25
 VOCAB = 49152

@@ -85,7 +85,8 @@ class ServerThread:
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     tokenizer = Tokenizer.load(resolve_model(MODEL))
-    config = EngineConfig(model=MODEL, kv_cache_memory=KV_CACHE_MEMORY)
+    # It pools too (a --pooler-config): /v1/embeddings shares the chat tests' engine.
+    config = EngineConfig(model=MODEL, kv_cache_memory=KV_CACHE_MEMORY, pooler_config='{"pooling_type": "LAST"}')
     core = EngineCore(config, Worker(config))
     engine = AsyncEngine(core)
     engine.start()
@@ -196,7 +197,7 @@ def test_health_and_version(server: ServerThread) -> None:
 def test_an_engine_that_is_not_running_is_503(stack: Stack) -> None:
     # Never started, so it never calls its core beyond the first stats().
     stopped = AsyncEngine(SimpleNamespace(stats=stack.engine.stats, max_model_len=stack.core.max_model_len,
-                                          eos_token_ids=stack.core.eos_token_ids))
+                                          eos_token_ids=stack.core.eos_token_ids, description=stack.core.description))
     app = build_app(stopped, InProcessEncoder(stack.tokenizer), MODEL)
     with ServerThread(app) as idle:
         assert httpx.get(f"{idle.url}/health").status_code == 503
@@ -368,10 +369,10 @@ def test_a_batch_answers_each_line_in_order_as_the_rest_api_does(server: ServerT
         "completion": ("/v1/completions", completion),
         "bad-value": ("/v1/completions", {"prompt": "x", "max_tokens": -3}),
         "no-model": ("/v1/chat/completions", {**chat, "model": "NonExistModel"}),
+        "embed": ("/v1/embeddings", {"model": MODEL, "input": "x"}),
     }
     lines = [
         *(_batch_line(custom_id, url, body) for custom_id, (url, body) in asked.items()),
-        _batch_line("embed", "/v1/embeddings", {"model": MODEL, "input": "x"}),
         _batch_line("bad-url", "/bad_url", chat),
         _batch_line("stream", "/v1/chat/completions", {**chat, "stream": "True"}),
         _batch_line("get", "/v1/completions", completion, method="GET"),
@@ -400,8 +401,7 @@ def test_a_batch_answers_each_line_in_order_as_the_rest_api_does(server: ServerT
     sink = io.StringIO()
     malformed = asyncio.run(answer_all(counting_app, numbered(), sink, max_in_flight=3))
     out = [json.loads(line) for line in sink.getvalue().splitlines()]
-    assert [o["custom_id"] for o in out] == [*asked, "embed", "bad-url", "stream", "get", None, None, "more-0",
-                                             "more-1"]
+    assert [o["custom_id"] for o in out] == [*asked, "bad-url", "stream", "get", None, None, "more-0", "more-1"]
     assert malformed == [9, 11] and peak == 3
     by_id = {o["custom_id"]: o for o in out if o["custom_id"] is not None}
     for custom_id, (url, body) in asked.items():
@@ -414,7 +414,7 @@ def test_a_batch_answers_each_line_in_order_as_the_rest_api_does(server: ServerT
         else:
             assert answer["response"]["body"] is None and answer["error"] == rest.json(), custom_id
     assert by_id["no-model"]["response"]["status_code"] == 404
-    for custom_id, words in [("embed", "no embeddings"), ("bad-url", "Supported endpoints: /v1/chat/completions"),
+    for custom_id, words in [("bad-url", "Supported endpoints: /v1/chat/completions"),
                              ("stream", "must not be sent in stream mode"), ("get", "only POST")]:
         answer = by_id[custom_id]
         assert answer["response"]["status_code"] == 400 and answer["response"]["body"] is None, custom_id
@@ -482,3 +482,46 @@ def test_logprobs_past_the_default_max_logprobs_of_20_are_refused_in_vllm_s_word
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, logprobs=True, top_logprobs=-1)
     assert whole_vocabulary.value.param == "top_logprobs"
     assert "Requested sample logprobs of 49152, which is greater than max allowed: 20" in whole_vocabulary.value.message
+
+
+def test_embeddings_of_texts_and_token_ids_beside_a_chat_stream(client: openai.OpenAI, stack: Stack) -> None:
+    import base64
+
+    import numpy as np
+
+    texts = PROMPTS[:4]
+    ids = [stack.tokenizer.encode(text) for text in texts]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, stream=True)
+    by_text = client.embeddings.create(model=MODEL, input=texts)
+    by_ids = client.embeddings.create(model=MODEL, input=ids, encoding_format="base64")
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)  # served beside them
+    assert by_text.usage.prompt_tokens == by_text.usage.total_tokens == sum(map(len, ids))
+    assert [d.index for d in by_text.data] == [0, 1, 2, 3] and by_text.model == MODEL
+    for float_data, base64_data in zip(by_text.data, by_ids.data):
+        vector = np.array(float_data.embedding)
+        assert len(vector) == 576 and abs(np.linalg.norm(vector) - 1) < 1e-5
+        # Asked for base64, the client hands the string over: float32 little-endian bytes.
+        decoded = np.frombuffer(base64.b64decode(base64_data.embedding), dtype="<f4")
+        assert np.allclose(vector, decoded, atol=1e-4)
+    [alone] = client.embeddings.create(model=MODEL, input=texts[2]).data
+    assert np.dot(alone.embedding, by_text.data[2].embedding) > 0.9999  # the batch changes nothing
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "x", "dimensions": 8}, "dimensions"),  # not a Matryoshka model
+    ({"input": [1] * 9000}, "input"),  # past the context length
+    ({"input": []}, "input"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+])
+def test_bad_embedding_requests_are_400s_naming_the_field(server: ServerThread, body, param) -> None:
+    response = httpx.post(f"{server.url}/v1/embeddings", json=body)
+    assert response.status_code == 400, response.text
+    assert param in (response.json()["error"]["param"] or response.json()["error"]["message"])
+
+
+def test_truncate_prompt_tokens_keeps_an_embedding_s_head(client: openai.OpenAI) -> None:
+    long = list(range(100, 9100))
+    cut = client.embeddings.create(model=MODEL, input=[long], extra_body={"truncate_prompt_tokens": 12})
+    head = client.embeddings.create(model=MODEL, input=[long[:12]])
+    assert cut.usage.prompt_tokens == 12
+    assert cut.data[0].embedding == pytest.approx(head.data[0].embedding, abs=1e-5)

@@ -98,7 +98,7 @@ REFUSED = {
     "max-model-len": (["--max-model-len", "20000"], "--max-model-len 20000: SmolLM2-135M-Instruct.Q4_1 has 8192 "
                       "positions; use at most 8192, or set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"),
     "device-name": (["--device", "tpu"], "--device tpu: choose auto, cpu or cuda"),
-    "lora": (["--enable-lora"], "kvfleet serve: error: --enable-lora: LoRA adapters are not supported yet"),
+    "lora": (["--lora-modules", "a=/no/such/adapter"], "--lora-modules needs --enable-lora"),
     "tls": (["--ssl-keyfile=key.pem"], "--ssl-keyfile: kvfleet serves plain HTTP; terminate TLS in front of it"),
     "unknown-flag": (["--no-such-flag"], "kvfleet serve: error: unrecognized arguments: --no-such-flag"),
     "api-server-count": (["--api-server-count", "2"], "--api-server-count 2: `kvfleet serve` answers HTTP in the "

@@ -239,3 +239,85 @@ def test_logprobs_beyond_the_vocabulary_are_rejected(llm):
     with pytest.raises(InvalidParameter) as error:
         llm.generate([[1, 2, 3]], SamplingParams(logprobs=10**6))
     assert error.value.param == "logprobs"
+
+
+def test_embeddings_match_transformers_beside_generation(dense_llm, hf_smollm2):
+    """Two dozen prompts of 1 to 100 tokens pooled (LAST, normalized) in the same steps as
+    greedy generations, the long ones in chunks: each vector is transformers' normalized last
+    hidden state, and the generations are transformers' tokens still."""
+    import torch
+
+    from kvfleet import PoolingParams
+
+    from conftest import hf_greedy
+    from corpus import TEXT
+
+    tokens = dense_llm.get_tokenizer().encode(TEXT)
+    lengths = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89] * 2 + [4, 16, 40, 100]
+    prompts = [tokens[i * 7:i * 7 + n] for i, n in enumerate(lengths)]
+    generated = {f"gen-{i}": tokens[11 + i * 40:31 + i * 40] for i in range(2)}
+    engine = dense_llm.engine
+    for request_id, prompt in generated.items():
+        engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"emb-{i}", prompt, SamplingParams(pooling=PoolingParams()))
+    vectors, outputs, mixed_steps = {}, {request_id: [] for request_id in generated}, 0
+    while engine.has_work:
+        deltas = engine.step()
+        mixed_steps += any(d.pooled for d in deltas) and any(d.new_token_ids for d in deltas)
+        for delta in deltas:
+            if delta.pooled is not None:
+                assert delta.finish_reason == "stop" and not delta.new_token_ids
+                vectors[delta.request_id] = torch.tensor(delta.pooled)
+            else:
+                outputs[delta.request_id] += delta.new_token_ids
+    assert mixed_steps, "no step both pooled and sampled"
+    with torch.inference_mode():
+        for i, prompt in enumerate(prompts):
+            hidden = hf_smollm2.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+            cosine = torch.nn.functional.cosine_similarity(vectors[f"emb-{i}"], hidden, dim=0).item()
+            assert cosine >= 0.999, (len(prompt), cosine)
+            assert vectors[f"emb-{i}"].norm().item() == pytest.approx(1.0, abs=1e-5)
+    for request_id, prompt in generated.items():
+        assert outputs[request_id] == hf_greedy(hf_smollm2, prompt, 4)
+
+
+def test_embed_api_dimensions_and_lengths(dense_llm):
+    from kvfleet import PoolingParams
+
+    outputs = dense_llm.embed(["Hello, my name is", [1, 2, 3]], use_tqdm=False)
+    assert [len(o.outputs.embedding) for o in outputs] == [576, 576]
+    assert outputs[0].prompt_token_ids == dense_llm.get_tokenizer().encode("Hello, my name is")
+    [raw] = dense_llm.embed([[1, 2, 3]], PoolingParams(normalize=False), use_tqdm=False)
+    norm = sum(x * x for x in raw.outputs.embedding) ** 0.5
+    assert [x / norm for x in raw.outputs.embedding] == pytest.approx(outputs[1].outputs.embedding, abs=1e-5)
+    with pytest.raises(InvalidParameter) as error:
+        dense_llm.embed([[1] * (dense_llm.engine.max_model_len + 1)], use_tqdm=False)
+    assert error.value.param == "input" and "maximum context length" in str(error.value)
+    long = [1] * (dense_llm.engine.max_model_len + 1)
+    [cut] = dense_llm.embed([long], truncate_prompt_tokens=5, use_tqdm=False)
+    assert cut.prompt_token_ids == [1] * 5
+
+
+def test_generation_only_model_refuses_pooling(llm):
+    with pytest.raises(ValueError, match="pooling model"):
+        llm.embed("Hello")
+
+
+def test_mean_pooling_over_prefill_chunks_matches_transformers(make_llm, hf_smollm2):
+    """MEAN pooling sums each chunk's rows as a long prompt is prefilled in several steps:
+    the mean of transformers' last hidden states, normalized."""
+    import torch
+
+    from conftest import DENSE
+    from corpus import TEXT
+
+    llm = make_llm(**DENSE, pooler_config='{"pooling_type": "MEAN"}', max_num_batched_tokens=32)
+    tokens = llm.get_tokenizer().encode(TEXT)
+    prompts = [tokens[:20], tokens[30:75], tokens[80:150]]  # up to 3 chunks each, sharing steps
+    outputs = llm.embed(prompts, use_tqdm=False)
+    with torch.inference_mode():
+        for prompt, output in zip(prompts, outputs):
+            mean = hf_smollm2.model(torch.tensor([prompt])).last_hidden_state[0].mean(0)
+            cosine = torch.nn.functional.cosine_similarity(torch.tensor(output.outputs.embedding), mean, dim=0)
+            assert cosine.item() >= 0.999, (len(prompt), cosine.item())

@@ -18,6 +18,7 @@ from scheduler_svc.output_hub import OutputHub
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from services.block_hash import extend_block_hashes, extra_keys_bytes
+from services.lora_request import LoRARequest
 from services.messages import StepResult
 from services.sampling_params import SamplingParams
 from services.scheduler_messages import KvSnapshotResponse, NumberedKvEvents
@@ -150,3 +151,19 @@ def test_stored_blocks_carry_their_tokens_and_parent_on_the_engine_protocol() ->
     assert stored.parent_block_hash == hashes[0]
     assert [(b.block_hash, list(b.token_ids)) for b in stored.blocks] == [
         (other_hashes[1], other[4:8]), (other_hashes[2], other[8:12])]
+
+
+def test_an_adapter_s_blocks_hash_apart_and_carry_its_id_and_name_on_the_engine_protocol() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                                          block_size=4, num_blocks=16, vocab_size=1000, max_loras=1))
+    log = scheduler.block_pool.events = KvEventLog()
+    prompt = list(range(10, 19))  # two full blocks and a token
+    scheduler.add_request(Request("a", prompt, SamplingParams(max_tokens=1), (2,),
+                                  lora_request=LoRARequest("tuned", 7, "/adapters/tuned")))
+    plan = scheduler.schedule()
+    scheduler.update(plan, StepResult(plan.step_id, {"a": [5]}))
+    [stored] = [e.stored for e in to_batch(1, log.take()).events if e.HasField("stored")]
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, prompt, 4, extra_keys_bytes(lora_id=7))
+    assert stored.lora_name == "tuned"
+    assert [(b.block_hash, b.lora_id) for b in stored.blocks] == [(block_hash_int64(h), 7) for h in hashes]

@@ -6,6 +6,8 @@ import pytest
 from scheduler_svc.block_pool import BlockPool, NoFreeBlocks
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from services.invalid_parameter import InvalidParameter
+from services.lora_request import LoRARequest
 from services.messages import StepResult
 from services.sampling_params import SamplingParams
 
@@ -219,3 +221,44 @@ def test_parallel_samples_count_against_max_num_seqs():
         run_step(scheduler)
         assert len(scheduler.running) <= 3
     assert len(scheduler.running) == 3 and len(scheduler.waiting) == 1  # the fourth sample waits its turn
+
+
+def test_a_pooling_request_is_prefill_only_bypasses_mean_s_prefix_cache_and_frees_its_blocks():
+    from services.pooling_params import PoolerConfig, PoolingParams
+
+    with pytest.raises(InvalidParameter, match="does not pool"):
+        add(make_scheduler(), "p", 8, pooling=PoolingParams())
+    with pytest.raises(InvalidParameter, match="generates no text"):
+        add(make_scheduler(pooler=PoolerConfig(), generates=False), "g", 8)
+    pooled = SamplingParams(pooling=PoolingParams())
+    with pytest.raises(InvalidParameter, match="one result"):  # a forked follower would pool its last token only
+        make_scheduler(pooler=PoolerConfig()).add_request(Request("p", [10, 11], pooled, (EOS,)),
+                                                          [Request("p-1", [10, 11], pooled, (EOS,))])
+    scheduler = make_scheduler(pooler=PoolerConfig(pooling_type="MEAN"), max_num_batched_tokens=16)
+    add(scheduler, "g", 12)
+    scheduler.update(plan := scheduler.schedule(), StepResult(plan.step_id, {"g": [4]}))
+    add(scheduler, "p", 24, pooling=PoolingParams())  # its first 12 tokens are cached, but MEAN reads them all
+    plan = scheduler.schedule()
+    assert plan.num_scheduled_tokens == {"g": 1, "p": 15}  # beside the decode, in the same budget
+    assert plan.new_requests[0].num_computed_tokens == 0
+    scheduler.update(plan, StepResult(plan.step_id, {"g": [5]}))
+    plan = scheduler.schedule()
+    assert plan.num_scheduled_tokens == {"g": 1, "p": 9}
+    [_, delta] = scheduler.update(plan, StepResult(plan.step_id, {"g": [6]}, pooled={"p": [0.6, 0.8]}))
+    assert (delta.request_id, delta.pooled, delta.new_token_ids, delta.finish_reason) == ("p", [0.6, 0.8], [], "stop")
+    assert "p" not in scheduler.requests and len(scheduler.running) == 1
+    assert scheduler.schedule().finished_request_ids == ["p"]  # the worker drops its state
+
+
+def test_requests_of_adapters_beyond_max_loras_wait_and_the_others_pass_them():
+    scheduler = make_scheduler(max_loras=1)
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    for request_id, lora in (("a1", a), ("b1", b), ("base", None), ("a2", a)):
+        scheduler.add_request(Request(request_id, [10, 11, 12], SamplingParams(max_tokens=1), (EOS,),
+                                      lora_request=lora))
+    plan, _ = run_step(scheduler)
+    assert list(plan.num_scheduled_tokens) == ["a1", "base", "a2"]
+    assert [new.lora_request for new in plan.new_requests] == [a, None, a]
+    assert [request.request_id for request in scheduler.waiting] == ["b1"]
+    plan, _ = run_step(scheduler)  # a's requests finished: b's turn
+    assert list(plan.num_scheduled_tokens) == ["b1"] and plan.new_requests[0].lora_request == b

@@ -43,7 +43,8 @@ from corpus import TEXT
 from servers import RoleProcess
 
 # 8 blocks of 16 tokens: a long request evicts what short ones left cached.
-ENGINE = dict(dtype="float32", num_gpu_blocks_override=8, max_model_len=128)
+# It pools as well as it generates (a --pooler-config), for Embed.
+ENGINE = dict(dtype="float32", num_gpu_blocks_override=8, max_model_len=128, pooler_config='{"pooling_type": "LAST"}')
 NEW_TOKENS = 8
 BLOCK_SIZE = 16
 
@@ -391,4 +392,22 @@ def test_cached_tokens_count_the_prefix_cache_hit(replica, prompts) -> None:
     warm = list(replica.stub.Generate(generate("warm", prompt, stream=True)))
     assert cold.complete.cached_tokens == 0
     assert warm[0].chunk.cached_tokens == 2 * BLOCK_SIZE and warm[-1].complete.cached_tokens == 2 * BLOCK_SIZE
+    replica.wait_idle()
+
+
+def test_embed_pools_the_token_ids_through_the_worker_and_refuses_bad_input(replica, prompts) -> None:
+    import math
+
+    def embed(request_id: str, ids: list[int]) -> pb.EmbedResponse:
+        return replica.stub.Embed(pb.EmbedRequest(request_id=request_id, tokenized=pb.TokenizedInput(input_ids=ids)))
+
+    first, again, other = embed("e1", prompts[1]), embed("e2", prompts[1]), embed("e3", prompts[2])
+    assert (first.embedding_dim, first.prompt_tokens) == (576, len(prompts[1]))
+    assert math.isclose(math.fsum(x * x for x in first.embedding), 1.0, abs_tol=1e-4)
+    assert list(again.embedding) == pytest.approx(list(first.embedding), abs=1e-5)
+    assert math.fsum(a * b for a, b in zip(first.embedding, other.embedding)) < 0.999
+    for ids, field in (([], "tokenized"), ([1] * 129, "maximum context length")):
+        with pytest.raises(grpc.RpcError) as error:
+            embed("bad", ids)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in error.value.details()
     replica.wait_idle()

@@ -9,6 +9,7 @@ import pytest
 from services.histogram_counts import HistogramCounts
 from services.invalid_parameter import InvalidParameter
 from services.kv_transfer_messages import KvBlock, KvFetchRequest, KvTransferParams, RemoteBlocks
+from services.lora_request import LoRARequest
 from services.messages import (
     CacheConfigInfo,
     CachedRequestData,
@@ -19,6 +20,7 @@ from services.messages import (
     KvTierCounts,
     KvTierStats,
     KvTransferStats,
+    LoraStats,
     NewRequestData,
     SpecDecodingStats,
     StepPlan,
@@ -26,12 +28,14 @@ from services.messages import (
     TokenDelta,
     WorkerDescription,
 )
+from services.pooling_params import PoolerConfig, PoolingParams
 from services.sampling_params import SamplingParams
 from services.scheduler_messages import (
     AbortRequest,
     KvSnapshotRequest,
     KvSnapshotResponse,
     NumberedKvEvents,
+    RemoveLoraRequest,
     ReplayOutputsRequest,
     StatsRequest,
     StepOutputs,
@@ -68,15 +72,18 @@ FULL_PARAMS = SamplingParams(
     bad_words_token_ids=[[11, 12], [13]],
     structured_outputs=StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True,
                                                field_name="response_format", reasoning_end_token_ids=(5, 6)),
+    pooling=PoolingParams(normalize=False, dimensions=8, second_segment_start=3, use_activation=False),
 )
+POOLER = PoolerConfig("MEAN", False, True, 384, 64, ("no", "yes"))
+LORA = LoRARequest("sql", 1 << 50, "/adapters/sql", "base")
 # Dict order is the order that matters (best first, then the sampled token).
 LOGPROBS = [{9: -0.25, 3: -1.5, 7: -8.0}, {2: -0.1}]
 HANDOFF = KvTransferParams(True, True, "e1", [3, 4], "10.0.0.7", 50051, "p1", 2)
 DELTA = TokenDelta("r", [9, 2], "stop", "END", LOGPROBS, LOGPROBS[1:], FirstTokenTimes(0.25, 1.5, 0.5), 16,
-                   "worker unreachable", True, HANDOFF)
+                   "worker unreachable", True, HANDOFF, [0.6, 0.8])
 PLAN = StepPlan(
     step_id=41,
-    new_requests=[NewRequestData("b", [5, 6, 7, 8], 3, [3, 4], 2, FULL_PARAMS)],
+    new_requests=[NewRequestData("b", [5, 6, 7, 8], 3, [3, 4], 2, FULL_PARAMS, LORA)],
     cached_requests=[CachedRequestData("z", [9], 17, [42, 7]), CachedRequestData("a", [], 3)],
     num_scheduled_tokens={"z": 3, "b": 2, "a": 1},
     finished_request_ids=["gone", "preempted"],
@@ -99,7 +106,7 @@ CHAT = ChatPrompt([{"role": "user", "content": "hi", "name": "ann"},
                    {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"arguments": {}}}]}],
                   add_generation_prompt=False, add_special_tokens=True, tools=[{"type": "function"}],
                   continue_final_message=True)
-SUBMIT = SubmitRequest("r", [1, 2, 3], FULL_PARAMS, "g", "salt", [4, 5], HANDOFF)
+SUBMIT = SubmitRequest("r", [1, 2, 3], FULL_PARAMS, "g", "salt", [4, 5], HANDOFF, LORA)
 TOKENIZED = TokenizeResponse([1, 2], "<s>hi", b"\x01\x02")
 
 # Fields an example may leave at their default: one-of alternatives, and an alias.
@@ -107,13 +114,17 @@ _ALTERNATIVES = {*KINDS, "text", "guided_decoding"}
 # One of each message, every field set (where a field has a default, away from it).
 MESSAGES = [
     Empty(), FULL_PARAMS, FULL_PARAMS.structured_outputs, DELTA, PLAN,
-    StepResult(7, {"a": [9], "b": [2, 4]}, {"a": LOGPROBS[:1]}, {"b": LOGPROBS}, {"c": 1}, [TIER_COUNTS], ["p1"]),
+    StepResult(7, {"a": [9], "b": [2, 4]}, {"a": LOGPROBS[:1]}, {"b": LOGPROBS}, {"c": 1}, [TIER_COUNTS], ["p1"],
+               {"p": [0.6, 0.8]}),
     TIER_COUNTS,
-    WorkerDescription(100, 20, 16, 2048, 49152, (2, 0), "4f1c", 2, 50, "ab" * 16, 737280),
+    WorkerDescription(100, 20, 16, 2048, 49152, (2, 0), "4f1c", 2, 50, "ab" * 16, 737280, POOLER, False, True),
+    FULL_PARAMS.pooling, POOLER,
     EngineStats(3, 4, 0.375, 5, 100, 1 << 40, 1 << 39, HistogramCounts((1, 0, 7), 23.0), CACHE_CONFIG, 64, 32,
                 [KvTierStats("DISK", 1, 2, 3, 4, 5, 6, 7, HistogramCounts((1, 0), 0.5))],
                 SpecDecodingStats(4, 16, 9, [4, 3, 2, 0]), {"local_compute": 6, "external_kv_transfer": 144},
-                KvTransferStats(HistogramCounts((1, 0), 2e6), HistogramCounts((0, 1), 0.03), 1, 2, 3)),
+                KvTransferStats(HistogramCounts((1, 0), 2e6), HistogramCounts((0, 1), 0.03), 1, 2, 3),
+                LoraStats(2, ["sql"], ["chat", "fr"])),
+    LORA, RemoveLoraRequest(7), LoraStats(2, ["sql"], ["chat"]),
     SUBMIT, SubmitBatchRequest([SUBMIT], "s1"), SubmitBatchResponse([SubmitResult(3, "temperature: bad")]),
     AbortRequest("r"), StatsRequest("s1"), StreamOutputsRequest("g"), ReplayOutputsRequest("g", 7, "s1"),
     StepOutputs([DELTA], "s1", 7, True), NumberedKvEvents("s1", 3, True, [b"\x00" * 32], [b"\x01" * 32],

@@ -36,6 +36,7 @@ from scheduler_svc.worker_client import RemoteWorker
 from services.config import EngineConfig
 from services.engine_client import EngineOverloaded, RequestFailed
 from services.invalid_parameter import InvalidParameter
+from services.lora_request import LoRARequest
 from services.messages import TokenDelta
 from services.nats_link import subject
 from services.registry import Lease, Member, Registry
@@ -48,7 +49,10 @@ from corpus import TEXT
 from servers import nats, redis_url  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[2]
-ENGINE = dict(dtype="float32", num_gpu_blocks_override=16, max_model_len=128)
+# It pools as well as it generates (a --pooler-config): pooling requests take the cluster's path too.
+# LoRA enabled (two slots): requests without an adapter run exactly as without it.
+ENGINE = dict(dtype="float32", num_gpu_blocks_override=16, max_model_len=128, pooler_config='{"pooling_type": "LAST"}',
+              enable_lora=True, max_loras=2)
 ENGINE_FLAGS = ["--dtype", "float32", "--num-gpu-blocks-override", "16", "--max-model-len", "128"]
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -114,7 +118,13 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(offline: LLM, reference, nats, redis_url) -> Iterator[Cluster]:
+def reference_vectors(offline: LLM, prompts) -> list[list[float]]:
+    """The offline SDK's embeddings, taken before the cluster reuses its worker."""
+    return [output.outputs.embedding for output in offline.embed(prompts, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def cluster(offline: LLM, reference, reference_vectors, nats, redis_url) -> Iterator[Cluster]:
     cluster = Cluster(offline, nats.url, redis_url)
     yield cluster
     cluster.close()
@@ -185,6 +195,23 @@ def test_greedy_tokens_equal_the_offline_llm_one_message_per_step(client, cluste
     assert len(messages) <= NEW_TOKENS + len(prompts)
     assert max(len({d.request_id for d in m.deltas}) for m in messages) == len(prompts)  # a step of all four
     assert client.stats().num_kv_blocks == 16
+
+
+def test_pooling_requests_come_back_with_their_vectors_over_nats(client, prompts, reference_vectors) -> None:
+    from services.pooling_params import PoolingParams
+
+    async def deltas(stream: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
+        async with aclosing(stream) as items:
+            return [delta async for delta in items]
+
+    async def main() -> list[list[TokenDelta]]:
+        pooling = SamplingParams(pooling=PoolingParams())
+        return await asyncio.gather(*(deltas(client.generate(f"pool-{i}", prompt, pooling))
+                                      for i, prompt in enumerate(prompts)))
+
+    assert client.engine_info().pooler.pooling_type == "LAST"  # from the scheduler's lease
+    for [delta], expected in zip(asyncio.run(main()), reference_vectors):
+        assert delta.finish_reason == "stop" and delta.pooled == pytest.approx(expected, abs=1e-5)
 
 
 def test_parallel_samples_come_back_under_their_child_ids(client, prompts, reference) -> None:
@@ -366,3 +393,26 @@ def test_a_killed_scheduler_ends_its_requests_within_a_second(cluster, nats, red
             lease.stop()
         registry.close()
         log.close()
+
+
+def test_an_adapter_loaded_through_one_gateway_serves_through_another_with_merged_transformers_tokens(
+    client, cluster, nats, redis_url, lora_adapter_dirs, lora_references
+) -> None:
+    prompts, wanted = lora_references
+    lora = LoRARequest("attn8", 7, str(lora_adapter_dirs["attn8"]))
+    asyncio.run(client.add_lora(lora))  # every replica's worker reads and checks it; the registry lists it
+    with pytest.raises(ValueError, match="No adapter found for /no/such/adapter"):
+        asyncio.run(client.add_lora(LoRARequest("missing", 8, "/no/such/adapter")))
+    other = started_client(redis_url, nats.url)
+    try:
+        assert other.lora_requests() == {"attn8": lora}  # read from the registry at its start
+        params = SamplingParams(temperature=0.0, max_tokens=len(wanted["attn8"][0]), ignore_eos=True)
+        tokens = asyncio.run(collect(other.generate("lora-0", prompts[0], params, lora_request=lora)))
+        assert tokens == wanted["attn8"][0]
+        asyncio.run(other.remove_lora(lora.lora_int_id))
+        deadline = time.monotonic() + 5
+        while client.lora_requests():  # the first gateway's next poll of the registry
+            assert time.monotonic() < deadline, client.lora_requests()
+            time.sleep(0.05)
+    finally:
+        other.shutdown()

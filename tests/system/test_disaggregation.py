@@ -22,6 +22,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.app import build_app
 from gateway.cluster.client import ClusterEngineClient
+from gateway.cluster.disaggregation import Disaggregation
+from gateway.cluster.replica import Replica as Placed
 from gateway.metrics import GatewayMetrics
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.main import lease_metadata
@@ -33,6 +35,7 @@ from services.config import EngineConfig
 from services.kv_transfer_messages import KvTransferParams
 from services.messages import EngineStats, TokenDelta
 from services.model_source import resolve_model
+from services.pooling_params import PoolingParams
 from services.registry import Lease, Member, Registry
 from services.sampling_params import SamplingParams
 from services.telemetry import EngineStatsCollector
@@ -163,9 +166,10 @@ def _scrape(replica: Replica) -> str:
 
 
 def block_bytes(replica: Replica) -> int:
-    """Block size x layers x 2 (K and V) x KV heads x head size x element size, from the model's config."""
+    """Block size x layers x 2 (K and V) x KV heads x head size x element size, from the model's config;
+    float16 elements: --kv-cache-dtype auto keeps a float16 cache for GGUF weights run as stored."""
     model = replica.worker_process.model_config
-    return BLOCK * model.num_hidden_layers * 2 * model.num_key_value_heads * model.head_dim * 4  # float32
+    return BLOCK * model.num_hidden_layers * 2 * model.num_key_value_heads * model.head_dim * 2
 
 
 def test_split_requests_decode_the_combined_replicas_tokens_moving_only_full_blocks(pair, client, tokenizer) -> None:
@@ -178,7 +182,7 @@ def test_split_requests_decode_the_combined_replicas_tokens_moving_only_full_blo
     full_blocks = sum((len(p) - 1) // BLOCK for p in long)  # all but the last token's block, none cached yet
     count, bytes_after, failed = moved(decode)
     assert count - fetches == len(long) and failed == 0
-    assert bytes_after - bytes_before == full_blocks * block_bytes(decode) == full_blocks * 737280
+    assert bytes_after - bytes_before == full_blocks * block_bytes(decode) == full_blocks * 368640
     # What the decode replica computed of the split prompts: at most one partial block each.
     sources = decode.stats().prompt_tokens_by_source
     computed = sources["local_compute"] - sources_before.get("local_compute", 0)
@@ -306,6 +310,16 @@ def test_a_hold_nobody_fetches_and_a_fetch_nobody_answers_free_their_blocks(pair
     assert time.monotonic() - started < 3 * FETCH_TIMEOUT_S
     assert tokens(out) == combined(client, [prompt], "silent")[0]
     assert decode.stats().kv_cache_usage == 0  # every block it took for the fetch went back
+
+
+def test_a_pooling_request_is_never_split() -> None:
+    """It pools every prompt position's hidden state where it runs: a decode replica given the
+    prompt's KV would compute only the last block's (docs/pooling.md)."""
+    prefill, decode = (Placed(Member("scheduler", role, "127.0.0.1:1", {"kv_role": role}), None, None, None)
+                       for role in ("kv_producer", "kv_consumer"))
+    split = Disaggregation(BLOCK)
+    assert split.wants_prefill(decode, 8 * BLOCK, [prefill], SamplingParams(max_tokens=1))
+    assert not split.wants_prefill(decode, 8 * BLOCK, [prefill], SamplingParams(pooling=PoolingParams()))
 
 
 def test_a_prefill_replica_that_died_is_recomputed_on_the_decode_side(pair, client, tokenizer) -> None:

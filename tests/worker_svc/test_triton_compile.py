@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from worker_svc.kernels.triton import cache_write, decoder_ops, paged_decode, paged_prefill
+from worker_svc.kernels.triton import cache_write, decoder_ops, paged_decode, paged_prefill, sgmv
 
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 launches = []
@@ -40,7 +40,7 @@ class Recorder:
         return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
 
 
-for module in (cache_write, paged_decode, paged_prefill, decoder_ops):
+for module in (cache_write, paged_decode, paged_prefill, decoder_ops, sgmv):
     for name, value in list(vars(module).items()):
         if isinstance(value, JITFunction) and name.endswith("_kernel"):
             setattr(module, name, Recorder(value))
@@ -72,6 +72,14 @@ def elementwise(hidden, heads, kv_heads, head_dim, intermediate, dtype):
     decoder_ops.silu_and_mul(torch.zeros(4, 2 * intermediate, dtype=dtype))
 
 
+def lora(hidden, rank, out, dtype):
+    # A LoRA shrink and expand (docs/lora.md): rows of three adapters of four slots.
+    segments = [(2, 0, 3), (0, 3, 40), (3, 40, 41)]
+    shrunk = torch.zeros(41, rank, dtype=dtype)
+    sgmv.segmented_mm(torch.zeros(41, hidden, dtype=dtype), torch.zeros(4, rank, hidden, dtype=dtype), segments)
+    sgmv.segmented_mm(shrunk, torch.zeros(4, out, rank, dtype=dtype), segments)
+
+
 # Llama-3-8B, SmolLM2 (GQA 3, head dim 64, also as one TP=2 rank: 6 heads on 2), GQA 1 and 8, both block sizes.
 attention(32, 8, 128, 16, torch.bfloat16)
 attention(9, 3, 64, 16, torch.float32)
@@ -80,6 +88,8 @@ attention(8, 8, 128, 32, torch.float16)
 attention(64, 8, 128, 16, torch.bfloat16)
 elementwise(4096, 32, 8, 128, 14336, torch.bfloat16)
 elementwise(576, 9, 3, 64, 1536, torch.float32)
+lora(4096, 3 * 16, 6144, torch.bfloat16)
+lora(576, 2 * 16, 3072, torch.float32)
 
 
 def signature(kernel, args, kwargs):
@@ -126,6 +136,6 @@ def test_every_kernel_compiles_for_sm90_within_its_shared_memory() -> None:
     results = json.loads(run.stdout.strip().splitlines()[-1])
     kernels = {result["kernel"] for result in results}
     assert kernels == {"_reshape_and_cache_kernel", "_decode_split_kernel", "_merge_splits_kernel", "_prefill_kernel",
-                       "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"}, kernels
+                       "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_segmented_mm_kernel"}, kernels
     for result in results:
         assert result["cubin_bytes"] > 0 and result["shared_bytes"] <= H200_SHARED_MEMORY, result

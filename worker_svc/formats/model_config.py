@@ -18,6 +18,8 @@ from worker_svc.formats.gguf_header import GGUFHeader, read_gguf_header
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 # HF model_type -> our architecture: Mistral is a Llama with a different name.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+# Encoders, served by the pooling runner (docs/pooling.md).
+ENCODER_ARCHITECTURES = ("bert",)
 _UNQUANTIZED = frozenset({"F32", "F16", "BF16"})
 
 
@@ -42,6 +44,17 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # How the file stores its weights, e.g. "GGUF Q4_1+Q8_0"; None for float checkpoints.
     quantization: str | None = None
+    # Its embeddings' prefixes are embeddings too (config.json's is_matryoshka or
+    # matryoshka_dimensions, as vLLM reads them): a request may ask for fewer dimensions.
+    is_matryoshka: bool = False
+    # An encoder (BERT): its token type vocabulary (segments A and B of a pair); 0 for a decoder.
+    type_vocab_size: int = 0
+    # A sequence-classification head (a cross-encoder, a classifier): its labels, by index.
+    labels: tuple[str, ...] = ()
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.architecture in ENCODER_ARCHITECTURES
 
 
 def read_model_config(source: ModelSource) -> ModelConfig:
@@ -119,8 +132,11 @@ def _hf_config(directory: Path) -> ModelConfig:
     raw = read_json(directory / "config.json")
     generation = read_json(directory / "generation_config.json")
     model_type = raw.get("model_type")
+    if model_type in ENCODER_ARCHITECTURES:
+        return _encoder_config(raw)
     if model_type not in HF_MODEL_TYPES:
-        raise ConfigError(f"model_type {model_type!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
+        supported = [*HF_MODEL_TYPES, *ENCODER_ARCHITECTURES]
+        raise ConfigError(f"model_type {model_type!r} is not supported; supported: {', '.join(supported)}")
     architecture = HF_MODEL_TYPES[model_type]
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     # transformers 5 writes "rope_parameters" (theta and scaling in one dict); older configs
@@ -146,10 +162,35 @@ def _hf_config(directory: Path) -> ModelConfig:
         bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
         # generation_config.json holds the stop ids generate() uses (e.g. Llama 3's end-of-turn).
         eos_token_ids=_token_ids(generation.get("eos_token_id", raw.get("eos_token_id"))),
+        is_matryoshka=bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions")),
     )
     if not config.eos_token_ids:
         config = replace(config, eos_token_ids=_tokenizer_eos(directory))
     return config
+
+
+def _encoder_config(raw: dict[str, Any]) -> ModelConfig:
+    """A BERT-family encoder's config.json; the norms' epsilon is its layer_norm_eps."""
+    if raw.get("position_embedding_type", "absolute") != "absolute" or raw.get("hidden_act", "gelu") != "gelu":
+        raise ConfigError("only BERT encoders with absolute positions and gelu are supported")
+    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+    return ModelConfig(
+        architecture=raw["model_type"], vocab_size=raw["vocab_size"], hidden_size=hidden,
+        intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+        rms_norm_eps=raw.get("layer_norm_eps", 1e-12), rope_theta=0.0,
+        max_position_embeddings=raw["max_position_embeddings"], tie_word_embeddings=False, attention_bias=True,
+        is_matryoshka=bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions")),
+        type_vocab_size=raw.get("type_vocab_size", 2),
+        labels=_labels(raw) if any(a.endswith("ForSequenceClassification") for a in raw.get("architectures", [])) else (),
+    )
+
+
+def _labels(raw: dict[str, Any]) -> tuple[str, ...]:
+    """A classification head's label names in index order (transformers' id2label, LABEL_i without one)."""
+    names = raw.get("id2label") or {}
+    count = len(names) or raw.get("num_labels", 2)
+    return tuple(names.get(str(i), f"LABEL_{i}") for i in range(count))
 
 
 def _tokenizer_eos(directory: Path) -> tuple[int, ...]:

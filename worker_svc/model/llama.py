@@ -21,6 +21,7 @@ from worker_svc.formats.q4_weights import Q4Blocks
 from worker_svc.formats.q8_weights import Q8Blocks
 from worker_svc.group.rank_group import RankGroup
 from worker_svc.model.layers import Linear, RMSNorm, RotaryEmbedding
+from worker_svc.model.lora import LoraContext
 from worker_svc.model.ops import Ops, Rope, TorchOps
 from worker_svc.model.q4_linear import DequantScratch, Q4Linear
 from worker_svc.model.q8_linear import Q8Linear
@@ -28,6 +29,9 @@ from worker_svc.model.weights import Weights
 
 
 class Attention(nn.Module):
+    lora: LoraContext | None = None  # set with the layer's, by LlamaForCausalLM.attach_lora
+    layer_index = 0
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, group: RankGroup, ops: Ops) -> None:
         super().__init__()
         self.group = group
@@ -49,11 +53,16 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.ops.rotate(rope, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
-        return self.group.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale).reshape(-1, self.q_size)
+        lora = self.lora
+        projected = self.o_proj(out) if lora is None else lora.project(self.o_proj, self.layer_index, "o_proj", out)
+        return self.group.all_reduce(projected)
 
 
 class MLP(nn.Module):
+    lora: LoraContext | None = None
+    layer_index = 0
+
     def __init__(self, config: ModelConfig, group: RankGroup, ops: Ops) -> None:
         super().__init__()
         self.group = group
@@ -63,7 +72,10 @@ class MLP(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The MLP's output from gate_up_proj's (the layer computes it with the norm before it)."""
-        return self.group.all_reduce(self.ops.silu_and_mul_linear(self.down_proj, gate_up))
+        if self.lora is None or self.lora.step is None:
+            return self.group.all_reduce(self.ops.silu_and_mul_linear(self.down_proj, gate_up))
+        activated = self.ops.silu_and_mul(gate_up)
+        return self.group.all_reduce(self.lora.project(self.down_proj, self.layer_index, "down_proj", activated))
 
 
 class VocabEmbedding(nn.Embedding):
@@ -95,6 +107,9 @@ class VocabEmbedding(nn.Embedding):
 
 
 class DecoderLayer(nn.Module):
+    lora: LoraContext | None = None
+    layer_index = 0
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, group: RankGroup, ops: Ops) -> None:
         super().__init__()
         self.ops = ops
@@ -109,11 +124,20 @@ class DecoderLayer(nn.Module):
         """The MLP's output and the residual stream it is yet to be added to. `hidden` is the
         previous layer's MLP output, not yet in `residual`; or, in a stage's first layer
         (residual None), the whole hidden state."""
-        qkv, residual = self.ops.add_norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        qkv, residual = self._norm_linear(self.input_layernorm, self.self_attn.qkv_proj, "qkv_proj", hidden, residual)
         attn = self.self_attn(rope, qkv, kv_cache, metadata)
-        gate_up, residual = self.ops.add_norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, attn,
-                                                     residual)
+        gate_up, residual = self._norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, "gate_up_proj",
+                                              attn, residual)
         return self.mlp(gate_up), residual
+
+    def _norm_linear(self, norm: RMSNorm, linear: nn.Module, fused: str, x: torch.Tensor,
+                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ops.add_norm_linear; in a step with adapters the norm's output is kept apart,
+        as the adapters' input, and the projection runs unfused."""
+        if self.lora is None or self.lora.step is None:
+            return self.ops.add_norm_linear(norm, linear, x, residual)
+        normed, summed = (self.ops.norm(norm, x), x) if residual is None else self.ops.add_norm(norm, x, residual)
+        return self.lora.project(linear, self.layer_index, fused, normed), summed
 
 
 class LlamaForCausalLM(nn.Module):
@@ -174,6 +198,12 @@ class LlamaForCausalLM(nn.Module):
         they need it. On the last stage only; None on its ranks that do not sample."""
         logits = self.group.gather_vocab(self.lm_head(self.ops.norm(self.norm, hidden)))
         return logits[:, : self.config.vocab_size].float() if logits is not None else None
+
+    def attach_lora(self, lora: LoraContext) -> None:
+        """Every layer reads the adapters' slots and the step's grouping from `lora`."""
+        for index, layer in enumerate(self.layers):
+            for module in (layer, layer.self_attn, layer.mlp):
+                module.lora, module.layer_index = lora, index
 
     def load_weights(self, weights: Weights) -> None:
         """Copy transformers-named weights in, fusing q/k/v and gate/up; projections

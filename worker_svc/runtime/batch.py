@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.lora_request import LoRARequest
 from services.messages import StepPlan
 from services.sampling_params import SamplingParams
 from worker_svc.attention.backend import BatchLayout
@@ -40,6 +41,9 @@ class RequestState:
     # one step later, or (async scheduling) two, and a step ahead reads its input from
     # the InputBatch's last_sampled on the device meanwhile.
     num_sampled_ahead: int = 0
+    # A pooling request's vector so far (worker_svc/runtime/pooler.py: MEAN's running sum).
+    pooled: torch.Tensor | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -60,6 +64,7 @@ class StepInputs:
     # each request's last token and its drafts, all verified; and those requests in order.
     spec_rows: torch.Tensor | None = None
     spec_requests: list[tuple[str, list[int]]] | None = None
+    token_requests: torch.Tensor | None = None  # [T] each row's index in plan order (on the device)
 
 
 class InputBatch:
@@ -158,8 +163,10 @@ class InputBatch:
             input_ids += known
             positions += range(start, start + count)
             request_of_token += [index] * count
-            # Only a chunk that reaches the last token (sampled here or not) yields a new token.
-            if start + count == len(state.token_ids) + state.num_sampled_ahead:
+            # Only a chunk that reaches the last token (sampled here or not) yields a new token;
+            # a pooling request's yields its vector instead (worker_svc/runtime/pooler.py).
+            if (start + count == len(state.token_ids) + state.num_sampled_ahead
+                    and state.sampling_params.pooling is None):
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append((request_id, state))
         # Index lists are built here, where a range costs C speed, and go up in one copy: a
@@ -185,6 +192,7 @@ class InputBatch:
             row_starts=row_starts,
             spec_rows=spec_index if spec_requests else None,
             spec_requests=spec_requests or None,
+            token_requests=token_requests,
         )
 
     def _sampling(self, rows: torch.Tensor, states: list[RequestState]) -> SamplingBatch:

@@ -47,9 +47,13 @@ def torch_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, config.dtype)
 
 
-def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type: the model's (--kv-cache-dtype auto) or the 16 bits asked for."""
-    return model_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype, runs_q4: bool) -> torch.dtype:
+    """The KV cache's element type: the 16 bits asked for, or with --kv-cache-dtype auto float16 for
+    GGUF weights run as stored (llama.cpp's default for these files: twice the tokens in the same
+    memory) and the model's dtype otherwise (the dense path keeps transformers' exact tokens)."""
+    if config.kv_cache_dtype != "auto":
+        return getattr(torch, config.kv_cache_dtype)
+    return torch.float16 if runs_q4 else model_dtype
 
 
 def runs_q4_as_stored(config: EngineConfig, device: torch.device, model: ModelConfig) -> bool:

@@ -11,8 +11,11 @@ from dataclasses import dataclass
 
 from services.config import ConfigError, EngineConfig
 from services.generation_config import sampling_defaults
+from services.lora_modules import LoRAModulePath
 from services.model_source import ModelFormat, ModelSource, resolve_model, resolve_tokenizer
 from worker_svc.formats.model_config import ModelConfig, read_model_config
+from worker_svc.formats.peft_adapter import LoraAdapterError, check_peft_adapter
+from worker_svc.formats.sentence_transformers import max_seq_length
 from worker_svc.group.shard import Shard
 
 # vLLM's variable, so its launch scripts carry over.
@@ -37,12 +40,30 @@ def check_model(config: EngineConfig) -> CheckedModel:
     Shard(tp_size=config.tensor_parallel_size, pp_size=config.pipeline_parallel_size).check(model_config)
     limit = model_config.max_position_embeddings
     max_model_len = config.max_model_len or limit
+    if model_config.is_encoder:
+        _check_encoder(config, source)
+        # As vLLM: an encoder's inputs stop at the length it was trained on, when it says.
+        max_model_len = config.max_model_len or min(limit, max_seq_length(source.path) or limit)
+        if config.max_num_batched_tokens < max_model_len:
+            raise ConfigError(f"--max-num-batched-tokens {config.max_num_batched_tokens}: an encoder computes each "
+                              f"input whole in one step, so it must be at least --max-model-len ({max_model_len})")
     if max_model_len > limit and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN, "").lower() not in ("1", "true"):
         raise ConfigError(
             f"--max-model-len {max_model_len}: {source.name} has {limit} positions; use at most {limit}, or set "
             f"{ALLOW_LONG_MAX_MODEL_LEN}=1 to allow more (outputs past {limit} tokens may be wrong)"
         )
     return CheckedModel(source, model_config, max_model_len)
+
+
+def _check_encoder(config: EngineConfig, source: ModelSource) -> None:
+    """What an encoder (docs/pooling.md) cannot do: generate, split over ranks, offload KV it does not keep."""
+    if config.runner == "generate":
+        raise ConfigError(f"--runner generate: {source.name} is an encoder, it only pools; use --runner pooling")
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        raise ConfigError("an encoder model runs on one rank: drop --tensor-parallel-size and --pipeline-parallel-size")
+    if config.has_kv_tiers or config.speculative_config is not None:
+        raise ConfigError("an encoder keeps no KV cache and drafts no tokens: drop the --kv-offloading-*, "
+                          "--kv-shared-* and --speculative-config flags")
 
 
 def check_device(config: EngineConfig) -> None:
@@ -61,3 +82,15 @@ def _cuda_driver_devices() -> int:
     if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
         return 0
     return count.value
+
+
+def check_lora_modules(modules: list[LoRAModulePath], config: EngineConfig, model: ModelConfig) -> None:
+    """--lora-modules where no worker reads them before serving (`cluster up`): each adapter
+    checked from its config and header, a bad one a ConfigError naming it."""
+    if modules and not config.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
+    for module in modules:
+        try:
+            check_peft_adapter(module.path, model, config.max_lora_rank)
+        except LoraAdapterError as exc:
+            raise ConfigError(f"--lora-modules {module.name}={module.path}: {exc}") from exc

@@ -12,11 +12,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.config import EngineConfig
+from services.lora_request import LoRARequest
 from services.messages import StepPlan, StepResult, WorkerDescription
 from services.structured_outputs import StructuredOutputsParams
+from worker_svc.formats.sentence_transformers import pooling_defaults
 from worker_svc.group.outcomes import Outcomes
 from worker_svc.group.rank_group import RankGroup
 from worker_svc.kernels.cpu.threads import step_threads
+from worker_svc.model.bert import BertModel
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.q4_linear import Q4Linear
 from worker_svc.model.q8_linear import Q8Linear
@@ -27,7 +30,9 @@ from worker_svc.runtime.device import kv_cache_dtype, runs_q4_as_stored, torch_d
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
 from worker_svc.runtime.kv_sizing import size_kv_cache
 from worker_svc.runtime.kv_tiers import build_kv_transfer
+from worker_svc.runtime.lora_manager import LoraManager
 from worker_svc.runtime.plan_check import check_plan
+from worker_svc.runtime.pooler import Pooler, resolve_pooler, token_type_ids
 from worker_svc.runtime.preflight import check_model
 from worker_svc.runtime.sampling.step_outputs import StepOutputs
 
@@ -54,28 +59,58 @@ class Worker:
         self.max_model_len = checked.max_model_len
         self.device = torch_device(config, group.shard.rank)
         self.dtype = torch_dtype(config, self.device)
-        self.kv_dtype = kv_cache_dtype(config, self.dtype)
+        # An encoder (BERT, docs/pooling.md) only pools: no KV cache, no sampling, one rank.
+        self.encoder = checked.config.is_encoder
+        self.lora: LoraManager | None = None  # --enable-lora's adapters (a decoder's, docs/lora.md)
+        self.runs_q4 = not self.encoder and runs_q4_as_stored(config, self.device, checked.config)
+        self.kv_dtype = kv_cache_dtype(config, self.dtype, self.runs_q4)
         torch.manual_seed(config.seed)  # what requests without a seed of their own draw from, as in vLLM
         started = time.perf_counter()
-        self.runs_q4 = runs_q4_as_stored(config, self.device, checked.config)
-        self.model_config, weights = load_weights(self.source, self.dtype, keep_quantized=self.runs_q4, shard=group.shard)
-        self.local_config = group.shard.local_config(self.model_config)  # the heads and layers this rank computes
+        if self.encoder:
+            self.model_config = self.local_config = checked.config
+            self.model = BertModel.load(self.source.path, checked.config, self.dtype, self.device)
+            self.weights_bytes = sum(p.nbytes for p in self.model.parameters())
+        else:
+            self._load_decoder(config, group)
         self.load_seconds = time.perf_counter() - started
-        self.weights_bytes = sum(tensor.nbytes for tensor in weights.values())
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()  # CompileGrammar calls come on several threads
+        self.block_size = config.block_size
+        self.requests: dict[str, RequestState] = {}
+        self.batch = InputBatch(-(-self.max_model_len // self.block_size), self.block_size, self.device)
+        self.outputs = StepOutputs(self.model, self.model_config, self.batch, lambda: self.grammars)
+        self.pooler_config = resolve_pooler(config, self.model_config,
+                                            pooling_defaults(self.source.path) if self.encoder else {})
+        final_norm = (lambda rows: rows) if self.encoder else (lambda rows: self.model.ops.norm(self.model.norm, rows))
+        head = self.model.classify if self.model_config.labels else None
+        self.pooler = Pooler(self.pooler_config, final_norm, head) if self.pooler_config is not None else None
+        self.scheduler_instance_id = ""  # whose requests those are
+        self.last_step_at = time.monotonic()  # when a step last began or ended
+        if self.encoder:
+            self._no_kv_cache()
+        else:
+            self._allocate_kv_cache(config, group)
+        # A pipeline's leader gets each plan's outcome later, from the last stage.
+        self._outcomes = Outcomes(group) if group.shard.rank == 0 and not group.shard.samples else None
+        for line in self.summary():
+            logger.info("%s", line)
+
+    def _load_decoder(self, config: EngineConfig, group: RankGroup) -> None:
+        self.model_config, weights = load_weights(self.source, self.dtype, keep_quantized=self.runs_q4, shard=group.shard)
+        self.local_config = group.shard.local_config(self.model_config)  # the heads and layers this rank computes
+        self.weights_bytes = sum(tensor.nbytes for tensor in weights.values())
         self.attention_backend = kernel_choice.attention_backend(config, self.device, self.local_config, self.dtype)
         with torch.device("meta"):
             self.model = LlamaForCausalLM(self.model_config, self.attention_backend, self.max_model_len, self.device,
                                           group, kernel_choice.decoder_ops(config, self.device, self.dtype))
         self.model.load_weights({name: t.to(self.device) for name, t in weights.items()})
         self.model.eval()
-        self.block_size = config.block_size
-        self.requests: dict[str, RequestState] = {}
-        self.batch = InputBatch(-(-self.max_model_len // self.block_size), self.block_size, self.device)
-        self.outputs = StepOutputs(self.model, self.model_config, self.batch, lambda: self.grammars)
-        self.scheduler_instance_id = ""  # whose requests those are
-        self.last_step_at = time.monotonic()  # when a step last began or ended
+        if config.enable_lora:
+            self.lora = LoraManager(self.model_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                                    self.dtype, self.device, kernel_choice.uses_triton(config, self.device))
+            self.model.attach_lora(self.lora.context)
+
+    def _allocate_kv_cache(self, config: EngineConfig, group: RankGroup) -> None:
         # Block ids are the group's: every rank holds the same number, its own heads' and layers' share of each.
         self.num_blocks = group.minimum(size_kv_cache(self))
         self.kv_caches = allocate_kv_cache(self.local_config, self.num_blocks, self.block_size, self.kv_dtype, self.device)
@@ -96,10 +131,13 @@ class Worker:
             build_kv_transfer(self) if config.has_kv_connector or one_rank else (None, 0, ""))
         self.graphs = kernel_choice.decode_graphs(config, self.device, group, self.model, self.attention_backend,
                                             self.kv_caches, self.batch)
-        # A pipeline's leader gets each plan's outcome later, from the last stage.
-        self._outcomes = Outcomes(group) if group.shard.rank == 0 and not group.shard.samples else None
-        for line in self.summary():
-            logger.info("%s", line)
+
+    def _no_kv_cache(self) -> None:
+        """An encoder's blocks hold nothing: they only count, for the scheduler, the tokens of
+        the requests in a step (each ends in the step that computes it), and of one plan ahead."""
+        per_step = -(-self.config.max_num_batched_tokens // self.block_size) + self.config.max_num_seqs
+        self.num_blocks, self.num_host_blocks, self.num_offload_blocks, self.kv_layout_key = 2 * per_step, 0, 0, ""
+        self.kv_caches, self.host_kv_caches, self.kv_transfer, self.graphs = [], [], None, None
 
     def summary(self) -> list[str]:
         """The start-up summary's lines on the model and its KV cache."""
@@ -112,6 +150,12 @@ class Worker:
                       f"the rest in {dtype}")
         else:
             stored = f"{model.quantization} dequantized to {dtype}" if model.quantization else dtype
+        if self.encoder:
+            return [f"model {self.config.model}: {self.source.path} ({model.architecture} encoder, "
+                    f"{model.num_hidden_layers} layers), pooling {self.pooler_config.pooling_type}"
+                    f"{' normalized' if self.pooler_config.normalize else ''}, inputs up to {self.max_model_len} tokens",
+                    f"weights: {dtype} on {self.device}, {self.weights_bytes / 1e9:.2f} GB, loaded in "
+                    f"{self.load_seconds:.1f} s; no KV cache (an encoder)"]
         kv_tokens = self.num_blocks * self.block_size
         kv_bytes = self.num_blocks * bytes_per_block(self.local_config, self.block_size, self.kv_dtype)
         shard, local = self.group.shard, self.local_config
@@ -145,6 +189,9 @@ class Worker:
             num_offload_blocks=self.num_offload_blocks,
             kv_layout_key=self.kv_layout_key,
             kv_block_bytes=bytes_per_block(self.local_config, self.block_size, self.kv_dtype),
+            pooler=self.pooler_config,
+            generates=self.config.runner != "pooling" and not self.encoder,
+            bidirectional=self.encoder,
         )
 
     @property
@@ -161,6 +208,22 @@ class Worker:
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compiles a constraint into the grammar cache; raises InvalidParameter when it is invalid."""
         self.grammars.compile(params)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Reads and checks an adapter into the host cache (LoraAdapterError names what is
+        wrong), on the caller's thread: steps go on meanwhile."""
+        self._lora_manager().add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora_manager().remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.lora.list_loras() if self.lora is not None else []
+
+    def _lora_manager(self) -> LoraManager:
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled: start the server with --enable-lora")
+        return self.lora
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs a plan of the scheduler's; a group's leader first hands it to every rank."""
@@ -260,8 +323,16 @@ class Worker:
         """The step's forward; on the sampling rank, its outcome (an exception when sampling failed)."""
         shard = self.group.shard
         inputs = self.batch.prepare(plan, self.requests)
-        hidden = self.graphs.forward(inputs.input_ids, inputs.positions, inputs.layout) if self.graphs else None
-        if hidden is None:
+        adapters = self.lora is not None and self.lora.step(
+            [self.requests[request_id].lora_request for request_id in plan.num_scheduled_tokens],
+            list(plan.num_scheduled_tokens.values()), inputs.token_requests) is not None
+        # A captured graph knows no adapter: a step with one runs eagerly.
+        graphs = self.graphs if not adapters else None
+        hidden = graphs.forward(inputs.input_ids, inputs.positions, inputs.layout) if graphs else None
+        if self.encoder:
+            hidden = self.model(inputs.input_ids, inputs.positions, token_type_ids(plan, self.requests, self.device),
+                                list(plan.num_scheduled_tokens.values()))
+        elif hidden is None:
             metadata = self.attention_backend.build_metadata(inputs.layout)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
         outcome: StepResult | Exception | None = None
@@ -271,10 +342,12 @@ class Worker:
             logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.sample_request_ids else None
             spec_logits = self.model.compute_logits(hidden[inputs.spec_rows]) if inputs.spec_requests else None
             prompt_logits = self.outputs.prompt_logits(plan, self.requests, inputs.row_starts, hidden)
+            pooled = self.pooler.pool(plan, inputs.row_starts, hidden, self.requests) if self.pooler else {}
             if shard.samples:
                 try:
                     outcome = self.outputs.sample(plan.step_id, inputs, self.requests, logits, prompt_logits,
                                                   spec_logits)
+                    outcome.pooled = pooled
                 except Exception as exc:  # this step fails on every rank alike
                     outcome = exc
         emitted = outcome.sampled_token_ids if isinstance(outcome, StepResult) else {}
@@ -301,6 +374,9 @@ class Worker:
             if samples and new.sampling_params.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(new.sampling_params.seed)
             constraint = new.sampling_params.structured_outputs
+            if new.lora_request is not None and self.lora is None:
+                raise RuntimeError(f"{new.request_id} names adapter {new.lora_request.lora_name!r}, and this worker "
+                                   "runs without --enable-lora")
             state = RequestState(
                 list(new.token_ids),
                 new.num_prompt_tokens,
@@ -309,6 +385,7 @@ class Worker:
                 generator,
                 self.grammars.request_grammar(constraint, new.token_ids[new.num_prompt_tokens:])
                 if constraint and samples else None,
+                lora_request=new.lora_request,
             )
             self._add_request(new.request_id, state, list(new.block_ids))
         for cached in plan.cached_requests:

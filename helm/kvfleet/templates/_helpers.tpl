@@ -232,6 +232,30 @@ affinity:
 {{- end }}
 {{- end }}
 
+{{- define "kvfleet.loraVolume" -}}
+{{- with .Values.loraAdapters }}
+{{- if .existingClaim }}
+- name: lora-adapters
+  persistentVolumeClaim:
+    claimName: {{ .existingClaim }}
+    readOnly: true
+{{- else if .hostPath }}
+- name: lora-adapters
+  hostPath:
+    path: {{ .hostPath }}
+    type: Directory
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.loraMount" -}}
+{{- if or .Values.loraAdapters.existingClaim .Values.loraAdapters.hostPath }}
+- name: lora-adapters
+  mountPath: {{ .Values.loraAdapters.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
 {{- define "kvfleet.modelCacheMount" -}}
 - name: models
   mountPath: {{ .Values.modelCache.mountPath }}

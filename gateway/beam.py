@@ -62,7 +62,7 @@ class _Rounds:
     async def _round(self, round_id: str, prompts: list[list[int]], params: SamplingParams) -> list[dict[int, float]]:
         async def top(index: int, prompt: list[int]) -> dict[int, float]:
             request = self._engine.generate(f"{round_id}-{index}", prompt, params, self._cache_salt,
-                                            self._lora_request)
+                                            lora_request=self._lora_request)
             async with aclosing(request) as deltas:
                 entries = [entry async for delta in deltas for entry in delta.logprobs or []]
             return entries[0]

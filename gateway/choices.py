@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from gateway.metrics import GatewayMetrics
 from services.engine_client import EngineClient
+from services.kv_transfer_messages import KvTransferParams
 from services.lora_request import LoRARequest
 from services.messages import TokenDelta
 from services.parallel_sampling import child_params, engine_request_ids, num_children
@@ -30,6 +31,8 @@ class ChoiceDelta:
     # prompt token after the first.
     prompt_logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0  # of the prompt, from the prefix cache: told with the first token
+    # With the last delta of a request that asked its KV held (vLLM's do_remote_decode): where it waits.
+    kv_transfer_params: KvTransferParams | None = None
 
 
 class _Meters:
@@ -73,6 +76,7 @@ async def generate_choices(
     prompt_token_ids: list[int],
     params: SamplingParams,
     cache_salt: str | None,
+    kv_transfer_params: KvTransferParams | None = None,
     lora_request: LoRARequest | None = None,
 ) -> AsyncGenerator[ChoiceDelta, None]:
     count = num_children(params)
@@ -81,7 +85,8 @@ async def generate_choices(
     ranked = params.best_of is not None and params.best_of > params.n
     rejected = False
     try:
-        async with aclosing(engine.generate(request_id, prompt_token_ids, params, cache_salt, lora_request)) as deltas:
+        async with aclosing(engine.generate(request_id, prompt_token_ids, params, cache_salt,
+                                            kv_transfer_params, lora_request)) as deltas:
             if ranked:
                 choices = _ranked(engine, tokenizer, meters, deltas, request_id, prompt_token_ids, params)
             else:
@@ -127,7 +132,7 @@ async def _live(
         started.add(delta.request_id)
         with_prompt = first and params.prompt_logprobs is not None
         yield ChoiceDelta(index[delta.request_id], update, (prompt_logprobs or []) if with_prompt else None,
-                          delta.num_cached_tokens)
+                          delta.num_cached_tokens, delta.kv_transfer_params)
         if all(stream.finished for stream in streams.values()):
             return
 

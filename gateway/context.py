@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
+import msgspec
 from fastapi import Request
 
 from gateway.beam import beam_choices
 from gateway.choices import ChoiceDelta, generate_choices
 from gateway.drain import Drain
-from gateway.errors import OpenAIError
+from gateway.errors import OpenAIError, bad_request
 from gateway.limits import RequestLimits
 from gateway.lora_adapters import LoraAdapters
 from gateway.metrics import GatewayMetrics
@@ -20,6 +21,7 @@ from gateway.protocol import SamplingFields
 from gateway.response_options import ResponseOptions
 from gateway.tool_calls import ChatOptions
 from services.engine_client import EngineClient
+from services.kv_transfer_messages import KvTransferParams
 from services.lora_request import LoRARequest
 from services.messages import EngineInfo
 from services.pooling_params import PoolerConfig
@@ -111,8 +113,18 @@ class GatewayContext:
             )
         return generate_choices(
             self.engine, self.tokenizer, self.metrics, request_id, prompt_token_ids, params, body.cache_salt,
-            self.lora(body.model),
+            _kv_transfer_params(body), self.lora(body.model),
         )
+
+
+def _kv_transfer_params(body: SamplingFields) -> KvTransferParams | None:
+    """vLLM's kv_transfer_params of the body, checked (docs/disaggregation.md)."""
+    if body.kv_transfer_params is None:
+        return None
+    try:
+        return msgspec.convert(body.kv_transfer_params, KvTransferParams)
+    except msgspec.ValidationError as exc:
+        raise bad_request("kv_transfer_params", f"kv_transfer_params: {exc}") from exc
 
 
 def get_context(request: Request) -> GatewayContext:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from gateway.cluster.disaggregation import DEFAULT_PD_MIN_PREFILL_TOKENS
 from gateway.cluster.gateway_id import checked_gateway_name
 from gateway.cluster.migration import DEFAULT_MIGRATION_LIMIT
 from gateway.cluster.routing import ROUTING_POLICIES
@@ -57,6 +58,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing-policy", choices=ROUTING_POLICIES, default="prefix",
                         help="which scheduler replica takes a request: where its prompt's prefix is cached, "
                         "balanced with load (prefix), the least loaded, or each in turn (default: %(default)s)")
+    parser.add_argument("--pd-min-prefill-tokens", type=at_least(0), default=DEFAULT_PD_MIN_PREFILL_TOKENS,
+                        help="with prefill replicas (--kv-transfer-config kv_producer) in the fleet: a prompt with "
+                        "more tokens than this not cached on the decode replica chosen for it is prefilled on a "
+                        "prefill replica, its KV moved worker to worker (docs/disaggregation.md) "
+                        "(default: %(default)s)")
     parser.add_argument("--listen-fd", type=int, metavar="FD",
                         help="serve on this inherited listening socket (TCP or Unix) instead of binding one, taking "
                         "its connections only once the cluster can serve them: how `cluster up --api-server-count N` "
@@ -81,7 +87,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     registry = Registry(args.redis_url)
     client = ClusterEngineClient(args.redis_url, args.nats_url, gateway_name=args.gateway_name,
                                  lease_ttl_s=args.lease_ttl, routing_policy=args.routing_policy,
-                                 migration_limit=args.migration_limit)
+                                 migration_limit=args.migration_limit,
+                                 pd_min_prefill_tokens=args.pd_min_prefill_tokens)
     encoder = RemoteTokenizer(lambda: [member.address for member in registry.members("tokenizer")],
                               lease_ttl_s=args.lease_ttl)
     app = build_app(client, encoder, args.served_model_name or [args.model], args.api_key,

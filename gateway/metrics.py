@@ -115,6 +115,22 @@ class GatewayMetrics:
         self.inference_time = self._histogram(
             "vllm:request_inference_time_seconds", "Seconds from first scheduled to the last token.", REQUEST_LATENCY
         )
+        # Prefill/decode disaggregation (docs/disaggregation.md): a split request's time to
+        # first token, phase by phase. No vLLM names: vLLM's proxy sees only the two requests.
+        self.pd_queue_time = self._histogram(
+            "kvfleet:pd_queue_time_seconds", "Split requests: seconds queued on the prefill and decode replicas.",
+            TIME_TO_FIRST_TOKEN)
+        self.pd_prefill_time = self._histogram(
+            "kvfleet:pd_prefill_time_seconds", "Split requests: seconds of prefill on the prefill replica.",
+            TIME_TO_FIRST_TOKEN)
+        self.pd_transfer_time = self._histogram(
+            "kvfleet:pd_kv_transfer_time_seconds",
+            "Split requests: seconds the decode replica waited for the prompt's KV from the prefill replica.",
+            TIME_TO_FIRST_TOKEN)
+        self.pd_first_decode_time = self._histogram(
+            "kvfleet:pd_first_decode_step_seconds",
+            "Split requests: seconds from the KV's arrival to the first token (the uncached tail and one decode).",
+            TIME_TO_FIRST_TOKEN)
         self.params_n = self._histogram("vllm:request_params_n", "The n of each API request.", REQUEST_PARAMS_N)
         # No vLLM name for it: vLLM queues without bound.
         self.requests_rejected = self._counter(
@@ -206,6 +222,11 @@ class RequestMeter:
             metrics.prefill_time.observe(times.prefill_s)
             metrics.decode_time.observe(decode)
             metrics.inference_time.observe(times.prefill_s + decode)
+            if times.remote_prefill_s:  # split: prefilled on a prefill replica, its KV moved here
+                metrics.pd_queue_time.observe(times.remote_queued_s + times.queued_s)
+                metrics.pd_prefill_time.observe(times.remote_prefill_s)
+                metrics.pd_transfer_time.observe(times.kv_transfer_s)
+                metrics.pd_first_decode_time.observe(times.prefill_s - times.kv_transfer_s)
         token_counts = metrics.token_counts()
         if token_counts is not None:
             token_counts.prompt.observe(self._num_prompt_tokens)

@@ -169,6 +169,9 @@ class SamplingFields(_Body):
     prompt_logprobs: int | None = None  # -1: the whole vocabulary
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: max_model_len of them
     cache_salt: str | None = None  # keeps this request's prefix-cache entries apart from other salts'
+    # vLLM's, as its disaggregation proxy sends them: do_remote_decode (compute the prompt's
+    # KV and hold it), or do_remote_prefill with where it waits (docs/disaggregation.md).
+    kv_transfer_params: dict[str, Any] | None = None
     # Beam search with beam width best_of or n, as vLLM's server runs it; the n best beams come back.
     use_beam_search: bool = False
     # |length_penalty| <= 10 keeps length ** length_penalty a finite, non-zero float.
@@ -364,6 +367,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: where a do_remote_decode request's KV waits
 
 
 class CompletionChunkChoice(_OmitsNone, CompletionChoice):
@@ -438,6 +442,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra
     prompt_token_ids: list[int] | None = None  # vLLM's extra, with return_token_ids
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: where a do_remote_decode request's KV waits
 
 
 class DeltaFunctionCall(BaseModel):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.engine_thread import EngineThread
 from services.engine_client import EngineUnavailable, RequestFailed, RequestLost
+from services.kv_transfer_messages import KvTransferParams
 from services.lora_request import LoRARequest
 from services.messages import EngineInfo, TokenDelta
 from services.parallel_sampling import num_children
@@ -61,8 +62,10 @@ class AsyncEngine(EngineThread[_Add, RequestStream]):
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
-        lora_request: LoRARequest | None = None,
+        kv_transfer_params: KvTransferParams | None = None, lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[TokenDelta]:
+        """`kv_transfer_params` change nothing here: the embedded engine has no worker another
+        replica could fetch from, nor one to fetch with (serve refuses --kv-transfer-config)."""
         stream = RequestStream(request_id, num_children(params))
         if params.structured_outputs is not None:  # off the loop: a new grammar takes milliseconds to compile
             await asyncio.to_thread(self.core.compile_grammar, params)

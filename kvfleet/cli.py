@@ -145,6 +145,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--api-server-count {args.api_server_count}: `kvfleet serve` answers HTTP in the one "
                           "process its engine runs in; for several HTTP processes on one port, run `kvfleet cluster "
                           f"up --api-server-count {args.api_server_count}` (gateways in front of the engine)")
+    if args.command in ("serve", "generate", "run-batch") and getattr(args, "kv_transfer_config", None):
+        raise ConfigError("--kv-transfer-config: prefill/decode disaggregation needs replicas of the cluster's roles "
+                          "(kvfleet worker and scheduler, or cluster up): another replica's worker fetches the KV, "
+                          "and `kvfleet serve` runs its engine in process (docs/disaggregation.md)")
     notes = EngineConfig(**engine_args(args)).ignored() if hasattr(args, "model") else []
     if hasattr(args, "disable_log_requests"):
         notes += http_ignored(args)

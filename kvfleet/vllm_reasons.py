@@ -202,7 +202,6 @@ FIELD_REASONS: dict[str, str] = {
     "response_format": "on completions, use structured_outputs (json, regex, choice, grammar) to constrain the output",
     "priority": "kvfleet schedules first come, first served; drop it",
     "request_id": "kvfleet names each request itself: the response's id",
-    "kv_transfer_params": "disaggregated prefill (KV transfer) is not supported",
     "vllm_xargs": "kvfleet loads no logits-processor plugins to pass arguments to; drop it",
     "repetition_detection": "use repetition_penalty, frequency_penalty or stop strings against repetition",
     "reasoning_effort": "kvfleet passes no reasoning_effort to the chat template; say it in the messages",

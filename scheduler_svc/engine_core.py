@@ -15,12 +15,14 @@ from typing import Protocol
 import msgspec
 
 from scheduler_svc.kv_connector import KvConnector
+from scheduler_svc.kv_handoff import KvHandoff
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from services.config import EngineConfig
 from services.engine_client import EngineUnavailable
 from services.invalid_parameter import InvalidParameter
 from services.kv_block_files import file_tiers
+from services.kv_transfer_messages import KvTransferParams
 from services.lora_request import LoRARequest
 from services.messages import (
     CacheConfigInfo,
@@ -70,7 +72,9 @@ class WorkerHandle(Protocol):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, worker: WorkerHandle) -> None:
+    def __init__(self, config: EngineConfig, worker: WorkerHandle, worker_address: str | None = None) -> None:
+        """`worker_address`: where the worker serves gRPC, which a prefill/decode handoff
+        needs (docs/disaggregation.md): other replicas' workers fetch its blocks there."""
         self.config = config
         self.worker = worker
         self.instance_id = uuid.uuid4().hex  # its worker drops what a previous instance left there
@@ -104,7 +108,8 @@ class EngineCore:
                 max_loras=config.max_loras if config.enable_lora else 0,
             ),
             KvConnector(described.num_offload_blocks, file_tiers(config, described.kv_layout_key))
-            if config.has_kv_tiers else None,
+            if config.has_kv_connector else None,
+            self._handoff(config, worker_address, described.kv_block_bytes),
         )
         # Built once: every stats() shares it.
         self.cache_config = CacheConfigInfo(
@@ -118,6 +123,14 @@ class EngineCore:
             cache_dtype=config.kv_cache_dtype,
         )
 
+    def _handoff(self, config: EngineConfig, worker_address: str | None, block_bytes: int) -> KvHandoff | None:
+        if config.kv_transfer is None:
+            return None
+        if worker_address is None:
+            raise EngineUnavailable("--kv-transfer-config needs the cluster's roles (kvfleet worker and scheduler, "
+                                    "or cluster up): another replica's worker fetches the KV from this one's")
+        return KvHandoff(config.kv_transfer, self.instance_id, worker_address, block_bytes)
+
     def add_request(
         self,
         request_id: str,
@@ -125,6 +138,7 @@ class EngineCore:
         params: SamplingParams,
         cache_salt: str | None = None,
         output_token_ids: Sequence[int] = (),
+        kv_transfer_params: KvTransferParams | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; with n > 1 (or best_of) as child requests named by
@@ -135,12 +149,16 @@ class EngineCore:
         count = num_children(params)
         if output_token_ids and count > 1:
             raise InvalidParameter("output_token_ids", "a request with n or best_of > 1 cannot be resumed")
+        if kv_transfer_params is not None and (count > 1 or output_token_ids):
+            raise InvalidParameter("kv_transfer_params", "a request with n or best_of > 1, or resumed, cannot hand "
+                                   "its KV over")
         if lora_request is not None and not self.config.enable_lora:
             raise InvalidParameter("model", f"adapter {lora_request.lora_name!r}: LoRA is not enabled "
                                    "(start with --enable-lora)")
         if count == 1:
             request = self._request(request_id, prompt_token_ids, params, cache_salt, lora_request)
             request.output_token_ids = list(output_token_ids)
+            request.kv_transfer_params = kv_transfer_params
             self.scheduler.add_request(request)
             return
         leader, *followers = (
@@ -282,6 +300,8 @@ class EngineCore:
             iteration_tokens=scheduler.iteration_tokens.snapshot(),
             cache_config=self.cache_config,
             spec_decoding=scheduler.spec_decoding.stats() if self.config.speculative is not None else None,
+            prompt_tokens_by_source=dict(scheduler.prompt_tokens_by_source),
+            kv_transfer=scheduler.handoff.stats() if scheduler.handoff is not None else None,
             lora=self._lora_stats() if self.config.enable_lora else None,
             **self._tier_stats(),
         )

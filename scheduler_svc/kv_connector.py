@@ -9,6 +9,7 @@ plan carries the loads and saves, a result the loads that finished.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from scheduler_svc.block_pool import BlockPool, KvEventLog
 from scheduler_svc.request import Request
 from services.histogram_counts import BucketCounter
 from services.kv_block_files import HOST, BlockFiles
+from services.kv_transfer_messages import RemoteBlocks
 from services.messages import KvLoad, KvTierCounts, KvTierStats
 from services.metric_buckets import KV_LOAD_SECONDS
 
@@ -32,7 +34,9 @@ class Loading:
 
     request: Request
     num_device_hits: int  # leading blocks that were in the device pool already
-    num_blocks: int  # the blocks asked of the tiers after them
+    num_blocks: int  # the blocks asked of the tiers (or a producer) after them
+    remote: bool = False  # fetched from a producer replica's worker (docs/disaggregation.md)
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -88,13 +92,15 @@ class KvConnector:
             self.host.free(hits)
         return sources
 
-    def start_load(self, request: Request, num_device_hits: int, sources: list[int]) -> KvLoad:
-        """The request holds its device blocks already: hits, then those to load into."""
-        self.loading[request.request_id] = Loading(request, num_device_hits, len(sources))
+    def start_load(self, request: Request, num_device_hits: int, sources: list[int],
+                   remote: RemoteBlocks | None = None) -> KvLoad:
+        """The request holds its device blocks already: hits, then those to load into.
+        `remote`: the sources are a producer's blocks, fetched from its worker."""
+        self.loading[request.request_id] = Loading(request, num_device_hits, len(sources), remote is not None)
         blocks = request.block_ids[num_device_hits:num_device_hits + len(sources)]
         hashes = request.block_hashes[num_device_hits:]
         return KvLoad(request.request_id, [(device, block_hash, source)
-                                           for device, block_hash, source in zip(blocks, hashes, sources)])
+                                           for device, block_hash, source in zip(blocks, hashes, sources)], remote)
 
     def computed(self, block: int, block_hash: bytes) -> None:
         """A device block now holds this full block: save it to every tier lacking it."""

@@ -94,7 +94,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     config = EngineConfig(**engine_args(args))
     worker = RemoteWorker(args.worker_address, step_timeout_s=args.worker_step_timeout)
     logger.info("waiting for the worker at %s", args.worker_address)
-    core = EngineCore(config, worker)
+    core = EngineCore(config, worker, args.worker_address)
     if args.nats_url:  # with a registry, the requests of a gateway whose lease lapsed are aborted
         gateways = GatewayWatch(Registry(args.redis_url), args.lease_ttl) if args.redis_url else None
         hub = NatsOutputHub(args.nats_url, core.instance_id, gateways=gateways)
@@ -160,6 +160,8 @@ def lease_metadata(worker_address: str, model: str, core: EngineCore, max_queued
     return {"worker": worker_address, "model": model, "max_model_len": str(core.max_model_len),
             "eos_token_ids": ",".join(map(str, core.eos_token_ids)), "instance_id": core.instance_id,
             "block_size": str(core.scheduler.config.block_size),
+            # Its side of prefill/decode disaggregation: gateways keep a prefill and a decode pool.
+            "kv_role": core.config.kv_transfer.kv_role if core.config.kv_transfer is not None else "",
             "max_queued_requests": "" if max_queued_requests is None else str(max_queued_requests),
             # How it pools (docs/pooling.md), as JSON; "" when it does not.
             "pooler": "" if core.description.pooler is None else msgspec.json.encode(core.description.pooler).decode()}

@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from services.kv_transfer_messages import KvTransferParams
 from services.lora_request import LoRARequest
 from services.sampling_params import SamplingParams
 
@@ -60,6 +61,12 @@ class Request:
     # and prefill times its first token reports.
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None
+    # vLLM's kv_transfer_params (docs/disaggregation.md): as the request came (cleared once
+    # a consumer has started its fetch), and, on a producer, what its final delta tells.
+    kv_transfer_params: KvTransferParams | None = None
+    kv_transfer_params_out: KvTransferParams | None = None
+    num_external_tokens: int = 0  # prompt tokens whose KV was loaded (offload tiers, a producer)
+    kv_transfer_s: float = 0.0  # seconds its KV load from a producer took
 
     @property
     def lora_int_id(self) -> int | None:

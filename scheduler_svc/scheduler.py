@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from scheduler_svc.block_pool import BlockPool, KvEventLog, StoredBlock
 from scheduler_svc.kv_connector import KvConnector
+from scheduler_svc.kv_handoff import PROMPT_TOKEN_SOURCES, KvHandoff, count_prompt_tokens
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.spec_decode_counts import SpecDecodingCounts
 from scheduler_svc.spec_gate import SpecGate
@@ -61,8 +62,10 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, connector: KvConnector | None = None) -> None:
-        """`connector`: the KV connector's scheduler side, when there are offload tiers."""
+    def __init__(self, config: SchedulerConfig, connector: KvConnector | None = None,
+                 handoff: KvHandoff | None = None) -> None:
+        """`connector`: the KV connector's scheduler side, when there are offload tiers or a
+        prefill/decode handoff; `handoff`: this replica's side of that (docs/disaggregation.md)."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < config.max_model_len:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be at "
@@ -73,6 +76,7 @@ class Scheduler:
         self.block_pool = BlockPool(config.num_blocks)
         self.host_pool = BlockPool(config.num_host_blocks) if config.preemption_mode == "swap" else None
         self.connector = connector
+        self.handoff = handoff
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -81,6 +85,7 @@ class Scheduler:
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # tokens found there
         self.iteration_tokens = BucketCounter(ITERATION_TOKENS)  # see EngineStats.iteration_tokens
+        self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)  # see EngineStats
         self.spec_decoding = SpecDecodingCounts(config.speculative.num_speculative_tokens
                                                 if config.speculative is not None else 0)
         self.proposer = make_proposer(config.speculative) if config.speculative is not None else None
@@ -185,7 +190,8 @@ class Scheduler:
     def has_work(self) -> bool:
         """Requests to run, ended ones the worker has not been told to drop yet, or loads
         into blocks that are freed once the worker says the load ended."""
-        return bool(self.requests or self._dropped_ids or (self.connector is not None and self.connector.loading))
+        return bool(self.requests or self._dropped_ids or (self.connector is not None and self.connector.loading)
+                    or (self.handoff is not None and self.handoff.held))
 
     @property
     def has_drops(self) -> bool:
@@ -215,6 +221,8 @@ class Scheduler:
         """The next plan; `max_requests` caps the requests in it, so that a pipeline's
         plans in flight share the requests (each stage busy with its own micro-batch)."""
         plan = StepPlan(step_id=next(self._step_ids))
+        if self.handoff is not None:  # held for consumers that never came
+            self.block_pool.free(self.handoff.expire())
         budget = self.config.max_num_batched_tokens
         preemptions_before = self.num_preemptions
         budget = self._schedule_running(plan, budget, max_requests)
@@ -225,6 +233,8 @@ class Scheduler:
         plan.blocks_to_copy, self._pending_copies = self._pending_copies, []
         if self.connector is not None:
             plan.kv_host_saves, plan.kv_file_saves = self.connector.take_saves()
+        if self.handoff is not None:
+            plan.kv_holds, plan.kv_hold_ends = self.handoff.take_plan_changes()
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: int, max_requests: int | None) -> int:
@@ -345,6 +355,15 @@ class Scheduler:
         offload tiers: then its blocks are taken and the worker loads them meanwhile."""
         if self.connector is None or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             return False
+        if self.handoff is not None and request.kv_transfer_params is not None:
+            self._hash_full_blocks(request)  # the fetched blocks are indexed by their hashes
+            load = self.handoff.start_fetch(request, hits, self.block_pool, self.connector, self.config.block_size)
+            if load is not None:
+                if request.scheduled_time is None:
+                    request.scheduled_time = time.monotonic()
+                request.status = RequestStatus.LOADING_KV
+                plan.kv_loads.append(load)
+                return True
         max_hit_blocks = (request.num_tokens - 1) // self.config.block_size
         if self._needs_every_position(request) or len(hits) >= max_hit_blocks:
             return False
@@ -374,6 +393,10 @@ class Scheduler:
             return
         size = self.config.block_size
         self.connector.hits += num_loaded * size
+        request.num_external_tokens += num_loaded * size
+        if loading.remote:
+            request.kv_transfer_s = time.monotonic() - loading.started
+            self.handoff.loaded(num_loaded, loading.num_blocks, request.kv_transfer_s)
         num_blocks = loading.num_device_hits + num_loaded
         self._index_blocks(request, num_blocks, save=False)  # they came from the tiers
         request.num_computed_tokens = num_blocks * size
@@ -515,6 +538,8 @@ class Scheduler:
             for loading in self.connector.forget():  # no load will finish: their blocks are free
                 self.block_pool.free(loading.request.block_ids)
                 loading.request.block_ids = []
+        if self.handoff is not None:  # what they held is gone with the worker
+            self.block_pool.free(self.handoff.release(list(self.handoff.held)))
         self.block_pool.reset_prefix_cache()
         return request_ids
 
@@ -530,6 +555,8 @@ class Scheduler:
             self.connector.add_counts(result.kv_tiers)
             for request_id, num_loaded in result.kv_loads_done.items():
                 self._load_finished(request_id, num_loaded)
+        if self.handoff is not None and result.kv_sent_done:
+            self.block_pool.free(self.handoff.release(result.kv_sent_done))
         deltas = []
         now = time.monotonic()
         step_tokens = 0
@@ -620,10 +647,11 @@ class Scheduler:
         num_cached_tokens = 0
         if len(request.output_token_ids) == len(accepted):  # the first delta: the prompt is done
             num_cached_tokens = request.num_cached_tokens or 0
+            count_prompt_tokens(self.prompt_tokens_by_source, request)
             if request.sampling_params.prompt_logprobs is not None:
                 prompt_logprobs = request.prompt_logprobs
             first_token_times = FirstTokenTimes(request.scheduled_time - request.arrival_time,
-                                                now - request.scheduled_time)
+                                                now - request.scheduled_time, request.kv_transfer_s)
         return TokenDelta(
             request.request_id,
             accepted,
@@ -633,6 +661,7 @@ class Scheduler:
             prompt_logprobs,
             first_token_times,
             num_cached_tokens,
+            kv_transfer_params=request.kv_transfer_params_out,
         )
 
     def _pooled(self, request: Request, pooled: list[float], now: float) -> TokenDelta:
@@ -686,7 +715,10 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self._release_followers(request)
-        self.block_pool.free(request.block_ids)
+        if reason is not FinishReason.ABORT and self.handoff is not None and self.handoff.wants_hold(request):
+            request.kv_transfer_params_out = self.handoff.hold(request)  # its blocks wait for a consumer
+        else:
+            self.block_pool.free(request.block_ids)
         if request.host_block_ids:
             self.host_pool.free(request.host_block_ids)
             request.host_block_ids = []

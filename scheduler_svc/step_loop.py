@@ -158,7 +158,7 @@ class StepLoop(EngineThread[_Submit | _Drain | _CheckWorker | _FlushCache, str])
             return
         try:
             self.core.add_request(new.request_id, new.prompt_token_ids, new.sampling_params, new.cache_salt,
-                                  new.output_token_ids, new.lora_request)
+                                  new.output_token_ids, new.kv_transfer_params, new.lora_request)
         except Exception as exc:  # rejected input: the caller gets the error, the loop goes on
             command.accepted.set_exception(exc)
             return

@@ -73,6 +73,11 @@ _ENGINE_HELP = {
                           "prompt and output, {\"method\": \"suffix\"} from suffix trees over it and past "
                           "outputs, {\"method\": \"draft_model\", \"model\": ...} from a smaller model; the model "
                           "verifies them in one step (ngram, suffix and draft_model, for now)",
+    "kv_transfer_config": "prefill/decode disaggregation, vLLM's JSON: {\"kv_connector\": \"KvfleetConnector\", "
+                          "\"kv_role\": \"kv_producer\"} (a prefill replica), kv_consumer (a decode replica) or "
+                          "kv_both; optional kv_ip (the host other workers dial for this worker's blocks) and "
+                          "kv_connector_extra_config {\"abort_timeout_s\", \"fetch_timeout_s\"} "
+                          "(docs/disaggregation.md)",
     "runner": "auto: generate with a decoder model, pool with an encoder (BERT); pooling: serve embeddings "
               "(/v1/embeddings, /pooling) rather than text; generate: serve text",
     "convert": "embed: serve a decoder model as an embedder (its last token's normalized hidden state by default; "
@@ -94,7 +99,6 @@ TOKENIZER_FIELDS = ("model", "revision", "tokenizer", "tokenizer_revision", "gen
 # vLLM flags for what kvfleet does not do (yet): refused by name, saying what to do instead.
 _TLS = "kvfleet serves plain HTTP; terminate TLS in front of it (a reverse proxy, an ingress)"
 VLLM_FLAGS_NOT_SUPPORTED = {
-    "--kv-transfer-config": "disaggregated prefill (KV transfer) is not supported; serve without it",
     "--cpu-offload-gb": "weights offloaded to host memory are not supported; use a device that holds the model",
     "--limit-mm-per-prompt": "kvfleet serves text-only models; drop the flag",
     "--enable-expert-parallel": "kvfleet implements no mixture-of-experts model; drop the flag",

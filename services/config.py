@@ -11,6 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from services.kv_transfer_config import KvTransferConfig, KvTransferConfigError, parse_kv_transfer_config
 from services.pooling_params import parse_pooler_config
 from services.speculative_config import SpeculativeConfig, SpeculativeConfigError, parse_speculative_config
 
@@ -84,6 +85,9 @@ class EngineConfig:
     trust_remote_code: bool = False
     # vLLM's JSON (a dict from the SDK); kept as canonical JSON, parsed into `speculative`.
     speculative_config: str | None = None
+    # vLLM's JSON (a dict from the SDK): this replica's side of prefill/decode
+    # disaggregation (docs/disaggregation.md); kept as canonical JSON, parsed into `kv_transfer`.
+    kv_transfer_config: str | None = None
     # Pooling (docs/pooling.md), vLLM's flags: auto generates with a decoder and pools with an
     # encoder; --convert embed makes a decoder an embedder (it implies --runner pooling).
     runner: str = "auto"
@@ -137,6 +141,7 @@ class EngineConfig:
             raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: choose one of {', '.join(KV_CACHE_DTYPES)} "
                               "(fp8 caches are not supported)")
         self._check_speculative()
+        self._check_kv_transfer()
         self._check_pooling()
         self._check_lora()
 
@@ -187,6 +192,27 @@ class EngineConfig:
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise ConfigError("--speculative-config serves one-rank workers for now: drop --tensor-parallel-size and "
                               "--pipeline-parallel-size, or the speculative config")
+
+    def _check_kv_transfer(self) -> None:
+        self.kv_transfer: KvTransferConfig | None = None
+        if self.kv_transfer_config is None:
+            return
+        try:
+            self.kv_transfer = parse_kv_transfer_config(self.kv_transfer_config)
+        except KvTransferConfigError as exc:
+            raise ConfigError(f"--kv-transfer-config: {exc}") from exc
+        self.kv_transfer_config = self.kv_transfer.to_json()
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ConfigError("--kv-transfer-config serves one-rank workers for now: drop --tensor-parallel-size and "
+                              "--pipeline-parallel-size, or the kv transfer config")
+        # Holds end through empty steps' results, which a plan kept ahead never leaves room for.
+        if self.async_scheduling:
+            raise ConfigError("--kv-transfer-config with --async-scheduling is not supported yet: drop one of them")
+
+    @property
+    def has_kv_connector(self) -> bool:
+        """Whether the KV connector runs: for offload tiers, or for a prefill/decode handoff."""
+        return self.has_kv_tiers or self.kv_transfer is not None
 
     @property
     def has_kv_tiers(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from services.kv_transfer_messages import KvTransferParams
 from services.lora_request import LoRARequest
 from services.messages import EngineInfo, EngineStats, TokenDelta
 from services.sampling_params import SamplingParams
@@ -67,10 +68,11 @@ class EngineClient(Protocol):
     # from the first iteration, an internal failure raises RequestFailed. Closing the
     # generator before its end aborts every child still running. `cache_salt` keeps
     # the request's prefix-cache entries apart from those of other salts.
+    # `kv_transfer_params`: vLLM's, for prefill/decode disaggregation (docs/disaggregation.md).
     # `lora_request`: the adapter it runs with (docs/lora.md); None: the base model.
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
-        lora_request: LoRARequest | None = None,
+        kv_transfer_params: KvTransferParams | None = None, lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[TokenDelta]: ...
 
     # A request id aborts the request and all its children; a child id, that child only.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from services.histogram_counts import HistogramCounts
+from services.kv_transfer_messages import KvTransferParams, RemoteBlocks
 from services.lora_request import LoRARequest
 from services.pooling_params import PoolerConfig
 from services.sampling_params import SamplingParams
@@ -55,6 +56,9 @@ class KvLoad(msgspec.Struct, **_HOT):
 
     request_id: str
     blocks: list[tuple[int, bytes, int]]
+    # Set when a producer replica holds the blocks (docs/disaggregation.md): each block's
+    # third item is then the producer's block id, fetched from its worker.
+    remote: RemoteBlocks | None = None
 
 
 class StepPlan(msgspec.Struct, **_HOT):
@@ -88,6 +92,11 @@ class StepPlan(msgspec.Struct, **_HOT):
     # to its inputs. Its num_scheduled_tokens counts them; the worker verifies them and
     # returns the accepted ones plus one token in sampled_token_ids.
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Prefill/decode handoffs (docs/disaggregation.md): blocks now held for a consumer, per
+    # request, which the worker may serve; and holds that ended (fetched, or timed out),
+    # whose blocks it must serve no more (they go back to the pool with this plan).
+    kv_holds: dict[str, list[int]] = {}
+    kv_hold_ends: list[str] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -128,6 +137,9 @@ class StepResult(msgspec.Struct, **_HOT):
     kv_loads_done: dict[str, int] = {}
     # What the offload tiers did since the last result, per medium.
     kv_tiers: list[KvTierCounts] = []
+    # Held requests whose blocks a consumer fetched since the last result: their blocks
+    # can go (docs/disaggregation.md).
+    kv_sent_done: list[str] = []
     # Pooling requests whose prompt this step finished: their pooled vector (docs/pooling.md).
     pooled: dict[str, list[float]] = {}
     # Speculative decoding's draft_model method: per request that sampled, the draft
@@ -152,6 +164,8 @@ class WorkerDescription(msgspec.Struct, frozen=True, omit_defaults=True):
     # which the file tiers keep this model's blocks ("" without file tiers).
     num_offload_blocks: int = 0
     kv_layout_key: str = ""
+    # One block's KV over every layer, in bytes (what a prefill/decode handoff moves a block).
+    kv_block_bytes: int = 0
     # Set when the group pools (docs/pooling.md): how. `generates` False: it pools only (--runner pooling).
     pooler: PoolerConfig | None = None
     generates: bool = True
@@ -166,6 +180,12 @@ class FirstTokenTimes(msgspec.Struct, frozen=True, **_HOT):
 
     queued_s: float  # from arrival at the scheduler to being first scheduled
     prefill_s: float  # from being first scheduled to the first token
+    # Prefill/decode disaggregation (docs/disaggregation.md): the part of prefill_s spent
+    # fetching the prompt's KV from a producer; and the producer's own queue and prefill
+    # times, which the gateway adds from the prefill leg.
+    kv_transfer_s: float = 0.0
+    remote_queued_s: float = 0.0
+    remote_prefill_s: float = 0.0
 
 
 class TokenDelta(msgspec.Struct, **_HOT):
@@ -185,6 +205,9 @@ class TokenDelta(msgspec.Struct, **_HOT):
     # a failure of what carried it (a worker or scheduler gone), not of the request.
     error: str = ""
     lost: bool = False
+    # On the final delta of a request that asked a producer to hold its KV: where the
+    # blocks wait (vLLM's kv_transfer_params in the response).
+    kv_transfer_params: KvTransferParams | None = None
     # A pooling request's one delta: its pooled vector (no tokens; finish_reason "stop").
     pooled: list[float] | None = None
 
@@ -256,7 +279,24 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     external_prefix_cache_hits: int = 0
     kv_tiers: list[KvTierStats] = []
     spec_decoding: SpecDecodingStats | None = None  # None: no speculative decoding configured
+    # Prompt tokens by where their KV came from, counted at each request's first token
+    # (vLLM's vllm:prompt_tokens_by_source: local_compute, local_cache_hit, external_kv_transfer).
+    prompt_tokens_by_source: dict[str, int] = {}
+    kv_transfer: KvTransferStats | None = None  # None: no --kv-transfer-config
     lora: LoraStats | None = None  # None: LoRA not enabled
+
+
+class KvTransferStats(msgspec.Struct, omit_defaults=True):
+    """A replica's prefill/decode handoffs (docs/disaggregation.md): per fetch, the bytes
+    that arrived and the seconds it took (vLLM's nixl_bytes_transferred and
+    nixl_xfer_time_seconds); holds no consumer fetched in time, blocks that did not arrive
+    (recomputed), and blocks held for consumers now."""
+
+    bytes_transferred: HistogramCounts
+    xfer_time_seconds: HistogramCounts
+    expired_requests: int = 0
+    failed_blocks: int = 0
+    held_blocks: int = 0
 
 
 class EngineInfo(msgspec.Struct, frozen=True):

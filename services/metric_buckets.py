@@ -25,3 +25,5 @@ def token_count_buckets(max_model_len: int) -> tuple[int, ...]:
         scale *= 10
 # Seconds one request's blocks took to load from an offload tier (kvfleet's own histogram).
 KV_LOAD_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Bytes one prefill/decode handoff moved (vLLM's nixl_bytes_transferred buckets: 2 KiB to 16 GiB, by 4).
+KV_TRANSFER_BYTES = tuple(2048 * 4**i for i in range(12))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from services.invalid_parameter import InvalidParameter
+from services.kv_transfer_messages import KvTransferParams
 from services.lora_request import LoRARequest
 from services.messages import TokenDelta
 from services.sampling_params import SamplingParams
@@ -30,6 +31,9 @@ class SubmitRequest(msgspec.Struct, omit_defaults=True):
     cache_salt: str | None = None
     # Resumed after its replica died (gateway/migration.py): the tokens it generated there.
     output_token_ids: list[int] = []
+    # vLLM's kv_transfer_params: hold the prompt's KV for a consumer, or fetch it from a
+    # producer (docs/disaggregation.md).
+    kv_transfer_params: KvTransferParams | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs with (docs/lora.md)
 
     def __post_init__(self) -> None:

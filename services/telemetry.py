@@ -14,7 +14,7 @@ from prometheus_client.registry import REGISTRY, Collector
 from prometheus_client.utils import floatToGoString
 
 from services.messages import EngineStats
-from services.metric_buckets import ITERATION_TOKENS, KV_LOAD_SECONDS
+from services.metric_buckets import ITERATION_TOKENS, KV_LOAD_SECONDS, KV_TRANSFER_BYTES
 
 
 class HasStats(Protocol):
@@ -73,6 +73,7 @@ class EngineStatsCollector(Collector):
         yield self._iteration_tokens(stats)
         yield from self._tier_families(stats)
         yield from self._spec_decoding_families(stats)
+        yield from self._kv_transfer_families(stats)
         yield from _lora_requests_info(stats)
         yield _cache_config_info(stats)
 
@@ -111,6 +112,40 @@ class EngineStatsCollector(Collector):
         for position, count in enumerate(spec.num_accepted_tokens_per_pos if spec is not None else []):
             family.add_metric([*self._labels, str(position)], count)
         yield family
+
+    def _kv_transfer_families(self, stats: EngineStats | None) -> Iterator[Metric]:
+        """Where prompt tokens' KV came from (vLLM's name), and the prefill/decode handoffs
+        (docs/disaggregation.md; vLLM's NIXL connector counts the same as vllm:nixl_*)."""
+        family = CounterMetricFamily("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
+                                     labels=["model_name", "source"])
+        for source, count in (stats.prompt_tokens_by_source if stats is not None else {}).items():
+            family.add_metric([*self._labels, source], count)
+        yield family
+        transfer = stats.kv_transfer if stats is not None else None
+        for name, doc, attribute in (
+            ("kvfleet:kv_transfer_bytes", "Bytes each fetch of a prompt's KV from a prefill replica moved.",
+             "bytes_transferred"),
+            ("kvfleet:kv_transfer_seconds", "Seconds each fetch of a prompt's KV from a prefill replica took.",
+             "xfer_time_seconds"),
+        ):
+            family = HistogramMetricFamily(name, doc, labels=["model_name"])
+            if transfer is not None:
+                counts = getattr(transfer, attribute)
+                bounds = [floatToGoString(b) for b in (KV_TRANSFER_BYTES if "bytes" in name else KV_LOAD_SECONDS)]
+                family.add_metric(self._labels, list(zip([*bounds, "+Inf"], accumulate(counts.counts))), counts.sum)
+            yield family
+        for kind, name, doc, attribute in (
+            (CounterMetricFamily, "kvfleet:kv_transfer_expired_requests",
+             "Prefills whose held KV no decode replica fetched in time (freed).", "expired_requests"),
+            (CounterMetricFamily, "kvfleet:kv_transfer_failed_blocks",
+             "Blocks a fetch from a prefill replica did not bring (recomputed).", "failed_blocks"),
+            (GaugeMetricFamily, "kvfleet:kv_transfer_held_blocks", "Blocks held for decode replicas to fetch.",
+             "held_blocks"),
+        ):
+            family = kind(name, doc, labels=["model_name"])
+            if transfer is not None:
+                family.add_metric(self._labels, getattr(transfer, attribute))
+            yield family
 
     def _iteration_tokens(self, stats: EngineStats | None) -> Metric:
         family = HistogramMetricFamily(

@@ -1,5 +1,6 @@
 """The worker role's gRPC service over a Worker: Describe, ExecuteStep (one step at a
-time) and CompileGrammar (beside the steps)."""
+time), and beside the steps CompileGrammar and FetchKvBlocks (another replica's worker
+fetching KV held for it)."""
 from __future__ import annotations
 
 import logging
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 
 import grpc
 
+from services.kv_transfer_messages import KvBlock, KvFetchRequest
 from services.lora_request import LoRARequest
 from services.messages import Empty, StepPlan, StepResult, WorkerDescription
 from services.scheduler_messages import RemoveLoraRequest
@@ -87,6 +89,18 @@ class WorkerServicer:
             logger.exception("step %d failed", plan.step_id)
             context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {exc!r}")
         return result
+
+    def FetchKvBlocks(self, request: KvFetchRequest, context: grpc.ServicerContext) -> Iterator[KvBlock]:
+        """Another replica's worker fetching the blocks this one's scheduler holds for it
+        (docs/disaggregation.md); beside the steps, on a server thread of its own."""
+        transfer = self._worker.kv_transfer
+        if transfer is None or transfer.peer is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker hands no KV over: a worker of "
+                          "several ranks (-tp, -pp) does not yet")
+        try:
+            yield from transfer.serve(request)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
     def CompileGrammar(self, params: StructuredOutputsParams, context: grpc.ServicerContext) -> Empty:
         try:

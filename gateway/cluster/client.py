@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from gateway.cluster.disaggregation import DEFAULT_PD_MIN_PREFILL_TOKENS, Disaggregation, decodes, prefills
 from gateway.cluster.gateway_id import new_gateway_id
 from gateway.cluster.lora_calls import each_replica
 from gateway.cluster.migration import DEFAULT_MIGRATION_LIMIT, migrating
@@ -20,6 +21,7 @@ from gateway.cluster.replica import Replica
 from gateway.cluster.replica_set import ReplicaSet
 from gateway.cluster.streams import RequestStreams
 from services.engine_client import EngineUnavailable
+from services.kv_transfer_messages import KvTransferParams
 from services.lora_request import LoRARequest
 from services.messages import EngineInfo, EngineStats, TokenDelta
 from services.registry import DEFAULT_TTL_S
@@ -43,14 +45,19 @@ class ClusterEngineClient:
         lease_ttl_s: float = DEFAULT_TTL_S,
         routing_policy: str = "prefix",
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+        pd_min_prefill_tokens: int = DEFAULT_PD_MIN_PREFILL_TOKENS,
     ) -> None:
+        """`pd_min_prefill_tokens`: with prefill replicas in the fleet, a prompt with more
+        tokens than this uncached where it decodes is prefilled on one of them
+        (docs/disaggregation.md)."""
         self.gateway_id = gateway_id or new_gateway_id(gateway_name)
         self._nats_url = nats_url
         self._lease_ttl_s = lease_ttl_s
         self._migration_limit = migration_limit
         self._replicas = ReplicaSet(redis_url, poll_interval_s, lease_ttl_s)
         self._placement = Placement(self._replicas, routing_policy, submit_timeout_s)
-        self._streams = RequestStreams(self.gateway_id, self._replicas, self._placement, submit_timeout_s)
+        self._streams = RequestStreams(self.gateway_id, self._replicas, self._placement, submit_timeout_s,
+                                       Disaggregation(pd_min_prefill_tokens))
 
     def start(self) -> None:
         if self._replicas.started:
@@ -81,13 +88,19 @@ class ClusterEngineClient:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None,
-        lora_request: LoRARequest | None = None,
+        kv_transfer_params: KvTransferParams | None = None, lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[TokenDelta]:
+        """`kv_transfer_params`: vLLM's, as its disaggregation proxy sends them (docs/disaggregation.md)."""
         if not self._replicas.running:
             raise EngineUnavailable("the cluster client is not running")
 
         def attempt(resumed: list[int], tried: set[Replica]) -> AsyncIterator[TokenDelta]:
-            return self._streams.place(request_id, prompt_token_ids, params, cache_salt, resumed, tried, lora_request)
+            # A migrated request computes its prompt where it resumes: a handoff is not repeated.
+            handoff = kv_transfer_params if not resumed else None
+            # vLLM's proxy asks a prefill first (do_remote_decode): a prefill replica takes it.
+            pool = prefills if handoff is not None and handoff.do_remote_decode else decodes
+            return self._streams.place(request_id, prompt_token_ids, params, cache_salt, resumed, tried, handoff, pool,
+                                       lora_request)
 
         async with aclosing(migrating(attempt, request_id, params, self._migration_limit)) as deltas:
             async for delta in deltas:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import msgspec
 
 from services.histogram_counts import HistogramCounts
-from services.messages import CacheConfigInfo, EngineInfo, EngineStats, KvTierStats, LoraStats, SpecDecodingStats
+from services.messages import (
+    CacheConfigInfo,
+    EngineInfo,
+    EngineStats,
+    KvTierStats,
+    KvTransferStats,
+    LoraStats,
+    SpecDecodingStats,
+)
 from services.metric_buckets import ITERATION_TOKENS
 from services.pooling_params import PoolerConfig
 from services.registry import Member
@@ -37,8 +45,27 @@ def total(stats: list[EngineStats]) -> EngineStats:
         external_prefix_cache_hits=sum(s.external_prefix_cache_hits for s in stats),
         kv_tiers=_fleet_tiers([tier for s in stats for tier in s.kv_tiers]),
         spec_decoding=_fleet_spec_decoding([s.spec_decoding for s in stats if s.spec_decoding is not None]),
+        prompt_tokens_by_source=_summed([s.prompt_tokens_by_source for s in stats]),
+        kv_transfer=_fleet_kv_transfer([s.kv_transfer for s in stats if s.kv_transfer is not None]),
         lora=_fleet_lora([s.lora for s in stats if s.lora is not None]),
     )
+
+
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for replica in counts:
+        for key, count in replica.items():
+            total[key] = total.get(key, 0) + count
+    return total
+
+
+def _fleet_kv_transfer(replicas: list[KvTransferStats]) -> KvTransferStats | None:
+    if not replicas:
+        return None
+    return KvTransferStats(sum((r.bytes_transferred for r in replicas[1:]), replicas[0].bytes_transferred),
+                           sum((r.xfer_time_seconds for r in replicas[1:]), replicas[0].xfer_time_seconds),
+                           sum(r.expired_requests for r in replicas), sum(r.failed_blocks for r in replicas),
+                           sum(r.held_blocks for r in replicas))
 
 
 def _fleet_lora(replicas: list[LoraStats]) -> LoraStats | None:

@@ -5,6 +5,7 @@ set aside until the next poll. It counts what it sends a replica until that poll
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -39,12 +40,17 @@ class Placement:
             self.kv_index.close()
 
     def claim(self, ids: list[str], prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
-              avoid: set[Replica] = frozenset(), lora_request: LoRARequest | None = None) -> Replica:
+              avoid: set[Replica] = frozenset(), pool: Callable[[Replica], bool] | None = None,
+              lora_request: LoRARequest | None = None) -> Replica:
         """A routable replica for the request, by the routing policy; one in `avoid` (where
-        it ran before, and failed) only when no other can take it. An adapter's request
-        goes to the replicas already running it when one of them has room (no slot to
-        fill, its prefix blocks there), else anywhere: any replica reads it from its path."""
+        it ran before, and failed) only when no other can take it. `pool`: only replicas it
+        admits (prefill/decode disaggregation, gateway/cluster/disaggregation.py), while any does.
+        An adapter's request goes to the replicas already running it when one of them has
+        room (no slot to fill, its prefix blocks there), else anywhere: any replica reads it
+        from its path."""
         routable = self._replicas.routable()
+        if pool is not None:
+            routable = [replica for replica in routable if pool(replica)] or routable
         routable = [replica for replica in routable if replica not in avoid] or routable
         if not routable:
             raise EngineUnavailable("no scheduler is ready")
@@ -68,7 +74,8 @@ class Placement:
             self._placed.update(dict.fromkeys(ids, replica))
             return replica
 
-    def reroute(self, refused: Replica, ids: list[str], code: grpc.StatusCode) -> Replica | None:
+    def reroute(self, refused: Replica, ids: list[str], code: grpc.StatusCode,
+                pool: Callable[[Replica], bool] | None = None) -> Replica | None:
         """Sets a refusing replica aside until the next poll: a full one as full, so that
         what comes meanwhile is told to retry (429) rather than that nothing serves (503);
         a draining one as unroutable, for good if a successor refused in its place.
@@ -83,11 +90,26 @@ class Placement:
             refused.load -= 1
             refused.waiting -= 1
         try:
-            return self.claim(ids)
+            return self.claim(ids, pool=pool)
         except EngineOverloaded:  # the request's answer: retry, not the last refusal's code
             raise
         except EngineUnavailable:
             return None
+
+    def routable_in(self, pool: Callable[[Replica], bool]) -> list[Replica]:
+        return [replica for replica in self._replicas.routable() if pool(replica)]
+
+    def cached_tokens(self, replica: Replica, prompt_token_ids: list[int], cache_salt: str | None,
+                      lora_request: LoRARequest | None = None) -> int:
+        """The prompt's leading tokens the replica holds (device pool or offload tiers), as
+        its KV events tell; 0 without a prefix index (another routing policy)."""
+        if self.kv_index is None:
+            return 0
+        lora_id = lora_request.lora_int_id if lora_request is not None else None
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, prompt_token_ids, replica.block_size, extra_keys_bytes(cache_salt, lora_id))
+        cached = self.kv_index.cached_blocks(hashes).get(replica.instance_id, NOT_CACHED)
+        return (cached.device + cached.tiers) * replica.block_size
 
     def release(self, ids: list[str]) -> None:
         """The request ended: it no longer loads its replica, though the next poll is up to

@@ -44,6 +44,11 @@ class Replica:
         return self.member.metadata.get("instance_id", "")
 
     @property
+    def kv_role(self) -> str:
+        """Its side of prefill/decode disaggregation (--kv-transfer-config); "" for a combined replica."""
+        return self.member.metadata.get("kv_role", "")
+
+    @property
     def block_size(self) -> int:
         return int(self.member.metadata.get("block_size", "16"))
 

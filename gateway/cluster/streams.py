@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 import msgspec
 
+from gateway.cluster.disaggregation import Disaggregation, decodes, prefills, with_remote_times
 from gateway.cluster.nats_subscriber import OutputSubscriber
 from gateway.cluster.pass_batcher import PassBatcher
 from gateway.cluster.placement import Placement
@@ -23,6 +24,7 @@ from gateway.cluster.replica import Replica
 from gateway.cluster.replica_set import ReplicaSet
 from gateway.cluster.submit_batcher import Scheduler, SubmitRefused, submit_batch
 from services.engine_client import EngineOverloaded, EngineUnavailable
+from services.kv_transfer_messages import KvTransferParams
 from services.lora_request import LoRARequest
 from services.messages import TokenDelta
 from services.parallel_sampling import engine_request_ids, num_children
@@ -38,10 +40,12 @@ _TRY_ANOTHER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION
 
 
 class RequestStreams:
-    def __init__(self, gateway_id: str, replicas: ReplicaSet, placement: Placement, submit_timeout_s: float) -> None:
+    def __init__(self, gateway_id: str, replicas: ReplicaSet, placement: Placement, submit_timeout_s: float,
+                 disaggregation: Disaggregation) -> None:
         self.gateway_id = gateway_id
         self._replicas = replicas
         self._placement = placement
+        self._pd = disaggregation
         self._lock = replicas.lock
         self._placed = replicas.placed
         self._submit_timeout_s = submit_timeout_s
@@ -65,10 +69,13 @@ class RequestStreams:
 
     async def place(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None,
-        resumed: list[int], tried: set[Replica], lora_request: LoRARequest | None = None,
+        resumed: list[int], tried: set[Replica], kv_transfer_params: KvTransferParams | None = None,
+        pool: Callable[[Replica], bool] = decodes, lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """One placement of the request on a replica (gateway/cluster/migration.py); `resumed`:
-        the tokens it generated on replicas that died."""
+        """One placement of the request on a replica of `pool` (gateway/cluster/migration.py);
+        `resumed`: the tokens it generated on replicas that died. A long uncached prompt is
+        first prefilled on a prefill replica (gateway/cluster/disaggregation.py), unless the
+        request carries its own `kv_transfer_params` (vLLM's)."""
         # With n or best_of > 1 the scheduler runs child requests; each ends with one final delta.
         count = num_children(params)
         # Placed by its own id and its children's: an abort may name either.
@@ -76,11 +83,18 @@ class RequestStreams:
         stream = self._subscriber.open(request_id, count)  # before Submit: no delta can slip past
         submit: asyncio.Future[None] | None = None
         try:
-            replica = self._placement.claim(placed, prompt_token_ids, cache_salt, tried, lora_request)
+            replica = self._placement.claim(placed, prompt_token_ids, cache_salt, tried, pool, lora_request)
             if resumed:  # the prompt's logprobs went out with its first delta
                 params = msgspec.structs.replace(params, prompt_logprobs=None)
+            remote_times = None
+            if kv_transfer_params is None and pool is decodes and not resumed and self._pd.wants_prefill(
+                    replica, len(prompt_token_ids) - self._placement.cached_tokens(replica, prompt_token_ids, cache_salt,
+                                                                                   lora_request),
+                    self._placement.routable_in(prefills), params):
+                kv_transfer_params, remote_times = await self._pd.prefill(self.place, request_id, prompt_token_ids,
+                                                                          cache_salt, replica, lora_request)
             request = SubmitRequest(request_id, prompt_token_ids, params, self.gateway_id, cache_salt, resumed,
-                                    lora_request)
+                                    kv_transfer_params, lora_request)
             while True:
                 tried.add(replica)
                 self._subscriber.expect(request_id, replica.instance_id)
@@ -92,12 +106,13 @@ class RequestStreams:
                     # A replica that began draining (or lost its worker) since the last poll
                     # refuses as UNAVAILABLE, and a successor on a dead one's address as
                     # FAILED_PRECONDITION: another one may take the request.
-                    other = self._placement.reroute(replica, placed, exc.code) if exc.code in _TRY_ANOTHER else None
+                    other = (self._placement.reroute(replica, placed, exc.code, pool) if exc.code in _TRY_ANOTHER
+                             else None)
                     if other is None:
                         raise _submit_error(exc, replica.member) from exc
                     replica = other
             async for delta in stream.deltas():
-                yield delta
+                yield with_remote_times(delta, remote_times)
         finally:
             self._subscriber.discard(request_id)
             self._placement.release(placed)

@@ -118,8 +118,10 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
     last: list[TextDelta | None] = [None] * params.n  # each choice's last delta carries its finish reason
     num_cached_tokens = 0
     entries = None
+    handoff = None  # vLLM's kv_transfer_params, when the request asked its KV held
     async with aclosing(stream):  # a cancelled request (its client left) ends its engine requests now
         async for item in stream:
+            handoff = item.kv_transfer_params or handoff
             delta = item.text
             text[item.index].append(delta.text)
             token_ids[item.index].extend(delta.token_ids)
@@ -149,6 +151,7 @@ async def _chat(body: ChatCompletionRequest, ctx: GatewayContext) -> Response:
         prompt_logprobs=prompt_logprobs(ctx.tokenizer, entries or [], num_prompt_logprobs)
         if num_prompt_logprobs is not None else None,
         prompt_token_ids=prompt_token_ids if body.return_token_ids else None,
+        kv_transfer_params=handoff.as_dict() if handoff is not None else None,
     )
     # pydantic writes the JSON itself: many times faster than json.dumps on a big answer
     # (logprobs of the whole vocabulary), and the same writer as the streams'.

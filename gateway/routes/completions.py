@@ -34,6 +34,7 @@ from gateway.protocol import (
 from gateway.response_options import StreamUsage
 from gateway.sampling import to_sampling_params
 from gateway.sse import DONE, event, sse_response
+from services.kv_transfer_messages import KvTransferParams
 from services.parallel_sampling import num_children
 from services.prompt import fit_prompt
 
@@ -62,6 +63,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # of the prompt, from the prefix cache
+    kv_transfer_params: KvTransferParams | None = None  # vLLM's, when the request asked its KV held
 
     def take(self, item: ChoiceDelta) -> tuple[str, CompletionLogprobs | None]:
         """Adds a delta; returns what of it goes out: text and logprobs, the prompt's first."""
@@ -71,6 +73,7 @@ class _Choice:
         self.token_logprobs.extend(delta.logprobs or [])
         self.prompt_logprobs = self.prompt_logprobs or item.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, item.num_cached_tokens)
+        self.kv_transfer_params = item.kv_transfer_params or self.kv_transfer_params
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
         text, logprobs = delta.text, None
         if self.logprobs is not None:
@@ -152,6 +155,8 @@ async def _complete(body: CompletionRequest, ctx: GatewayContext) -> Response:
         for index, choice in enumerate(choices)
     ]
     head.usage = _usage(prompts, choices, params.n, ctx.options.prompt_tokens_details)
+    handoff = next((choice.kv_transfer_params for choice in choices if choice.kv_transfer_params), None)
+    head.kv_transfer_params = handoff.as_dict() if handoff is not None else None
     # pydantic writes the JSON itself: many times faster than json.dumps on a big answer
     # (logprobs of the whole vocabulary), and the same writer as the streams'.
     return Response(head.model_dump_json(), media_type="application/json")

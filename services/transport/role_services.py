@@ -3,6 +3,7 @@ each method's name, request and response types, and whether it streams. Servers
 register their servicers and clients build their stubs from these, and nothing else."""
 from __future__ import annotations
 
+from services.kv_transfer_messages import KvBlock, KvFetchRequest
 from services.lora_request import LoRARequest
 from services.messages import Empty, EngineStats, StepPlan, StepResult, WorkerDescription
 from services.scheduler_messages import (
@@ -61,6 +62,8 @@ WORKER = Service("kvfleet.v1.Worker", (
     Method("ExecuteStep", StepPlan, StepResult),
     # Checked beside the steps, when a request arrives: a bad constraint is refused then.
     Method("CompileGrammar", StructuredOutputsParams, Empty),
+    # Another replica's worker fetching the blocks this one holds for it (docs/disaggregation.md).
+    Method("FetchKvBlocks", KvFetchRequest, KvBlock, server_streaming=True),
     Method("AddLora", LoRARequest, Empty),
     Method("RemoveLora", RemoveLoraRequest, Empty),
 ))

@@ -89,6 +89,8 @@ VALUE_SETS = {
         "auth": {"apiKey": "a-key-from-values"},
         # vLLM's engine port, open to a router's pods; clients and Prometheus from their namespaces.
         "replica": {"enginePort": 50060},
+        # A prefill pool beside the decode pool (docs/disaggregation.md).
+        "disaggregation": {"enabled": True, "prefill": {"replicas": 2}},
         "networkPolicy": {
             "gatewayFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}],
             "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
@@ -646,10 +648,33 @@ def test_engine_port_and_network_policy_selectors_from_values():
         "gateway": {("http", who["gatewayFrom"])},
         "tokenizer": {("grpc", "gateway"), ("metrics", who["metricsFrom"])},
         "replica": {("grpc", "gateway"), ("metrics", who["metricsFrom"]), ("worker-metrics", who["metricsFrom"]),
-                    ("engine", who["engineFrom"])},
+                    ("engine", who["engineFrom"]), ("worker-grpc", "replica")},  # the KV transfer port
         "nats": {("client", "gateway+replica")},
         "redis": {("redis", "gateway+replica+tokenizer")},
     }
+
+
+def test_disaggregation_runs_a_prefill_and_a_decode_pool():
+    """Two Deployments of replica pods told apart by their pool label, each scheduler with
+    its side of vLLM's --kv-transfer-config and its pod's IP to be fetched from; the
+    gateways with the threshold."""
+    rendered = render("ingress-keda-servicemonitor")
+    roles = {}
+    for name in ("replica", "prefill"):
+        deployment = rendered.one("Deployment", f"{RELEASE}-{name}")
+        pool = deployment["spec"]["selector"]["matchLabels"]["kvfleet.io/pool"]
+        assert deployment["spec"]["template"]["metadata"]["labels"]["kvfleet.io/pool"] == pool
+        scheduler = next(c for c in containers(deployment["spec"]["template"]["spec"]) if c["name"] == "scheduler")
+        (config,) = [a.split("=", 1)[1] for a in scheduler["args"] if a.startswith("--kv-transfer-config=")]
+        config = json.loads(config)
+        assert config["kv_ip"] == "$(POD_IP)" and config["kv_connector"] == "KvfleetConnector"
+        roles[pool] = config["kv_role"], deployment["spec"].get("replicas")
+    assert roles == {"decode": ("kv_consumer", None), "prefill": ("kv_producer", 2)}  # KEDA scales the decode pool
+    gateway = next(c for d in rendered.find("Deployment") if d["metadata"]["name"].startswith(f"{RELEASE}-gateway")
+                   for c in containers(d["spec"]["template"]["spec"]))
+    assert "--pd-min-prefill-tokens=16" in gateway["args"]
+    default = render("default")
+    assert not default.find("Deployment", f"{RELEASE}-prefill") and "kv-transfer-config" not in str(default.manifests)
 
 
 def test_hpa_alternative_and_switches_off():

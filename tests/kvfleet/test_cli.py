@@ -111,6 +111,8 @@ REFUSED = {
                           "generation_config.json there"),
     "speculative-method": (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
                            "--speculative-config: method 'eagle': kvfleet implements ngram"),
+    "kv-transfer-serve": (["--kv-transfer-config", '{"kv_connector": "KvfleetConnector", "kv_role": "kv_both"}'],
+                          "--kv-transfer-config: prefill/decode disaggregation needs replicas of the cluster's roles"),
     "speculative-async": (["-sc", '{"method": "ngram", "num_speculative_tokens": 2}', "--async-scheduling"],
                           "--speculative-config with --async-scheduling is not supported yet"),
     "missing-model": (["--model", "/no/such/model"], "'/no/such/model'"),

@@ -8,6 +8,7 @@ import pytest
 
 from services.histogram_counts import HistogramCounts
 from services.invalid_parameter import InvalidParameter
+from services.kv_transfer_messages import KvBlock, KvFetchRequest, KvTransferParams, RemoteBlocks
 from services.lora_request import LoRARequest
 from services.messages import (
     CacheConfigInfo,
@@ -18,6 +19,7 @@ from services.messages import (
     KvLoad,
     KvTierCounts,
     KvTierStats,
+    KvTransferStats,
     LoraStats,
     NewRequestData,
     SpecDecodingStats,
@@ -76,8 +78,9 @@ POOLER = PoolerConfig("MEAN", False, True, 384, 64, ("no", "yes"))
 LORA = LoRARequest("sql", 1 << 50, "/adapters/sql", "base")
 # Dict order is the order that matters (best first, then the sampled token).
 LOGPROBS = [{9: -0.25, 3: -1.5, 7: -8.0}, {2: -0.1}]
-DELTA = TokenDelta("r", [9, 2], "stop", "END", LOGPROBS, LOGPROBS[1:], FirstTokenTimes(0.25, 1.5), 16,
-                   "worker unreachable", True, [0.6, 0.8])
+HANDOFF = KvTransferParams(True, True, "e1", [3, 4], "10.0.0.7", 50051, "p1", 2)
+DELTA = TokenDelta("r", [9, 2], "stop", "END", LOGPROBS, LOGPROBS[1:], FirstTokenTimes(0.25, 1.5, 0.5), 16,
+                   "worker unreachable", True, HANDOFF, [0.6, 0.8])
 PLAN = StepPlan(
     step_id=41,
     new_requests=[NewRequestData("b", [5, 6, 7, 8], 3, [3, 4], 2, FULL_PARAMS, LORA)],
@@ -87,12 +90,14 @@ PLAN = StepPlan(
     blocks_to_copy=[(1, 2)],
     blocks_to_swap_out=[(10, 0), (11, 1)],
     blocks_to_swap_in=[(5, 12)],
-    kv_loads=[KvLoad("c", [(6, b"\x03" * 32, 2), (7, b"\x04" * 32, -1)])],
+    kv_loads=[KvLoad("c", [(6, b"\x03" * 32, 2), (7, b"\x04" * 32, -1)], RemoteBlocks("10.0.0.7:50051", "p1"))],
     kv_host_saves=[(8, 3)],
     kv_file_saves=[(9, b"\x05" * 32)],
     worker_instance_id="4f1c",
     scheduler_instance_id="9e2a",
     scheduled_spec_decode_tokens={"z": [11, 12]},
+    kv_holds={"p1": [3, 4]},
+    kv_hold_ends=["p0"],
 )
 TIER_COUNTS = KvTierCounts("SHARED", 1, 2, 3, 4, 5, 6, 7, [0.25], [b"\x06" * 32])
 TIER_EVENTS = TierEvents("CPU", True, [b"\x07" * 32], [b"\x08" * 32])
@@ -101,7 +106,7 @@ CHAT = ChatPrompt([{"role": "user", "content": "hi", "name": "ann"},
                    {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"arguments": {}}}]}],
                   add_generation_prompt=False, add_special_tokens=True, tools=[{"type": "function"}],
                   continue_final_message=True)
-SUBMIT = SubmitRequest("r", [1, 2, 3], FULL_PARAMS, "g", "salt", [4, 5], LORA)
+SUBMIT = SubmitRequest("r", [1, 2, 3], FULL_PARAMS, "g", "salt", [4, 5], HANDOFF, LORA)
 TOKENIZED = TokenizeResponse([1, 2], "<s>hi", b"\x01\x02")
 
 # Fields an example may leave at their default: one-of alternatives, and an alias.
@@ -109,14 +114,16 @@ _ALTERNATIVES = {*KINDS, "text", "guided_decoding"}
 # One of each message, every field set (where a field has a default, away from it).
 MESSAGES = [
     Empty(), FULL_PARAMS, FULL_PARAMS.structured_outputs, DELTA, PLAN,
-    StepResult(7, {"a": [9], "b": [2, 4]}, {"a": LOGPROBS[:1]}, {"b": LOGPROBS}, {"c": 1}, [TIER_COUNTS],
+    StepResult(7, {"a": [9], "b": [2, 4]}, {"a": LOGPROBS[:1]}, {"b": LOGPROBS}, {"c": 1}, [TIER_COUNTS], ["p1"],
                {"p": [0.6, 0.8]}, {"a": [3, 5]}),
     TIER_COUNTS,
-    WorkerDescription(100, 20, 16, 2048, 49152, (2, 0), "4f1c", 2, 50, "ab" * 16, POOLER, False, True),
+    WorkerDescription(100, 20, 16, 2048, 49152, (2, 0), "4f1c", 2, 50, "ab" * 16, 737280, POOLER, False, True),
     FULL_PARAMS.pooling, POOLER,
     EngineStats(3, 4, 0.375, 5, 100, 1 << 40, 1 << 39, HistogramCounts((1, 0, 7), 23.0), CACHE_CONFIG, 64, 32,
                 [KvTierStats("DISK", 1, 2, 3, 4, 5, 6, 7, HistogramCounts((1, 0), 0.5))],
-                SpecDecodingStats(4, 16, 9, [4, 3, 2, 0]), LoraStats(2, ["sql"], ["chat", "fr"])),
+                SpecDecodingStats(4, 16, 9, [4, 3, 2, 0]), {"local_compute": 6, "external_kv_transfer": 144},
+                KvTransferStats(HistogramCounts((1, 0), 2e6), HistogramCounts((0, 1), 0.03), 1, 2, 3),
+                LoraStats(2, ["sql"], ["chat", "fr"])),
     LORA, RemoveLoraRequest(7), LoraStats(2, ["sql"], ["chat"]),
     SUBMIT, SubmitBatchRequest([SUBMIT], "s1"), SubmitBatchResponse([SubmitResult(3, "temperature: bad")]),
     AbortRequest("r"), StatsRequest("s1"), StreamOutputsRequest("g"), ReplayOutputsRequest("g", 7, "s1"),
@@ -127,6 +134,7 @@ MESSAGES = [
     TokenizeBatchResponse([TokenizeResult(TOKENIZED, "messages: must not be empty")]), TOKENIZED,
     DetokenizeRequest([1, 2], False, False), DetokenizeResponse("hi"), TokenizerDescription("m", 49152, 2, 1, True),
     TokenizerChunk(b"zip", "0" * 64),
+    KvFetchRequest("p1", [3, 4], "float32:30x2x16x3x64"), KvBlock(1, b"\x09" * 8),
 ]
 
 

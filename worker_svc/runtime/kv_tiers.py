@@ -9,10 +9,12 @@ import torch
 
 from services.config import EngineConfig
 from services.kv_block_files import file_tiers
+from services.kv_transfer_config import DEFAULT_FETCH_TIMEOUT_S
 from services.model_source import ModelSource
 from worker_svc.formats.model_config import ModelConfig
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block
 from worker_svc.runtime.kv_layout_key import layout_key
+from worker_svc.runtime.kv_peer import GrpcKvBlocks
 from worker_svc.runtime.kv_transfer import KvTransfer
 
 
@@ -29,7 +31,8 @@ class TieredWorker(Protocol):
 
 
 def build_kv_transfer(worker: TieredWorker) -> tuple[KvTransfer, int, str]:
-    """The tiers' mover, the host tier's block count and the file tiers' layout key."""
+    """The tiers' mover (and, with a --kv-transfer-config, the worker-to-worker transport:
+    docs/disaggregation.md), the host tier's block count and the file tiers' layout key."""
     config = worker.config
     block_bytes = bytes_per_block(worker.local_config, worker.block_size, worker.kv_dtype)
     num_host_blocks = int(config.kv_offloading_size * 2**30) // block_bytes
@@ -39,7 +42,11 @@ def build_kv_transfer(worker: TieredWorker) -> tuple[KvTransfer, int, str]:
                                         torch.device("cpu"))
         if worker.device.type == "cuda":  # pinned: copies to and from the device run asynchronously
             host_caches = [cache.pin_memory() for cache in host_caches]
-    key = layout_key(worker.source, worker.local_config, dtype=worker.dtype, kv_dtype=worker.kv_dtype,
-                     runs_q4=worker.runs_q4, device=worker.device, block_size=worker.block_size)
-    files = file_tiers(config, key)
-    return KvTransfer(worker.kv_caches, host_caches, files), num_host_blocks, key if files else ""
+    files, key = [], ""
+    if config.kv_offloading_dir or config.kv_shared_dir:  # the key fingerprints the weights' files: only when used
+        key = layout_key(worker.source, worker.local_config, dtype=worker.dtype, kv_dtype=worker.kv_dtype,
+                         runs_q4=worker.runs_q4, device=worker.device, block_size=worker.block_size)
+        files = file_tiers(config, key)
+    transfer = config.kv_transfer
+    peer = GrpcKvBlocks(worker.kv_caches, transfer.fetch_timeout_s if transfer is not None else DEFAULT_FETCH_TIMEOUT_S)
+    return KvTransfer(worker.kv_caches, host_caches, files, peer), num_host_blocks, key

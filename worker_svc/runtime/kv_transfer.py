@@ -9,6 +9,11 @@ StepResult. Then host tier saves are copied, and the blocks to save to files are
 gathered into one staging tensor, which a writer thread turns into files: the step never
 waits on a disk. Writes queued past a byte bound are dropped (counted as failed), so a
 slow disk costs cache hits, never step time.
+
+With prefill/decode disaggregation (docs/disaggregation.md) a load's blocks may come
+from a producer replica's worker instead (KvLoad.remote): fetched on a loader thread,
+block by block, through `peer` (worker_svc/runtime/kv_peer.py). A producer's worker
+serves its held blocks through the same `peer`, and reports each request fetched.
 """
 from __future__ import annotations
 
@@ -16,23 +21,29 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
 from services.kv_block_files import HOST, BlockFiles
+from services.kv_transfer_messages import KvBlock, KvFetchRequest
 from services.messages import KvLoad, KvTierCounts, StepPlan
 from worker_svc.runtime.kv_host_copies import HostCopies
+from worker_svc.runtime.kv_peer import KvBlockSource
 
 logger = logging.getLogger(__name__)
 
 _MAX_QUEUED_WRITE_BYTES = 512 * 2**20
+# A consumer may ask for a hold before the producer's next plan has told this worker of it.
+_HOLD_WAIT_S = 2.0
 
 
 class KvTransfer:
     def __init__(self, kv_caches: list[torch.Tensor], host_caches: list[torch.Tensor],
-                 files: Sequence[BlockFiles]) -> None:
+                 files: Sequence[BlockFiles], peer: KvBlockSource | None = None) -> None:
+        """`peer`: the worker-to-worker transport (docs/disaggregation.md)."""
         self.kv_caches = kv_caches
         self.host_caches = host_caches
         self._host = HostCopies(kv_caches, host_caches)
@@ -49,19 +60,25 @@ class KvTransfer:
         self._done: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
         self._num_loading = 0
         self._load_finished = threading.Condition(self._lock)
+        self.peer = peer
+        self._sent: list[str] = []  # held requests a consumer fetched, for the next result
+        self._holds: dict[str, set[int]] = {}  # per request, the blocks its scheduler holds for a consumer
 
     def describe(self) -> str:
-        """The start-up line on the tiers."""
+        """The start-up line on the tiers and the transfers."""
         tiers = []
         if self.host_caches:
             blocks = self.host_caches[0].shape[1]
             tiers.append(f"host memory {blocks} blocks ({blocks * self.block_bytes / 2**30:.2f} GiB)")
         tiers += [f"{tier.medium.lower()} {tier.directory} (up to {tier.max_bytes / 2**30:.1f} GiB)"
                   for tier in self.files]
-        return f"KV offload tiers: {', '.join(tiers)}; {self.block_bytes / 2**20:.2f} MiB a block"
+        peer = ["blocks to and from other replicas' workers"] if self.peer is not None else []
+        return f"KV connector: {', '.join(tiers + peer)}; {self.block_bytes / 2**20:.2f} MiB a block"
 
     def apply(self, plan: StepPlan) -> None:
         """The plan's moves, before its forward pass."""
+        if plan.kv_holds or plan.kv_hold_ends:
+            self._change_holds(plan)
         for load in plan.kv_loads:
             self._start_load(load)
         if plan.kv_host_saves:
@@ -82,11 +99,50 @@ class KvTransfer:
             done[request_id] = count
 
     def wait_for_loads(self, timeout_s: float) -> None:
-        """For a step with nothing to compute: returns once a load finished, or after the
-        timeout, rather than have the scheduler spin on empty steps."""
+        """For a step with nothing to compute: returns once a load finished (or, while it
+        holds blocks for other replicas, one fetched them), or after the timeout, rather
+        than have the scheduler spin on empty steps."""
         with self._load_finished:
-            if self._num_loading and self._done.empty():
+            if (self._num_loading or self._holds) and self._done.empty() and not self._sent:
                 self._load_finished.wait(timeout_s)
+
+    def serve(self, request: KvFetchRequest) -> Iterator[KvBlock]:
+        """A consumer's fetch of blocks held here; once it ended, the scheduler hears the
+        request was fetched (and frees its blocks). Only blocks the scheduler
+        holds for that request are served, and only while it holds them: a fetch that
+        comes before the plan saying so waits for it a moment; the stream stops (ValueError)
+        at a block not held for the request, and the consumer recomputes from there."""
+        with self._load_finished:
+            self._load_finished.wait_for(lambda: request.request_id in self._holds, _HOLD_WAIT_S)
+
+        @contextmanager
+        def held(block: int) -> Iterator[None]:
+            with self._lock:
+                if block not in self._holds.get(request.request_id, ()):
+                    raise ValueError(f"block {block} is not held here for request {request.request_id!r} (its "
+                                     "hold ended, or never began)")
+                yield
+
+        try:
+            yield from self.peer.serve(request, held)
+        finally:  # however the fetch ended (whole, refused midway, cancelled), no one else comes for them
+            with self._load_finished:
+                self._sent.append(request.request_id)
+                self._load_finished.notify_all()
+
+    def _change_holds(self, plan: StepPlan) -> None:
+        """Before the plan's forward pass, which may write into blocks whose hold ended."""
+        with self._load_finished:
+            for request_id in plan.kv_hold_ends:
+                self._holds.pop(request_id, None)
+            for request_id, blocks in plan.kv_holds.items():
+                self._holds[request_id] = set(blocks)
+            self._load_finished.notify_all()
+
+    def take_sent_done(self) -> list[str]:
+        with self._lock:
+            sent, self._sent = self._sent, []
+        return sent
 
     def take_counts(self) -> list[KvTierCounts]:
         with self._lock:
@@ -100,6 +156,11 @@ class KvTransfer:
     # -- loads -------------------------------------------------------------------------
 
     def _start_load(self, load: KvLoad) -> None:
+        if load.remote is not None:
+            with self._lock:
+                self._num_loading += 1
+            self._loader.submit(self._fetch, load)
+            return
         from_host = [(host, device) for device, _, host in load.blocks if host >= 0]
         if from_host:
             started = time.perf_counter()
@@ -136,6 +197,28 @@ class KvTransfer:
                 loaded = sources.count(medium)
                 self._count(KvTierCounts(medium, loaded_blocks=loaded, loaded_bytes=loaded * self.block_bytes,
                                          load_seconds=[seconds]))
+            self._done.put((load.request_id, count))
+            with self._load_finished:
+                self._num_loading -= 1
+                self._load_finished.notify_all()
+
+    def _fetch(self, load: KvLoad) -> None:
+        """A producer's blocks, each copied into its device block as it arrives."""
+        count = 0
+
+        def land(index: int, block: torch.Tensor) -> None:
+            device_block = load.blocks[index][0]
+            block = block.to(self._device)
+            for layer, cache in enumerate(self.kv_caches):
+                cache[:, device_block] = block[layer]
+
+        try:
+            count = self.peer.fetch(load.remote, [source for _, _, source in load.blocks], land)
+            if self._device.type == "cuda":
+                torch.cuda.current_stream(self._device).synchronize()  # whole before the scheduler hears of it
+        except Exception:  # whatever went wrong, a miss: the blocks are recomputed
+            logger.exception("KV fetch of %s failed; its blocks are recomputed", load.request_id)
+        finally:
             self._done.put((load.request_id, count))
             with self._load_finished:
                 self._num_loading -= 1

@@ -129,8 +129,12 @@ class Worker:
             if self.num_host_blocks
             else []
         )
+        # A one-rank worker can always hand KV to another replica's and take it: it acts
+        # only on what its scheduler's plans say (docs/disaggregation.md), so a worker
+        # started without the scheduler's --kv-transfer-config still does its part.
+        one_rank = config.tensor_parallel_size * config.pipeline_parallel_size == 1
         self.kv_transfer, self.num_offload_blocks, self.kv_layout_key = (
-            build_kv_transfer(self) if config.has_kv_tiers else (None, 0, ""))
+            build_kv_transfer(self) if config.has_kv_connector or one_rank else (None, 0, ""))
         self.graphs = kernel_choice.decode_graphs(config, self.device, group, self.model, self.attention_backend,
                                             self.kv_caches, self.batch)
 
@@ -170,7 +174,7 @@ class Worker:
             f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = {kv_tokens} tokens "
             f"({kv_bytes / 2**30:.2f} GiB of {str(self.kv_dtype).removeprefix('torch.')}); maximum concurrency at "
             f"max_model_len {self.max_model_len}: {kv_tokens / self.max_model_len:.1f}x",
-            *([self.kv_transfer.describe()] if self.kv_transfer is not None else []),
+            *([self.kv_transfer.describe()] if self.config.has_kv_connector else []),
         ]
 
     @property
@@ -190,6 +194,7 @@ class Worker:
             max_plans_in_flight=self.group.shard.pp_size,
             num_offload_blocks=self.num_offload_blocks,
             kv_layout_key=self.kv_layout_key,
+            kv_block_bytes=bytes_per_block(self.local_config, self.block_size, self.kv_dtype),
             pooler=self.pooler_config,
             generates=self.config.runner != "pooling" and not self.encoder,
             bidirectional=self.encoder,
@@ -313,6 +318,7 @@ class Worker:
             # Taken only into a result that goes back: a failed step leaves them for the next.
             outcome.kv_loads_done = self.kv_transfer.take_loads_done()
             outcome.kv_tiers = self.kv_transfer.take_counts()
+            outcome.kv_sent_done = self.kv_transfer.take_sent_done()
         if shard.rank != 0:
             self.group.send_outcome(RuntimeError(repr(outcome)) if isinstance(outcome, Exception) else outcome)
         if isinstance(outcome, Exception):

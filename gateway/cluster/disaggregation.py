@@ -1,0 +1,115 @@
+"""Prefill/decode disaggregation, the gateway's part (docs/disaggregation.md).
+
+Replicas register their side (`kv_role` in their lease, from --kv-transfer-config): the
+prefill pool is the kv_producer and kv_both replicas, the decode pool every other one.
+For each request the decode replica is chosen first, by the routing policy, as any
+request is placed. If that replica can fetch KV (kv_consumer, kv_both) and the part of
+the prompt it does not hold (its device pool and offload tiers, as the prefix index
+sees them) is more than `--pd-min-prefill-tokens`, a prefill replica is chosen the same
+way among the prefill pool, and asked to compute the prompt's KV and hold it (vLLM's
+`do_remote_decode`, one token asked); its answer's `kv_transfer_params` go with the
+request to the decode replica, whose worker fetches the full blocks it lacks straight
+from the prefill replica's worker. If the prefill leg fails, the decode replica
+computes the prompt itself: the client sees the same text either way.
+
+Requests that carry their own kv_transfer_params (vLLM's disaggregation proxy, llm-d's
+sidecar) are placed as they say and never split again; nor are resumed (migrated)
+requests, parallel samples, those that want prompt logprobs (every position must be
+computed where they decode) and pooling requests (docs/pooling.md: they pool every
+position's hidden state where they run). An adapter's request (docs/lora.md) runs its
+prefill leg with the same adapter.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from services.engine_client import EngineUnavailable, RequestFailed
+from services.kv_transfer_messages import KvTransferParams
+from services.lora_request import LoRARequest
+from services.messages import FirstTokenTimes, TokenDelta
+from services.parallel_sampling import num_children
+from services.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the gateway's --help imports this module for its default: no grpc then
+    from gateway.cluster.replica import Replica
+
+logger = logging.getLogger(__name__)
+
+# Up to this many uncached prompt tokens the decode replica prefills itself: one block.
+# Only full blocks move, so a split of a prompt with at most a block uncached would move
+# nothing and the decode replica would compute the same tokens; past one block, each
+# block moved saves the decode replica its compute for the price of its fetch, which on
+# this project's 2-core CPU is about 50 ms against 3 ms for a 16-token block of the
+# default model (docs/disaggregation.md). So every split prompt leaves the decode replica
+# at most its last partial block. A deployment that would rather keep short prompts
+# local (a split adds a second request's trip through a scheduler to the time to first
+# token) raises it.
+DEFAULT_PD_MIN_PREFILL_TOKENS = 16
+PREFILL_ROLES = ("kv_producer", "kv_both")
+CONSUMER_ROLES = ("kv_consumer", "kv_both")
+
+# Places one request on a replica of a pool; the request streams' place(), bound.
+Place = Callable[..., AsyncIterator[TokenDelta]]
+
+
+def decodes(replica: Replica) -> bool:
+    """In the decode pool: every replica but a prefill-only one."""
+    return replica.kv_role != "kv_producer"
+
+
+def prefills(replica: Replica) -> bool:
+    return replica.kv_role in PREFILL_ROLES
+
+
+class Disaggregation:
+    def __init__(self, min_prefill_tokens: int) -> None:
+        self.min_prefill_tokens = min_prefill_tokens
+
+    def wants_prefill(self, decode: Replica, uncached_tokens: int, prefill_pool: list[Replica],
+                      params: SamplingParams) -> bool:
+        return (decode.kv_role in CONSUMER_ROLES and uncached_tokens > self.min_prefill_tokens
+                and any(replica is not decode for replica in prefill_pool)
+                and num_children(params) == 1 and params.prompt_logprobs is None
+                # a pooling request needs every prompt position's hidden state where it pools
+                and params.pooling is None)
+
+    async def prefill(self, place: Place, request_id: str, prompt_token_ids: list[int], cache_salt: str | None,
+                      decode: Replica, lora_request: LoRARequest | None = None,
+                      ) -> tuple[KvTransferParams | None, FirstTokenTimes | None]:
+        """Has a prefill replica compute the prompt's KV and hold it: where it waits, and the
+        prefill leg's times (its queue and prefill, measured there). None when it failed:
+        the decode replica then computes the prompt. With an adapter's request the prefill
+        leg runs the same adapter: its KV depends on it."""
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        hold = KvTransferParams(do_remote_decode=True)
+        started = time.monotonic()
+        handoff, times = None, None
+        try:
+            async with aclosing(place(f"{request_id}-prefill", prompt_token_ids, params, cache_salt, [], {decode},
+                                      kv_transfer_params=hold, pool=prefills, lora_request=lora_request)) as deltas:
+                async for delta in deltas:
+                    times = delta.first_token_times or times
+                    handoff = delta.kv_transfer_params or handoff
+        except (EngineUnavailable, RequestFailed) as exc:  # full, gone, or its step failed: none is the request's fault
+            logger.warning("request %s: the prefill replica failed (%s); the decode replica computes the prompt",
+                           request_id, exc)
+            return None, None
+        if handoff is None:
+            logger.warning("request %s: the prefill replica held no KV (is it a kv_producer?) after %.3f s; the decode "
+                           "replica computes the prompt", request_id, time.monotonic() - started)
+        return handoff, times
+
+
+def with_remote_times(delta: TokenDelta, remote: FirstTokenTimes | None) -> TokenDelta:
+    """The decode replica's first delta, its times completed by the prefill leg's."""
+    if remote is None or delta.first_token_times is None:
+        return delta
+    times = msgspec.structs.replace(delta.first_token_times, remote_queued_s=remote.queued_s,
+                                    remote_prefill_s=remote.prefill_s)
+    return msgspec.structs.replace(delta, first_token_times=times)

@@ -1,0 +1,96 @@
+"""vLLM's --kv-transfer-config for prefill/decode disaggregation (docs/disaggregation.md):
+which side of a KV handoff a replica takes, checked before anything loads.
+
+`kv_role`: `kv_producer` replicas compute prompts' KV and hold it for a decode replica
+to fetch (the prefill pool), `kv_consumer` replicas fetch it and decode (the decode
+pool), `kv_both` replicas do either. `kv_connector` names kvfleet's connector; vLLM's
+`NixlConnector` is accepted for it, so vLLM's command lines start, and its blocks move
+worker to worker over kvfleet's gRPC block stream (services/kv_transfer_messages.py).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+CONNECTORS = ("KvfleetConnector", "NixlConnector")
+# vLLM's keys that mean nothing here (one process per rank, one transport): accepted, unused.
+_ACCEPTED_KEYS = ("engine_id", "kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_port",
+                  "kv_connector_module_path")
+_KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_connector_extra_config", *_ACCEPTED_KEYS)
+_EXTRA_KEYS = ("abort_timeout_s", "fetch_timeout_s")
+# How long a producer holds a finished prefill's blocks for its consumer (vLLM's
+# VLLM_NIXL_ABORT_REQUEST_TIMEOUT is 480 s; a fetch here starts within one gateway round
+# trip of the prefill's end, so a minute is ample and frees a lost handoff's blocks sooner).
+DEFAULT_ABORT_TIMEOUT_S = 60.0
+# How long a consumer's fetch may take before what has not arrived is recomputed.
+DEFAULT_FETCH_TIMEOUT_S = 30.0
+
+
+class KvTransferConfigError(ValueError):
+    """What is wrong with a kv transfer config, in one line (services.config wraps it)."""
+
+
+@dataclass(frozen=True)
+class KvTransferConfig:
+    kv_connector: str
+    kv_role: str
+    kv_ip: str | None = None  # the host other replicas' workers dial to fetch from this one's worker
+    abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S
+    fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def to_json(self) -> str:
+        value = {"kv_connector": self.kv_connector, "kv_role": self.kv_role,
+                 "kv_connector_extra_config": {"abort_timeout_s": self.abort_timeout_s,
+                                               "fetch_timeout_s": self.fetch_timeout_s}}
+        if self.kv_ip is not None:
+            value["kv_ip"] = self.kv_ip
+        return json.dumps(value)
+
+
+def parse_kv_transfer_config(value: str | dict) -> KvTransferConfig:
+    """A JSON object (the flag's text) or a dict (the SDK's) -> a checked KvTransferConfig."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise KvTransferConfigError(f"not JSON ({exc.msg} at character {exc.pos})") from exc
+    if not isinstance(value, dict):
+        raise KvTransferConfigError('give a JSON object, such as {"kv_connector": "KvfleetConnector", '
+                                    '"kv_role": "kv_producer"}')
+    unknown = sorted(set(value) - set(_KEYS))
+    if unknown:
+        raise KvTransferConfigError(f"{', '.join(unknown)}: not supported; kvfleet takes {', '.join(_KEYS)}")
+    connector = value.get("kv_connector")
+    if connector not in CONNECTORS:
+        raise KvTransferConfigError(f"kv_connector {connector!r}: kvfleet's connector is KvfleetConnector "
+                                    "(NixlConnector is accepted for it)")
+    role = value.get("kv_role")
+    if role not in KV_ROLES:
+        raise KvTransferConfigError(f"kv_role {role!r}: choose one of {', '.join(KV_ROLES)}")
+    extra = value.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise KvTransferConfigError("kv_connector_extra_config: give a JSON object")
+    unknown = sorted(set(extra) - set(_EXTRA_KEYS))
+    if unknown:
+        raise KvTransferConfigError(f"kv_connector_extra_config {', '.join(unknown)}: not supported; kvfleet "
+                                    f"takes {', '.join(_EXTRA_KEYS)}")
+    timeouts = {}
+    for key, default in zip(_EXTRA_KEYS, (DEFAULT_ABORT_TIMEOUT_S, DEFAULT_FETCH_TIMEOUT_S)):
+        seconds = extra.get(key, default)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+            raise KvTransferConfigError(f"kv_connector_extra_config {key} {seconds!r}: give a positive number "
+                                        "of seconds")
+        timeouts[key] = float(seconds)
+    kv_ip = value.get("kv_ip")
+    if kv_ip is not None and (not isinstance(kv_ip, str) or not kv_ip):
+        raise KvTransferConfigError(f"kv_ip {kv_ip!r}: give a host name or address")
+    return KvTransferConfig(connector, role, kv_ip, **timeouts)

@@ -1,0 +1,55 @@
+"""The messages of a prefill/decode KV handoff (docs/disaggregation.md).
+
+`KvTransferParams` is vLLM's `kv_transfer_params`, with its keys: a request carries
+`do_remote_decode` to a producer (compute the prompt's KV and hold it), whose final
+output carries back `do_remote_prefill` with where the blocks are (`remote_host`,
+`remote_port`: its worker; `remote_block_ids`; `remote_engine_id`: its scheduler;
+`remote_request_id`: whose blocks they are), which the request then carries to a
+consumer. The consumer's worker fetches the blocks from the producer's worker with
+`FetchKvBlocks` (a gRPC stream of `KvBlock`s), never through a scheduler or gateway.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class KvTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: list[int] | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_request_id: str | None = None
+    tp_size: int = 1
+
+    @property
+    def fetchable(self) -> bool:
+        """Whether it says where blocks wait: otherwise the consumer computes the prompt
+        itself, as vLLM's connector does with incomplete parameters."""
+        return bool(self.do_remote_prefill and self.remote_block_ids and self.remote_host
+                    and self.remote_port is not None)
+
+    def as_dict(self) -> dict:
+        return msgspec.to_builtins(self)
+
+
+class RemoteBlocks(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Where a KvLoad's blocks come from when a producer holds them: the third item of
+    each of its blocks is then the producer's block id."""
+
+    address: str  # host:port of the producer's worker
+    request_id: str  # the producer's request, whose blocks they are
+
+
+class KvFetchRequest(msgspec.Struct, omit_defaults=True):
+    request_id: str  # the producer's request holding the blocks
+    block_ids: list[int]  # the producer's blocks, in the order wanted
+    layout: str  # the consumer's KV layout (dtype and block shape): a producer of another refuses
+
+
+class KvBlock(msgspec.Struct, array_like=True):
+    """One block's KV, every layer's keys and values: [layer][k|v][token][head][dim]."""
+
+    index: int  # its position in KvFetchRequest.block_ids
+    payload: bytes

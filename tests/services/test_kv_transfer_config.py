@@ -1,0 +1,40 @@
+"""vLLM's --kv-transfer-config: each replica's side of prefill/decode disaggregation,
+checked before anything loads (docs/disaggregation.md)."""
+from __future__ import annotations
+
+import pytest
+
+from services.config import ConfigError, EngineConfig
+
+
+def config(value: object, **engine: object) -> EngineConfig:
+    return EngineConfig(kv_transfer_config=value, **engine)
+
+
+def test_vllm_configs_are_taken_and_kept_as_canonical_json() -> None:
+    producer = config('{"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cuda"}')
+    assert producer.kv_transfer.is_producer and not producer.kv_transfer.is_consumer
+    both = config({"kv_connector": "KvfleetConnector", "kv_role": "kv_both", "kv_ip": "10.0.0.7",
+                   "kv_connector_extra_config": {"abort_timeout_s": 5}})
+    assert both.kv_transfer.is_producer and both.kv_transfer.is_consumer
+    assert (both.kv_transfer.kv_ip, both.kv_transfer.abort_timeout_s) == ("10.0.0.7", 5.0)
+    assert config(both.kv_transfer_config).kv_transfer == both.kv_transfer  # what the roles' argv carries
+    assert config(None).kv_transfer is None and not config(None).has_kv_connector
+
+
+@pytest.mark.parametrize(("value", "engine", "message"), [
+    ("{", {}, "not JSON"),
+    ('{"kv_connector": "KvfleetConnector", "kv_role": "kv_decoder"}', {},
+     "kv_role 'kv_decoder': choose one of kv_producer, kv_consumer, kv_both"),
+    ('{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}', {}, "kvfleet's connector is KvfleetConnector"),
+    ('{"kv_connector": "KvfleetConnector", "kv_role": "kv_both", "kv_lookup": 1}', {}, "kv_lookup: not supported"),
+    ('{"kv_connector": "KvfleetConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"abort_timeout_s": 0}}',
+     {}, "abort_timeout_s 0: give a positive number of seconds"),
+    ('{"kv_connector": "KvfleetConnector", "kv_role": "kv_both"}', {"tensor_parallel_size": 2}, "one-rank workers"),
+    ('{"kv_connector": "KvfleetConnector", "kv_role": "kv_both"}', {"async_scheduling": True},
+     "with --async-scheduling is not supported yet"),
+])
+def test_a_config_that_cannot_work_is_refused_naming_the_flag(value, engine, message) -> None:
+    with pytest.raises(ConfigError, match="--kv-transfer-config") as refused:
+        config(value, **engine)
+    assert message in str(refused.value)

@@ -1,0 +1,336 @@
+"""Prefill/decode disaggregation (docs/disaggregation.md) on real replicas: a prefill
+replica (kv_producer) and a decode replica (kv_consumer), each a worker and a scheduler
+over gRPC in this process, real NATS and Redis, and the gateway's cluster client. The
+decode replica's own run of each prompt (no split, another cache salt) is the combined
+replica's answer. Blocks move worker to worker; the tests count what moved and what the
+decode replica computed, and break the handoff: blocks that never arrive, a prefill
+replica that died, holds nobody fetches. Each test's prompts start at offsets of the text
+no other test's do, so no block is cached from another test (block hashes chain from a
+prompt's first token)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import aclosing
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from gateway.app import build_app
+from gateway.cluster.client import ClusterEngineClient
+from gateway.cluster.disaggregation import Disaggregation
+from gateway.cluster.replica import Replica as Placed
+from gateway.metrics import GatewayMetrics
+from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.main import lease_metadata
+from scheduler_svc.nats_publisher import NatsOutputHub
+from scheduler_svc.server import start_scheduler_server
+from scheduler_svc.step_loop import StepLoop
+from scheduler_svc.worker_client import RemoteWorker
+from services.config import EngineConfig
+from services.kv_transfer_messages import KvTransferParams
+from services.messages import EngineStats, TokenDelta
+from services.model_source import resolve_model
+from services.pooling_params import PoolingParams
+from services.registry import Lease, Member, Registry
+from services.sampling_params import SamplingParams
+from services.telemetry import EngineStatsCollector
+from tokenizer_svc.in_process import InProcessEncoder
+from tokenizer_svc.server import start_tokenizer_server
+from tokenizer_svc.tokenizer import Tokenizer
+from worker_svc.runtime.worker import Worker
+from worker_svc.server import start_worker_server
+
+from corpus import TEXT, parity_prompts
+from servers import nats, redis_url  # noqa: F401  (fixtures)
+
+BLOCK = 16
+THRESHOLD = 32  # --pd-min-prefill-tokens: the parity prompts longer than this are split
+FETCH_TIMEOUT_S = 2.0  # how long a fetch waits for its producer
+HOLD_S = 30.0  # how long a hold waits for its consumer (the test of holds nobody fetches shortens it)
+# Chunked prefill on both sides (64-token steps); a small pool on the decode side, which
+# preempts when long prompts decode together.
+ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64)
+POOLS = {"kv_producer": 128, "kv_consumer": 20}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+TTL_S = 2.0
+
+
+def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+class Replica:
+    def __init__(self, role: str, nats_url: str, registry: Registry) -> None:
+        config = dict(ENGINE, num_gpu_blocks_override=POOLS[role], kv_transfer_config={
+            "kv_connector": "KvfleetConnector", "kv_role": role,
+            "kv_connector_extra_config": {"abort_timeout_s": HOLD_S, "fetch_timeout_s": FETCH_TIMEOUT_S}})
+        # The prefill replica's worker without the config: a one-rank worker serves what its
+        # scheduler holds whatever its flags (the decode side's has it, for its fetch timeout).
+        worker_config = dict(config, kv_transfer_config=None) if role == "kv_producer" else config
+        self.worker_process = Worker(EngineConfig(**worker_config))
+        self.worker = start_worker_server(self.worker_process, "127.0.0.1:0")
+        self.remote = RemoteWorker(self.worker.address)
+        self.core = EngineCore(EngineConfig(**config), self.remote, self.worker.address)
+        self.hub = NatsOutputHub(nats_url, self.core.instance_id)
+        self.loop = StepLoop(self.core, self.hub)
+        self.scheduler = start_scheduler_server(self.loop, self.hub, "127.0.0.1:0")
+        metadata = lease_metadata(self.worker.address, "smollm2", self.core)
+        self.leases = [Lease(registry, Member("worker", role, self.worker.address), TTL_S).start(),
+                       Lease(registry, Member("scheduler", role, self.scheduler.address, metadata), TTL_S).start()]
+
+    def stats(self) -> EngineStats:
+        return self.loop.stats()
+
+    def close(self) -> None:
+        for lease in self.leases:
+            lease.stop()
+        self.scheduler.stop(0)
+        self.worker.stop(0)
+        self.remote.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.load(resolve_model("smollm2"))
+
+
+@pytest.fixture(scope="module")
+def pair(nats, redis_url, tokenizer) -> Iterator[dict[str, Replica]]:
+    registry = Registry(redis_url)
+    server = start_tokenizer_server(tokenizer, "127.0.0.1:0")  # a gateway is ready once a tokenizer is up
+    lease = Lease(registry, Member("tokenizer", "t", server.address), TTL_S).start()
+    replicas = {"prefill": Replica("kv_producer", nats.url, registry),
+                "decode": Replica("kv_consumer", nats.url, registry)}
+    yield replicas
+    for replica in replicas.values():
+        replica.close()
+    lease.stop()
+    server.stop(0)
+    registry.close()
+
+
+@pytest.fixture(scope="module")
+def client(pair, nats, redis_url) -> Iterator[ClusterEngineClient]:
+    client = ClusterEngineClient(redis_url, nats.url, poll_interval_s=0.2, pd_min_prefill_tokens=THRESHOLD)
+    client.start()
+    wait_until(lambda: client.is_ready() and len(client._replicas.routable()) == 2, "the client never saw the pair")
+    yield client
+    client.shutdown()
+
+
+def generate(client: ClusterEngineClient, prompts: list[list[int]], tag: str, salt: str | None = None,
+             kv_transfer_params: KvTransferParams | None = None, params: SamplingParams = GREEDY
+             ) -> list[list[TokenDelta]]:
+    async def one(index: int, prompt: list[int]) -> list[TokenDelta]:
+        async with aclosing(client.generate(f"{tag}-{index}", prompt, params, salt, kv_transfer_params)) as deltas:
+            return [delta async for delta in deltas]
+
+    async def main() -> list[list[TokenDelta]]:
+        return await asyncio.gather(*(one(i, prompt) for i, prompt in enumerate(prompts)))
+
+    return asyncio.run(main())
+
+
+def tokens(deltas: list[TokenDelta]) -> list[int]:
+    return [token for delta in deltas for token in delta.new_token_ids]
+
+
+def combined(client: ClusterEngineClient, prompts: list[list[int]], tag: str) -> list[list[int]]:
+    """The decode replica's own answers, computed there (a salt no block of the split runs shares)."""
+    hold_back = client._streams._pd.min_prefill_tokens
+    client._streams._pd.min_prefill_tokens = 10**6
+    try:
+        return [tokens(d) for d in generate(client, prompts, tag, salt=f"combined-{tag}")]
+    finally:
+        client._streams._pd.min_prefill_tokens = hold_back
+
+
+def moved(replica: Replica) -> tuple[int, float, int]:
+    transfer = replica.stats().kv_transfer
+    return sum(transfer.bytes_transferred.counts), transfer.bytes_transferred.sum, transfer.failed_blocks
+
+
+def _scrape(replica: Replica) -> str:
+    """The replica's scheduler /metrics, as its role serves them."""
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(replica.loop, "smollm2"))
+    return generate_latest(registry).decode()
+
+
+def block_bytes(replica: Replica) -> int:
+    """Block size x layers x 2 (K and V) x KV heads x head size x element size, from the model's config;
+    float16 elements: --kv-cache-dtype auto keeps a float16 cache for GGUF weights run as stored."""
+    model = replica.worker_process.model_config
+    return BLOCK * model.num_hidden_layers * 2 * model.num_key_value_heads * model.head_dim * 2
+
+
+def test_split_requests_decode_the_combined_replicas_tokens_moving_only_full_blocks(pair, client, tokenizer) -> None:
+    prompts = parity_prompts(tokenizer.encode(TEXT))[:9]  # up to 200 tokens: the longer three cost seconds more
+    decode, prefill = pair["decode"], pair["prefill"]
+    fetches, bytes_before, _ = moved(decode)
+    sources_before = decode.stats().prompt_tokens_by_source
+    split = generate(client, prompts, "parity")
+    long = [p for p in prompts if len(p) > THRESHOLD]
+    full_blocks = sum((len(p) - 1) // BLOCK for p in long)  # all but the last token's block, none cached yet
+    count, bytes_after, failed = moved(decode)
+    assert count - fetches == len(long) and failed == 0
+    assert bytes_after - bytes_before == full_blocks * block_bytes(decode) == full_blocks * 368640
+    # What the decode replica computed of the split prompts: at most one partial block each.
+    sources = decode.stats().prompt_tokens_by_source
+    computed = sources["local_compute"] - sources_before.get("local_compute", 0)
+    short = sum(len(p) for p in prompts if len(p) <= THRESHOLD)
+    assert computed == short + sum(len(p) - (len(p) - 1) // BLOCK * BLOCK for p in long) <= short + BLOCK * len(long)
+    assert sources["external_kv_transfer"] - sources_before.get("external_kv_transfer", 0) == full_blocks * BLOCK
+    # The decode replica's /metrics says so under vLLM's name.
+    scraped = _scrape(decode)
+    assert f'vllm:prompt_tokens_by_source_total{{model_name="smollm2",source="local_compute"}} ' \
+           f'{float(sources["local_compute"])}' in scraped
+    # A split request's first token says how long its prefill and its transfer took; the
+    # gateway's histograms split its TTFT by them.
+    metrics = GatewayMetrics(client, "smollm2")
+    for prompt, deltas in zip(prompts, split):
+        times = next(d.first_token_times for d in deltas if d.new_token_ids)
+        assert (times.remote_prefill_s > 0 and times.kv_transfer_s > 0) == (len(prompt) > THRESHOLD)
+        meter = metrics.request(len(prompt), GREEDY.max_tokens)
+        meter.tokens(1, times)
+        meter.finished("length")
+    rendered = metrics.render().decode()
+    for name in ("pd_queue_time", "pd_prefill_time", "pd_kv_transfer_time", "pd_first_decode_step"):
+        assert f'kvfleet:{name}_seconds_count{{model_name="smollm2"}} {float(len(long))}' in rendered
+    assert [tokens(d) for d in split] == combined(client, prompts, "parity")
+    wait_until(lambda: prefill.stats().kv_transfer.held_blocks == 0, "the prefill replica kept blocks")
+
+
+def test_a_decode_replica_that_preempts_split_requests_decodes_the_same_tokens(pair, client, tokenizer) -> None:
+    """Three prompts of 7 blocks whose outputs need 3 blocks more each, in a 20-block pool:
+    their KV arrives, then decoding preempts (and recomputes) one of them."""
+    ids = tokenizer.encode(TEXT)
+    prompts = [ids[101 * i + 101:101 * i + 201] for i in range(3)]
+    decode = pair["decode"]
+    preemptions = decode.stats().num_preemptions
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    split = [tokens(d) for d in generate(client, prompts, "preempted", params=params)]
+    assert decode.stats().num_preemptions > preemptions
+    hold_back = client._streams._pd.min_prefill_tokens
+    client._streams._pd.min_prefill_tokens = 10**6
+    try:
+        assert split == [tokens(d) for d in generate(client, prompts, "preempted-combined", "combined", params=params)]
+    finally:
+        client._streams._pd.min_prefill_tokens = hold_back
+
+
+def test_a_prefix_the_decode_replica_holds_is_not_moved(pair, client, tokenizer) -> None:
+    ids = tokenizer.encode(TEXT)
+    first, second = ids[310:390], ids[310:374] + ids[420:480]  # the second shares 4 full blocks with the first
+    decode = pair["decode"]
+    fetches, before, _ = moved(decode)
+    split = [tokens(generate(client, [prompt], f"prefix-{i}")[0]) for i, prompt in enumerate((first, second))]
+    count, after, _ = moved(decode)
+    assert count - fetches == 2
+    assert after - before == ((80 - 1) // BLOCK + (124 - 1) // BLOCK - 4) * block_bytes(decode)
+    assert split == combined(client, [first, second], "prefix")
+
+
+def test_blocks_that_never_arrive_are_recomputed(pair, client, tokenizer) -> None:
+    """The prefill replica serves a fetch up to the first block it does not hold for the
+    request: those after it are recomputed, and the text is the same."""
+    prompt = tokenizer.encode(TEXT)[333:433]
+    decode = pair["decode"]
+    [[held]] = [[d for d in deltas if d.kv_transfer_params] for deltas in generate(
+        client, [prompt], "held", kv_transfer_params=KvTransferParams(do_remote_decode=True))]
+    handoff = held.kv_transfer_params
+    assert handoff.do_remote_prefill and handoff.remote_port == int(pair["prefill"].worker.address.split(":")[1])
+    handoff.remote_block_ids[3:] = [POOLS["kv_producer"] - 1] * (len(handoff.remote_block_ids) - 3)  # not its own
+    _, before, failed = moved(decode)
+    [out] = generate(client, [prompt], "partial", kv_transfer_params=handoff)
+    _, after, failed_after = moved(decode)
+    assert after - before == 3 * block_bytes(decode) and failed_after - failed == (100 - 1) // BLOCK - 3
+    assert tokens(out) == combined(client, [prompt], "partial")[0]
+    # The fetch ended (refused midway): the prefill replica let the request's blocks go.
+    wait_until(lambda: pair["prefill"].stats().kv_transfer.held_blocks == 0, "the refused fetch's hold stayed")
+
+
+def test_vllms_proxy_drives_the_pair_with_kv_transfer_params_over_rest(pair, client, tokenizer) -> None:
+    """As vLLM's disaggregation proxy does: the prompt with do_remote_decode and one token
+    asked; the response's kv_transfer_params with the request for the text."""
+    prompt = tokenizer.encode(TEXT)[360:440]
+    app = build_app(client, InProcessEncoder(tokenizer), "smollm2")
+    decode = pair["decode"]
+
+    async def proxy() -> tuple[dict, dict, dict]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway",
+                                     timeout=60) as http:
+            body = {"model": "smollm2", "prompt": prompt, "temperature": 0, "ignore_eos": True}
+            held = (await http.post("/v1/completions", json={**body, "max_tokens": 1, "kv_transfer_params": {
+                "do_remote_decode": True, "do_remote_prefill": False}})).json()
+            fetched, before, _ = moved(decode)
+            out = (await http.post("/v1/completions", json={**body, "max_tokens": GREEDY.max_tokens,
+                                                             "kv_transfer_params": held["kv_transfer_params"]})).json()
+            refused = await http.post("/v1/completions", json={**body, "kv_transfer_params": {"remote_port": "x"}})
+            return held, out, {"fetched": fetched, "before": before, "refused": refused}
+
+    held, out, seen = asyncio.run(proxy())
+    handoff = held["kv_transfer_params"]
+    assert handoff["do_remote_prefill"] and handoff["remote_request_id"] and len(handoff["remote_block_ids"]) == 5
+    count, after, _ = moved(decode)
+    assert count == seen["fetched"] + 1 and after - seen["before"] == (80 - 1) // BLOCK * block_bytes(decode)
+    assert out["kv_transfer_params"] is None
+    assert out["choices"][0]["text"] == tokenizer.decode(combined(client, [prompt], "proxy")[0])
+    assert seen["refused"].status_code == 400 and "kv_transfer_params" in seen["refused"].text
+
+
+def test_a_hold_nobody_fetches_and_a_fetch_nobody_answers_free_their_blocks(pair, client, tokenizer) -> None:
+    prompt = tokenizer.encode(TEXT)[350:430]
+    prefill, decode = pair["prefill"], pair["decode"]
+    expired, held = prefill.stats().kv_transfer.expired_requests, prefill.stats().kv_transfer.held_blocks
+    handoff = prefill.core.scheduler.handoff
+    handoff.config = dataclasses.replace(handoff.config, abort_timeout_s=1.0)  # the flag's value, shorter
+    try:
+        generate(client, [prompt], "orphan", kv_transfer_params=KvTransferParams(do_remote_decode=True))
+    finally:
+        handoff.config = dataclasses.replace(handoff.config, abort_timeout_s=HOLD_S)
+    assert prefill.stats().kv_transfer.held_blocks == held + (80 + BLOCK) // BLOCK  # the prompt and its token
+    wait_until(lambda: prefill.stats().kv_transfer.held_blocks == held, "the hold outlived its timeout", 3.0)
+    assert prefill.stats().kv_transfer.expired_requests == expired + 1
+    with socket.socket() as silent:  # accepts connections, never answers: the fetch times out
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        handoff = KvTransferParams(do_remote_prefill=True, remote_block_ids=list(range(5)), remote_host="127.0.0.1",
+                                   remote_port=silent.getsockname()[1], remote_request_id="gone")
+        started = time.monotonic()
+        [out] = generate(client, [prompt], "silent", kv_transfer_params=handoff)
+    assert time.monotonic() - started < 3 * FETCH_TIMEOUT_S
+    assert tokens(out) == combined(client, [prompt], "silent")[0]
+    assert decode.stats().kv_cache_usage == 0  # every block it took for the fetch went back
+
+
+def test_a_pooling_request_is_never_split() -> None:
+    """It pools every prompt position's hidden state where it runs: a decode replica given the
+    prompt's KV would compute only the last block's (docs/pooling.md)."""
+    prefill, decode = (Placed(Member("scheduler", role, "127.0.0.1:1", {"kv_role": role}), None, None, None)
+                       for role in ("kv_producer", "kv_consumer"))
+    split = Disaggregation(BLOCK)
+    assert split.wants_prefill(decode, 8 * BLOCK, [prefill], SamplingParams(max_tokens=1))
+    assert not split.wants_prefill(decode, 8 * BLOCK, [prefill], SamplingParams(pooling=PoolingParams()))
+
+
+def test_a_prefill_replica_that_died_is_recomputed_on_the_decode_side(pair, client, tokenizer) -> None:
+    """Last: the prefill replica's worker stops between its prefill and the fetch."""
+    prompt = tokenizer.encode(TEXT)[370:470]
+    prefill, decode = pair["prefill"], pair["decode"]
+    [[held]] = [[d for d in deltas if d.kv_transfer_params] for deltas in generate(
+        client, [prompt], "dying", kv_transfer_params=KvTransferParams(do_remote_decode=True))]
+    prefill.worker.stop(0)
+    _, before, failed = moved(decode)
+    [out] = generate(client, [prompt], "after-death", kv_transfer_params=held.kv_transfer_params)
+    _, after, failed_after = moved(decode)
+    assert after == before and failed_after - failed == (100 - 1) // BLOCK
+    assert tokens(out) == combined(client, [prompt], "after-death")[0]

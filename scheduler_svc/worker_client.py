@@ -2,6 +2,7 @@
 process exactly as it drives an in-process one. Synchronous, like EngineCore's loop."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -86,21 +87,21 @@ class RemoteWorker:
         return result
 
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
-        try:
-            self._call(self._stub.CompileGrammar, params)
-        except WorkerError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, grpc.RpcError) and cause.code() is grpc.StatusCode.INVALID_ARGUMENT:
-                raise invalid_argument(cause.details()) from None
-            raise
+        self._call_checked(self._stub.CompileGrammar, params, invalid_argument)
 
     def add_lora(self, lora_request: LoRARequest) -> None:
+        self._call_checked(self._stub.AddLora, lora_request, ValueError)
+
+    def _call_checked(self, method: grpc.UnaryUnaryMultiCallable, request: object,
+                      refused: Callable[[str], Exception]) -> None:
+        """A call whose INVALID_ARGUMENT is the request's fault: raised as `refused(details)`,
+        not as the worker's failure."""
         try:
-            self._call(self._stub.AddLora, lora_request)
+            self._call(method, request)
         except WorkerError as exc:
             cause = exc.__cause__
             if isinstance(cause, grpc.RpcError) and cause.code() is grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(cause.details()) from None
+                raise refused(cause.details()) from None
             raise
 
     def remove_lora(self, lora_int_id: int) -> bool:

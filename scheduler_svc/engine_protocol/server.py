@@ -20,7 +20,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from scheduler_svc.engine_protocol.convert import Completion, prompt_from_request, sampling_params_from_engine_protocol
 from scheduler_svc.engine_protocol.kv_events import KvEventStream
 from scheduler_svc.engine_protocol.text import EngineText
-from scheduler_svc.output_hub import OutputHub
+from scheduler_svc.output_hub import OutputHub, Subscription
 from scheduler_svc.step_loop import StepLoop
 from services.engine_client import EngineOverloaded, EngineUnavailable
 from services.invalid_parameter import InvalidParameter
@@ -66,14 +66,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # the worker is away: the request may well succeed later
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the worker could not compile the constraint: {exc}")
-        gateway_id = f"vllm-engine-{uuid.uuid4().hex}"
-        try:
-            subscription = self._hub.subscribe(gateway_id)
-        except EngineUnavailable as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        # Wakes the reader below when the client cancels or disconnects.
-        if not context.add_callback(subscription.close):
-            subscription.close()
+        gateway_id, subscription = self._subscribe(context)
         finished = False
         try:
             self._submit(SubmitRequest(request.request_id, prompt, params, gateway_id), context)
@@ -109,6 +102,18 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             if not finished:  # the client went away, or the request failed: free its blocks now
                 self._loop.abort(request.request_id)
 
+    def _subscribe(self, context: grpc.ServicerContext) -> tuple[str, Subscription]:
+        """A gateway id of this call's own and its subscription to the output hub, which the
+        client's cancel or disconnect closes (waking a reader of it)."""
+        gateway_id = f"vllm-engine-{uuid.uuid4().hex}"
+        try:
+            subscription = self._hub.subscribe(gateway_id)
+        except EngineUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        if not context.add_callback(subscription.close):
+            subscription.close()
+        return gateway_id, subscription
+
     def _submit(self, request: SubmitRequest, context: grpc.ServicerContext) -> None:
         try:
             [accepted] = self._loop.submit([request])
@@ -134,13 +139,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             prompt = fit_pooling_prompt(list(request.tokenized.input_ids), None, core.max_model_len, "tokenized")
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        gateway_id = f"vllm-engine-{uuid.uuid4().hex}"
-        try:
-            subscription = self._hub.subscribe(gateway_id)
-        except EngineUnavailable as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        if not context.add_callback(subscription.close):
-            subscription.close()
+        gateway_id, subscription = self._subscribe(context)
         pooled = None
         try:
             self._submit(SubmitRequest(request.request_id, prompt, SamplingParams(pooling=PoolingParams()), gateway_id),

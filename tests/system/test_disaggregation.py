@@ -25,15 +25,8 @@ from gateway.cluster.client import ClusterEngineClient
 from gateway.cluster.disaggregation import Disaggregation
 from gateway.cluster.replica import Replica as Placed
 from gateway.metrics import GatewayMetrics
-from scheduler_svc.engine_core import EngineCore
-from scheduler_svc.main import lease_metadata
-from scheduler_svc.nats_publisher import NatsOutputHub
-from scheduler_svc.server import start_scheduler_server
-from scheduler_svc.step_loop import StepLoop
-from scheduler_svc.worker_client import RemoteWorker
-from services.config import EngineConfig
 from services.kv_transfer_messages import KvTransferParams
-from services.messages import EngineStats, TokenDelta
+from services.messages import TokenDelta
 from services.model_source import resolve_model
 from services.pooling_params import PoolingParams
 from services.registry import Lease, Member, Registry
@@ -42,10 +35,9 @@ from services.telemetry import EngineStatsCollector
 from tokenizer_svc.in_process import InProcessEncoder
 from tokenizer_svc.server import start_tokenizer_server
 from tokenizer_svc.tokenizer import Tokenizer
-from worker_svc.runtime.worker import Worker
-from worker_svc.server import start_worker_server
 
 from corpus import TEXT, parity_prompts
+from in_process_replica import InProcessReplica
 from servers import nats, redis_url  # noqa: F401  (fixtures)
 
 BLOCK = 16
@@ -67,34 +59,14 @@ def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-class Replica:
-    def __init__(self, role: str, nats_url: str, registry: Registry) -> None:
-        config = dict(ENGINE, num_gpu_blocks_override=POOLS[role], kv_transfer_config={
-            "kv_connector": "KvfleetConnector", "kv_role": role,
-            "kv_connector_extra_config": {"abort_timeout_s": HOLD_S, "fetch_timeout_s": FETCH_TIMEOUT_S}})
-        # The prefill replica's worker without the config: a one-rank worker serves what its
-        # scheduler holds whatever its flags (the decode side's has it, for its fetch timeout).
-        worker_config = dict(config, kv_transfer_config=None) if role == "kv_producer" else config
-        self.worker_process = Worker(EngineConfig(**worker_config))
-        self.worker = start_worker_server(self.worker_process, "127.0.0.1:0")
-        self.remote = RemoteWorker(self.worker.address)
-        self.core = EngineCore(EngineConfig(**config), self.remote, self.worker.address)
-        self.hub = NatsOutputHub(nats_url, self.core.instance_id)
-        self.loop = StepLoop(self.core, self.hub)
-        self.scheduler = start_scheduler_server(self.loop, self.hub, "127.0.0.1:0")
-        metadata = lease_metadata(self.worker.address, "smollm2", self.core)
-        self.leases = [Lease(registry, Member("worker", role, self.worker.address), TTL_S).start(),
-                       Lease(registry, Member("scheduler", role, self.scheduler.address, metadata), TTL_S).start()]
-
-    def stats(self) -> EngineStats:
-        return self.loop.stats()
-
-    def close(self) -> None:
-        for lease in self.leases:
-            lease.stop()
-        self.scheduler.stop(0)
-        self.worker.stop(0)
-        self.remote.close()
+def start_replica(role: str, nats_url: str, registry: Registry) -> InProcessReplica:
+    config = dict(ENGINE, num_gpu_blocks_override=POOLS[role], kv_transfer_config={
+        "kv_connector": "KvfleetConnector", "kv_role": role,
+        "kv_connector_extra_config": {"abort_timeout_s": HOLD_S, "fetch_timeout_s": FETCH_TIMEOUT_S}})
+    # The prefill replica's worker without the config: a one-rank worker serves what its
+    # scheduler holds whatever its flags (the decode side's has it, for its fetch timeout).
+    worker_config = dict(config, kv_transfer_config=None) if role == "kv_producer" else config
+    return InProcessReplica(role, nats_url, registry, config, TTL_S, worker_config)
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +75,12 @@ def tokenizer() -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def pair(nats, redis_url, tokenizer) -> Iterator[dict[str, Replica]]:
+def pair(nats, redis_url, tokenizer) -> Iterator[dict[str, InProcessReplica]]:
     registry = Registry(redis_url)
     server = start_tokenizer_server(tokenizer, "127.0.0.1:0")  # a gateway is ready once a tokenizer is up
     lease = Lease(registry, Member("tokenizer", "t", server.address), TTL_S).start()
-    replicas = {"prefill": Replica("kv_producer", nats.url, registry),
-                "decode": Replica("kv_consumer", nats.url, registry)}
+    replicas = {"prefill": start_replica("kv_producer", nats.url, registry),
+                "decode": start_replica("kv_consumer", nats.url, registry)}
     yield replicas
     for replica in replicas.values():
         replica.close()
@@ -153,19 +125,19 @@ def combined(client: ClusterEngineClient, prompts: list[list[int]], tag: str) ->
         client._streams._pd.min_prefill_tokens = hold_back
 
 
-def moved(replica: Replica) -> tuple[int, float, int]:
+def moved(replica: InProcessReplica) -> tuple[int, float, int]:
     transfer = replica.stats().kv_transfer
     return sum(transfer.bytes_transferred.counts), transfer.bytes_transferred.sum, transfer.failed_blocks
 
 
-def _scrape(replica: Replica) -> str:
+def _scrape(replica: InProcessReplica) -> str:
     """The replica's scheduler /metrics, as its role serves them."""
     registry = CollectorRegistry()
     registry.register(EngineStatsCollector(replica.loop, "smollm2"))
     return generate_latest(registry).decode()
 
 
-def block_bytes(replica: Replica) -> int:
+def block_bytes(replica: InProcessReplica) -> int:
     """Block size x layers x 2 (K and V) x KV heads x head size x element size, from the model's config;
     float16 elements: --kv-cache-dtype auto keeps a float16 cache for GGUF weights run as stored."""
     model = replica.worker_process.model_config

@@ -17,25 +17,18 @@ from gateway.cluster.client import ClusterEngineClient
 from gateway.cluster.kv_index import KvIndex
 from gateway.cluster.routing import CachedPrefix
 from scheduler_svc.block_pool import KvEvents
-from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.kv_event_publisher import KvEventPublisher
-from scheduler_svc.main import lease_metadata
 from scheduler_svc.nats_publisher import NatsOutputHub
-from scheduler_svc.server import start_scheduler_server
-from scheduler_svc.step_loop import StepLoop
-from scheduler_svc.worker_client import RemoteWorker
 from services.block_hash import extend_block_hashes
-from services.config import EngineConfig
 from services.model_source import resolve_model
 from services.registry import Lease, Member, Registry
 from services.sampling_params import SamplingParams
 from services.scheduler_messages import SubmitRequest
 from tokenizer_svc.server import start_tokenizer_server
 from tokenizer_svc.tokenizer import Tokenizer
-from worker_svc.runtime.worker import Worker
-from worker_svc.server import start_worker_server
 
 from corpus import TEXT
+from in_process_replica import InProcessReplica
 from servers import nats, redis_url  # noqa: F401  (fixtures)
 
 ENGINE = dict(dtype="float32", num_gpu_blocks_override=64, max_model_len=256)
@@ -52,46 +45,19 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0
         time.sleep(0.05)
 
 
-class Replica:
-    def __init__(self, name: str, nats_url: str, registry: Registry) -> None:
-        self.worker = start_worker_server(Worker(EngineConfig(**ENGINE)), "127.0.0.1:0")
-        self.remote = RemoteWorker(self.worker.address)
-        self.core = EngineCore(EngineConfig(**ENGINE), self.remote)
-        self.hub = NatsOutputHub(nats_url, self.core.instance_id)
-        self.loop = StepLoop(self.core, self.hub)
-        self.scheduler = start_scheduler_server(self.loop, self.hub, "127.0.0.1:0")
-        metadata = lease_metadata(self.worker.address, "smollm2", self.core)
-        self.leases = [Lease(registry, Member("worker", name, self.worker.address), TTL_S).start(),
-                       Lease(registry, Member("scheduler", name, self.scheduler.address, metadata), TTL_S).start()]
-
-    @property
-    def hits(self) -> int:
-        return self.loop.stats().prefix_cache_hits
-
-    def idle(self) -> bool:
-        return not self.core.scheduler.has_unfinished_requests
-
-    def close(self) -> None:
-        for lease in self.leases:
-            lease.stop()
-        self.scheduler.stop(0)
-        self.worker.stop(0)
-        self.remote.close()
-
-
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return Tokenizer.load(resolve_model("smollm2"))
 
 
 @pytest.fixture(scope="module")
-def replicas(nats, redis_url, tokenizer) -> Iterator[dict[str, Replica]]:
+def replicas(nats, redis_url, tokenizer) -> Iterator[dict[str, InProcessReplica]]:
     registry = Registry(redis_url)
     server = start_tokenizer_server(tokenizer, "127.0.0.1:0")
     lease = Lease(registry, Member("tokenizer", "t", server.address), TTL_S).start()
     # The registry lists schedulers by member id: "a" before "b", so under equal load
     # a least-load gateway picks "a"; the prefix is put in "b".
-    replicas = {name: Replica(name, nats.url, registry) for name in ("a", "b")}
+    replicas = {name: InProcessReplica(name, nats.url, registry, ENGINE, TTL_S) for name in ("a", "b")}
     yield replicas
     for replica in replicas.values():
         replica.close()
@@ -149,23 +115,24 @@ def test_a_shared_prefix_goes_where_it_is_cached(replicas, tokenizer, nats, redi
                    "the gateway's index never learnt that b holds the prefix")
 
         run_each(following, prompts(tokenizer, 3, first=1), "following")
-        assert a.hits == 0, "a shared-prefix request went to the replica without the prefix"
-        assert b.hits >= 3 * PREFIX_BLOCKS * BLOCK
+        assert a.stats().prefix_cache_hits == 0, "a shared-prefix request went to the replica without the prefix"
+        assert b.stats().prefix_cache_hits >= 3 * PREFIX_BLOCKS * BLOCK
 
         late = started_client(redis_url, nats.url, "prefix")  # no events since: it loads snapshots
         try:
             wait_until(lambda: holds_prefix(late._placement.kv_index, b.core.instance_id, warm),
                        "the late gateway's index never loaded b's snapshot")
-            before = b.hits
+            before = b.stats().prefix_cache_hits
             run_each(late, prompts(tokenizer, 2, first=4), "late")
-            assert a.hits == 0 and b.hits >= before + 2 * PREFIX_BLOCKS * BLOCK
+            assert a.stats().prefix_cache_hits == 0 and b.stats().prefix_cache_hits >= before + 2 * PREFIX_BLOCKS * BLOCK
         finally:
             late.shutdown()
 
         control = started_client(redis_url, nats.url, "least-load")
         try:
             run_each(control, prompts(tokenizer, 1, first=6), "control")
-            assert a.hits == 0 and a.loop.stats().prefix_cache_queries > 0  # it went to a, blind to the cache
+            stats = a.stats()
+            assert stats.prefix_cache_hits == 0 and stats.prefix_cache_queries > 0  # it went to a, blind to the cache
         finally:
             control.shutdown()
     finally:

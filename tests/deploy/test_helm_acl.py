@@ -214,6 +214,20 @@ def test_nats_refuses_wrong_or_missing_credentials(manifests, nats_url):
     asyncio.run(scenario())
 
 
+def test_the_charts_nats_takes_messages_of_64_megabytes(manifests, nats_url):
+    """A step's output for one gateway is one message (docs/cluster.md): the chart's server
+    takes NATS's most, as `kvfleet cluster up` does, not its default 1 MB."""
+    async def max_payload() -> int:
+        nc = await nats.connect(nats_url, allow_reconnect=False, connect_timeout=5, error_cb=_ignore,
+                                **nats_credentials(manifests, "replica", "scheduler"))
+        try:
+            return nc.max_payload
+        finally:
+            await nc.close()
+
+    assert asyncio.run(max_payload()) == 64 * 1024 * 1024
+
+
 async def _ignore(error: Exception) -> None:
     pass
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -257,6 +258,61 @@ def test_vllms_proxy_drives_the_pair_with_kv_transfer_params_over_rest(pair, cli
     assert out["kv_transfer_params"] is None
     assert out["choices"][0]["text"] == tokenizer.decode(combined(client, [prompt], "proxy")[0])
     assert seen["refused"].status_code == 400 and "kv_transfer_params" in seen["refused"].text
+
+
+def _chunks(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_streamed_responses_carry_kv_transfer_params_and_llm_ds_sidecar_drives_the_pair(
+        pair, client, tokenizer) -> None:
+    """A streamed do_remote_decode request's kv_transfer_params come on its last chunk (only
+    there), and a streamed request carrying them decodes the text of a run that was not
+    split. Then chat as llm-d's routing sidecar drives it: the prefill leg non-streamed with
+    every remote_* key null, the decode leg streamed."""
+    prompt = tokenizer.encode(TEXT)[380:460]
+    app = build_app(client, InProcessEncoder(tokenizer), "smollm2")
+    decode = pair["decode"]
+    body = {"model": "smollm2", "prompt": prompt, "temperature": 0, "ignore_eos": True, "stream": True,
+            "cache_salt": "streamed"}  # the first test's blocks of this prompt are not the decode replica's
+    chat = {"model": "smollm2", "messages": [{"role": "user", "content": tokenizer.decode(prompt)}],
+            "temperature": 0, "ignore_eos": True, "max_tokens": GREEDY.max_tokens}
+    sidecar = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+               "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+    async def proxy() -> dict:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway",
+                                     timeout=60) as http:
+            held = _chunks(await http.post("/v1/completions", json={**body, "max_tokens": 1, "kv_transfer_params": {
+                "do_remote_decode": True}}))
+            fetched = moved(decode)[0]
+            out = _chunks(await http.post("/v1/completions", json={
+                **body, "max_tokens": GREEDY.max_tokens, "kv_transfer_params": held[-1]["kv_transfer_params"]}))
+            chat_held = (await http.post("/v1/chat/completions", json={
+                **chat, "max_tokens": 1, "stream": False, "kv_transfer_params": sidecar})).json()
+            chat_out = _chunks(await http.post("/v1/chat/completions", json={
+                **chat, "stream": True, "kv_transfer_params": chat_held["kv_transfer_params"]}))
+            client._streams._pd.min_prefill_tokens = 10**6  # the chat answer of a replica that computes it all
+            try:
+                chat_combined = (await http.post("/v1/chat/completions", json={**chat, "cache_salt": "c"})).json()
+            finally:
+                client._streams._pd.min_prefill_tokens = THRESHOLD
+            return {"held": held, "fetched": fetched, "out": out, "chat_held": chat_held, "chat_out": chat_out,
+                    "chat_combined": chat_combined}
+
+    seen = asyncio.run(proxy())
+    held = seen["held"]
+    assert [c["choices"][0]["finish_reason"] for c in held] == ["length"]
+    handoff = held[-1]["kv_transfer_params"]
+    assert handoff["do_remote_prefill"] and len(handoff["remote_block_ids"]) == 5 and handoff["remote_request_id"]
+    assert all("kv_transfer_params" not in c for c in seen["out"] + seen["chat_out"])
+    assert moved(decode)[0] >= seen["fetched"] + 2  # the completion's fetch and the chat's
+    text = "".join(c["choices"][0]["text"] for c in seen["out"])
+    assert text == tokenizer.decode(combined(client, [prompt], "streamed")[0])
+    assert seen["chat_held"]["kv_transfer_params"]["do_remote_prefill"]
+    chat_text = "".join(c["choices"][0]["delta"].get("content") or "" for c in seen["chat_out"] if c["choices"])
+    assert chat_text == seen["chat_combined"]["choices"][0]["message"]["content"]
 
 
 def test_a_hold_nobody_fetches_and_a_fetch_nobody_answers_free_their_blocks(pair, client, tokenizer) -> None:

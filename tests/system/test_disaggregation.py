@@ -60,14 +60,14 @@ def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def start_replica(role: str, nats_url: str, registry: Registry) -> InProcessReplica:
+def start_replica(role: str, nats_url: str, registry: Registry, name: str | None = None) -> InProcessReplica:
     config = dict(ENGINE, num_gpu_blocks_override=POOLS[role], kv_transfer_config={
         "kv_connector": "KvfleetConnector", "kv_role": role,
         "kv_connector_extra_config": {"abort_timeout_s": HOLD_S, "fetch_timeout_s": FETCH_TIMEOUT_S}})
     # The prefill replica's worker without the config: a one-rank worker serves what its
     # scheduler holds whatever its flags (the decode side's has it, for its fetch timeout).
     worker_config = dict(config, kv_transfer_config=None) if role == "kv_producer" else config
-    return InProcessReplica(role, nats_url, registry, config, TTL_S, worker_config)
+    return InProcessReplica(name or role, nats_url, registry, config, TTL_S, worker_config)
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +116,13 @@ def tokens(deltas: list[TokenDelta]) -> list[int]:
     return [token for delta in deltas for token in delta.new_token_ids]
 
 
-def combined(client: ClusterEngineClient, prompts: list[list[int]], tag: str) -> list[list[int]]:
+def combined(client: ClusterEngineClient, prompts: list[list[int]], tag: str, params: SamplingParams = GREEDY
+             ) -> list[list[int]]:
     """The decode replica's own answers, computed there (a salt no block of the split runs shares)."""
     hold_back = client._streams._pd.min_prefill_tokens
     client._streams._pd.min_prefill_tokens = 10**6
     try:
-        return [tokens(d) for d in generate(client, prompts, tag, salt=f"combined-{tag}")]
+        return [tokens(d) for d in generate(client, prompts, tag, salt=f"combined-{tag}", params=params)]
     finally:
         client._streams._pd.min_prefill_tokens = hold_back
 
@@ -338,6 +339,49 @@ def test_a_hold_nobody_fetches_and_a_fetch_nobody_answers_free_their_blocks(pair
     assert time.monotonic() - started < 3 * FETCH_TIMEOUT_S
     assert tokens(out) == combined(client, [prompt], "silent")[0]
     assert decode.stats().kv_cache_usage == 0  # every block it took for the fetch went back
+
+
+def test_a_decode_replica_that_dies_mid_stream_loses_no_request(pair, client, tokenizer, nats, redis_url) -> None:
+    """A second decode replica joins; split streams run on both decode replicas; the second's
+    worker dies (its gRPC server stopped: what a kill -9 leaves its scheduler) while they
+    decode. Its streams migrate to the first decode replica and finish with the text of an
+    undisturbed run, no error; the first's streams (the witnesses) finish intact. The second
+    replica is then gone for good, and the pair is as before."""
+    ids = tokenizer.encode(TEXT)
+    prompts = [ids[20 * i + 5:20 * i + 45] for i in range(3)]  # 2 full blocks each move
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    registry = Registry(redis_url)
+    dying = start_replica("kv_consumer", nats.url, registry, "second-decode")
+    try:
+        wait_until(lambda: len(client._replicas.routable()) == 3, "the client never saw the second decode replica")
+        received: list[list[int]] = [[] for _ in prompts]
+        placed: dict[int, str] = {}
+
+        async def one(index: int) -> None:
+            request = f"dies-{index}"
+            async with aclosing(client.generate(request, prompts[index], params)) as deltas:
+                async for delta in deltas:
+                    if not received[index]:
+                        placed[index] = client._streams._placed[request].instance_id
+                    received[index].extend(delta.new_token_ids)
+
+        async def main() -> list[BaseException | None]:
+            streams = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+            while not all(len(r) >= 2 for r in received) and not any(s.done() for s in streams):
+                await asyncio.sleep(0.01)
+            dying.worker.stop(0)
+            return await asyncio.gather(*streams, return_exceptions=True)
+
+        errors = asyncio.run(main())
+        assert errors == [None] * len(prompts)  # nothing lost: no error, each ran to its length
+        on_dying = {i for i, instance in placed.items() if instance == dying.core.instance_id}
+        assert on_dying and len(on_dying) < len(prompts), placed  # migrated streams, and witnesses
+    finally:
+        dying.close()
+        registry.close()
+    wait_until(lambda: len(client._replicas.routable()) == 2, "the dead replica stayed routable")
+    assert received == combined(client, prompts, "dies", params)
+    wait_until(lambda: pair["prefill"].stats().kv_transfer.held_blocks == 0, "the prefill replica kept blocks")
 
 
 def test_a_pooling_request_is_never_split() -> None:

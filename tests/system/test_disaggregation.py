@@ -27,6 +27,7 @@ from gateway.cluster.disaggregation import Disaggregation
 from gateway.cluster.replica import Replica as Placed
 from gateway.metrics import GatewayMetrics
 from services.kv_transfer_messages import KvTransferParams
+from services.lora_request import LoRARequest
 from services.messages import TokenDelta
 from services.model_source import resolve_model
 from services.pooling_params import PoolingParams
@@ -47,7 +48,8 @@ FETCH_TIMEOUT_S = 2.0  # how long a fetch waits for its producer
 HOLD_S = 30.0  # how long a hold waits for its consumer (the test of holds nobody fetches shortens it)
 # Chunked prefill on both sides (64-token steps); a small pool on the decode side, which
 # preempts when long prompts decode together.
-ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64)
+# LoRA enabled (one slot) for the adapter's split request; the others run as without it.
+ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64, enable_lora=True, max_loras=1)
 POOLS = {"kv_producer": 128, "kv_consumer": 20}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 TTL_S = 2.0
@@ -100,10 +102,11 @@ def client(pair, nats, redis_url) -> Iterator[ClusterEngineClient]:
 
 
 def generate(client: ClusterEngineClient, prompts: list[list[int]], tag: str, salt: str | None = None,
-             kv_transfer_params: KvTransferParams | None = None, params: SamplingParams = GREEDY
-             ) -> list[list[TokenDelta]]:
+             kv_transfer_params: KvTransferParams | None = None, params: SamplingParams = GREEDY,
+             lora_request: LoRARequest | None = None) -> list[list[TokenDelta]]:
     async def one(index: int, prompt: list[int]) -> list[TokenDelta]:
-        async with aclosing(client.generate(f"{tag}-{index}", prompt, params, salt, kv_transfer_params)) as deltas:
+        async with aclosing(client.generate(f"{tag}-{index}", prompt, params, salt, kv_transfer_params,
+                                            lora_request)) as deltas:
             return [delta async for delta in deltas]
 
     async def main() -> list[list[TokenDelta]]:
@@ -116,13 +119,14 @@ def tokens(deltas: list[TokenDelta]) -> list[int]:
     return [token for delta in deltas for token in delta.new_token_ids]
 
 
-def combined(client: ClusterEngineClient, prompts: list[list[int]], tag: str, params: SamplingParams = GREEDY
-             ) -> list[list[int]]:
+def combined(client: ClusterEngineClient, prompts: list[list[int]], tag: str, params: SamplingParams = GREEDY,
+             lora_request: LoRARequest | None = None) -> list[list[int]]:
     """The decode replica's own answers, computed there (a salt no block of the split runs shares)."""
     hold_back = client._streams._pd.min_prefill_tokens
     client._streams._pd.min_prefill_tokens = 10**6
     try:
-        return [tokens(d) for d in generate(client, prompts, tag, salt=f"combined-{tag}", params=params)]
+        return [tokens(d) for d in generate(client, prompts, tag, salt=f"combined-{tag}", params=params,
+                                            lora_request=lora_request)]
     finally:
         client._streams._pd.min_prefill_tokens = hold_back
 
@@ -259,6 +263,31 @@ def test_vllms_proxy_drives_the_pair_with_kv_transfer_params_over_rest(pair, cli
     assert out["kv_transfer_params"] is None
     assert out["choices"][0]["text"] == tokenizer.decode(combined(client, [prompt], "proxy")[0])
     assert seen["refused"].status_code == 400 and "kv_transfer_params" in seen["refused"].text
+
+
+def test_an_adapters_request_is_split_with_its_adapter_on_both_sides(pair, client, tokenizer,
+                                                                     lora_adapter_dirs) -> None:
+    """Its prefill leg runs the adapter, and the adapter is part of the blocks' hashes on both
+    sides: the same prompt without it is computed again on the prefill replica and moved
+    again, not taken from the adapter's cached blocks. The text is the decode replica's own
+    run with the adapter, which differs from the base model's."""
+    prompt = tokenizer.encode(TEXT)[390:470]
+    lora = LoRARequest("attn8", 9, str(lora_adapter_dirs["attn8"]))
+    prefill, decode = pair["prefill"], pair["decode"]
+    asyncio.run(client.add_lora(lora))
+    try:
+        blocks = (len(prompt) - 1) // BLOCK
+        computed = prefill.stats().prompt_tokens_by_source.get("local_compute", 0)
+        _, before, _ = moved(decode)
+        [adapted] = [tokens(d) for d in generate(client, [prompt], "lora", lora_request=lora)]
+        _, between, _ = moved(decode)
+        [base] = [tokens(d) for d in generate(client, [prompt], "lora-base")]
+        _, after, _ = moved(decode)
+        assert between - before == after - between == blocks * block_bytes(decode)
+        assert prefill.stats().prompt_tokens_by_source["local_compute"] - computed == 2 * len(prompt)
+        assert adapted == combined(client, [prompt], "lora", lora_request=lora)[0] != base
+    finally:
+        asyncio.run(client.remove_lora(lora.lora_int_id))
 
 
 def _chunks(response: httpx.Response) -> list[dict]:

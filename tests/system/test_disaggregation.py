@@ -187,15 +187,54 @@ def test_split_requests_decode_the_combined_replicas_tokens_moving_only_full_blo
     wait_until(lambda: prefill.stats().kv_transfer.held_blocks == 0, "the prefill replica kept blocks")
 
 
+def first_token(client: ClusterEngineClient, prompt: list[int], tag: str, salt: str) -> tuple[float, TokenDelta]:
+    """Seconds from the request to its first token, and that token's delta."""
+    async def main() -> tuple[float, TokenDelta]:
+        started = time.monotonic()
+        async with aclosing(client.generate(tag, prompt, GREEDY, salt)) as deltas:
+            async for delta in deltas:
+                if delta.new_token_ids:
+                    return time.monotonic() - started, delta
+        raise AssertionError(f"{tag}: no token")
+
+    return asyncio.run(main())
+
+
+def test_blocks_move_while_the_prompt_is_computed(pair, client, tokenizer) -> None:
+    """A 200-token prompt, prefilled in 64-token chunks: the decode replica fetches each block
+    as the prefill publishes it, so the phases overlap, and the prefill's time plus the
+    transfer's is more than the whole time to the first token (one after the other, as when
+    the blocks move after the prefill, it could not be)."""
+    prompt = tokenizer.encode(TEXT)[200:400]
+    _, before, _ = moved(pair["decode"])
+    ttft, delta = first_token(client, prompt, "overlap", "overlap")
+    times = delta.first_token_times
+    _, after, failed = moved(pair["decode"])
+    assert after - before == (len(prompt) - 1) // BLOCK * block_bytes(pair["decode"]) and failed == 0
+    assert times.remote_queued_s + times.remote_prefill_s + times.kv_transfer_s > ttft, (ttft, times)
+
+
 def test_a_decode_replica_that_preempts_split_requests_decodes_the_same_tokens(pair, client, tokenizer) -> None:
-    """Three prompts of 7 blocks whose outputs need 3 blocks more each, in a 20-block pool:
-    their KV arrives, then decoding preempts (and recomputes) one of them."""
+    """Three prompts of 7 blocks whose outputs need 3 blocks more each, in a 20-block pool.
+    Their prefills end first (as vLLM's proxy has them held), so the three decode requests
+    come at once: their 18 blocks arrive, then decoding preempts (and recomputes) one."""
     ids = tokenizer.encode(TEXT)
     prompts = [ids[101 * i + 101:101 * i + 201] for i in range(3)]
     decode = pair["decode"]
     preemptions = decode.stats().num_preemptions
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    split = [tokens(d) for d in generate(client, prompts, "preempted", params=params)]
+    held = [next(d.kv_transfer_params for d in deltas if d.kv_transfer_params) for deltas in generate(
+        client, prompts, "preempted-held", kv_transfer_params=KvTransferParams(do_remote_decode=True),
+        params=SamplingParams(temperature=0.0, max_tokens=1))]
+
+    async def main() -> list[list[TokenDelta]]:
+        async def one(index: int) -> list[TokenDelta]:
+            async with aclosing(client.generate(f"preempted-{index}", prompts[index], params, None,
+                                                held[index])) as deltas:
+                return [delta async for delta in deltas]
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    split = [tokens(d) for d in asyncio.run(main())]
     assert decode.stats().num_preemptions > preemptions
     hold_back = client._streams._pd.min_prefill_tokens
     client._streams._pd.min_prefill_tokens = 10**6
@@ -387,16 +426,23 @@ def test_a_decode_replica_that_dies_mid_stream_loses_no_request(pair, client, to
         placed: dict[int, str] = {}
 
         async def one(index: int) -> None:
-            request = f"dies-{index}"
-            async with aclosing(client.generate(request, prompts[index], params)) as deltas:
+            async with aclosing(client.generate(f"dies-{index}", prompts[index], params)) as deltas:
                 async for delta in deltas:
-                    if not received[index]:
-                        placed[index] = client._streams._placed[request].instance_id
                     received[index].extend(delta.new_token_ids)
 
         async def main() -> list[BaseException | None]:
             streams = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
-            while not all(len(r) >= 2 for r in received) and not any(s.done() for s in streams):
+            deadline = time.monotonic() + 30
+
+            def on_dying() -> list[int]:
+                return [i for i, instance in placed.items() if instance == dying.core.instance_id]
+
+            # Until each stream placed on the dying replica is decoding there, its first tokens out.
+            while (len(placed) < len(prompts) or not all(len(received[i]) >= 2 for i in on_dying())) \
+                    and time.monotonic() < deadline:
+                for i in range(len(prompts)):
+                    if i not in placed and (replica := client._streams._placed.get(f"dies-{i}")) is not None:
+                        placed[i] = replica.instance_id
                 await asyncio.sleep(0.01)
             dying.worker.stop(0)
             return await asyncio.gather(*streams, return_exceptions=True)

@@ -19,6 +19,13 @@ inter-token latency of the decode streams, mean TTFT (all requests, and the long
 and throughput (tokens out per second). Target (simulator): decode p99 ITL at least 2x
 better with P/D at equal throughput.
 
+At that load neither fleet keeps up with the arrivals, so their throughputs differ (the
+whole run's tokens over its length, drain included). Beside it, each fleet's tokens/s
+while requests arrive, and `--sweep`: the same trace shape with both rates scaled, where
+the fleets that sustain the same tokens/s compare at equal throughput. The simulated
+handoff moves the blocks after the prefill (no `remote_streamed`): at 2.9 ms a block
+the overlap would change no inter-token gap.
+
 JSON goes to benchmarks/results/disaggregated.json.
 """
 from __future__ import annotations

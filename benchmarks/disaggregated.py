@@ -19,6 +19,13 @@ inter-token latency of the decode streams, mean TTFT (all requests, and the long
 and throughput (tokens out per second). Target (simulator): decode p99 ITL at least 2x
 better with P/D at equal throughput.
 
+At that load neither fleet keeps up with the arrivals, so their throughputs differ (the
+whole run's tokens over its length, drain included). Beside it, each fleet's tokens/s
+while requests arrive, and `--sweep`: the same trace shape with both rates scaled, where
+the fleets that sustain the same tokens/s compare at equal throughput. The simulated
+handoff moves the blocks after the prefill (no `remote_streamed`): at 2.9 ms a block
+the overlap would change no inter-token gap.
+
 JSON goes to benchmarks/results/disaggregated.json.
 """
 from __future__ import annotations
@@ -63,6 +70,8 @@ class Request:
     last_token: float | None = None
     gaps: list[float] = field(default_factory=list)
     tokens: int = 0
+    emitted: list[float] = field(default_factory=list)  # each token's time: the windowed throughput
+    gap_ends: list[float] = field(default_factory=list)  # when each of `gaps` ended
 
 
 def make_trace(seed: int, duration_s: float, streams_per_s: float, long_per_s: float) -> list[Request]:
@@ -197,8 +206,10 @@ def simulate(trace: list[Request], prefill: int, decode: int, combined: int, cos
                         request.first_token = now
                     else:
                         request.gaps.append(now - request.last_token)
+                        request.gap_ends.append(now)
                     request.last_token = now
                     request.tokens += len(delta.new_token_ids)
+                    request.emitted += [now] * len(delta.new_token_ids)
                 if delta.finish_reason is not None:
                     del live[delta.request_id]
             replica.busy = replica.core.has_work
@@ -207,10 +218,21 @@ def simulate(trace: list[Request], prefill: int, decode: int, combined: int, cos
     return summarize(trace, now, [replica.core.stats() for replica in fleet])
 
 
+def windowed(trace: list[Request], start_s: float, end_s: float) -> dict:
+    """What a fleet sustains while requests arrive: tokens out per second within the
+    window (none of the drain after the last arrival, whose length the total throughput
+    counts), and the decode streams' gaps ending within it."""
+    tokens = sum(start_s <= t < end_s for r in trace for t in r.emitted)
+    gaps = sorted(gap for r in trace if r.stream for t, gap in zip(r.gap_ends, r.gaps) if start_s <= t < end_s)
+    return {"tokens_out_per_s": round(tokens / (end_s - start_s), 1),
+            "decode_p99_itl_s": round(gaps[int(0.99 * (len(gaps) - 1))], 4) if gaps else None}
+
+
 def summarize(trace: list[Request], duration_s: float, stats: list) -> dict:
     gaps = sorted(gap for r in trace if r.stream for gap in r.gaps)
     ttfts = [r.first_token - r.arrival for r in trace if r.first_token is not None]
     long = [r.first_token - r.arrival for r in trace if not r.stream and r.first_token is not None]
+    last_arrival = max(r.arrival for r in trace)
     return {
         "requests": len(trace),
         "decode_p99_itl_s": round(gaps[int(0.99 * (len(gaps) - 1))], 4),
@@ -224,6 +246,10 @@ def summarize(trace: list[Request], duration_s: float, stats: list) -> dict:
         "preemptions": sum(s.num_preemptions for s in stats),
         "blocks_moved": sum(sum(s.kv_transfer.bytes_transferred.counts) and
                             int(s.kv_transfer.bytes_transferred.sum // 737280) for s in stats if s.kv_transfer),
+        # Throughput above divides by the whole run, drain included; this is what was
+        # sustained while requests arrived (the first sixth left out: the fleet starts empty).
+        "while_arriving": windowed(trace, last_arrival / 6, last_arrival),
+        "drain_s": round(duration_s - last_arrival, 2),  # after the last arrival: how far behind it fell
     }
 
 
@@ -253,6 +279,35 @@ def run_sim(args: argparse.Namespace) -> dict:
     }
 
 
+def run_sweep(args: argparse.Namespace, cost: StepCost) -> list[dict]:
+    """The equal-throughput comparison the default load cannot give (there the prefill
+    pool falls behind, so the two fleets' throughputs differ): the same trace shape with
+    both arrival rates scaled, P/D against combined at each scale. Where both fleets
+    sustain the same tokens/s while requests arrive, their decode p99 ITLs compare at
+    equal throughput."""
+    rows = []
+    for scale in args.sweep:
+        trace_args = dict(seed=3, duration_s=args.duration, streams_per_s=args.streams_per_s * scale,
+                          long_per_s=args.long_per_s * scale)
+        row: dict = {"scale": scale, "trace": trace_args}
+        for name, pools in (("combined", dict(prefill=0, decode=0, combined=16)),
+                            ("disaggregated", dict(prefill=8, decode=8, combined=0))):
+            row[name] = simulate(make_trace(**trace_args), cost=cost, num_blocks=4096,
+                                 transfer_s=args.transfer_ms_per_block / 1e3, threshold=args.threshold, **pools)
+        combined, split = row["combined"], row["disaggregated"]
+        row["equal_throughput"] = abs(split["while_arriving"]["tokens_out_per_s"]
+                                      - combined["while_arriving"]["tokens_out_per_s"]) <= 0.02 * max(
+            combined["while_arriving"]["tokens_out_per_s"], 1e-9)
+        row["decode_p99_itl_combined_over_disaggregated"] = round(
+            combined["decode_p99_itl_s"] / split["decode_p99_itl_s"], 2)
+        log(f"x{scale}: p99 ITL {combined['decode_p99_itl_s']} s combined, {split['decode_p99_itl_s']} s P/D "
+            f"({row['decode_p99_itl_combined_over_disaggregated']}x); tokens/s while arriving "
+            f"{combined['while_arriving']['tokens_out_per_s']} / {split['while_arriving']['tokens_out_per_s']}; "
+            f"drain {combined['drain_s']} / {split['drain_s']} s")
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--step-cost", type=float, nargs=3, metavar=("BASE_S", "PER_TOKEN_S", "PER_SEQUENCE_S"),
@@ -263,10 +318,14 @@ def main() -> None:
     parser.add_argument("--streams-per-s", type=float, default=2.0)
     parser.add_argument("--long-per-s", type=float, default=0.5)
     parser.add_argument("--real", action="store_true", help="also the real run (processes; a few minutes)")
+    parser.add_argument("--sweep", type=float, nargs="*", default=[0.25, 0.5, 0.75, 1.0],
+                        help="the arrival rates' scales of the equal-throughput comparison (none: skip it)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/disaggregated.json")
     args = parser.parse_args()
     log(f"load average {os.getloadavg()}")
     report = {"simulator": run_sim(args)}
+    if args.sweep:
+        report["simulator_sweep"] = run_sweep(args, StepCost(**report["simulator"]["step_cost"]))
     if args.real:
         from disaggregated_real import run
 

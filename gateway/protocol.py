@@ -374,13 +374,17 @@ class CompletionChunkChoice(_OmitsNone, CompletionChoice):
     OMIT_IF_NONE = ("prompt_token_ids", "token_ids")
 
 
-class CompletionChunk(BaseModel):
+class CompletionChunk(_OmitsNone):
+    OMIT_IF_NONE = ("kv_transfer_params",)
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionChunkChoice]
     usage: Usage | None = None
+    # vLLM's, streamed: where a do_remote_decode request's KV waits, on its choice's last chunk
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -479,7 +483,7 @@ class ChatChunkChoice(_OmitsNone):
 
 
 class ChatCompletionChunk(_OmitsNone):
-    OMIT_IF_NONE = ("prompt_token_ids",)
+    OMIT_IF_NONE = ("prompt_token_ids", "kv_transfer_params")
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -488,6 +492,8 @@ class ChatCompletionChunk(_OmitsNone):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None  # vLLM's extra, with return_token_ids: on each choice's first chunk
+    # vLLM's, streamed: where a do_remote_decode request's KV waits, on its choice's last chunk
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ModelPermission(BaseModel):

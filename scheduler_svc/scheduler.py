@@ -309,6 +309,8 @@ class Scheduler:
                 if self._start_load(request, hits, plan):
                     self.waiting.popleft()
                     continue
+                if self.handoff is not None and self.handoff.awaits_blocks(request):
+                    return  # as vLLM's: its KV comes from a producer once the pool has room, never computed here
                 admitted = self._admit(request, hits, budget)
             if admitted is None:
                 return
@@ -544,6 +546,8 @@ class Scheduler:
         return request_ids
 
     def _forget_on_worker(self, request: Request) -> None:
+        if self.handoff is not None:  # a hold its prefill was growing ends with its blocks
+            self.handoff.forget(request)
         if request.known_to_worker:
             request.known_to_worker = False
             self._dropped_ids.append(request.request_id)
@@ -575,6 +579,9 @@ class Scheduler:
             if self.spec_gate is not None and sampled:
                 self.spec_gate.observe(request_id, len(drafts or ()), sampled)
             request.num_computed_tokens += num_tokens
+            if self.handoff is not None and (announced := self.handoff.publish(request, self.config.block_size)):
+                # Its blocks move as its prefill computes them: where they wait, before its token.
+                deltas.append(TokenDelta(request_id, [], kv_transfer_params=announced))
             if self.config.enable_prefix_caching:
                 # Before its tokens are accepted: a request that ends in this step (one
                 # token asked for) frees its blocks, which must go back cached, as vLLM's do.

@@ -22,12 +22,16 @@ class KvTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     remote_port: int | None = None
     remote_request_id: str | None = None
     tp_size: int = 1
+    # kvfleet's, not vLLM's: the producer is still computing the prompt and publishes its
+    # full blocks as each prefill chunk ends; the consumer fetches them by their place in
+    # the prompt while the next chunk computes (no remote_block_ids: they are not all known).
+    remote_streamed: bool = False
 
     @property
     def fetchable(self) -> bool:
         """Whether it says where blocks wait: otherwise the consumer computes the prompt
         itself, as vLLM's connector does with incomplete parameters."""
-        return bool(self.do_remote_prefill and self.remote_block_ids and self.remote_host
+        return bool(self.do_remote_prefill and (self.remote_block_ids or self.remote_streamed) and self.remote_host
                     and self.remote_port is not None)
 
     def as_dict(self) -> dict:
@@ -40,12 +44,16 @@ class RemoteBlocks(msgspec.Struct, array_like=True, omit_defaults=True):
 
     address: str  # host:port of the producer's worker
     request_id: str  # the producer's request, whose blocks they are
+    by_position: bool = False  # the third items are places in the prompt, not block ids (remote_streamed)
 
 
 class KvFetchRequest(msgspec.Struct, omit_defaults=True):
     request_id: str  # the producer's request holding the blocks
     block_ids: list[int]  # the producer's blocks, in the order wanted
     layout: str  # the consumer's KV layout (dtype and block shape): a producer of another refuses
+    # block_ids are places in the request's prompt (its 0th full block, ...), served as the
+    # producer's prefill publishes them (remote_streamed)
+    by_position: bool = False
 
 
 class KvBlock(msgspec.Struct, array_like=True):

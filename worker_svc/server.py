@@ -18,6 +18,7 @@ from services.scheduler_messages import RemoveLoraRequest
 from services.structured_outputs import StructuredOutputsParams
 from services.transport.role_services import WORKER
 from services.transport.server import RoleServer
+from worker_svc.runtime.kv_transfer import MAX_SERVED_FETCHES
 from worker_svc.runtime.plan_check import InvalidPlan, WrongWorkerInstance
 from worker_svc.runtime.worker import Worker
 
@@ -126,11 +127,12 @@ def start_worker_server(worker: Worker, address: str) -> RoleServer:
     """Serves `worker` on `address` ("host:port"; port 0 picks a free one). Stopping the
     server drains it: steps keep running until its scheduler has ended every request
     the worker holds (or the grace runs out)."""
-    # Steps run one at a time; the other threads answer Describe, CompileGrammar and health checks.
+    # Steps run one at a time; the other threads answer Describe, CompileGrammar and health
+    # checks; and others serve other replicas' KV fetches (docs/disaggregation.md).
     servicer = WorkerServicer(worker)
     server = RoleServer(
         address, SERVICE_NAME, lambda s: s.add_generic_rpc_handlers([WORKER.handler(servicer)]),
-        max_workers=4, drain=lambda timeout_s: _wait_until_released(worker, servicer.lock, timeout_s),
+        max_workers=4 + MAX_SERVED_FETCHES, drain=lambda timeout_s: _wait_until_released(worker, servicer.lock, timeout_s),
     )
     server.start()
     return server

@@ -7,10 +7,13 @@ request is placed. If that replica can fetch KV (kv_consumer, kv_both) and the p
 the prompt it does not hold (its device pool and offload tiers, as the prefix index
 sees them) is more than `--pd-min-prefill-tokens`, a prefill replica is chosen the same
 way among the prefill pool, and asked to compute the prompt's KV and hold it (vLLM's
-`do_remote_decode`, one token asked); its answer's `kv_transfer_params` go with the
-request to the decode replica, whose worker fetches the full blocks it lacks straight
-from the prefill replica's worker. If the prefill leg fails, the decode replica
-computes the prompt itself: the client sees the same text either way.
+`do_remote_decode`, one token asked); its `kv_transfer_params` go with the request to
+the decode replica, whose worker fetches the full blocks it lacks straight from the
+prefill replica's worker. The blocks move as they are computed (kvfleet's
+`remote_streamed`): the prefill replica says where they wait after its first chunk, the
+decode request is submitted then, and its worker fetches each block as the prefill
+publishes it, while the next chunks compute. If the prefill leg fails, the decode
+replica computes what did not arrive: the client sees the same text either way.
 
 Requests that carry their own kv_transfer_params (vLLM's disaggregation proxy, llm-d's
 sidecar) are placed as they say and never split again; nor are resumed (migrated)
@@ -21,6 +24,7 @@ prefill leg with the same adapter.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -51,6 +55,7 @@ logger = logging.getLogger(__name__)
 # local (a split adds a second request's trip through a scheduler to the time to first
 # token) raises it.
 DEFAULT_PD_MIN_PREFILL_TOKENS = 16
+_LEG_WAIT_S = 2.0
 PREFILL_ROLES = ("kv_producer", "kv_both")
 CONSUMER_ROLES = ("kv_consumer", "kv_both")
 
@@ -67,9 +72,32 @@ def prefills(replica: Replica) -> bool:
     return replica.kv_role in PREFILL_ROLES
 
 
+class PrefillLeg:
+    """The prefill replica's request, run to its end beside the decode request."""
+
+    def __init__(self) -> None:
+        self.times: FirstTokenTimes | None = None  # its queue and prefill, measured there
+        self.task: asyncio.Task[None] | None = None
+
+    async def finished(self) -> FirstTokenTimes | None:
+        """Its times, once it ended: by the decode's first token it nearly always has (its
+        last chunk came before the last block); a leg its replica left hanging holds the
+        decode's first token back no longer than a moment, and has no times then."""
+        if self.task is not None:
+            await asyncio.wait([self.task], timeout=_LEG_WAIT_S)
+        return self.times
+
+    def cancel(self) -> None:
+        """The decode request ended first (failed, or its client left): the prefill stops."""
+        if self.task is not None:
+            self.task.cancel()
+
+
 class Disaggregation:
-    def __init__(self, min_prefill_tokens: int) -> None:
+    def __init__(self, min_prefill_tokens: int, stream_blocks: bool = True) -> None:
         self.min_prefill_tokens = min_prefill_tokens
+        # Blocks move as the prefill computes them, not after it (remote_streamed).
+        self.stream_blocks = stream_blocks
 
     def wants_prefill(self, decode: Replica, uncached_tokens: int, prefill_pool: list[Replica],
                       params: SamplingParams) -> bool:
@@ -81,29 +109,43 @@ class Disaggregation:
 
     async def prefill(self, place: Place, request_id: str, prompt_token_ids: list[int], cache_salt: str | None,
                       decode: Replica, lora_request: LoRARequest | None = None,
-                      ) -> tuple[KvTransferParams | None, FirstTokenTimes | None]:
-        """Has a prefill replica compute the prompt's KV and hold it: where it waits, and the
-        prefill leg's times (its queue and prefill, measured there). None when it failed:
-        the decode replica then computes the prompt. With an adapter's request the prefill
-        leg runs the same adapter: its KV depends on it."""
+                      ) -> tuple[KvTransferParams | None, PrefillLeg]:
+        """Has a prefill replica compute the prompt's KV and hold it; returns where it waits
+        as soon as the prefill replica says so (after its first chunk when the blocks
+        stream, else at its end), and the leg, which runs on to its end. None when it
+        failed first: the decode replica then computes the prompt. With an adapter's
+        request the prefill leg runs the same adapter: its KV depends on it."""
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        hold = KvTransferParams(do_remote_decode=True)
+        hold = KvTransferParams(do_remote_decode=True, remote_streamed=self.stream_blocks)
         started = time.monotonic()
-        handoff, times = None, None
+        announced: asyncio.Future[KvTransferParams | None] = asyncio.get_running_loop().create_future()
+        leg = PrefillLeg()
+
+        async def run() -> None:
+            try:
+                async with aclosing(place(f"{request_id}-prefill", prompt_token_ids, params, cache_salt, [], {decode},
+                                          kv_transfer_params=hold, pool=prefills, lora_request=lora_request)) as deltas:
+                    async for delta in deltas:
+                        leg.times = delta.first_token_times or leg.times
+                        if delta.kv_transfer_params is not None and not announced.done():
+                            announced.set_result(delta.kv_transfer_params)
+            except (EngineUnavailable, RequestFailed) as exc:  # full, gone, or its step failed: not the request's fault
+                logger.warning("request %s: the prefill replica failed (%s); the decode replica computes what it "
+                               "lacks", request_id, exc)
+            finally:
+                if not announced.done():
+                    announced.set_result(None)
+
+        leg.task = asyncio.create_task(run())
         try:
-            async with aclosing(place(f"{request_id}-prefill", prompt_token_ids, params, cache_salt, [], {decode},
-                                      kv_transfer_params=hold, pool=prefills, lora_request=lora_request)) as deltas:
-                async for delta in deltas:
-                    times = delta.first_token_times or times
-                    handoff = delta.kv_transfer_params or handoff
-        except (EngineUnavailable, RequestFailed) as exc:  # full, gone, or its step failed: none is the request's fault
-            logger.warning("request %s: the prefill replica failed (%s); the decode replica computes the prompt",
-                           request_id, exc)
-            return None, None
+            handoff = await announced
+        except asyncio.CancelledError:
+            leg.cancel()
+            raise
         if handoff is None:
             logger.warning("request %s: the prefill replica held no KV (is it a kv_producer?) after %.3f s; the decode "
                            "replica computes the prompt", request_id, time.monotonic() - started)
-        return handoff, times
+        return handoff, leg
 
 
 def with_remote_times(delta: TokenDelta, remote: FirstTokenTimes | None) -> TokenDelta:

@@ -82,17 +82,17 @@ class RequestStreams:
         placed = list(dict.fromkeys([request_id, *engine_request_ids(request_id, count)]))
         stream = self._subscriber.open(request_id, count)  # before Submit: no delta can slip past
         submit: asyncio.Future[None] | None = None
+        prefill_leg = None  # a split request's prefill replica request, running beside this one
         try:
             replica = self._placement.claim(placed, prompt_token_ids, cache_salt, tried, pool, lora_request)
             if resumed:  # the prompt's logprobs went out with its first delta
                 params = msgspec.structs.replace(params, prompt_logprobs=None)
-            remote_times = None
             if kv_transfer_params is None and pool is decodes and not resumed and self._pd.wants_prefill(
                     replica, len(prompt_token_ids) - self._placement.cached_tokens(replica, prompt_token_ids, cache_salt,
                                                                                    lora_request),
                     self._placement.routable_in(prefills), params):
-                kv_transfer_params, remote_times = await self._pd.prefill(self.place, request_id, prompt_token_ids,
-                                                                          cache_salt, replica, lora_request)
+                kv_transfer_params, prefill_leg = await self._pd.prefill(self.place, request_id, prompt_token_ids,
+                                                                         cache_salt, replica, lora_request)
             request = SubmitRequest(request_id, prompt_token_ids, params, self.gateway_id, cache_salt, resumed,
                                     kv_transfer_params, lora_request)
             while True:
@@ -112,8 +112,12 @@ class RequestStreams:
                         raise _submit_error(exc, replica.member) from exc
                     replica = other
             async for delta in stream.deltas():
-                yield with_remote_times(delta, remote_times)
+                if prefill_leg is not None and delta.first_token_times is not None:
+                    delta = with_remote_times(delta, await prefill_leg.finished())
+                yield delta
         finally:
+            if prefill_leg is not None:
+                prefill_leg.cancel()
             self._subscriber.discard(request_id)
             self._placement.release(placed)
             # Whatever did not finish may still run there (the consumer left, the stream

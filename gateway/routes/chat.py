@@ -46,6 +46,7 @@ from gateway.sse import DONE, event, sse_response
 from gateway.tool_calls import OutputReader, StreamingOutputReader
 from gateway.tool_parsers import StreamDelta, new_tool_call_id
 from gateway.tool_parsers.reasoning import END_THINK
+from services.kv_transfer_messages import KvTransferParams
 from services.prompt import fit_prompt
 from services.tokenizer_api import ChatPrompt
 from tokenizer_svc.text_output import TextDelta
@@ -185,13 +186,15 @@ async def _events(
     def chunk(
         index: int, delta: DeltaMessage, logprobs: list[ChatTokenLogprob] | None = None,
         finish_reason: str | None = None, token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None,
+        handoff: KvTransferParams | None = None,
     ) -> str:
         choice = ChatChunkChoice(
             index=index, delta=delta, logprobs=ChatLogprobs(content=logprobs) if logprobs else None,
             finish_reason=finish_reason, token_ids=token_ids,
         )
         so_far = Usage.of(num_prompt_tokens, num_tokens[index]) if usage.continuous else None
-        return event(head.model_copy(update={"choices": [choice], "usage": so_far, "prompt_token_ids": prompt_token_ids}))
+        return event(head.model_copy(update={"choices": [choice], "usage": so_far, "prompt_token_ids": prompt_token_ids,
+                                             "kv_transfer_params": handoff.as_dict() if handoff is not None else None}))
 
     for index in range(n):  # as vLLM: every choice opens with its role
         yield chunk(index, DeltaMessage(role=shape.role, content=""),
@@ -222,9 +225,11 @@ async def _events(
                 if reader.tools is not None:
                     reason = reader.tools.finish_reason(called[item.index], reason)
             for number, message in enumerate(messages):
-                # As vLLM: the choice's last delta (its last token's text) carries the finish reason.
-                yield chunk(item.index, message, logprobs if number == 0 else None,
-                            reason if number == len(messages) - 1 else None, token_ids if number == 0 else None)
+                # As vLLM: the choice's last delta (its last token's text) carries the finish reason,
+                # and a do_remote_decode request's kv_transfer_params (on its final delta) with it.
+                final = number == len(messages) - 1
+                yield chunk(item.index, message, logprobs if number == 0 else None, reason if final else None,
+                            token_ids if number == 0 else None, handoff=item.kv_transfer_params if final else None)
     if usage.final:
         total = Usage.of(num_prompt_tokens, sum(num_tokens), num_cached_tokens if usage.cached_details else None)
         yield event(head.model_copy(update={"usage": total}))

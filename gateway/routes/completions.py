@@ -191,8 +191,10 @@ async def _events(
     with_ids: bool,
 ) -> AsyncGenerator[str, None]:
     """`with_ids`: each chunk carries its new token ids, a choice's first also the prompt's."""
-    def chunk(choices: list[CompletionChunkChoice], usage: Usage | None) -> str:
-        return event(CompletionChunk(id=head.id, created=head.created, model=head.model, choices=choices, usage=usage))
+    def chunk(choices: list[CompletionChunkChoice], usage: Usage | None,
+              handoff: KvTransferParams | None = None) -> str:
+        return event(CompletionChunk(id=head.id, created=head.created, model=head.model, choices=choices, usage=usage,
+                                     kv_transfer_params=handoff.as_dict() if handoff is not None else None))
 
     started: set[int] = set()  # the choices whose first chunk went out
     async with aclosing(deltas):
@@ -208,7 +210,8 @@ async def _events(
                     index=index, text=text, logprobs=logprobs,
                     finish_reason=finish_reason, stop_reason=item.text.stop_reason,
                     prompt_token_ids=choice.prompt.token_ids if with_ids and first else None, token_ids=token_ids,
-                )], Usage.of(len(choice.prompt.token_ids), len(choice.token_ids)) if usage.continuous else None)
+                )], Usage.of(len(choice.prompt.token_ids), len(choice.token_ids)) if usage.continuous else None,
+                    item.kv_transfer_params)  # on the final delta, which always goes out: it has a finish reason
     if usage.final:
         yield chunk([], _usage(prompts, choices, n, usage.cached_details))
     yield DONE

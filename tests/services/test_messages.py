@@ -78,7 +78,7 @@ POOLER = PoolerConfig("MEAN", False, True, 384, 64, ("no", "yes"))
 LORA = LoRARequest("sql", 1 << 50, "/adapters/sql", "base")
 # Dict order is the order that matters (best first, then the sampled token).
 LOGPROBS = [{9: -0.25, 3: -1.5, 7: -8.0}, {2: -0.1}]
-HANDOFF = KvTransferParams(True, True, "e1", [3, 4], "10.0.0.7", 50051, "p1", 2)
+HANDOFF = KvTransferParams(True, True, "e1", [3, 4], "10.0.0.7", 50051, "p1", 2, True)
 DELTA = TokenDelta("r", [9, 2], "stop", "END", LOGPROBS, LOGPROBS[1:], FirstTokenTimes(0.25, 1.5, 0.5), 16,
                    "worker unreachable", True, HANDOFF, [0.6, 0.8])
 PLAN = StepPlan(
@@ -90,7 +90,7 @@ PLAN = StepPlan(
     blocks_to_copy=[(1, 2)],
     blocks_to_swap_out=[(10, 0), (11, 1)],
     blocks_to_swap_in=[(5, 12)],
-    kv_loads=[KvLoad("c", [(6, b"\x03" * 32, 2), (7, b"\x04" * 32, -1)], RemoteBlocks("10.0.0.7:50051", "p1"))],
+    kv_loads=[KvLoad("c", [(6, b"\x03" * 32, 2), (7, b"\x04" * 32, -1)], RemoteBlocks("10.0.0.7:50051", "p1", True))],
     kv_host_saves=[(8, 3)],
     kv_file_saves=[(9, b"\x05" * 32)],
     worker_instance_id="4f1c",
@@ -134,7 +134,7 @@ MESSAGES = [
     TokenizeBatchResponse([TokenizeResult(TOKENIZED, "messages: must not be empty")]), TOKENIZED,
     DetokenizeRequest([1, 2], False, False), DetokenizeResponse("hi"), TokenizerDescription("m", 49152, 2, 1, True),
     TokenizerChunk(b"zip", "0" * 64),
-    KvFetchRequest("p1", [3, 4], "float32:30x2x16x3x64"), KvBlock(1, b"\x09" * 8),
+    KvFetchRequest("p1", [3, 4], "float32:30x2x16x3x64", True), KvBlock(1, b"\x09" * 8),
 ]
 
 

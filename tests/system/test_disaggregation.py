@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from gateway.cluster.disaggregation import Disaggregation
 from gateway.cluster.replica import Replica as Placed
 from gateway.metrics import GatewayMetrics
 from services.kv_transfer_messages import KvTransferParams
+from services.lora_request import LoRARequest
 from services.messages import TokenDelta
 from services.model_source import resolve_model
 from services.pooling_params import PoolingParams
@@ -46,7 +48,8 @@ FETCH_TIMEOUT_S = 2.0  # how long a fetch waits for its producer
 HOLD_S = 30.0  # how long a hold waits for its consumer (the test of holds nobody fetches shortens it)
 # Chunked prefill on both sides (64-token steps); a small pool on the decode side, which
 # preempts when long prompts decode together.
-ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64)
+# LoRA enabled (one slot) for the adapter's split request; the others run as without it.
+ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64, enable_lora=True, max_loras=1)
 POOLS = {"kv_producer": 128, "kv_consumer": 20}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 TTL_S = 2.0
@@ -59,14 +62,14 @@ def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def start_replica(role: str, nats_url: str, registry: Registry) -> InProcessReplica:
+def start_replica(role: str, nats_url: str, registry: Registry, name: str | None = None) -> InProcessReplica:
     config = dict(ENGINE, num_gpu_blocks_override=POOLS[role], kv_transfer_config={
         "kv_connector": "KvfleetConnector", "kv_role": role,
         "kv_connector_extra_config": {"abort_timeout_s": HOLD_S, "fetch_timeout_s": FETCH_TIMEOUT_S}})
     # The prefill replica's worker without the config: a one-rank worker serves what its
     # scheduler holds whatever its flags (the decode side's has it, for its fetch timeout).
     worker_config = dict(config, kv_transfer_config=None) if role == "kv_producer" else config
-    return InProcessReplica(role, nats_url, registry, config, TTL_S, worker_config)
+    return InProcessReplica(name or role, nats_url, registry, config, TTL_S, worker_config)
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +102,11 @@ def client(pair, nats, redis_url) -> Iterator[ClusterEngineClient]:
 
 
 def generate(client: ClusterEngineClient, prompts: list[list[int]], tag: str, salt: str | None = None,
-             kv_transfer_params: KvTransferParams | None = None, params: SamplingParams = GREEDY
-             ) -> list[list[TokenDelta]]:
+             kv_transfer_params: KvTransferParams | None = None, params: SamplingParams = GREEDY,
+             lora_request: LoRARequest | None = None) -> list[list[TokenDelta]]:
     async def one(index: int, prompt: list[int]) -> list[TokenDelta]:
-        async with aclosing(client.generate(f"{tag}-{index}", prompt, params, salt, kv_transfer_params)) as deltas:
+        async with aclosing(client.generate(f"{tag}-{index}", prompt, params, salt, kv_transfer_params,
+                                            lora_request)) as deltas:
             return [delta async for delta in deltas]
 
     async def main() -> list[list[TokenDelta]]:
@@ -115,12 +119,14 @@ def tokens(deltas: list[TokenDelta]) -> list[int]:
     return [token for delta in deltas for token in delta.new_token_ids]
 
 
-def combined(client: ClusterEngineClient, prompts: list[list[int]], tag: str) -> list[list[int]]:
+def combined(client: ClusterEngineClient, prompts: list[list[int]], tag: str, params: SamplingParams = GREEDY,
+             lora_request: LoRARequest | None = None) -> list[list[int]]:
     """The decode replica's own answers, computed there (a salt no block of the split runs shares)."""
     hold_back = client._streams._pd.min_prefill_tokens
     client._streams._pd.min_prefill_tokens = 10**6
     try:
-        return [tokens(d) for d in generate(client, prompts, tag, salt=f"combined-{tag}")]
+        return [tokens(d) for d in generate(client, prompts, tag, salt=f"combined-{tag}", params=params,
+                                            lora_request=lora_request)]
     finally:
         client._streams._pd.min_prefill_tokens = hold_back
 
@@ -181,15 +187,54 @@ def test_split_requests_decode_the_combined_replicas_tokens_moving_only_full_blo
     wait_until(lambda: prefill.stats().kv_transfer.held_blocks == 0, "the prefill replica kept blocks")
 
 
+def first_token(client: ClusterEngineClient, prompt: list[int], tag: str, salt: str) -> tuple[float, TokenDelta]:
+    """Seconds from the request to its first token, and that token's delta."""
+    async def main() -> tuple[float, TokenDelta]:
+        started = time.monotonic()
+        async with aclosing(client.generate(tag, prompt, GREEDY, salt)) as deltas:
+            async for delta in deltas:
+                if delta.new_token_ids:
+                    return time.monotonic() - started, delta
+        raise AssertionError(f"{tag}: no token")
+
+    return asyncio.run(main())
+
+
+def test_blocks_move_while_the_prompt_is_computed(pair, client, tokenizer) -> None:
+    """A 200-token prompt, prefilled in 64-token chunks: the decode replica fetches each block
+    as the prefill publishes it, so the phases overlap, and the prefill's time plus the
+    transfer's is more than the whole time to the first token (one after the other, as when
+    the blocks move after the prefill, it could not be)."""
+    prompt = tokenizer.encode(TEXT)[200:400]
+    _, before, _ = moved(pair["decode"])
+    ttft, delta = first_token(client, prompt, "overlap", "overlap")
+    times = delta.first_token_times
+    _, after, failed = moved(pair["decode"])
+    assert after - before == (len(prompt) - 1) // BLOCK * block_bytes(pair["decode"]) and failed == 0
+    assert times.remote_queued_s + times.remote_prefill_s + times.kv_transfer_s > ttft, (ttft, times)
+
+
 def test_a_decode_replica_that_preempts_split_requests_decodes_the_same_tokens(pair, client, tokenizer) -> None:
-    """Three prompts of 7 blocks whose outputs need 3 blocks more each, in a 20-block pool:
-    their KV arrives, then decoding preempts (and recomputes) one of them."""
+    """Three prompts of 7 blocks whose outputs need 3 blocks more each, in a 20-block pool.
+    Their prefills end first (as vLLM's proxy has them held), so the three decode requests
+    come at once: their 18 blocks arrive, then decoding preempts (and recomputes) one."""
     ids = tokenizer.encode(TEXT)
     prompts = [ids[101 * i + 101:101 * i + 201] for i in range(3)]
     decode = pair["decode"]
     preemptions = decode.stats().num_preemptions
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    split = [tokens(d) for d in generate(client, prompts, "preempted", params=params)]
+    held = [next(d.kv_transfer_params for d in deltas if d.kv_transfer_params) for deltas in generate(
+        client, prompts, "preempted-held", kv_transfer_params=KvTransferParams(do_remote_decode=True),
+        params=SamplingParams(temperature=0.0, max_tokens=1))]
+
+    async def main() -> list[list[TokenDelta]]:
+        async def one(index: int) -> list[TokenDelta]:
+            async with aclosing(client.generate(f"preempted-{index}", prompts[index], params, None,
+                                                held[index])) as deltas:
+                return [delta async for delta in deltas]
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    split = [tokens(d) for d in asyncio.run(main())]
     assert decode.stats().num_preemptions > preemptions
     hold_back = client._streams._pd.min_prefill_tokens
     client._streams._pd.min_prefill_tokens = 10**6
@@ -259,6 +304,86 @@ def test_vllms_proxy_drives_the_pair_with_kv_transfer_params_over_rest(pair, cli
     assert seen["refused"].status_code == 400 and "kv_transfer_params" in seen["refused"].text
 
 
+def test_an_adapters_request_is_split_with_its_adapter_on_both_sides(pair, client, tokenizer,
+                                                                     lora_adapter_dirs) -> None:
+    """Its prefill leg runs the adapter, and the adapter is part of the blocks' hashes on both
+    sides: the same prompt without it is computed again on the prefill replica and moved
+    again, not taken from the adapter's cached blocks. The text is the decode replica's own
+    run with the adapter, which differs from the base model's."""
+    prompt = tokenizer.encode(TEXT)[390:470]
+    lora = LoRARequest("attn8", 9, str(lora_adapter_dirs["attn8"]))
+    prefill, decode = pair["prefill"], pair["decode"]
+    asyncio.run(client.add_lora(lora))
+    try:
+        blocks = (len(prompt) - 1) // BLOCK
+        computed = prefill.stats().prompt_tokens_by_source.get("local_compute", 0)
+        _, before, _ = moved(decode)
+        [adapted] = [tokens(d) for d in generate(client, [prompt], "lora", lora_request=lora)]
+        _, between, _ = moved(decode)
+        [base] = [tokens(d) for d in generate(client, [prompt], "lora-base")]
+        _, after, _ = moved(decode)
+        assert between - before == after - between == blocks * block_bytes(decode)
+        assert prefill.stats().prompt_tokens_by_source["local_compute"] - computed == 2 * len(prompt)
+        assert adapted == combined(client, [prompt], "lora", lora_request=lora)[0] != base
+    finally:
+        asyncio.run(client.remove_lora(lora.lora_int_id))
+
+
+def _chunks(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_streamed_responses_carry_kv_transfer_params_and_llm_ds_sidecar_drives_the_pair(
+        pair, client, tokenizer) -> None:
+    """A streamed do_remote_decode request's kv_transfer_params come on its last chunk (only
+    there), and a streamed request carrying them decodes the text of a run that was not
+    split. Then chat as llm-d's routing sidecar drives it: the prefill leg non-streamed with
+    every remote_* key null, the decode leg streamed."""
+    prompt = tokenizer.encode(TEXT)[380:460]
+    app = build_app(client, InProcessEncoder(tokenizer), "smollm2")
+    decode = pair["decode"]
+    body = {"model": "smollm2", "prompt": prompt, "temperature": 0, "ignore_eos": True, "stream": True,
+            "cache_salt": "streamed"}  # the first test's blocks of this prompt are not the decode replica's
+    chat = {"model": "smollm2", "messages": [{"role": "user", "content": tokenizer.decode(prompt)}],
+            "temperature": 0, "ignore_eos": True, "max_tokens": GREEDY.max_tokens}
+    sidecar = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+               "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+    async def proxy() -> dict:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway",
+                                     timeout=60) as http:
+            held = _chunks(await http.post("/v1/completions", json={**body, "max_tokens": 1, "kv_transfer_params": {
+                "do_remote_decode": True}}))
+            fetched = moved(decode)[0]
+            out = _chunks(await http.post("/v1/completions", json={
+                **body, "max_tokens": GREEDY.max_tokens, "kv_transfer_params": held[-1]["kv_transfer_params"]}))
+            chat_held = (await http.post("/v1/chat/completions", json={
+                **chat, "max_tokens": 1, "stream": False, "kv_transfer_params": sidecar})).json()
+            chat_out = _chunks(await http.post("/v1/chat/completions", json={
+                **chat, "stream": True, "kv_transfer_params": chat_held["kv_transfer_params"]}))
+            client._streams._pd.min_prefill_tokens = 10**6  # the chat answer of a replica that computes it all
+            try:
+                chat_combined = (await http.post("/v1/chat/completions", json={**chat, "cache_salt": "c"})).json()
+            finally:
+                client._streams._pd.min_prefill_tokens = THRESHOLD
+            return {"held": held, "fetched": fetched, "out": out, "chat_held": chat_held, "chat_out": chat_out,
+                    "chat_combined": chat_combined}
+
+    seen = asyncio.run(proxy())
+    held = seen["held"]
+    assert [c["choices"][0]["finish_reason"] for c in held] == ["length"]
+    handoff = held[-1]["kv_transfer_params"]
+    assert handoff["do_remote_prefill"] and len(handoff["remote_block_ids"]) == 5 and handoff["remote_request_id"]
+    assert all("kv_transfer_params" not in c for c in seen["out"] + seen["chat_out"])
+    assert moved(decode)[0] >= seen["fetched"] + 2  # the completion's fetch and the chat's
+    text = "".join(c["choices"][0]["text"] for c in seen["out"])
+    assert text == tokenizer.decode(combined(client, [prompt], "streamed")[0])
+    assert seen["chat_held"]["kv_transfer_params"]["do_remote_prefill"]
+    chat_text = "".join(c["choices"][0]["delta"].get("content") or "" for c in seen["chat_out"] if c["choices"])
+    assert chat_text == seen["chat_combined"]["choices"][0]["message"]["content"]
+
+
 def test_a_hold_nobody_fetches_and_a_fetch_nobody_answers_free_their_blocks(pair, client, tokenizer) -> None:
     prompt = tokenizer.encode(TEXT)[350:430]
     prefill, decode = pair["prefill"], pair["decode"]
@@ -282,6 +407,56 @@ def test_a_hold_nobody_fetches_and_a_fetch_nobody_answers_free_their_blocks(pair
     assert time.monotonic() - started < 3 * FETCH_TIMEOUT_S
     assert tokens(out) == combined(client, [prompt], "silent")[0]
     assert decode.stats().kv_cache_usage == 0  # every block it took for the fetch went back
+
+
+def test_a_decode_replica_that_dies_mid_stream_loses_no_request(pair, client, tokenizer, nats, redis_url) -> None:
+    """A second decode replica joins; split streams run on both decode replicas; the second's
+    worker dies (its gRPC server stopped: what a kill -9 leaves its scheduler) while they
+    decode. Its streams migrate to the first decode replica and finish with the text of an
+    undisturbed run, no error; the first's streams (the witnesses) finish intact. The second
+    replica is then gone for good, and the pair is as before."""
+    ids = tokenizer.encode(TEXT)
+    prompts = [ids[20 * i + 5:20 * i + 45] for i in range(3)]  # 2 full blocks each move
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    registry = Registry(redis_url)
+    dying = start_replica("kv_consumer", nats.url, registry, "second-decode")
+    try:
+        wait_until(lambda: len(client._replicas.routable()) == 3, "the client never saw the second decode replica")
+        received: list[list[int]] = [[] for _ in prompts]
+        placed: dict[int, str] = {}
+
+        async def one(index: int) -> None:
+            async with aclosing(client.generate(f"dies-{index}", prompts[index], params)) as deltas:
+                async for delta in deltas:
+                    received[index].extend(delta.new_token_ids)
+
+        async def main() -> list[BaseException | None]:
+            streams = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+            deadline = time.monotonic() + 30
+
+            def on_dying() -> list[int]:
+                return [i for i, instance in placed.items() if instance == dying.core.instance_id]
+
+            # Until each stream placed on the dying replica is decoding there, its first tokens out.
+            while (len(placed) < len(prompts) or not all(len(received[i]) >= 2 for i in on_dying())) \
+                    and time.monotonic() < deadline:
+                for i in range(len(prompts)):
+                    if i not in placed and (replica := client._streams._placed.get(f"dies-{i}")) is not None:
+                        placed[i] = replica.instance_id
+                await asyncio.sleep(0.01)
+            dying.worker.stop(0)
+            return await asyncio.gather(*streams, return_exceptions=True)
+
+        errors = asyncio.run(main())
+        assert errors == [None] * len(prompts)  # nothing lost: no error, each ran to its length
+        on_dying = {i for i, instance in placed.items() if instance == dying.core.instance_id}
+        assert on_dying and len(on_dying) < len(prompts), placed  # migrated streams, and witnesses
+    finally:
+        dying.close()
+        registry.close()
+    wait_until(lambda: len(client._replicas.routable()) == 2, "the dead replica stayed routable")
+    assert received == combined(client, prompts, "dies", params)
+    wait_until(lambda: pair["prefill"].stats().kv_transfer.held_blocks == 0, "the prefill replica kept blocks")
 
 
 def test_a_pooling_request_is_never_split() -> None:

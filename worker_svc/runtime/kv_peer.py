@@ -36,11 +36,23 @@ class KvBlockSource(Protocol):
         """Fetches the producer's `block_ids` in order, handing each to `land(index, block)`
         as it arrives; returns how many leading blocks arrived whole."""
 
-    def serve(self, request: KvFetchRequest, held: Callable[[int], AbstractContextManager[None]]
+    def serve(self, request: KvFetchRequest, held: Callable[[int], AbstractContextManager[int]]
               ) -> Iterator[KvBlock]:
         """The blocks a consumer asked of this worker, in its order; each read inside
-        `held(block)`, which raises (ValueError) unless the block is held for the request:
-        a block that is not may be rewritten meanwhile."""
+        `held(entry)`, which gives the block to read (`entry` is one, or its place in the
+        prompt) and raises (ValueError) unless it is held for the request: a block that is
+        not may be rewritten meanwhile."""
+
+
+def _armed(blocks: Iterator[KvBlock], arm: Callable[[], None] | None) -> Iterator[KvBlock]:
+    """`blocks`, with `arm` called before waiting for each (a watchdog restarted)."""
+    while True:
+        if arm is not None:
+            arm()
+        block = next(blocks, None)
+        if block is None:
+            return
+        yield block
 
 
 class GrpcKvBlocks:
@@ -54,21 +66,35 @@ class GrpcKvBlocks:
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
 
-    def serve(self, request: KvFetchRequest, held: Callable[[int], AbstractContextManager[None]]
+    def serve(self, request: KvFetchRequest, held: Callable[[int], AbstractContextManager[int]]
               ) -> Iterator[KvBlock]:
         if request.layout != self.layout:
             raise ValueError(f"the consumer's KV layout {request.layout} is not this worker's {self.layout}")
-        for index, block in enumerate(request.block_ids):
-            with held(block):  # a copy (stack), taken while nothing can write the block
+        for index, entry in enumerate(request.block_ids):
+            with held(entry) as block:  # a copy (stack), taken while nothing can write the block
                 stacked = torch.stack([cache[:, block] for cache in self.kv_caches]).cpu()
             yield KvBlock(index, stacked.contiguous().view(torch.uint8).numpy().tobytes())
 
     def fetch(self, remote: RemoteBlocks, block_ids: list[int], land: Callable[[int, torch.Tensor], None]) -> int:
+        """The timeout bounds the whole fetch of held blocks; a streamed fetch (by position,
+        beside the producer's prefill) lasts as long as that prefill, so there it bounds the
+        wait for each next block instead."""
         count = 0
         blocks = self._stub(remote.address).FetchKvBlocks(
-            KvFetchRequest(remote.request_id, block_ids, self.layout), timeout=self._timeout_s)
+            KvFetchRequest(remote.request_id, block_ids, self.layout, remote.by_position),
+            timeout=None if remote.by_position else self._timeout_s)
+        watchdog: threading.Timer | None = None
+
+        def arm() -> None:
+            nonlocal watchdog
+            if watchdog is not None:
+                watchdog.cancel()
+            watchdog = threading.Timer(self._timeout_s, blocks.cancel)
+            watchdog.daemon = True
+            watchdog.start()
+
         try:
-            for block in blocks:
+            for block in _armed(blocks, arm if remote.by_position else None):
                 if block.index != count:
                     raise ValueError(f"block {block.index} came where block {count} was due")
                 payload = torch.frombuffer(bytearray(block.payload), dtype=torch.uint8)
@@ -78,6 +104,9 @@ class GrpcKvBlocks:
             details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             logger.warning("KV fetch of %s from %s stopped after %d of %d blocks: %s", remote.request_id,
                            remote.address, count, len(block_ids), details)
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
         return count
 
     def _stub(self, address: str) -> Stub:

@@ -38,6 +38,13 @@ logger = logging.getLogger(__name__)
 _MAX_QUEUED_WRITE_BYTES = 512 * 2**20
 # A consumer may ask for a hold before the producer's next plan has told this worker of it.
 _HOLD_WAIT_S = 2.0
+# A streamed fetch's wait for the producer's prefill to publish its next block: a bound on a
+# thread a consumer that left would hold (the consumer's own fetch timeout ends it sooner).
+_PUBLISH_WAIT_S = 60.0
+# Fetches served at once, each on a server thread of its own (a streamed one for as long as
+# the prefill runs): the worker's server has this many threads besides those the steps
+# need, and refuses more (their consumers recompute) rather than starve its steps.
+MAX_SERVED_FETCHES = 16
 
 
 class KvTransfer:
@@ -62,7 +69,10 @@ class KvTransfer:
         self._load_finished = threading.Condition(self._lock)
         self.peer = peer
         self._sent: list[str] = []  # held requests a consumer fetched, for the next result
-        self._holds: dict[str, set[int]] = {}  # per request, the blocks its scheduler holds for a consumer
+        self._num_serving = 0
+        # Per request, the blocks its scheduler holds for a consumer, in the prompt's order;
+        # while its prefill runs (remote_streamed), those it has computed so far.
+        self._holds: dict[str, list[int]] = {}
 
     def describe(self) -> str:
         """The start-up line on the tiers and the transfers."""
@@ -113,20 +123,33 @@ class KvTransfer:
         comes before the plan saying so waits for it a moment; the stream stops (ValueError)
         at a block not held for the request, and the consumer recomputes from there."""
         with self._load_finished:
+            if self._num_serving >= MAX_SERVED_FETCHES:
+                raise ValueError(f"this worker serves {MAX_SERVED_FETCHES} fetches already")
+            self._num_serving += 1
             self._load_finished.wait_for(lambda: request.request_id in self._holds, _HOLD_WAIT_S)
 
         @contextmanager
-        def held(block: int) -> Iterator[None]:
-            with self._lock:
-                if block not in self._holds.get(request.request_id, ()):
-                    raise ValueError(f"block {block} is not held here for request {request.request_id!r} (its "
+        def held(entry: int) -> Iterator[int]:
+            """The block to read, held while it is read; `entry` a block id, or with
+            by_position its place in the prompt, waited for until the prefill publishes it."""
+            with self._load_finished:
+                if request.by_position:
+                    self._load_finished.wait_for(lambda: request.request_id not in self._holds
+                                                 or len(self._holds[request.request_id]) > entry, _PUBLISH_WAIT_S)
+                    blocks = self._holds.get(request.request_id, [])
+                    block = blocks[entry] if entry < len(blocks) else -1
+                else:
+                    block = entry if entry in self._holds.get(request.request_id, ()) else -1
+                if block < 0:
+                    raise ValueError(f"block {entry} is not held here for request {request.request_id!r} (its "
                                      "hold ended, or never began)")
-                yield
+                yield block
 
         try:
             yield from self.peer.serve(request, held)
         finally:  # however the fetch ended (whole, refused midway, cancelled), no one else comes for them
             with self._load_finished:
+                self._num_serving -= 1
                 self._sent.append(request.request_id)
                 self._load_finished.notify_all()
 
@@ -136,7 +159,7 @@ class KvTransfer:
             for request_id in plan.kv_hold_ends:
                 self._holds.pop(request_id, None)
             for request_id, blocks in plan.kv_holds.items():
-                self._holds[request_id] = set(blocks)
+                self._holds[request_id] = list(blocks)
             self._load_finished.notify_all()
 
     def take_sent_done(self) -> list[str]:

@@ -171,6 +171,13 @@ class GatewayMetrics:
         """One engine request; `max_tokens` None: up to the context length."""
         return RequestMeter(self, num_prompt_tokens, max_tokens)
 
+    def pooled(self, num_prompt_tokens: int, seconds: float) -> None:
+        """One pooling request done (an embedding, a score, labels' scores, docs/pooling.md):
+        counted as vLLM counts any request, its prompt tokens processed and its end a `stop`."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.request_success["stop"].inc()
+        self.e2e_latency.observe(seconds)
+
     def choices_finished(self, n: int, max_generation_tokens: int) -> None:
         """Once per API request, when the last of its choices has ended."""
         self.params_n.observe(n)

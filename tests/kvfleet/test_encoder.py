@@ -54,14 +54,18 @@ def test_the_encoder_serves_embeddings_and_refuses_generation(encoder, sentence_
     engine = AsyncEngine(EngineCore(encoder.config, encoder.engine.worker))  # the SDK's worker, its turn now
     engine.start()
     try:
-        app = build_app(engine, InProcessEncoder(encoder.get_tokenizer()), MODEL)
-        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=TestClient(app))
+        http = TestClient(build_app(engine, InProcessEncoder(encoder.get_tokenizer()), MODEL))
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)
         inputs = ["A man is eating food.", "Tarifa is windy: kite surfers love it."]
         response = client.embeddings.create(model=MODEL, input=inputs)
         expected = sentence_transformer.encode(inputs, convert_to_tensor=True)
         for data, reference in zip(response.data, expected):
             assert torch.nn.functional.cosine_similarity(torch.tensor(data.embedding), reference, dim=0) >= 0.999
         assert response.usage.prompt_tokens == sum(len(encoder.get_tokenizer().encode(t)) for t in inputs)
+        # Counted in /metrics as vLLM counts any request.
+        metrics = http.get("/metrics").text
+        assert f'vllm:request_success_total{{finished_reason="stop",model_name="{MODEL}"}} 2.0' in metrics
+        assert f'vllm:prompt_tokens_total{{model_name="{MODEL}"}} {response.usage.prompt_tokens}.0' in metrics
         with pytest.raises(openai.BadRequestError, match="generates no text"):
             client.completions.create(model=MODEL, prompt="Hello")
         with pytest.raises(openai.BadRequestError, match="maximum context length is 256"):

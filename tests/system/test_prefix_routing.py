@@ -195,15 +195,19 @@ def test_one_gateway_serves_the_chat_model_and_an_embedding_model_each_on_its_re
                     temperature=0)
                 vectors = await client.embeddings.create(model=EMBEDDER, input=["A man is eating food.", "Hi"])
                 unknown = await http.post("/v1/embeddings", json={"model": "nobody", "input": "x"})
-                return models, chat, vectors, unknown
+                return models, chat, vectors, unknown, (await http.get("/metrics")).text
 
-        models, chat, vectors, unknown = asyncio.run(main())
+        models, chat, vectors, unknown, metrics = asyncio.run(main())
         assert sorted(card.id for card in models.data) == sorted(["smollm2", EMBEDDER])
         assert chat.model == "smollm2" and chat.usage.completion_tokens == 4 and chat.choices[0].message.content
         # 384 is MiniLM's width (the chat model's is 576, and it does not pool: a 400)
         assert vectors.model == EMBEDDER and [len(d.embedding) for d in vectors.data] == [384, 384]
         assert abs(sum(x * x for x in vectors.data[0].embedding) - 1) < 1e-4  # normalized, as MiniLM's modules say
         assert unknown.status_code == 404 and "nobody" in unknown.json()["error"]["message"]
+        # One scrape, each family once, each model's series by its name.
+        assert metrics.count("# TYPE vllm:request_success_total counter") == 1
+        assert 'vllm:request_success_total{finished_reason="length",model_name="smollm2"} 1.0' in metrics
+        assert f'vllm:request_success_total{{finished_reason="stop",model_name="{EMBEDDER}"}} 2.0' in metrics
     finally:
         gateway.close()
         embedder.close()

@@ -18,6 +18,7 @@ from gateway.errors import install_error_handlers
 from gateway.limits import BodySizeMiddleware, RequestLimits
 from gateway.lora_adapters import LoraAdapters
 from gateway.metrics import GatewayMetrics
+from gateway.model_router import ModelRouter
 from gateway.response_options import ResponseOptions
 from gateway.routes import (
     chat,
@@ -50,10 +51,13 @@ def build_app(
     options: ResponseOptions = ResponseOptions(),
     model: str | None = None,
     server: ServerOptions = ServerOptions(),
+    extra_models: Sequence[FastAPI] = (),
 ) -> FastAPI:
     """`encoder` does the text work: in-process, or the cluster's tokenizer role.
     Clients may name any of `served_model_names`; responses carry the first, as in vLLM.
-    `model`: the model as the server was started with it (default: the first served name)."""
+    `model`: the model as the server was started with it (default: the first served name).
+    `extra_models`: other models' apps (built by this function), which answer the requests
+    naming them (gateway/model_router.py)."""
     names = (served_model_names,) if isinstance(served_model_names, str) else tuple(served_model_names)
     app = FastAPI(title="kvfleet")
     app.root_path = server.root_path  # set as an attribute: the constructor's argument is deprecated
@@ -67,6 +71,7 @@ def build_app(
         chat_options=chat_options,
         options=options,
         loras=LoraAdapters(engine_client),
+        others=tuple(extra.state.gateway for extra in extra_models),
     )
     for module in (models, completions, chat, embeddings, classify, scoring, tokenize, system, sagemaker):
         app.include_router(module.router)
@@ -75,6 +80,9 @@ def build_app(
     if runtime_lora_updating():
         app.include_router(lora.router)
     install_error_handlers(app)
+    if extra_models:  # first, so innermost: the middlewares below guard every model's requests
+        app.add_middleware(ModelRouter, apps={name: extra for extra in extra_models
+                                              for name in extra.state.gateway.served_model_names})
     app.state.server_load = ServerLoad()
     if server.load_tracking:  # innermost: requests the key refused are not counted
         app.add_middleware(ServerLoadMiddleware, load=app.state.server_load)

@@ -42,6 +42,8 @@ class GatewayContext:
     options: ResponseOptions = field(default_factory=ResponseOptions)
     drain: Drain = field(default_factory=Drain)  # set on SIGTERM by gateway.drain.serve
     loras: LoraAdapters | None = None  # the LoRA adapters served (docs/lora.md); set by build_app
+    # The other models this gateway fronts (gateway/model_router.py), each with its own engine and tokenizer.
+    others: tuple[GatewayContext, ...] = ()
 
     @property
     def served_model_name(self) -> str:
@@ -94,7 +96,9 @@ class GatewayContext:
         return model if self.lora(model) is not None else self.served_model_name
 
     def is_ready(self) -> bool:
-        return self.engine.is_ready() and self.encoder.is_ready() and self.engine.engine_info() is not None
+        """Every model it fronts can serve."""
+        return (self.engine.is_ready() and self.encoder.is_ready() and self.engine.engine_info() is not None
+                and all(other.is_ready() for other in self.others))
 
     def check_ready(self) -> None:
         if not self.engine.is_ready():

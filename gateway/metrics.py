@@ -34,6 +34,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from services.engine_client import EngineClient
@@ -84,6 +85,7 @@ class GatewayMetrics:
                 collector(registry=self.registry)
             self._scraped = self.registry
         self._engine = engine
+        self._engine_stats = engine_stats
         self._model_name = model_name
         self._token_counts: TokenCountHistograms | None = None
         self.prompt_tokens = self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
@@ -163,13 +165,39 @@ class GatewayMetrics:
             )
         return self._token_counts
 
-    def render(self) -> bytes:
-        self.token_counts()  # shown from the first scrape that knows the engine, as vLLM shows them from the start
-        return generate_latest(self._scraped)
+    def render(self, others: Sequence[GatewayMetrics] = ()) -> bytes:
+        """The scrape; with `others`, the other models' series a gateway fronting several
+        serves (gateway/model_router.py) too, each family once, its samples told apart by
+        model_name."""
+        for metrics in (self, *others):
+            metrics.token_counts()  # shown from the first scrape that knows the engine, as vLLM shows them from the start
+        if not others:
+            return generate_latest(self._scraped)
+        families: dict[str, Metric] = {}
+        for family in [*self._scraped.collect(), *(f for other in others for f in other._own_families())]:
+            if family.name in families:
+                families[family.name].samples += family.samples
+            else:
+                families[family.name] = family
+        return generate_latest(_Families(families.values()))
+
+    def _own_families(self) -> list[Metric]:
+        """This model's series alone, for another model's scrape: with shared multiprocess
+        files those already hold its counters, and the process's own series are there once."""
+        if self._scraped is not self.registry:
+            return list(self._engine_stats.collect())
+        return [family for family in self.registry.collect() if not family.name.startswith(("process_", "python_"))]
 
     def request(self, num_prompt_tokens: int, max_tokens: int | None) -> RequestMeter:
         """One engine request; `max_tokens` None: up to the context length."""
         return RequestMeter(self, num_prompt_tokens, max_tokens)
+
+    def pooled(self, num_prompt_tokens: int, seconds: float) -> None:
+        """One pooling request done (an embedding, a score, labels' scores, docs/pooling.md):
+        counted as vLLM counts any request, its prompt tokens processed and its end a `stop`."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.request_success["stop"].inc()
+        self.e2e_latency.observe(seconds)
 
     def choices_finished(self, n: int, max_generation_tokens: int) -> None:
         """Once per API request, when the last of its choices has ended."""
@@ -177,6 +205,13 @@ class GatewayMetrics:
         token_counts = self.token_counts()
         if token_counts is not None:
             token_counts.max_generation.observe(max_generation_tokens)
+
+
+class _Families(list):
+    """Metric families as generate_latest takes a registry."""
+
+    def collect(self) -> list[Metric]:
+        return self
 
 
 class RequestMeter:

@@ -2,6 +2,8 @@
 pooling requests through the engine (docs/pooling.md)."""
 from __future__ import annotations
 
+import time
+
 from gateway.context import GatewayContext
 from gateway.errors import bad_request
 from gateway.generation import prime_all
@@ -53,6 +55,7 @@ async def pool(ctx: GatewayContext, request_id: str, lists: list[list[int]],
     """One vector per token list (with its own params, or all with the same), all submitted
     at once so the engine batches them."""
     each = params if isinstance(params, list) else [params] * len(lists)
+    started = time.perf_counter()
     # Shortest first (the engine takes them in this order): an encoder's steps then hold
     # sequences of like lengths, which its attention pads less.
     order = sorted(range(len(lists)), key=lambda i: len(lists[i]))
@@ -67,5 +70,7 @@ async def pool(ctx: GatewayContext, request_id: str, lists: list[list[int]],
     for delta in deltas:
         if delta.pooled is None:
             raise RequestFailed(delta.request_id, delta.error or f"ended ({delta.finish_reason}) without a vector")
+    for ids in lists:
+        ctx.metrics.pooled(len(ids), time.perf_counter() - started)
     return [delta.pooled for delta in deltas]
 

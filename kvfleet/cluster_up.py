@@ -32,6 +32,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from kvfleet.extra_models import add_data_parallel_arg, extra_model_arg
 from kvfleet.processes import (
     free_port,
     spawn_labelled,
@@ -54,7 +55,7 @@ from services.cli_args import (
     engine_argv,
     gateway_argv,
 )
-from services.config import EngineConfig
+from services.config import ConfigError, EngineConfig
 from services.telemetry import configure_logging
 
 logger = logging.getLogger("kvfleet.cluster")
@@ -70,6 +71,12 @@ def add_cluster_up_args(parser: argparse.ArgumentParser) -> None:
     add_api_server_count_arg(parser, "gateway processes on the one port (or --uds socket), each serving the whole "
                              "API; /metrics, whichever answers, sums their counters")
     add_lease_ttl_arg(parser)
+    add_data_parallel_arg(parser)
+    parser.add_argument("--extra-model", action="append", type=extra_model_arg, default=[], metavar='"MODEL [FLAGS]"',
+                        help="another model the gateway serves beside --model, with a tokenizer, worker and scheduler "
+                        "of its own: the model, then its own engine flags, as the rest of a serve command line, e.g. "
+                        '"all-minilm-l6-v2" or "smollm2 --convert embed"; clients name it by MODEL, /v1/models lists '
+                        "both; repeat for more (docs/cluster.md)")
     parser.add_argument("--engine-port", type=int, default=None,
                         help="the scheduler also serves vLLM's gRPC engine protocol (vllm.grpc.engine.VllmEngine, "
                         "for routers such as smg) on this port, at --host (default: not served)")
@@ -91,6 +98,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     checked = check_model(config)
     check_lora_modules(args.lora_modules or [], config, checked.config)
     check_device(config)
+    _check_extra_models(args)
     listener = listen(args)
     listener.listen()  # from now on connections wait in its backlog until a gateway takes them
     if args.engine_port is not None:
@@ -99,7 +107,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stopping.set())
     local = "127.0.0.1"
-    ports = {name: free_port(local) for name in ("tokenizer", "worker", "scheduler")}
+    ports: dict[str, int] = {}
     # NATS and Redis say little worth reading next to the roles: their lines go to files.
     log_dir = Path(tempfile.mkdtemp(prefix="kvfleet-cluster-"))
     # NATS and Redis take clients with this cluster's credentials only; the servers read
@@ -132,18 +140,16 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         engine_door = [] if args.engine_port is None else [
             "--engine-host", args.host, "--engine-port", str(args.engine_port),
             *(["--served-model-name", *args.served_model_name] if args.served_model_name else [])]
-        worker = f"{local}:{ports['worker']}"
         template = ["--chat-template", args.chat_template] if args.chat_template else []
-        commands = [
-            ["tokenizer", *engine_argv(args, only=TOKENIZER_FIELDS), *template, "--host", local, "--port",
-             str(ports["tokenizer"]), *cluster],
-            ["worker", *engine, "--host", local, "--port", str(ports["worker"]), *cluster],
-            ["scheduler", *engine, "--host", local, "--port", str(ports["scheduler"]), "--worker-address", worker,
-             *nats, *cluster, *engine_door],
-        ]
+        commands = _model_roles("", engine, [*engine_argv(args, only=TOKENIZER_FIELDS), *template],
+                                args.data_parallel_size, [*nats, *cluster, *engine_door], cluster)
+        for extra in args.extra_model:  # each its own roles, with its own flags only
+            commands += _model_roles(f" {extra.name}", extra.argv(), extra.argv(TOKENIZER_FIELDS),
+                                     extra.flags.data_parallel_size, [*nats, *cluster], cluster)
         # --host and --port are then only what the gateway's registry entry says.
         gateway = ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port), *nats, *cluster,
-                   "--listen-fd", str(listener.fileno()), *gateway_argv(args)]
+                   "--listen-fd", str(listener.fileno()), *gateway_argv(args),
+                   *(f"--extra-model={extra.name}" for extra in args.extra_model)]
         # The API key and the cluster token travel in the environment, never on a command
         # line others can read; a token of this cluster's own when none is given.
         env = {key: value for key, value in os.environ.items() if key != "KVFLEET_API_KEY"}
@@ -153,9 +159,9 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         if cluster_token() is None:
             env[TOKEN_ENV] = secrets.token_urlsafe(32)
         env.update({NATS_USER_ENV: "kvfleet", NATS_PASSWORD_ENV: nats_password, REDIS_PASSWORD_ENV: redis_password})
-        for command in commands:
+        for label, _, command in commands:
             argv = [sys.executable, "-m", "kvfleet.cli", *command]
-            role = Supervised(command[0], lambda name=command[0], argv=argv: spawn_labelled(name, argv, env))
+            role = Supervised(label, lambda name=label, argv=argv: spawn_labelled(name, argv, env))
             role.launch()
             roles.append(role)
         gateway_env = dict(env)
@@ -171,9 +177,8 @@ def run_cluster_up(args: argparse.Namespace) -> int:
             role.launch()
             roles.append(role)
             gateways.append(role)
-        for name, port in (("tokenizer", ports["tokenizer"]), ("worker", ports["worker"]),
-                           ("scheduler", ports["scheduler"])):
-            logger.info("%s: gRPC on %s:%d", name, local, port)
+        for label, port, _ in commands:
+            logger.info("%s: gRPC on %s:%d", label, local, port)
         where = f"unix:{args.uds}" if args.uds else f"http://{args.host}:{args.port}"
         logger.info("%s: %s (OpenAI API at /v1)", "gateway" if len(gateways) == 1 else f"{len(gateways)} gateways",
                     where)
@@ -195,6 +200,44 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     release(listener, args.uds)
     logger.info("cluster stopped")
     return exit_code
+
+
+def _model_roles(suffix: str, engine: list[str], tokenizer: list[str], replicas: int, scheduler: list[str],
+                 cluster: list[str]) -> list[tuple[str, int, list[str]]]:
+    """(label, port, command) of one model's roles: its tokenizer, then a worker and its
+    scheduler per replica (--data-parallel-size), on free loopback ports. `suffix` tells
+    an extra model's labels apart; `scheduler`: the flags only the schedulers take."""
+    local = "127.0.0.1"
+    port = free_port(local)
+    roles = [(f"tokenizer{suffix}", port, ["tokenizer", *tokenizer, "--host", local, "--port", str(port), *cluster])]
+    for index in range(replicas):
+        number = f" {index + 1}" if replicas > 1 else ""
+        worker, scheduler_port = free_port(local), free_port(local)
+        roles += [
+            (f"worker{suffix}{number}", worker, ["worker", *engine, "--host", local, "--port", str(worker), *cluster]),
+            (f"scheduler{suffix}{number}", scheduler_port,
+             ["scheduler", *engine, "--host", local, "--port", str(scheduler_port), "--worker-address",
+              f"{local}:{worker}", *scheduler]),
+        ]
+    return roles
+
+
+def _check_extra_models(args: argparse.Namespace) -> None:
+    """Each extra model as the main one is checked, before anything starts."""
+    from worker_svc.runtime.preflight import check_device, check_model
+
+    names = [args.model, *(extra.name for extra in args.extra_model)]
+    for name in {name for name in names if names.count(name) > 1}:
+        raise ConfigError(f"--extra-model {name}: served twice; each model is served once, by its name")
+    if args.served_model_name and set(args.served_model_name) & set(names[1:]):
+        raise ConfigError("--served-model-name: names an --extra-model; clients name each extra model by its MODEL")
+    for extra in args.extra_model:
+        check_model(extra.config)
+        check_device(extra.config)
+    if args.engine_port is not None and args.data_parallel_size > 1:
+        raise ConfigError(f"--engine-port with --data-parallel-size {args.data_parallel_size}: each replica's "
+                          "scheduler would serve vLLM's engine protocol on the one port; run one replica, or "
+                          "start the schedulers by hand, each on a port of its own")
 
 
 def _logged(start: Callable[..., subprocess.Popen], host: str, port: int, path: Path, config: Path) -> subprocess.Popen:

@@ -21,7 +21,8 @@ _LOADER = ("kvfleet loads a GGUF file or a safetensors directory, from a local p
 _ONE_MACHINE = ("a kvfleet worker group (--tensor-parallel-size x --pipeline-parallel-size ranks) runs on one machine, "
                 "its ranks started by kvfleet; drop the flag")
 _DATA_PARALLEL = ("kvfleet's data parallelism is more model replicas, each a `kvfleet scheduler` with its worker, which "
-                  "the gateways route among (docs/cluster.md); drop the flag")
+                  "the gateways route among (docs/cluster.md; `kvfleet cluster up --data-parallel-size N` starts N); "
+                  "drop the flag")
 _CONTEXT_PARALLEL = "kvfleet has no context parallelism; use --tensor-parallel-size or --pipeline-parallel-size"
 _FP8_KV = "kvfleet has no fp8 KV cache (--kv-cache-dtype auto, bfloat16 or float16); drop the flag"
 _MAMBA = "kvfleet implements no Mamba (state-space) model; drop the flag"

@@ -6,6 +6,7 @@ StepResult travel either way; nothing else changes.
 """
 from __future__ import annotations
 
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -208,7 +209,7 @@ class EngineCore:
         depth = self._depth
         if depth == 1:
             plan = self._plan()
-            return self._finish(plan, lambda: self.worker.execute(plan))
+            return self._finish(plan, lambda: self._execute(plan))
         while len(self._in_flight) < depth and (self.scheduler.num_schedulable or self.scheduler.has_drops):
             # A pipeline gives each plan it has room for an even share; a plan ahead takes all.
             share = None if self.runs_ahead else -(-self.scheduler.num_schedulable // (depth - len(self._in_flight)))
@@ -225,6 +226,15 @@ class EngineCore:
             return []
         plan, result = self._in_flight.popleft()
         return self._finish(plan, result.result)
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        """Runs one plan on the worker, timed: the scheduler caps pooling tokens beside
+        generation by what steps cost (scheduler_svc/pooling_budget.py). Plans in flight
+        together (pipelines, async scheduling) are not timed, and keep the first cap."""
+        started = time.perf_counter()
+        result = self.worker.execute(plan)
+        self.scheduler.record_step_time(plan, time.perf_counter() - started)
+        return result
 
     @property
     def num_plans_in_flight(self) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from scheduler_svc.block_pool import BlockPool, KvEventLog, StoredBlock
 from scheduler_svc.kv_connector import KvConnector
 from scheduler_svc.kv_handoff import PROMPT_TOKEN_SOURCES, KvHandoff, count_prompt_tokens
+from scheduler_svc.pooling_budget import PoolingBudget
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.spec_decode_counts import SpecDecodingCounts
 from scheduler_svc.spec_gate import SpecGate
@@ -90,6 +91,10 @@ class Scheduler:
                                                 if config.speculative is not None else 0)
         self.proposer = make_proposer(config.speculative) if config.speculative is not None else None
         self.spec_gate = SpecGate(config.speculative.disable_by_batch_size) if config.speculative is not None else None
+        # Pooling tokens per step beside generation (scheduler_svc/pooling_budget.py); what is
+        # left of them in the step being planned, None when uncapped.
+        self.pooling_budget = PoolingBudget()
+        self._pooling_left: int | None = None
         self._lookahead = config.speculative.num_speculative_tokens if (
             config.speculative is not None and config.speculative.method == "draft_model") else 0
         self._step_ids = itertools.count()
@@ -224,6 +229,7 @@ class Scheduler:
         if self.handoff is not None:  # held for consumers that never came
             self.block_pool.free(self.handoff.expire())
         budget = self.config.max_num_batched_tokens
+        self._pooling_left = self._pooling_cap()
         preemptions_before = self.num_preemptions
         budget = self._schedule_running(plan, budget, max_requests)
         # After a preemption memory is short: admitting new work would only thrash.
@@ -246,7 +252,9 @@ class Scheduler:
             if ahead and not self._runs_ahead(request):
                 continue
             computed = request.num_computed_tokens + request.num_in_flight_tokens
-            num_tokens = min(request.num_tokens + request.num_ahead_samples - computed, budget)
+            num_tokens = min(request.num_tokens + request.num_ahead_samples - computed, self._room(request, budget))
+            if num_tokens == 0:  # a pooling request, past this step's pooling tokens
+                continue
             drafts = self._propose(request, computed, num_tokens, budget)
             new_blocks = self._allocate_slots(request, computed + num_tokens + len(drafts)) if drafts else None
             if new_blocks is None:  # no drafts, or no free blocks for them (no preempting for drafts)
@@ -264,7 +272,31 @@ class Scheduler:
                 new_blocks = self._allocate_slots(request, computed + num_tokens)
             self._add_to_plan(plan, request, num_tokens, new_blocks, drafts)
             budget -= num_tokens + len(drafts)
+            self._take_pooling(request, num_tokens)
         return budget
+
+    def _pooling_cap(self) -> int | None:
+        """This step's pooling tokens: capped while generation requests run (and prompts can
+        be chunked), else the whole budget (scheduler_svc/pooling_budget.py)."""
+        if (self.config.pooler is None or not self.config.enable_chunked_prefill
+                or not any(r.sampling_params.pooling is None for r in self.running)):
+            return None
+        return self.pooling_budget.cap()
+
+    def _room(self, request: Request, budget: int) -> int:
+        """The step's tokens this request may take: a pooling request's are capped too."""
+        if self._pooling_left is None or request.sampling_params.pooling is None:
+            return budget
+        return min(budget, self._pooling_left)
+
+    def _take_pooling(self, request: Request, num_tokens: int) -> None:
+        if self._pooling_left is not None and request.sampling_params.pooling is not None:
+            self._pooling_left -= num_tokens
+
+    def record_step_time(self, plan: StepPlan, seconds: float) -> None:
+        """How long the worker took for `plan`: what the pooling cap is computed from."""
+        counts = plan.num_scheduled_tokens.values()
+        self.pooling_budget.record(sum(n for n in counts if n > 1), sum(1 for n in counts if n == 1), seconds)
 
     def _propose(self, request: Request, computed: int, num_tokens: int, budget: int) -> list[int]:
         """Draft tokens for a decoding request to verify in this step (docs/speculative.md).
@@ -302,8 +334,12 @@ class Scheduler:
                     skipped.append(self.waiting.popleft())
                     continue
                 loras.add(request.lora_int_id)
+            room = self._room(request, budget)
+            if room == 0:  # a pooling request, past this step's pooling tokens: generation may go on
+                skipped.append(self.waiting.popleft())
+                continue
             if request.status is RequestStatus.SWAPPED:
-                admitted = self._swap_in(request, plan, budget)
+                admitted = self._swap_in(request, plan, room)
             else:
                 hits = self._cached_prefix(request)
                 if self._start_load(request, hits, plan):
@@ -311,7 +347,7 @@ class Scheduler:
                     continue
                 if self.handoff is not None and self.handoff.awaits_blocks(request):
                     return  # as vLLM's: its KV comes from a producer once the pool has room, never computed here
-                admitted = self._admit(request, hits, budget)
+                admitted = self._admit(request, hits, room)
             if admitted is None:
                 return
             num_tokens, new_blocks = admitted
@@ -322,6 +358,7 @@ class Scheduler:
             self.running.append(request)
             self._add_to_plan(plan, request, num_tokens, new_blocks)
             budget -= num_tokens
+            self._take_pooling(request, num_tokens)
 
     @property
     def _num_seqs(self) -> int:

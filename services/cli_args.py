@@ -81,7 +81,9 @@ _ENGINE_HELP = {
     "runner": "auto: generate with a decoder model, pool with an encoder (BERT); pooling: serve embeddings "
               "(/v1/embeddings, /pooling) rather than text; generate: serve text",
     "convert": "embed: serve a decoder model as an embedder (its last token's normalized hidden state by default; "
-               "implies --runner pooling); auto/none: the model as it is",
+               "implies --runner pooling); classify: as a classifier, its sequence-classification head (a "
+               "...ForSequenceClassification checkpoint's score weights) over its last token; auto/none: the model "
+               "as it is (a ...ForSequenceClassification checkpoint classifies)",
     "pooler_config": "how a pooling model pools, vLLM's JSON: {\"pooling_type\": \"LAST\"|\"MEAN\"|\"CLS\", "
                      "\"normalize\": true, \"dimensions\": N} (default: the model's own, else LAST and normalize)",
     "enable_lora": "serve LoRA adapters (PEFT's adapter_config.json + adapter_model.safetensors) beside the "

@@ -30,7 +30,7 @@ GENERATION_CONFIGS = ("auto", "vllm")  # or a directory holding generation_confi
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner (draft models are not supported)
-CONVERTS = ("auto", "none", "embed")  # vLLM's --convert, as far as kvfleet converts
+CONVERTS = ("auto", "none", "embed", "classify")  # vLLM's --convert
 # Decode batch sizes captured as CUDA graphs when --cuda-graph-sizes is not given (cut at --max-num-seqs).
 DEFAULT_CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -149,11 +149,10 @@ class EngineConfig:
         if self.runner not in RUNNERS:
             raise ConfigError(f"--runner {self.runner}: choose one of {', '.join(RUNNERS)}")
         if self.convert not in CONVERTS:
-            raise ConfigError(f"--convert {self.convert}: choose one of {', '.join(CONVERTS)} (classify is not "
-                              "supported for decoder models yet)")
-        if self.convert == "embed":
+            raise ConfigError(f"--convert {self.convert}: choose one of {', '.join(CONVERTS)}")
+        if self.convert in ("embed", "classify"):
             if self.runner == "generate":
-                raise ConfigError("--convert embed makes a pooling model: use --runner pooling (or auto)")
+                raise ConfigError(f"--convert {self.convert} makes a pooling model: use --runner pooling (or auto)")
             self.runner = "pooling"
         self.pooler_overrides: dict = {}
         if self.pooler_config is not None:

@@ -174,6 +174,13 @@ class ClusterView:
         return ClusterView(union(self.schedulers, earlier.schedulers), union(self.workers, earlier.workers),
                            union(self.tokenizers, earlier.tokenizers))
 
+    def serving(self, accepts: Callable[[Member], bool]) -> ClusterView:
+        """The schedulers and tokenizers `accepts` takes (one model's, for a gateway fronting
+        several: gateway/cluster/served_models.py); the workers stay, as readiness looks
+        them up by address."""
+        return ClusterView([m for m in self.schedulers if accepts(m)], self.workers,
+                           [m for m in self.tokenizers if accepts(m)])
+
     def scheduler_ready(self, scheduler: Member) -> bool:
         return scheduler.metadata.get("worker") in {worker.address for worker in self.workers}
 

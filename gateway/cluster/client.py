@@ -9,7 +9,7 @@ where the prompt's prefix is cached, from the replicas' KV events, balanced with
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from gateway.cluster.disaggregation import DEFAULT_PD_MIN_PREFILL_TOKENS, Disaggregation, decodes, prefills
@@ -24,7 +24,7 @@ from services.engine_client import EngineUnavailable
 from services.kv_transfer_messages import KvTransferParams
 from services.lora_request import LoRARequest
 from services.messages import EngineInfo, EngineStats, TokenDelta
-from services.registry import DEFAULT_TTL_S
+from services.registry import DEFAULT_TTL_S, Member
 from services.sampling_params import SamplingParams
 from services.scheduler_messages import RemoveLoraRequest
 
@@ -46,15 +46,17 @@ class ClusterEngineClient:
         routing_policy: str = "prefix",
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         pd_min_prefill_tokens: int = DEFAULT_PD_MIN_PREFILL_TOKENS,
+        serves: Callable[[Member], bool] | None = None,
     ) -> None:
         """`pd_min_prefill_tokens`: with prefill replicas in the fleet, a prompt with more
         tokens than this uncached where it decodes is prefilled on one of them
-        (docs/disaggregation.md)."""
+        (docs/disaggregation.md). `serves`: the leases of the one model this client routes
+        to, for a gateway fronting several (gateway/cluster/served_models.py); None: all."""
         self.gateway_id = gateway_id or new_gateway_id(gateway_name)
         self._nats_url = nats_url
         self._lease_ttl_s = lease_ttl_s
         self._migration_limit = migration_limit
-        self._replicas = ReplicaSet(redis_url, poll_interval_s, lease_ttl_s)
+        self._replicas = ReplicaSet(redis_url, poll_interval_s, lease_ttl_s, serves)
         self._placement = Placement(self._replicas, routing_policy, submit_timeout_s)
         self._streams = RequestStreams(self.gateway_id, self._replicas, self._placement, submit_timeout_s,
                                        Disaggregation(pd_min_prefill_tokens))

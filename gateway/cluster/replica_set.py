@@ -34,7 +34,7 @@ from gateway.cluster.replica import Replica
 from services.engine_client import RequestLost
 from services.lora_request import LoRARequest
 from services.messages import EngineInfo, EngineStats
-from services.registry import ClusterView, Registry
+from services.registry import ClusterView, Member, Registry
 from services.scheduler_messages import AbortRequest, StatsRequest
 from services.transport.futures import finished
 from services.transport.role_services import SCHEDULER
@@ -50,8 +50,11 @@ FailRequests = Callable[[Sequence[str] | None, Callable[[str], BaseException]], 
 
 
 class ReplicaSet:
-    def __init__(self, redis_url: str, poll_interval_s: float, lease_ttl_s: float) -> None:
+    def __init__(self, redis_url: str, poll_interval_s: float, lease_ttl_s: float,
+                 serves: Callable[[Member], bool] | None = None) -> None:
+        """`serves`: the leases of the model this set routes to (gateway/cluster/served_models.py); None: all."""
         self._lease_ttl_s = lease_ttl_s
+        self._serves = serves
         # Since when every registry read has worked; None while Redis is away. A lease
         # missing within a TTL of Redis coming back may just not be re-written yet (an
         # empty restarted Redis), so it counts only once this grace has passed.
@@ -158,6 +161,8 @@ class ReplicaSet:
     def _refresh(self) -> None:
         try:
             view = ClusterView.read(self._registry)
+            if self._serves is not None:
+                view = view.serving(self._serves)
             self.loras = read_loras(self._registry)
         except redis.RedisError as exc:  # keep the last view: a Redis blip must not stop serving
             logger.warning("cannot read the registry at %s: %s", self._redis_url, exc)

@@ -1,6 +1,7 @@
 """Operational endpoints: /health for probes, /load for load balancers, /version, /metrics for Prometheus."""
 from __future__ import annotations
 
+import asyncio
 from importlib.metadata import version
 
 from fastapi import APIRouter, Depends, Request
@@ -31,5 +32,6 @@ async def get_version() -> dict[str, str]:
 
 @router.get("/metrics")
 async def metrics(ctx: GatewayContext = Depends(get_context)) -> Response:
-    await ctx.engine.refresh_stats()  # a scrape sees every request that ended before it
-    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    # A scrape sees every request that ended before it, of every model the gateway fronts.
+    await asyncio.gather(*(model.engine.refresh_stats() for model in (ctx, *ctx.others)))
+    return Response(ctx.metrics.render([other.metrics for other in ctx.others]), media_type=CONTENT_TYPE_LATEST)

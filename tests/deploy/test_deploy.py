@@ -79,6 +79,8 @@ VALUE_SETS = {
     "gpu-tp-example": merge_values(yaml.safe_load((CHART / "values-gpu-example.yaml").read_text()),
                                    yaml.safe_load((CHART / "values-gpu-tp-example.yaml").read_text())),
     "embeddings-example": yaml.safe_load((CHART / "values-embeddings-example.yaml").read_text()),
+    # A chat model and an embedding model behind the same gateways, each on its own replicas.
+    "two-models-example": yaml.safe_load((CHART / "values-two-models-example.yaml").read_text()),
     "external-nats-redis": {
         "nats": {"bundled": False, "url": "nats://nats.messaging.svc:4222", "existingSecret": "team-llm-nats"},
         "redis": {"bundled": False, "url": "redis://redis.cache.svc:6379/0", "existingSecret": "team-llm-redis"},
@@ -680,6 +682,30 @@ def test_disaggregation_runs_a_prefill_and_a_decode_pool():
     assert "--pd-min-prefill-tokens=16" in gateway["args"]
     default = render("default")
     assert not default.find("Deployment", f"{RELEASE}-prefill") and "kv-transfer-config" not in str(default.manifests)
+
+
+def test_an_extra_model_gets_its_own_replicas_tokenizers_and_flags_and_the_gateway_serves_it():
+    rendered = render("two-models-example")
+    config_maps = {m["metadata"]["name"]: m["data"] for m in rendered.find("ConfigMap")}
+    replica = rendered.one("Deployment", f"{RELEASE}-model-1-replica")
+    assert replica["spec"]["replicas"] == 2
+    worker = next(c for c in replica["spec"]["template"]["spec"]["containers"] if c["name"] == "worker")
+    argv = container_argv(worker, config_maps)
+    assert "--model=all-minilm-l6-v2" in argv and "--max-num-batched-tokens=8192" in argv
+    assert not any(arg.startswith("--max-model-len") for arg in argv)  # the main model's flags are not its
+    tokenizer = rendered.one("Deployment", f"{RELEASE}-model-1-tokenizer")
+    assert "--model=all-minilm-l6-v2" in container_argv(tokenizer["spec"]["template"]["spec"]["containers"][0],
+                                                         config_maps)
+    main_argv = container_argv(rendered.one("Deployment", f"{RELEASE}-replica")["spec"]["template"]["spec"][
+        "containers"][1], config_maps)
+    assert "--model=smollm2" in main_argv
+    # No Deployment selects another's pods.
+    selectors = [(w["metadata"]["name"], w["spec"]["selector"]["matchLabels"]) for w, _ in pod_templates(rendered)]
+    for name, template in ((w["metadata"]["name"], t) for w, t in pod_templates(rendered)):
+        owners = [n for n, selector in selectors if selector.items() <= template["metadata"]["labels"].items()]
+        assert owners == [name], (name, owners)
+    gateway = rendered.one("Deployment", GATEWAY_0)["spec"]["template"]["spec"]["containers"][0]
+    assert "--extra-model=all-minilm-l6-v2" in container_argv(gateway, config_maps)
 
 
 def test_hpa_alternative_and_switches_off():

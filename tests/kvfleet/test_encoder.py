@@ -54,14 +54,18 @@ def test_the_encoder_serves_embeddings_and_refuses_generation(encoder, sentence_
     engine = AsyncEngine(EngineCore(encoder.config, encoder.engine.worker))  # the SDK's worker, its turn now
     engine.start()
     try:
-        app = build_app(engine, InProcessEncoder(encoder.get_tokenizer()), MODEL)
-        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=TestClient(app))
+        http = TestClient(build_app(engine, InProcessEncoder(encoder.get_tokenizer()), MODEL))
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)
         inputs = ["A man is eating food.", "Tarifa is windy: kite surfers love it."]
         response = client.embeddings.create(model=MODEL, input=inputs)
         expected = sentence_transformer.encode(inputs, convert_to_tensor=True)
         for data, reference in zip(response.data, expected):
             assert torch.nn.functional.cosine_similarity(torch.tensor(data.embedding), reference, dim=0) >= 0.999
         assert response.usage.prompt_tokens == sum(len(encoder.get_tokenizer().encode(t)) for t in inputs)
+        # Counted in /metrics as vLLM counts any request.
+        metrics = http.get("/metrics").text
+        assert f'vllm:request_success_total{{finished_reason="stop",model_name="{MODEL}"}} 2.0' in metrics
+        assert f'vllm:prompt_tokens_total{{model_name="{MODEL}"}} {response.usage.prompt_tokens}.0' in metrics
         with pytest.raises(openai.BadRequestError, match="generates no text"):
             client.completions.create(model=MODEL, prompt="Hello")
         with pytest.raises(openai.BadRequestError, match="maximum context length is 256"):
@@ -145,10 +149,39 @@ def test_an_embedding_model_scores_by_cosine(encoder, sentence_transformer):
     assert output.outputs.score == pytest.approx(torch.dot(vectors[0], vectors[1]).item(), abs=1e-3)
 
 
+def test_a_decoder_classifier_classifies_as_transformers(tmp_path):
+    """--convert classify: a small random LlamaForSequenceClassification of three labels
+    (with MiniLM's tokenizer), its head over the last token's hidden state, against
+    transformers' own; a generation request is refused, and the checkpoint alone (convert
+    auto) classifies too."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    oracle = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, num_labels=3, pad_token_id=0,
+        id2label={0: "negative", 1: "neutral", 2: "positive"}, initializer_range=0.2)).eval()
+    oracle.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(resolve_model(MODEL).path / name, tmp_path / name)
+    texts = ["A man is eating food.", "Tarifa is windy: kite surfers love it.", TEXT[:300]]
+    for convert in ("classify", "auto"):
+        llm = LLM(str(tmp_path), convert=convert, dtype="float32")
+        outputs = llm.classify(texts, use_tqdm=False)
+        with torch.inference_mode():
+            for output in outputs:
+                expected = oracle(torch.tensor([output.prompt_token_ids])).logits[0].softmax(-1)
+                assert torch.allclose(torch.tensor(output.outputs.probs), expected, atol=1e-4), output.outputs.probs
+        with pytest.raises(ValueError, match="generates no text"):
+            llm.generate("Hello", use_tqdm=False)
+
+
 @pytest.mark.parametrize("engine_args, message", [
     ({"pooler_config": '{"pooling_type": "MAX"}'}, "--pooler-config: pooling_type 'MAX'"),
     ({"pooler_config": '{"softmax": true}'}, "--pooler-config: unsupported keys ['softmax']"),
-    ({"convert": "classify"}, "--convert classify"),
+    ({"convert": "classify"}, "has no sequence-classification head"),
     ({"convert": "embed", "runner": "generate"}, "use --runner pooling"),
     ({"model": MODEL, "runner": "generate"}, "is an encoder, it only pools"),
     ({"model": MODEL, "max_num_batched_tokens": 64}, "must be at least --max-model-len"),

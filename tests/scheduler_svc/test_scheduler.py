@@ -250,6 +250,31 @@ def test_a_pooling_request_is_prefill_only_bypasses_mean_s_prefix_cache_and_free
     assert scheduler.schedule().finished_request_ids == ["p"]  # the worker drops its state
 
 
+def test_pooling_tokens_beside_generation_are_capped_by_the_measured_step_costs():
+    """So that a chat stream's steps stay short beside embeddings: pooling requests get at
+    most the cap per step while a generation request runs (a later generation request
+    passes them in the queue), and the whole budget once none does."""
+    from services.pooling_params import PoolerConfig, PoolingParams
+
+    scheduler = make_scheduler(pooler=PoolerConfig(), max_num_batched_tokens=64)
+    add(scheduler, "g", 4)
+    run_step(scheduler)
+    # Measured: 100 ms for a decode-only step, 5 ms more per prompt token: 4 tokens add 20%.
+    scheduler.pooling_budget.record(0, 1, 0.100)
+    scheduler.pooling_budget.record(40, 0, 0.300)
+    assert scheduler.pooling_budget.cap() == 4
+    for start, (request_id, length) in enumerate((("p1", 6), ("p2", 12), ("g2", 5))):  # nothing cached
+        params = SamplingParams(pooling=PoolingParams()) if request_id[0] == "p" else SamplingParams(max_tokens=8)
+        scheduler.add_request(Request(request_id, [100 * (start + 1) + i for i in range(length)], params, (EOS,)))
+    plan, _ = run_step(scheduler)
+    assert plan.num_scheduled_tokens == {"g": 1, "p1": 4, "g2": 5}
+    plan, _ = run_step(scheduler)
+    assert plan.num_scheduled_tokens == {"g": 1, "p1": 2, "g2": 1, "p2": 2}
+    for request_id in ("g", "g2", "p1"):
+        scheduler.abort_request(request_id)
+    assert scheduler.schedule().num_scheduled_tokens == {"p2": 10}  # alone: uncapped
+
+
 def test_requests_of_adapters_beyond_max_loras_wait_and_the_others_pass_them():
     scheduler = make_scheduler(max_loras=1)
     a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")

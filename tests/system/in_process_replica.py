@@ -18,8 +18,9 @@ from worker_svc.server import start_worker_server
 
 class InProcessReplica:
     def __init__(self, name: str, nats_url: str, registry: Registry, config: dict, ttl_s: float,
-                 worker_config: dict | None = None) -> None:
-        """`worker_config`: the worker's engine settings where they differ from the scheduler's."""
+                 worker_config: dict | None = None, model: str = "smollm2") -> None:
+        """`worker_config`: the worker's engine settings where they differ from the scheduler's.
+        `model`: the model its scheduler's lease names (a gateway fronting several routes by it)."""
         self.worker_process = Worker(EngineConfig(**(worker_config or config)))
         self.worker = start_worker_server(self.worker_process, "127.0.0.1:0")
         self.remote = RemoteWorker(self.worker.address)
@@ -27,7 +28,7 @@ class InProcessReplica:
         self.hub = NatsOutputHub(nats_url, self.core.instance_id)
         self.loop = StepLoop(self.core, self.hub)
         self.scheduler = start_scheduler_server(self.loop, self.hub, "127.0.0.1:0")
-        metadata = lease_metadata(self.worker.address, "smollm2", self.core)
+        metadata = lease_metadata(self.worker.address, model, self.core)
         self.leases = [Lease(registry, Member("worker", name, self.worker.address), ttl_s).start(),
                        Lease(registry, Member("scheduler", name, self.scheduler.address, metadata), ttl_s).start()]
 

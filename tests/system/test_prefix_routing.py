@@ -3,19 +3,24 @@ in this process), real NATS and Redis: requests sharing a long prefix go to the 
 that holds it, seen through the replicas' own prefix-cache hits, whether the gateway
 followed the KV events as they came or started later and loaded the replicas'
 snapshots; a least-load gateway, as a control, does not. The KV index also recovers
-a lost event message from a snapshot."""
+a lost event message from a snapshot. One gateway fronts the chat model and an
+embedding model, each request going to the replicas of the model it names."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 from collections.abc import Callable, Iterator
 from contextlib import aclosing
 
+import httpx
+import openai
 import pytest
 
 from gateway.cluster.client import ClusterEngineClient
 from gateway.cluster.kv_index import KvIndex
 from gateway.cluster.routing import CachedPrefix
+from gateway.main import add_gateway_args, build_gateway
 from scheduler_svc.block_pool import KvEvents
 from scheduler_svc.kv_event_publisher import KvEventPublisher
 from scheduler_svc.nats_publisher import NatsOutputHub
@@ -36,6 +41,7 @@ BLOCK = 16
 PREFIX_BLOCKS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 TTL_S = 2.0
+EMBEDDER = "all-minilm-l6-v2"
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
@@ -161,3 +167,50 @@ def test_a_lost_event_message_is_recovered_from_a_snapshot(nats, monkeypatch) ->
     finally:
         index.close()
         hub.close()
+
+
+def test_one_gateway_serves_the_chat_model_and_an_embedding_model_each_on_its_replicas(
+        replicas, tokenizer, nats, redis_url) -> None:
+    """`kvfleet gateway --extra-model`: requests go to the replicas and tokenizer of the model
+    they name; /v1/models lists both; a model nobody serves is a 404 naming it."""
+    registry = Registry(redis_url)
+    server = start_tokenizer_server(Tokenizer.load(resolve_model(EMBEDDER)), "127.0.0.1:0")
+    lease = Lease(registry, Member("tokenizer", "minilm", server.address, {"model": EMBEDDER}), TTL_S).start()
+    embedder = InProcessReplica("minilm", nats.url, registry, {"model": EMBEDDER}, TTL_S, model=EMBEDDER)
+    parser = argparse.ArgumentParser()
+    add_gateway_args(parser)
+    gateway = build_gateway(parser.parse_args(["--nats-url", nats.url, "--redis-url", redis_url,
+                                               "--extra-model", EMBEDDER]), registry)
+    gateway.start()
+    try:
+        wait_until(gateway.app.state.gateway.is_ready, "the gateway never saw both models' replicas")
+
+        async def main() -> tuple:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway.app), base_url="http://gateway",
+                                         timeout=60) as http:
+                client = openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="unused", http_client=http)
+                models = await client.models.list()
+                chat = await client.chat.completions.create(
+                    model="smollm2", messages=[{"role": "user", "content": "Say hello."}], max_tokens=4,
+                    temperature=0)
+                vectors = await client.embeddings.create(model=EMBEDDER, input=["A man is eating food.", "Hi"])
+                unknown = await http.post("/v1/embeddings", json={"model": "nobody", "input": "x"})
+                return models, chat, vectors, unknown, (await http.get("/metrics")).text
+
+        models, chat, vectors, unknown, metrics = asyncio.run(main())
+        assert sorted(card.id for card in models.data) == sorted(["smollm2", EMBEDDER])
+        assert chat.model == "smollm2" and chat.usage.completion_tokens == 4 and chat.choices[0].message.content
+        # 384 is MiniLM's width (the chat model's is 576, and it does not pool: a 400)
+        assert vectors.model == EMBEDDER and [len(d.embedding) for d in vectors.data] == [384, 384]
+        assert abs(sum(x * x for x in vectors.data[0].embedding) - 1) < 1e-4  # normalized, as MiniLM's modules say
+        assert unknown.status_code == 404 and "nobody" in unknown.json()["error"]["message"]
+        # One scrape, each family once, each model's series by its name.
+        assert metrics.count("# TYPE vllm:request_success_total counter") == 1
+        assert 'vllm:request_success_total{finished_reason="length",model_name="smollm2"} 1.0' in metrics
+        assert f'vllm:request_success_total{{finished_reason="stop",model_name="{EMBEDDER}"}} 2.0' in metrics
+    finally:
+        gateway.close()
+        embedder.close()
+        lease.stop()
+        server.stop(0)
+        registry.close()

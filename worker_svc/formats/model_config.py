@@ -163,6 +163,7 @@ def _hf_config(directory: Path) -> ModelConfig:
         # generation_config.json holds the stop ids generate() uses (e.g. Llama 3's end-of-turn).
         eos_token_ids=_token_ids(generation.get("eos_token_id", raw.get("eos_token_id"))),
         is_matryoshka=bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions")),
+        labels=_labels(raw) if _classifies(raw) else (),
     )
     if not config.eos_token_ids:
         config = replace(config, eos_token_ids=_tokenizer_eos(directory))
@@ -182,8 +183,13 @@ def _encoder_config(raw: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=raw["max_position_embeddings"], tie_word_embeddings=False, attention_bias=True,
         is_matryoshka=bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions")),
         type_vocab_size=raw.get("type_vocab_size", 2),
-        labels=_labels(raw) if any(a.endswith("ForSequenceClassification") for a in raw.get("architectures", [])) else (),
+        labels=_labels(raw) if _classifies(raw) else (),
     )
+
+
+def _classifies(raw: dict[str, Any]) -> bool:
+    """A ...ForSequenceClassification checkpoint: its head's weights are in the files."""
+    return any(a.endswith("ForSequenceClassification") for a in raw.get("architectures", []))
 
 
 def _labels(raw: dict[str, Any]) -> tuple[str, ...]:

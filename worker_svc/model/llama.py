@@ -163,7 +163,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(local, backend, group, self.ops) for _ in range(local.num_hidden_layers))
         if shard.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = Linear(config.hidden_size, vocab_rows, bias=False)
+            if config.labels:  # a classifier (--convert classify): its head, and no LM head, as it samples nothing
+                self.score = nn.Linear(config.hidden_size, len(config.labels), bias=False)
+            else:
+                self.lm_head = Linear(config.hidden_size, vocab_rows, bias=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -199,6 +202,11 @@ class LlamaForCausalLM(nn.Module):
         logits = self.group.gather_vocab(self.lm_head(self.ops.norm(self.norm, hidden)))
         return logits[:, : self.config.vocab_size].float() if logits is not None else None
 
+    @torch.inference_mode()
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """A classifier's logits [N, labels] for pooled last hidden states [N, H] (final-normed)."""
+        return self.score(pooled.to(self.score.weight.dtype))
+
     def attach_lora(self, lora: LoraContext) -> None:
         """Every layer reads the adapters' slots and the step's grouping from `lora`."""
         for index, layer in enumerate(self.layers):
@@ -221,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights.items():
             fused[name.removeprefix("model.")] = tensor
         shard = self.group.shard
-        if self.config.tie_word_embeddings and shard.is_last_stage:
+        if self.config.tie_word_embeddings and shard.is_last_stage and not self.config.labels:
             embedding = fused["embed_tokens.weight"] if shard.is_first_stage else fused.pop("embed_tokens.weight")
             fused["lm_head.weight"] = embedding
         vocab_rows = shard.vocab_per_rank(self.config.vocab_size)

@@ -136,7 +136,9 @@ class _Part:
 
 def _expected_names(config: ModelConfig) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not config.tie_word_embeddings:
+    if config.labels:  # a ...ForSequenceClassification checkpoint: its head instead of the LM head
+        names.add("score.weight")
+    elif not config.tie_word_embeddings:
         names.add("lm_head.weight")
     for i in range(config.num_hidden_layers):
         layer = f"model.layers.{i}"

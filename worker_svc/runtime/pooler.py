@@ -71,9 +71,11 @@ def resolve_pooler(config: EngineConfig, model_config: ModelConfig, defaults: di
     decoder converted to an embedder (LAST, normalized); --pooler-config over either. A
     generating decoder given a --pooler-config pools too: one replica serves both kinds.
     An encoder always pools."""
-    if config.runner != "pooling" and config.pooler_config is None and not model_config.is_encoder:
+    if (config.runner != "pooling" and config.pooler_config is None and not model_config.is_encoder
+            and not model_config.labels):
         return None
-    head = {"pooling_type": "CLS", "normalize": False} if model_config.labels else {}  # what the head reads
+    # What the head reads: BERT's [CLS], a decoder's last token (vLLM's as_seq_cls_model).
+    head = {"pooling_type": "CLS" if model_config.is_encoder else "LAST", "normalize": False} if model_config.labels else {}
     settings = {"pooling_type": "LAST", "normalize": True, **defaults, **head, **config.pooler_overrides}
     return PoolerConfig(hidden_size=model_config.hidden_size, is_matryoshka=model_config.is_matryoshka,
                         labels=model_config.labels, **settings)

@@ -40,6 +40,11 @@ def check_model(config: EngineConfig) -> CheckedModel:
     Shard(tp_size=config.tensor_parallel_size, pp_size=config.pipeline_parallel_size).check(model_config)
     limit = model_config.max_position_embeddings
     max_model_len = config.max_model_len or limit
+    if config.convert == "classify" and not model_config.labels:
+        raise ConfigError(f"--convert classify: {source.name} has no sequence-classification head (the score weights "
+                          "of a ...ForSequenceClassification checkpoint), and kvfleet adds none")
+    if model_config.labels and config.runner == "generate":
+        raise ConfigError(f"--runner generate: {source.name} is a classifier, it only pools; use --runner pooling")
     if model_config.is_encoder:
         _check_encoder(config, source)
         # As vLLM: an encoder's inputs stop at the length it was trained on, when it says.

@@ -196,7 +196,7 @@ class Worker:
             kv_layout_key=self.kv_layout_key,
             kv_block_bytes=bytes_per_block(self.local_config, self.block_size, self.kv_dtype),
             pooler=self.pooler_config,
-            generates=self.config.runner != "pooling" and not self.encoder,
+            generates=self.config.runner != "pooling" and not self.encoder and not self.model_config.labels,
             bidirectional=self.encoder,
         )
 

@@ -137,7 +137,7 @@ disagree. A flag's variable is KVFLEET_ plus its name in capitals
 {{- define "kvfleet.engineEnvFrom" -}}
 envFrom:
   - configMapRef:
-      name: {{ include "kvfleet.componentName" (list . "engine") }}
+      name: {{ include "kvfleet.modelComponentName" (list . "engine") }}
 {{- end }}
 
 {{/* Env of the containers that use no GPU. The CUDA image sets
@@ -407,4 +407,63 @@ their file names, the worker reads and writes them).
 {{- fail "kvTiers.shared.enabled needs kvTiers.shared.existingClaim (a ReadWriteMany claim) or kvTiers.shared.hostPath" }}
 {{- end }}
 {{- end }}{{ end }}
+{{- end }}
+
+{{/*
+Several models behind the gateways (extraModels, docs/cluster.md): each extra model's
+values, as a JSON list: the release's values with that model's model, engine flags and
+replica count (none of the main model's engine flags), and modelKey, which names its
+objects ("<fullname>-<modelKey>-replica", "-tokenizer", "-engine") and labels its pods
+(kvfleet.io/model). Templates range over them after the main model, each as a root
+context of its own (kvfleet.modelContext). Usage: include "kvfleet.extraModelValues" $ | fromJsonArray
+*/}}
+{{- define "kvfleet.extraModelValues" -}}
+{{- $all := list }}
+{{- range $index, $extra := .Values.extraModels }}
+{{- if or (not $extra.model) (eq $extra.model $.Values.model) }}
+{{- fail (printf "extraModels[%d].model must name a model other than model (%s)" $index $.Values.model) }}
+{{- end }}
+{{- $values := deepCopy $.Values }}
+{{- $_ := set $values "model" $extra.model }}
+{{- $_ := set $values "servedModelName" "" }}
+{{- $_ := set $values "engine" (deepCopy ($extra.engine | default dict)) }}
+{{- $_ := set $values "modelKey" (printf "model-%d" (add1 $index)) }}
+{{- $_ := set $values.replica "replicas" ($extra.replicas | default 1) }}
+{{- $_ := set $values.replica "enginePort" nil }}
+{{- $_ := set $values.disaggregation "enabled" false }}
+{{- with $extra.worker }}
+{{- $_ := set $values.replica "worker" (mergeOverwrite (deepCopy $values.replica.worker) .) }}
+{{- end }}
+{{- $all = append $all $values }}
+{{- end }}
+{{- toJson $all }}
+{{- end }}
+
+{{/* A per-model object name: "<fullname>-<component>", or "<fullname>-<modelKey>-<component>" for an extra model. Usage: include "kvfleet.modelComponentName" (list . "replica") */}}
+{{- define "kvfleet.modelComponentName" -}}
+{{- $root := index . 0 -}}
+{{- include "kvfleet.componentName" (list $root (printf "%s%s" (ternary (printf "%s-" ($root.Values.modelKey | default "")) "" (not (empty $root.Values.modelKey))) (index . 1))) }}
+{{- end }}
+
+{{/* The pod label that keeps the models' Deployments apart, once there are several: "main" for --model. */}}
+{{- define "kvfleet.modelLabel" -}}
+{{- if .Values.modelKey }}
+kvfleet.io/model: {{ .Values.modelKey }}
+{{- else if .Values.extraModels }}
+kvfleet.io/model: main
+{{- end }}
+{{- end }}
+
+{{/* The model and the engine flags as a ConfigMap, for one model's context. */}}
+{{- define "kvfleet.engineConfigMap" -}}
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: {{ include "kvfleet.modelComponentName" (list . "engine") }}
+  labels:
+    {{- include "kvfleet.labels" (list . "engine") | nindent 4 }}
+data:
+  KVFLEET_MODEL: {{ .Values.model | quote }}
+  KVFLEET_SERVED_MODEL_NAME: {{ default .Values.model .Values.servedModelName | quote }}
+  {{- include "kvfleet.engineData" . | trim | nindent 2 }}
 {{- end }}

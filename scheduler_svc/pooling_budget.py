@@ -1,0 +1,54 @@
+"""How many pooling tokens a step may take beside generation (docs/pooling.md).
+
+A replica that serves embeddings beside chat (a generating decoder with --pooler-config)
+shares each step between the two. A pooling request is all prefill: given the step's
+whole token budget, it would make every step of the chat streams beside it many times
+longer (a 512-token step of the default model costs 15 decode steps on a 2-core CPU).
+So while generation requests run, pooling tokens are capped per step: at the number
+that, at the step costs measured so far, makes a step at most POOLING_STEP_RISE longer
+than a step without prompt tokens. Pooling requests are chunked to fit (a decoder's
+pooling runs across chunks), and take the whole budget again once no generation
+request runs. The costs come from the replica's own steps (EngineCore records them),
+so the cap follows the hardware: a GPU, whose step costs little more for hundreds of
+tokens, gets a cap in the hundreds; this CPU one of a few tokens.
+
+vLLM serves one kind of request per server, so it has no such rule; kvfleet's mixed
+replicas need one.
+"""
+from __future__ import annotations
+
+# The issue's bound on the chat streams' inter-token latency beside embeddings is +25%;
+# the cap aims below it, as the costs it is computed from are estimates.
+POOLING_STEP_RISE = 0.2
+# Until both costs have been measured: one block's worth.
+INITIAL_CAP = 16
+# A step with fewer prompt tokens tells too little of their cost over the step's noise.
+MIN_MEASURED_TOKENS = 32
+# Weight of each new measurement in the running averages.
+SMOOTHING = 0.2
+
+
+class PoolingBudget:
+    def __init__(self, max_rise: float = POOLING_STEP_RISE) -> None:
+        self.max_rise = max_rise
+        self._step_s: float | None = None  # a step with no prompt tokens (decode rows only)
+        self._token_s: float | None = None  # each prompt token on top of it
+
+    def record(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
+        """One executed step: its prompt tokens (prefill and pooling), its one-token rows, and
+        how long the worker took."""
+        if prompt_tokens == 0 and decode_rows:
+            self._step_s = _averaged(self._step_s, seconds)
+        elif prompt_tokens >= MIN_MEASURED_TOKENS and self._step_s is not None:
+            self._token_s = _averaged(self._token_s, max(seconds - self._step_s, 0.0) / prompt_tokens)
+
+    def cap(self) -> int:
+        """Pooling tokens one step beside generation may take (at least one, so that
+        pooling requests always progress)."""
+        if self._step_s is None or not self._token_s:
+            return INITIAL_CAP
+        return max(1, int(self.max_rise * self._step_s / self._token_s))
+
+
+def _averaged(average: float | None, sample: float) -> float:
+    return sample if average is None else (1 - SMOOTHING) * average + SMOOTHING * sample

@@ -92,9 +92,14 @@ class PlannerConfig:
 
 @dataclass(frozen=True)
 class PoolObservation:
-    replicas: int  # serving now (draining ones not counted)
-    running: int  # sequences running on them
+    replicas: int  # the pool's count: its Deployment's, less the replicas draining
+    running: int  # sequences running on its serving replicas
     waiting: int  # requests queued on them
+    serving: int | None = None  # replicas up and registered (None: all of them); the others still load
+
+    @property
+    def up(self) -> int:
+        return self.replicas if self.serving is None else self.serving
 
 
 @dataclass(frozen=True)
@@ -150,11 +155,11 @@ def corrected_capacity(config: PlannerConfig, capacity: Capacity, seen: Observat
     # A combined replica time-shares both kinds of work: its load per kind understates how
     # busy it is, so its misses and hits say little about either capacity alone.
     if "combined" not in seen.pools:
-        if prefill_pool and prefill_pool.replicas and seen.ttft_p90_s is not None:
-            load = seen.prompt_tokens_rate / prefill_pool.replicas
+        if prefill_pool and prefill_pool.up and seen.ttft_p90_s is not None:
+            load = seen.prompt_tokens_rate / prefill_pool.up
             prefill = _corrected(prefill, load, missed=seen.ttft_p90_s > config.ttft_target_s)
-        if decode_pool and decode_pool.replicas and seen.itl_p90_s is not None:
-            load = decode_pool.running / decode_pool.replicas
+        if decode_pool and decode_pool.up and seen.itl_p90_s is not None:
+            load = decode_pool.running / decode_pool.up
             decode = _corrected(decode, load, missed=seen.itl_p90_s > config.itl_target_s)
     return Capacity(prefill, decode)
 

@@ -36,6 +36,7 @@ from services.telemetry import (
 from services.transport.server import FLUSH_S
 
 if TYPE_CHECKING:
+    from scheduler_svc.drain_request import follow_drain_requests
     from scheduler_svc.engine_core import EngineCore
     from scheduler_svc.nats_publisher import NatsOutputHub
     from scheduler_svc.step_loop import StepLoop
@@ -114,7 +115,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
                                           (args.served_model_name or [args.model])[0])
             engine_server = start_vllm_engine_server(servicer, f"{args.engine_host or args.host}:{args.engine_port}")
         _follow_worker(args.worker_address, args.lease_ttl, server, loop)
-        with registered(args, lambda: _scheduler_lease(args, server.port, loop, hub)):
+        with registered(args, lambda: _scheduler_lease(args, server.port, loop, hub)) as lease:
+            if lease is not None:  # the planner scales down by asking a replica to drain
+                follow_drain_requests(lease, server, loop)
             serve_until_signalled(server, args.shutdown_timeout)
     finally:
         if engine_server is not None:  # after the drain, so its streams got their final messages

@@ -19,11 +19,16 @@ Each demand is extrapolated one interval ahead from its last change (new replica
 a while to load their model, so a rising load is met when it arrives), and divided by a
 utilization below 1 (headroom for bursts within an interval).
 
-Capacity is measured, then corrected by what the fleet shows: a pool that misses its
-latency target at a load per replica below its estimate has less capacity than
-estimated (the estimate drops to that load, at most halving per decision); one that
-meets its target at a higher load has more (the estimate rises to it). So a wrong
-profile, or a workload unlike the profiled one, corrects itself within a few intervals.
+Capacity is measured (a profile of one replica at the targets), then corrected by what
+the fleet shows, for one interval at a time: a pool that misses its latency target at a
+load per replica below its capacity gets, for this decision, that load as its capacity
+(at most half off): a reactive push on top of the predictive rule where the profile is
+too optimistic for today's workload. The correction never outlives the misses, and
+never raises the capacity above the profile: latencies are lagging and noisy signals (an
+ITL p90 is over the requests that ended, which began at a lighter load), and an
+estimate that ratcheted on them would drift off for good. (A first version did ratchet,
+both ways: on the simulator's day it sat at half the prefill capacity, over-provisioning
+that pool twice over; docs/planner.md has both runs.)
 
 Then bounds (min and max per pool), a cooldown after any change, and hysteresis on the
 way down: a pool scales down only to the highest count any decision asked for during
@@ -37,8 +42,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 POOLS = ("prefill", "decode", "combined")
-# How far a miss can lower a capacity estimate in one decision: a latency spike with
-# another cause (a slow node, a noisy neighbour) must not collapse it at once.
+# How far a miss can lower the capacity: a latency spike with another cause (a slow
+# node, a noisy neighbour) must not make the planner ask for many times the replicas.
 MAX_CAPACITY_DROP = 0.5
 
 
@@ -130,7 +135,7 @@ class Decision:
 class PlannerState:
     """What the planner remembers between decisions."""
 
-    capacity: Capacity
+    capacity: Capacity  # the one the last decision used
     last_change_s: dict[str, float] = field(default_factory=dict)
     # (time, count asked for) per pool, over the scale-down window
     asked: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
@@ -145,31 +150,24 @@ def _trend(now: float, before: float | None) -> float:
     return max(now, 2 * now - before)
 
 
-def corrected_capacity(config: PlannerConfig, capacity: Capacity, seen: Observation) -> Capacity:
-    """The capacity estimate after this interval: lowered where a target was missed at a
-    lower load per replica, raised where it was met at a higher one."""
-    prefill = capacity.prefill_tokens_per_s
-    decode = capacity.decode_sequences
-    prefill_pool = seen.pools.get("prefill") or seen.pools.get("combined")
-    decode_pool = seen.pools.get("decode") or seen.pools.get("combined")
+def corrected_capacity(config: PlannerConfig, seen: Observation) -> Capacity:
+    """This interval's capacity: the profile's, lowered where a target was missed at a
+    lower load per replica."""
+    prefill = config.capacity.prefill_tokens_per_s
+    decode = config.capacity.decode_sequences
+    prefill_pool = seen.pools.get("prefill")
+    decode_pool = seen.pools.get("decode")
     # A combined replica time-shares both kinds of work: its load per kind understates how
-    # busy it is, so its misses and hits say little about either capacity alone.
-    if "combined" not in seen.pools:
-        if prefill_pool and prefill_pool.up and seen.ttft_p90_s is not None:
-            load = seen.prompt_tokens_rate / prefill_pool.up
-            prefill = _corrected(prefill, load, missed=seen.ttft_p90_s > config.ttft_target_s)
-        if decode_pool and decode_pool.up and seen.itl_p90_s is not None:
-            load = decode_pool.running / decode_pool.up
-            decode = _corrected(decode, load, missed=seen.itl_p90_s > config.itl_target_s)
+    # busy it is, so its misses say little about either capacity alone.
+    if prefill_pool and prefill_pool.up and seen.ttft_p90_s is not None and seen.ttft_p90_s > config.ttft_target_s:
+        prefill = _lowered(prefill, seen.prompt_tokens_rate / prefill_pool.up)
+    if decode_pool and decode_pool.up and seen.itl_p90_s is not None and seen.itl_p90_s > config.itl_target_s:
+        decode = _lowered(decode, decode_pool.running / decode_pool.up)
     return Capacity(prefill, decode)
 
 
-def _corrected(estimate: float, load: float, missed: bool) -> float:
-    if missed and load < estimate:
-        return max(estimate * MAX_CAPACITY_DROP, load)
-    if not missed and load > estimate:
-        return load
-    return estimate
+def _lowered(capacity: float, load: float) -> float:
+    return max(capacity * MAX_CAPACITY_DROP, min(capacity, load))
 
 
 def wanted_replicas(config: PlannerConfig, capacity: Capacity, seen: Observation, before: Observation | None
@@ -206,7 +204,7 @@ def wanted_replicas(config: PlannerConfig, capacity: Capacity, seen: Observation
 
 def decide(config: PlannerConfig, state: PlannerState, seen: Observation, now_s: float) -> Decision:
     """One decision: updates `state` and returns the count each pool should have."""
-    state.capacity = corrected_capacity(config, state.capacity, seen)
+    state.capacity = corrected_capacity(config, seen)
     wanted = wanted_replicas(config, state.capacity, seen, state.previous)
     replicas, asked, reasons = {}, {}, {}
     for name, (count, why) in wanted.items():

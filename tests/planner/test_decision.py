@@ -82,19 +82,23 @@ def test_scale_down_waits_for_the_cooldown_and_the_window_but_scale_up_does_not(
     assert decide(config_, state, seen(20_000, (1, 0, 0), (1, 120, 0), ttft=3.0), now_s=331).replicas["prefill"] == 9
 
 
-def test_capacity_corrects_itself_from_misses_and_hits():
+def test_a_missed_target_lowers_the_capacity_for_that_interval_only():
     config_, state = config(), PlannerState(CAPACITY)
-    # TTFT missed at 2000 tok/s per replica, far below 5000: the estimate halves (at most).
-    decide(config_, state, seen(4_000, (2, 0, 0), (2, 40, 0), ttft=3.0), now_s=0)
-    assert state.capacity.prefill_tokens_per_s == 2500
-    decide(config_, state, seen(4_000, (2, 0, 0), (2, 40, 0), ttft=3.0), now_s=30)
-    assert state.capacity.prefill_tokens_per_s == 2000
-    # ITL met at 60 sequences per replica: the decode estimate rises to it.
-    decide(config_, state, seen(4_000, (2, 0, 0), (2, 120, 0), itl=0.04), now_s=60)
-    assert state.capacity.decode_sequences == 60
-    # A missed ITL over a load above the estimate says nothing new.
+    # TTFT missed at 2000 tok/s per replica, far below 5000: at most half off, 2500.
+    decision = decide(config_, state, seen(4_000, (2, 0, 0), (2, 40, 0), ttft=3.0), now_s=0)
+    assert state.capacity.prefill_tokens_per_s == 2500 and decision.wanted["prefill"] == 2  # 4000/2000 -> 2
+    # Missed at 4000 a replica: 4000.
+    decide(config_, state, seen(8_000, (2, 0, 0), (2, 40, 0), ttft=3.0), now_s=30)
+    assert state.capacity.prefill_tokens_per_s == 4000
+    # Met again: the profile's capacity, never more, whatever load it was met at.
+    decide(config_, state, seen(8_000, (2, 0, 0), (2, 120, 0), itl=0.04), now_s=60)
+    assert state.capacity == CAPACITY
+    # A missed ITL at a load above the capacity says nothing the rule does not know.
     decide(config_, state, seen(4_000, (2, 0, 0), (2, 200, 0), itl=0.5), now_s=90)
-    assert state.capacity.decode_sequences == 60
+    assert state.capacity.decode_sequences == 40
+    # Missed at 10 sequences a replica: 20 (half off) for this decision.
+    decide(config_, state, seen(4_000, (2, 0, 0), (2, 20, 0), itl=0.5), now_s=120)
+    assert state.capacity.decode_sequences == 20
 
 
 @pytest.mark.parametrize("bad", [dict(utilization=0), dict(ttft_target_s=0), dict(bounds={"gpu": Bounds(0, 1)})])

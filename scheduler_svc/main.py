@@ -36,7 +36,6 @@ from services.telemetry import (
 from services.transport.server import FLUSH_S
 
 if TYPE_CHECKING:
-    from scheduler_svc.drain_request import follow_drain_requests
     from scheduler_svc.engine_core import EngineCore
     from scheduler_svc.nats_publisher import NatsOutputHub
     from scheduler_svc.step_loop import StepLoop
@@ -76,6 +75,7 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
+    from scheduler_svc.drain_request import follow_drain_requests
     from scheduler_svc.engine_core import EngineCore
     from scheduler_svc.engine_protocol.kv_events import KvEventStream
     from scheduler_svc.engine_protocol.server import VllmEngineServicer, start_vllm_engine_server

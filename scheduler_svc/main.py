@@ -147,7 +147,8 @@ def _follow_worker(address: str, patience_s: float, server: RoleServer, loop: St
                     return
                 except TimeoutError:
                     up = False
-            server.set_serving(up)
+            # A scheduler draining for the planner stays not ready (scheduler_svc/drain_request.py).
+            server.set_serving(up and not loop.draining)
             was_up = up
             time.sleep(WORKER_CHECK_S)
 

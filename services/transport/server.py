@@ -88,12 +88,6 @@ class RoleServer:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         self._health.set(self.service_name, status)
 
-    def stop_serving(self) -> None:
-        """Health says NOT_SERVING from now on, as once stop() begins, while the server
-        goes on taking calls: a replica the planner drains, which probes, gateways and its
-        Deployment's scale-down must let go of before it stops."""
-        self._health.enter_graceful_shutdown()
-
     def stop(self, grace_s: float = 5.0, flush_s: float = 0.0) -> None:
         """Drains, then stops: health says NOT_SERVING at once, the role's drain hook gets
         up to `grace_s`, then the server stops taking calls and those in flight get the

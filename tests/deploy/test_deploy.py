@@ -43,6 +43,8 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.transport.role_services import SCHEDULER
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvfleet"
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -709,6 +711,12 @@ def test_the_planner_scales_each_pool_with_a_role_limited_to_their_scale():
     binding = rendered.one("RoleBinding", f"{RELEASE}-planner")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{RELEASE}-planner"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": f"{RELEASE}-planner", "namespace": NAMESPACE}]
+    # A scheduler the planner drains turns not ready (its Deployment removes it first)
+    # and stays alive: readiness asks about the scheduler's service, liveness the server.
+    scheduler = next(c for c in rendered.one("Deployment", f"{RELEASE}-replica")["spec"]["template"]["spec"][
+        "containers"] if c["name"] == "scheduler")
+    assert scheduler["readinessProbe"]["grpc"] == {"port": 50052, "service": SCHEDULER.name}
+    assert scheduler["livenessProbe"]["grpc"] == {"port": 50052}
     # The planner owns both pools' counts: the chart sets neither (an upgrade would reset them).
     for name in ("replica", "prefill"):
         assert "replicas" not in rendered.one("Deployment", f"{RELEASE}-{name}")["spec"]

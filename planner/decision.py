@@ -216,12 +216,15 @@ def decide(config: PlannerConfig, state: PlannerState, seen: Observation, now_s:
         while history and history[0][0] < now_s - config.scale_down_window_s:
             history.popleft()
         current = seen.pools[name].replicas
+        # The planner's start counts as a change: one that restarts removes nothing before
+        # it has watched the pool for a cooldown.
+        state.last_change_s.setdefault(name, now_s)
         target = count
         if count < current:
             # Hysteresis: down only to the highest count asked for over the window, and
             # not within the cooldown of the last change.
             target = min(current, max(c for _, c in history))
-            if now_s - state.last_change_s.get(name, -math.inf) < config.cooldown_s:
+            if now_s - state.last_change_s[name] < config.cooldown_s:
                 target = current
         target = bounds.clamp(target)
         if target != current:

@@ -61,7 +61,10 @@ def test_bounds_hold_both_ways():
     decision = decide(config_, PlannerState(CAPACITY), seen(100_000, (3, 0, 0), (1, 0, 0)), now_s=0)
     assert decision.replicas == {"prefill": 3, "decode": 1}
     decision = decide(config_, PlannerState(CAPACITY), seen(0, (1, 0, 0), (5, 400, 0)), now_s=1000)
-    assert decision.replicas == {"prefill": 2, "decode": 2}
+    assert decision.replicas == {"prefill": 2, "decode": 2}  # a bound wins over the cooldown
+    # Without one, a planner that starts removes nothing within its cooldown.
+    decision = decide(config(), PlannerState(CAPACITY), seen(0, (3, 0, 0), (5, 0, 0)), now_s=1000)
+    assert decision.wanted == {"prefill": 1, "decode": 1} and decision.replicas == {"prefill": 3, "decode": 5}
 
 
 def test_scale_down_waits_for_the_cooldown_and_the_window_but_scale_up_does_not():

@@ -260,6 +260,7 @@ def test_the_planner_drains_a_replica_under_load_and_every_stream_finishes(clust
     try:
         actuator = Actuator(cluster.registry, Deployments("llm", api.kubeconfig(tmp_path)),
                             {"combined": "kvfleet-replica"}, drain_timeout_s=120)
+        reader.observe(reader.replicas(), {"combined": 2}, time.monotonic(), 30.0)  # the scrape to count from
         streams = greedy_streams(cluster.urls["gateway"])
         replicas = reader.replicas()
         counts = actuator.counts([r.member for r in replicas], {r.member.id: r.pool for r in replicas})
@@ -278,6 +279,10 @@ def test_the_planner_drains_a_replica_under_load_and_every_stream_finishes(clust
             cluster.logs())
         assert [s.text for s in streams] == reference
         assert [(c.method, c.body) for c in api.calls if c.method == "PATCH"] == [("PATCH", {"spec": {"replicas": 1}})]
+        # What the planner read of it from the gateways' /metrics and the replicas' Stats.
+        seen = reader.observe(reader.replicas(), {"combined": 1}, time.monotonic(), 30.0)
+        assert 0 < seen.ttft_p90_s < 60 and 0 < seen.itl_p90_s < 60 and seen.request_rate > 0, seen
+        assert seen.pools["combined"].serving == 1
         assert victim not in {m.id for m in cluster.registry.members("scheduler")}
     finally:
         reader.close()

@@ -45,12 +45,16 @@ class Actuator:
     def settle_drains(self, members: list[Member]) -> None:
         """Scales each pool down by its replicas that finished draining (left the registry)."""
         live = {m.id for m in members}
-        done = Counter(pool for member_id, pool in self.draining.items() if member_id not in live)
-        for pool, count in done.items():
-            self._patch(pool, lambda current, count=count: current - count, f"{count} replica(s) drained")
-        for member_id in [i for i, pool in self.draining.items() if i not in live]:
-            del self.draining[member_id]
-            if self._deployments is not None:
+        done: dict[str, list[str]] = {}
+        for member_id, pool in self.draining.items():
+            if member_id not in live:
+                done.setdefault(pool, []).append(member_id)
+        for pool, member_ids in done.items():
+            # Forgotten right after their pool's patch, so a failure later in the round
+            # (another pool's patch) never patches this pool twice.
+            self._patch(pool, lambda current, n=len(member_ids): current - n, f"{len(member_ids)} replica(s) drained")
+            for member_id in member_ids:
+                del self.draining[member_id]
                 self._registry.clear_drain("scheduler", member_id)
 
     def apply(self, decision: Decision, replicas: list[Replica], counts: dict[str, int]) -> None:

@@ -74,6 +74,9 @@ def planner_config(args: argparse.Namespace):
 
 
 def run_planner(args: argparse.Namespace) -> int:
+    from kubernetes.client.exceptions import ApiException
+    from redis import RedisError
+
     from planner.actuator import Actuator
     from planner.decision import PlannerState, decide
     from planner.fleet import FleetReader, pool_of
@@ -95,22 +98,32 @@ def run_planner(args: argparse.Namespace) -> int:
                 " (dry run)" if args.dry_run else "")
     next_decision = time.monotonic()
     while not stop.is_set():
-        members = registry.members("scheduler")
-        actuator.settle_drains(members)
-        now = time.monotonic()
-        if now >= next_decision:
-            next_decision = now + config.interval_s
-            replicas = reader.replicas()
-            counts = actuator.counts([r.member for r in replicas], {m.id: pool_of(m) for m in members})
-            seen = reader.observe(replicas, counts, now, config.interval_s)
-            decision = decide(config, state, seen, now)
-            for pool, reason in decision.reasons.items():
-                logger.info("%s pool: %s (TTFT p90 %s, ITL p90 %s)", pool, reason, _ms(seen.ttft_p90_s),
-                            _ms(seen.itl_p90_s))
-            actuator.apply(decision, replicas, counts)
+        try:
+            members = registry.members("scheduler")
+            actuator.settle_drains(members)
+            now = time.monotonic()
+            if now >= next_decision:
+                next_decision = now + config.interval_s
+                replicas = reader.replicas()
+                counts = actuator.counts([r.member for r in replicas], {m.id: pool_of(m) for m in members})
+                seen = reader.observe(replicas, counts, now, config.interval_s)
+                decision = decide(config, state, seen, now)
+                for pool, reason in decision.reasons.items():
+                    logger.info("%s pool: %s (TTFT p90 %s, ITL p90 %s)", pool, reason, _ms(seen.ttft_p90_s),
+                                _ms(seen.itl_p90_s))
+                actuator.apply(decision, replicas, counts)
+        except (RedisError, ApiException) as exc:
+            # Redis or the API server away, or a Role that lacks a permission: nothing is
+            # changed half-way that the next round would not see, so say so and go on.
+            logger.warning("this round failed, trying again in %g s: %s", DRAIN_POLL_S, _short(exc))
         stop.wait(min(DRAIN_POLL_S, max(0.0, next_decision - time.monotonic())))
     reader.close()
     return 0
+
+
+def _short(exc: Exception) -> str:
+    # The client's ApiException carries the response's headers and body: the first line says it.
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def _ms(seconds: float | None) -> str:

@@ -90,12 +90,13 @@ def test_scale_down_drains_the_least_loaded_replica_before_any_patch(api, regist
 
 
 def test_the_planner_command_scales_a_pool_of_pods_that_never_registered(api, redis_url, tmp_path):
-    # Three combined pods, none of them serving (none in the registry), no load: the
-    # command scales the Deployment to its minimum by a patch alone, nothing to drain.
+    # Three combined pods, none of them serving (none in the registry), no load: past its
+    # cooldown (its start counts as a change), the command scales the Deployment to its
+    # minimum by a patch alone, nothing to drain.
     api.replicas[(NAMESPACE, "kvfleet-replica")] = 3
     planner = RoleProcess("planner", "--redis-url", redis_url, "--kubeconfig", api.kubeconfig(tmp_path),
                           "--namespace", NAMESPACE, "--combined-deployment", "kvfleet-replica",
-                          "--combined-min-replicas", "1", "--interval", "1", "--ttft-target-ms", "500",
+                          "--combined-min-replicas", "1", "--interval", "1", "--cooldown", "1", "--ttft-target-ms", "500",
                           "--itl-target-ms", "50", "--prefill-tokens-per-s", "4000", "--decode-sequences", "32")
     try:
         deadline = time.monotonic() + 30
@@ -105,5 +106,22 @@ def test_the_planner_command_scales_a_pool_of_pods_that_never_registered(api, re
             planner.log_tail()
         assert [c for c in api.calls if c.method == "PATCH"] == [
             Call("PATCH", scale("kvfleet-replica"), MERGE_PATCH, {"spec": {"replicas": 1}})]
+    finally:
+        planner.kill()
+
+
+def test_the_planner_command_rides_out_a_registry_that_is_away(api, tmp_path):
+    # Nothing listens on that port: each round fails, says why, and the process goes on.
+    planner = RoleProcess("planner", "--redis-url", "redis://127.0.0.1:9/0", "--kubeconfig", api.kubeconfig(tmp_path),
+                          "--namespace", NAMESPACE, "--combined-deployment", "kvfleet-replica", "--interval", "1",
+                          "--ttft-target-ms", "500", "--itl-target-ms", "50", "--prefill-tokens-per-s", "4000",
+                          "--decode-sequences", "32")
+    try:
+        deadline = time.monotonic() + 30
+        while sum("this round failed" in line for line in planner.log) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert planner.process.poll() is None, planner.log_tail()
+        assert sum("this round failed" in line for line in planner.log) >= 2, planner.log_tail()
+        assert api.calls == []
     finally:
         planner.kill()

@@ -4,6 +4,8 @@ Scale-up patches the Deployment's scale at once; scale-down first asks the least
 replica to drain and patches only once it has left the registry."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,7 +19,7 @@ from services.messages import EngineStats
 from services.registry import Member, Registry
 
 from fake_kube import SCALE_PATH, Call, FakeKubeApi
-from servers import RoleProcess, redis_url  # noqa: F401  (fixtures)
+from servers import REPO, RoleProcess, redis_url  # noqa: F401  (fixtures)
 
 NAMESPACE = "serving"
 MERGE_PATCH = "application/merge-patch+json"
@@ -125,3 +127,16 @@ def test_the_planner_command_rides_out_a_registry_that_is_away(api, tmp_path):
         assert api.calls == []
     finally:
         planner.kill()
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "name at least one pool's Deployment"),
+    (["--decode-deployment", "d", "--decode-min-replicas", "5", "--decode-max-replicas", "2"],
+     "bounds need 0 <= min <= max, got min 5, max 2"),
+])
+def test_settings_that_cannot_work_are_one_line_and_exit_2(flags, message):
+    done = subprocess.run([sys.executable, "-m", "kvfleet.cli", "planner", "--redis-url", "redis://127.0.0.1:9/0",
+                           "--ttft-target-ms", "500", "--itl-target-ms", "50", "--prefill-tokens-per-s", "4000",
+                           "--decode-sequences", "32", *flags], cwd=REPO, capture_output=True, text=True, timeout=60)
+    (line,) = done.stderr.splitlines()
+    assert done.returncode == 2 and line.startswith(f"kvfleet planner: error: {message}"), done.stderr

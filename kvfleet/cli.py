@@ -17,6 +17,7 @@ from typing import NoReturn
 from gateway.main import add_gateway_args
 from kvfleet.cluster_up import add_cluster_up_args
 from kvfleet.run_batch import add_run_batch_args, run_batch
+from planner.main import add_planner_args
 from scheduler_svc.main import add_scheduler_args
 from services.cli_args import (
     VLLM_FLAGS_NOT_SUPPORTED,
@@ -41,6 +42,8 @@ _ROLES = {
     "tokenizer": ("the tokenizer service over gRPC", add_tokenizer_args, "tokenizer_svc.main:run_tokenizer"),
     "gateway": ("the OpenAI-compatible HTTP server of a cluster (NATS, Redis)", add_gateway_args,
                 "gateway.main:run_gateway"),
+    "planner": ("sizes the prefill, decode or combined replica pools from latency targets, through the Kubernetes "
+                "API", add_planner_args, "planner.main:run_planner"),
 }
 
 

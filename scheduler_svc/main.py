@@ -75,6 +75,7 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
+    from scheduler_svc.drain_request import follow_drain_requests
     from scheduler_svc.engine_core import EngineCore
     from scheduler_svc.engine_protocol.kv_events import KvEventStream
     from scheduler_svc.engine_protocol.server import VllmEngineServicer, start_vllm_engine_server
@@ -114,7 +115,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
                                           (args.served_model_name or [args.model])[0])
             engine_server = start_vllm_engine_server(servicer, f"{args.engine_host or args.host}:{args.engine_port}")
         _follow_worker(args.worker_address, args.lease_ttl, server, loop)
-        with registered(args, lambda: _scheduler_lease(args, server.port, loop, hub)):
+        with registered(args, lambda: _scheduler_lease(args, server.port, loop, hub)) as lease:
+            if lease is not None:  # the planner scales down by asking a replica to drain
+                follow_drain_requests(lease, server, loop)
             serve_until_signalled(server, args.shutdown_timeout)
     finally:
         if engine_server is not None:  # after the drain, so its streams got their final messages
@@ -144,7 +147,8 @@ def _follow_worker(address: str, patience_s: float, server: RoleServer, loop: St
                     return
                 except TimeoutError:
                     up = False
-            server.set_serving(up)
+            # A scheduler draining for the planner stays not ready (scheduler_svc/drain_request.py).
+            server.set_serving(up and not loop.draining)
             was_up = up
             time.sleep(WORKER_CHECK_S)
 

@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "kvfleet:role"
 LORA_KEY = "kvfleet:lora_adapters"
+# The planner's requests that a replica drain and leave (docs/planner.md): one key per
+# member, `kvfleet:drain:<role>:<id>`, under a TTL, so a planner that dies leaves none for good.
+DRAIN_PREFIX = "kvfleet:drain"
 DEFAULT_TTL_S = 10.0
 REDIS_PASSWORD_ENV = "KVFLEET_REDIS_PASSWORD"
 # An ACL user's name (Redis 6+), logged in with the password above; without it, the
@@ -91,6 +94,24 @@ class Registry:
 
     def loras(self) -> dict[str, str]:
         return self._redis.hgetall(LORA_KEY)
+
+    # A drain request: the planner sets it, the member's process drains and leaves the
+    # registry, and the planner removes it once it has scaled the member's pool down.
+    # Its value: the seconds the member's requests get to finish (past them, they end with an error).
+    def request_drain(self, role: str, member_id: str, timeout_s: float, ttl_s: float) -> None:
+        self._redis.set(f"{DRAIN_PREFIX}:{role}:{member_id}", repr(float(timeout_s)), px=max(1, round(ttl_s * 1000)))
+
+    def drain_requested(self, member: Member) -> float | None:
+        """The drain's timeout if `member` is asked to drain, else None."""
+        value = self._redis.get(f"{DRAIN_PREFIX}:{member.role}:{member.id}")
+        return None if value is None else float(value)
+
+    def drain_requests(self, role: str) -> list[str]:
+        """The ids of the members of `role` asked to drain, whether or not they still hold a lease."""
+        return sorted(key.rsplit(":", 1)[1] for key in self._redis.scan_iter(match=f"{DRAIN_PREFIX}:{role}:*"))
+
+    def clear_drain(self, role: str, member_id: str) -> None:
+        self._redis.delete(f"{DRAIN_PREFIX}:{role}:{member_id}")
 
     def ping(self) -> bool:
         return bool(self._redis.ping())

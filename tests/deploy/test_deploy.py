@@ -46,6 +46,7 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvfleet.processes import free_port, start_nats, stop, wait_for_port
+from services.transport.role_services import SCHEDULER
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvfleet"
@@ -58,7 +59,7 @@ HOST = "127.0.0.1"
 GATEWAY_0 = f"{RELEASE}-gateway-0"
 
 # The kvfleet commands the deploy files run; `serve` is the images' default command.
-ROLES = ("gateway", "tokenizer", "scheduler", "worker", "serve")
+ROLES = ("gateway", "tokenizer", "scheduler", "worker", "serve", "planner")
 # Kinds of CRDs (KEDA, Prometheus Operator): kubernetes-validate ships no schema for
 # them, so tests below check what the chart relies on in them.
 CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
@@ -112,6 +113,14 @@ VALUE_SETS = {
         "modelCache": {"hostPath": "/var/lib/kvfleet/models"},
         "networkPolicy": {"enabled": False},
     },
+    # The planner sizing a prefill and a decode pool (docs/planner.md), the gateways open
+    # only to an ingress controller (and the planner, for /metrics).
+    "planner": {
+        "planner": {"enabled": True, "prometheusUrl": "http://prometheus-operated.monitoring.svc:9090"},
+        "disaggregation": {"enabled": True},
+        "networkPolicy": {
+            "gatewayFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}]},
+    },
     # LoRA adapters read by every replica's worker from one claim.
     "lora": {"engine": {"enable-lora": True, "max-loras": 4},
              "loraAdapters": {"existingClaim": "adapters", "runtimeUpdating": True}},
@@ -142,8 +151,12 @@ class Rendered:
 
 @cache
 def render(value_set: str) -> Rendered:
+    return render_values(copy.deepcopy(VALUE_SETS[value_set]))
+
+
+def render_values(values: dict) -> Rendered:
     with helm.Chart.load(CHART) as chart:
-        files = chart.render(values=copy.deepcopy(VALUE_SETS[value_set]), name=RELEASE, namespace=NAMESPACE)
+        files = chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
     manifests = [doc for path, text in sorted(files.items()) if path.endswith(".yaml")
                  for doc in yaml.safe_load_all(text) if doc]
     notes = next(text for path, text in files.items() if path.endswith("NOTES.txt"))
@@ -249,8 +262,8 @@ def test_draining_fits_in_the_grace_period(value_set):
     drain = values["drain"]
     for workload, template in pod_templates(render(value_set)):
         kvfleet = [c for c in template["spec"]["containers"] if c["command"][0] == "kvfleet"]
-        if not kvfleet:
-            continue  # nats, redis
+        if not kvfleet or kvfleet[0]["command"][1] == "planner":
+            continue  # nats, redis; the planner, which holds no request
         grace = template["spec"]["terminationGracePeriodSeconds"]
         assert grace > drain["preStopSleepSeconds"] + drain["shutdownTimeoutSeconds"], workload["metadata"]["name"]
         for c in kvfleet:
@@ -708,6 +721,46 @@ def test_an_extra_model_gets_its_own_replicas_tokenizers_and_flags_and_the_gatew
     assert "--extra-model=all-minilm-l6-v2" in container_argv(gateway, config_maps)
 
 
+def test_the_planner_scales_each_pool_with_a_role_limited_to_their_scale():
+    rendered = render("planner")
+    planner = rendered.one("Deployment", f"{RELEASE}-planner")
+    pod = planner["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == f"{RELEASE}-planner" and planner["spec"]["replicas"] == 1
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert container["command"] == ["kvfleet", "planner"]
+    for flag in (f"--prefill-deployment={RELEASE}-prefill", f"--decode-deployment={RELEASE}-replica",
+                 "--prometheus-url=http://prometheus-operated.monitoring.svc:9090", "--ttft-target-ms=1000"):
+        assert flag in args
+    assert "KVFLEET_CLUSTER_TOKEN" in secret_env(container)  # it asks the schedulers for their Stats
+    assert rendered.one("Role", f"{RELEASE}-planner")["rules"] == [
+        {"apiGroups": ["apps"], "resources": ["deployments/scale"],
+         "resourceNames": [f"{RELEASE}-replica", f"{RELEASE}-prefill"], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    ]
+    binding = rendered.one("RoleBinding", f"{RELEASE}-planner")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{RELEASE}-planner"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": f"{RELEASE}-planner", "namespace": NAMESPACE}]
+    # A scheduler the planner drains turns not ready (its Deployment removes it first)
+    # and stays alive: readiness asks about the scheduler's service, liveness the server.
+    scheduler = next(c for c in rendered.one("Deployment", f"{RELEASE}-replica")["spec"]["template"]["spec"][
+        "containers"] if c["name"] == "scheduler")
+    assert scheduler["readinessProbe"]["grpc"] == {"port": 50052, "service": SCHEDULER.name}
+    assert scheduler["livenessProbe"]["grpc"] == {"port": 50052}
+    # The planner owns both pools' counts: the chart sets neither (an upgrade would reset them).
+    for name in ("replica", "prefill"):
+        assert "replicas" not in rendered.one("Deployment", f"{RELEASE}-{name}")["spec"]
+    paths = allowed_paths(rendered)
+    assert ("grpc", "gateway+planner") in paths["replica"] and ("http", "planner") in paths["gateway"]
+    assert ("redis", "gateway+planner+replica+tokenizer") in paths["redis"] and "planner" not in paths
+    # Off by default, with nothing of it rendered; combined replicas without disaggregation.
+    assert not [m for m in render("default").manifests if "planner" in m["metadata"]["name"]]
+    combined = render_values({"planner": {"enabled": True}})
+    assert f"--combined-deployment={RELEASE}-replica" in combined.one(
+        "Deployment", f"{RELEASE}-planner")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert combined.one("Role", f"{RELEASE}-planner")["rules"][0]["resourceNames"] == [f"{RELEASE}-replica"]
+
+
 def test_hpa_alternative_and_switches_off():
     rendered = render("hpa-no-auth-no-pdb")
     hpa = rendered.one("HorizontalPodAutoscaler", f"{RELEASE}-replica")["spec"]
@@ -758,7 +811,9 @@ def test_chart_refuses_contradictory_values():
                        # the engine port on a port the pod already listens on
                        {"replica": {"enginePort": 50051}},
                        # a shared KV store with no volume to share
-                       {"kvTiers": {"shared": {"enabled": True}}}):
+                       {"kvTiers": {"shared": {"enabled": True}}},
+                       # the planner and KEDA would both own the replica count
+                       {"planner": {"enabled": True}, "autoscaling": {"keda": {"enabled": True}}}):
             with pytest.raises(helm.HelmRenderError):
                 chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
 

@@ -8,7 +8,8 @@ dead), and every stream completes with exactly the text an uninterrupted run giv
 error event, each migrated by its gateway to the other replica; the hung worker is
 declared lost within its step deadline, and rejoins once continued. A gateway with
 --migration-limit 0 gives its clients the error instead; and when it is killed, the
-schedulers abort its requests once its lease lapses.
+schedulers abort its requests once its lease lapses. Last, the planner scales the pool
+down under load by draining a replica, and no stream loses a token.
 They run in this order on one cluster; each fault's role is restarted after it.
 """
 from __future__ import annotations
@@ -23,8 +24,13 @@ import openai
 import pytest
 
 from kvfleet.processes import free_port
+from planner.actuator import Actuator
+from planner.decision import Capacity, Decision
+from planner.fleet import FleetReader
+from planner.kube import Deployments
 from services.registry import ClusterView, Registry
 
+from fake_kube import FakeKubeApi
 from servers import HOST, RoleProcess, nats, redis_url  # noqa: F401  (fixtures)
 from streamed_chat import StreamedChat, in_flight
 from test_worker_failover import health, wait_for
@@ -241,3 +247,43 @@ def test_a_dead_gateways_requests_are_aborted_once_its_lease_lapses(cluster: Clu
     wait_for(lambda: running(witness) == 0, LEASE_TTL_S + 2, "a dead gateway's requests still run",
              list(cluster.roles.values()))
     assert time.monotonic() - killed < LEASE_TTL_S + 2
+
+
+def test_the_planner_drains_a_replica_under_load_and_every_stream_finishes(cluster: Cluster, reference: list[str],
+                                                                           tmp_path) -> None:
+    """Scale-down by draining (planner/actuator.py, scheduler_svc/drain_request.py): with the
+    streams in flight on both replicas, the planner takes the pool from 2 to 1 through a
+    fake Kubernetes API; the replica it drains finishes its streams, each exactly the
+    uninterrupted text, then leaves the registry, and only then is the scale patched."""
+    api = FakeKubeApi({("llm", "kvfleet-replica"): 2})
+    reader = FleetReader(cluster.registry)
+    try:
+        actuator = Actuator(cluster.registry, Deployments("llm", api.kubeconfig(tmp_path)),
+                            {"combined": "kvfleet-replica"}, drain_timeout_s=120)
+        reader.observe(reader.replicas(), {"combined": 2}, time.monotonic(), 30.0)  # the scrape to count from
+        streams = greedy_streams(cluster.urls["gateway"])
+        replicas = reader.replicas()
+        counts = actuator.counts([r.member for r in replicas], {r.member.id: r.pool for r in replicas})
+        assert counts == {"combined": 2}
+        actuator.apply(Decision(0.0, {"combined": 1}, {"combined": 1}, Capacity(1, 1), {}), replicas, counts)
+        (victim,) = actuator.draining
+        assert next(r for r in replicas if r.member.id == victim).load > 0  # it had streams to finish
+        deadline = time.monotonic() + 120
+        while actuator.draining and time.monotonic() < deadline:
+            assert not [c for c in api.calls if c.method == "PATCH"]  # no patch while it drains
+            actuator.settle_drains(cluster.registry.members("scheduler"))
+            time.sleep(0.2)
+        for stream in streams:
+            stream.join(300)
+        assert [(s.error, s.finish_reason, s.tokens) for s in streams] == [(None, "length", TOKENS)] * STREAMS, (
+            cluster.logs())
+        assert [s.text for s in streams] == reference
+        assert [(c.method, c.body) for c in api.calls if c.method == "PATCH"] == [("PATCH", {"spec": {"replicas": 1}})]
+        # What the planner read of it from the gateways' /metrics and the replicas' Stats.
+        seen = reader.observe(reader.replicas(), {"combined": 1}, time.monotonic(), 30.0)
+        assert 0 < seen.ttft_p90_s < 60 and 0 < seen.itl_p90_s < 60 and seen.request_rate > 0, seen
+        assert seen.pools["combined"].serving == 1
+        assert victim not in {m.id for m in cluster.registry.members("scheduler")}
+    finally:
+        reader.close()
+        api.close()

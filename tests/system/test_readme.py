@@ -303,6 +303,9 @@ CHECKS: dict[str, Callable[[str, Running | None], None]] = {
     "curl-chat": _chat_completion,
     "openai-stream": lambda stdout, _: stdout.strip() or pytest.fail("nothing streamed"),
     "grpc-scheduler": _grpc_tokens,
+    "planner-decision": lambda stdout, _: stdout.splitlines() == [
+        "0 {'prefill': 2, 'decode': 2}", "30 {'prefill': 3, 'decode': 5}", "60 {'prefill': 3, 'decode': 5}",
+        "400 {'prefill': 1, 'decode': 1}"] or pytest.fail(stdout),
 }
 
 

@@ -167,8 +167,10 @@ lifecycle:
 
 {{/*
 gRPC probes of a role (grpc.health.v1, service ""): SERVING once its model or
-tokenizer is loaded, NOT_SERVING from SIGTERM on. Usage:
-include "kvfleet.grpcProbes" (dict "port" 50051 "startupSeconds" 600)
+tokenizer is loaded, NOT_SERVING from SIGTERM on. With readinessService, readiness asks
+about that service instead (a scheduler's: not ready while its worker is away or while
+it drains for the planner, alive all the same). Usage:
+include "kvfleet.grpcProbes" (dict "port" 50051 "startupSeconds" 600 ["readinessService" NAME])
 */}}
 {{- define "kvfleet.grpcProbes" -}}
 startupProbe:
@@ -179,6 +181,9 @@ startupProbe:
 readinessProbe:
   grpc:
     port: {{ .port }}
+    {{- with .readinessService }}
+    service: {{ . }}
+    {{- end }}
   periodSeconds: 5
   timeoutSeconds: 3
   failureThreshold: 2

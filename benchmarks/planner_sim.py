@@ -1,0 +1,432 @@
+"""The planner against fixed pools and a queue-length autoscaler like KEDA's, over a
+simulated day: one run, JSON out (benchmarks/results/planner_sim.json).
+
+A prefill/decode fleet, simulated by events (virtual time):
+- A prefill replica computes prompts first come, first served, at PREFILL_TOKENS_PER_S;
+  each request goes to the replica whose queue frees first. TTFT = its wait plus its
+  prompt's compute plus KV_TRANSFER_S.
+- A decode replica steps all its sequences together: a step takes STEP_BASE_S +
+  STEP_PER_SEQ_S x sequences (fleet_sim.py's step-cost shape, a + c x sequences, with
+  GPU-like constants), each sequence gaining a token per step, up to MAX_NUM_SEQS
+  sequences (then requests wait for a slot). A request's ITL is its decode time over
+  its output tokens. Each goes to the serving replica with the fewest sequences.
+- A replica serves STARTUP_S after it is added (loading its model) and is paid for
+  from then; one removed drains: it takes no new request and is paid for until its
+  last one ends.
+- The trace: a day compressed to DAY_S; requests arrive as a Poisson process whose rate
+  rises from BASE_RATE to 5x at midday and falls back; the morning (the first half) is
+  prefill-heavy (long prompts, short answers), the afternoon decode-heavy (short
+  prompts, long answers). Lengths are lognormal around the phase's means. Seeded.
+A request meets the targets when its TTFT <= TTFT_TARGET_S and its ITL <= ITL_TARGET_S.
+
+Policies:
+- planner: planner/decision.py's `decide` every PLANNER_INTERVAL_S on what a gateway
+  and the replicas' Stats would show (TTFT p90 of the first tokens of the interval, the
+  p90 of the ITLs of requests that ended in it, rates, each pool's queue), with the
+  capacity a profile of one replica gives (PREFILL_TOKENS_PER_S; the sequences whose
+  step stays within the ITL target). Scale-down drains, as planner/actuator.py does.
+- keda: one ScaledObject per pool on its own vllm:num_requests_waiting (the chart's
+  defaults: threshold 5, polled every 15 s), scaled as the HPA does (desired =
+  ceil(waiting / threshold), at once up, down to the highest desired count of the last
+  300 s: the HPA's stabilization window).
+- fixed: (prefill, decode) pairs of sizes up to MAX_REPLICAS; the "best fixed" is the
+  pair with the fewest replicas whose share of requests meeting both targets is at
+  least the planner's (the cheapest fixed fleet as good as the planner), or, if none
+  is, the pair with the highest share of those tried (best_fixed says how it searches).
+Bounds for both autoscalers: 1 to MAX_REPLICAS per pool. Defined before any result was
+seen; the numbers are what they are.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from planner.decision import (  # noqa: E402
+    Bounds,
+    Capacity,
+    Observation,
+    PlannerConfig,
+    PlannerState,
+    PoolObservation,
+    decide,
+)
+
+DAY_S = 6 * 3600.0
+BASE_RATE = 2.0  # requests per second at night; 5x at midday
+PHASES = {"prefill-heavy": (6000, 150), "decode-heavy": (600, 1000)}  # mean prompt, mean output tokens
+PREFILL_TOKENS_PER_S = 12_000.0
+KV_TRANSFER_S = 0.02
+STEP_BASE_S = 0.012
+STEP_PER_SEQ_S = 0.00035
+MAX_NUM_SEQS = 256
+STARTUP_S = 90.0
+TTFT_TARGET_S = 2.0
+ITL_TARGET_S = 0.040
+MAX_REPLICAS = 16
+PLANNER_INTERVAL_S = 30.0
+KEDA_POLL_S = 15.0
+KEDA_THRESHOLD = 5
+HPA_DOWN_WINDOW_S = 300.0
+DECODE_CAPACITY = math.floor((ITL_TARGET_S - STEP_BASE_S) / STEP_PER_SEQ_S)  # sequences within the ITL target
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Request:
+    arrival: float
+    prompt: int
+    output: int
+    first_token: float = math.nan
+    decode_start: float = math.nan
+    end: float = math.nan
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def itl(self) -> float:
+        return (self.end - self.decode_start) / self.output
+
+
+def make_trace(seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    peak = 5 * BASE_RATE
+    requests, t = [], 0.0
+    while True:
+        t += rng.expovariate(peak)  # thinning: a Poisson process of the day's rate
+        if t >= DAY_S:
+            return requests
+        rate = BASE_RATE * (1 + 4 * (1 - math.cos(2 * math.pi * t / DAY_S)) / 2)
+        if rng.random() * peak > rate:
+            continue
+        prompt_mean, output_mean = PHASES["prefill-heavy" if t < DAY_S / 2 else "decode-heavy"]
+        # lognormal with sigma 0.5 around the mean
+        prompt = max(16, round(rng.lognormvariate(math.log(prompt_mean) - 0.125, 0.5)))
+        output = max(2, round(rng.lognormvariate(math.log(output_mean) - 0.125, 0.5)))
+        requests.append(Request(t, prompt, output))
+
+
+@dataclass
+class Billing:
+    hours: float = 0.0
+
+    def pay(self, start: float, end: float) -> None:
+        self.hours += (end - start) / 3600
+
+
+@dataclass(eq=False)
+class PrefillReplica:
+    added: float
+    ready: float
+    free_at: float = 0.0
+    starts: deque = field(default_factory=deque)  # start times of the prompts queued on it
+    draining: bool = False
+
+    def waiting(self, now: float) -> int:
+        while self.starts and self.starts[0] <= now:
+            self.starts.popleft()
+        return len(self.starts)
+
+
+@dataclass(eq=False)
+class DecodeReplica:
+    added: float
+    ready: float
+    steps: float = 0.0  # tokens each of its sequences gained so far (processor sharing)
+    at: float = 0.0
+    heap: list = field(default_factory=list)  # (steps at which it finishes, tie, request)
+    draining: bool = False
+    version: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.heap)
+
+    def step_s(self) -> float:
+        return STEP_BASE_S + STEP_PER_SEQ_S * self.size
+
+    def advance(self, now: float) -> None:
+        if self.heap:
+            self.steps += (now - self.at) / self.step_s()
+        self.at = now
+
+    def next_end(self) -> float | None:
+        if not self.heap:
+            return None
+        return self.at + max(0.0, self.heap[0][0] - self.steps) * self.step_s()
+
+
+class Fleet:
+    """One policy's run over the trace."""
+
+    def __init__(self, prefill: int, decode: int) -> None:
+        self.prefill = [PrefillReplica(0.0, 0.0) for _ in range(prefill)]
+        self.decode = [DecodeReplica(0.0, 0.0) for _ in range(decode)]
+        self.bill = Billing()
+        self.events: list = []
+        self.order = 0
+        self.queue: deque[Request] = deque()  # waiting for a decode slot
+        self.now = 0.0
+        # What a gateway would have seen since the last look.
+        self.window_ttfts: list[float] = []
+        self.window_itls: list[float] = []
+        self.window_requests = 0
+        self.window_prompt_tokens = 0
+
+    def push(self, at: float, kind: str, payload: object) -> None:
+        self.order += 1
+        heapq.heappush(self.events, (at, self.order, kind, payload))
+
+    # -- prefill -----------------------------------------------------------------------
+
+    def arrive(self, request: Request) -> None:
+        self.window_requests += 1
+        self.window_prompt_tokens += request.prompt
+        serving = [r for r in self.prefill if not r.draining and r.ready <= self.now] or \
+            [r for r in self.prefill if not r.draining]
+        replica = min(serving, key=lambda r: max(r.free_at, r.ready, self.now))
+        start = max(replica.free_at, replica.ready, self.now)
+        if start > self.now:
+            replica.starts.append(start)
+        replica.free_at = start + request.prompt / PREFILL_TOKENS_PER_S
+        request.first_token = replica.free_at + KV_TRANSFER_S
+        self.push(request.first_token, "decode", request)
+
+    # -- decode ------------------------------------------------------------------------
+
+    def enter_decode(self, request: Request) -> None:
+        self.window_ttfts.append(request.ttft)
+        self.queue.append(request)
+        self.fill_slots()
+
+    def fill_slots(self) -> None:
+        open_ = [r for r in self.decode if not r.draining and r.ready <= self.now and r.size < MAX_NUM_SEQS]
+        while self.queue and open_:
+            replica = min(open_, key=lambda r: r.size)
+            request = self.queue.popleft()
+            replica.advance(self.now)
+            request.decode_start = self.now
+            heapq.heappush(replica.heap, (replica.steps + request.output, id(request), request))
+            self.reschedule(replica)
+            if replica.size >= MAX_NUM_SEQS:
+                open_.remove(replica)
+
+    def reschedule(self, replica: DecodeReplica) -> None:
+        replica.version += 1
+        end = replica.next_end()
+        if end is not None:
+            self.push(end, "end", (replica, replica.version))
+
+    def end(self, replica: DecodeReplica, version: int) -> None:
+        if version != replica.version:
+            return
+        replica.advance(self.now)
+        while replica.heap and replica.heap[0][0] <= replica.steps + 1e-9:
+            _, _, request = heapq.heappop(replica.heap)
+            request.end = self.now
+            self.window_itls.append(request.itl)
+        self.reschedule(replica)
+        if replica.draining and not replica.heap:
+            self.bill.pay(replica.added, self.now)
+            self.decode.remove(replica)
+        self.fill_slots()
+
+    # -- sizing ------------------------------------------------------------------------
+
+    def resize(self, prefill: int, decode: int) -> None:
+        """Adds or drains replicas until each pool has the count (draining ones not counted)."""
+        for pool, target, make in ((self.prefill, prefill, PrefillReplica), (self.decode, decode, DecodeReplica)):
+            live = [r for r in pool if not r.draining]
+            for _ in range(target - len(live)):
+                pool.append(make(self.now, self.now + STARTUP_S))
+                self.push(self.now + STARTUP_S, "ready", None)
+            # The least loaded go first, as planner/actuator.py picks them.
+            load = (lambda r: max(r.free_at - self.now, 0)) if pool is self.prefill else (lambda r: r.size)
+            for replica in sorted(live, key=load)[:max(0, len(live) - target)]:
+                replica.draining = True
+                if pool is self.prefill:
+                    self.push(max(replica.free_at, self.now), "prefill-drained", replica)
+                elif not replica.heap:
+                    self.bill.pay(replica.added, self.now)
+                    pool.remove(replica)
+
+    def observe(self) -> dict:
+        def p90(values: list[float]) -> float | None:
+            return sorted(values)[int(0.9 * (len(values) - 1))] if values else None
+
+        seen = {
+            "ttft_p90": p90(self.window_ttfts), "itl_p90": p90(self.window_itls),
+            "requests": self.window_requests, "prompt_tokens": self.window_prompt_tokens,
+            "prefill": PoolObservation(sum(1 for r in self.prefill if not r.draining), 0,
+                                       sum(r.waiting(self.now) for r in self.prefill),
+                                       serving=sum(1 for r in self.prefill if not r.draining and r.ready <= self.now)),
+            "decode": PoolObservation(sum(1 for r in self.decode if not r.draining),
+                                      sum(r.size for r in self.decode if not r.draining), len(self.queue),
+                                      serving=sum(1 for r in self.decode if not r.draining and r.ready <= self.now)),
+        }
+        self.window_ttfts, self.window_itls = [], []
+        self.window_requests = self.window_prompt_tokens = 0
+        return seen
+
+
+def run(trace: list[Request], policy, start: tuple[int, int], tick_s: float | None) -> dict:
+    fleet = Fleet(*start)
+    requests = [Request(r.arrival, r.prompt, r.output) for r in trace]
+    for request in requests:
+        fleet.push(request.arrival, "arrive", request)
+    if tick_s:
+        fleet.push(tick_s, "tick", None)
+    while fleet.events:
+        at, _, kind, payload = heapq.heappop(fleet.events)
+        fleet.now = at
+        if kind == "arrive":
+            fleet.arrive(payload)
+        elif kind == "decode":
+            fleet.enter_decode(payload)
+        elif kind == "end":
+            fleet.end(*payload)
+        elif kind == "ready":
+            fleet.fill_slots()
+        elif kind == "prefill-drained":
+            if payload in fleet.prefill:
+                fleet.bill.pay(payload.added, at)
+                fleet.prefill.remove(payload)
+        elif kind == "tick" and at < DAY_S:  # after the day, the fleet only finishes what it holds
+            fleet.resize(*policy(fleet.observe(), at))
+            fleet.push(at + tick_s, "tick", None)
+    for replica in fleet.prefill + fleet.decode:
+        fleet.bill.pay(replica.added, max(fleet.now, DAY_S))
+    met = sum(1 for r in requests if r.ttft <= TTFT_TARGET_S and r.itl <= ITL_TARGET_S)
+    return {
+        "requests": len(requests),
+        "met_both_share": round(met / len(requests), 4),
+        "met_ttft_share": round(sum(r.ttft <= TTFT_TARGET_S for r in requests) / len(requests), 4),
+        "met_itl_share": round(sum(r.itl <= ITL_TARGET_S for r in requests) / len(requests), 4),
+        "replica_hours": round(fleet.bill.hours, 2),
+    }
+
+
+def planner_policy():
+    config = PlannerConfig(
+        ttft_target_s=TTFT_TARGET_S, itl_target_s=ITL_TARGET_S,
+        capacity=Capacity(PREFILL_TOKENS_PER_S, DECODE_CAPACITY),
+        bounds={"prefill": Bounds(1, MAX_REPLICAS), "decode": Bounds(1, MAX_REPLICAS)},
+        interval_s=PLANNER_INTERVAL_S)
+    state = PlannerState(config.capacity)
+
+    def policy(seen: dict, now: float) -> tuple[int, int]:
+        observation = Observation(seen["ttft_p90"], seen["itl_p90"], seen["requests"] / PLANNER_INTERVAL_S,
+                                  seen["prompt_tokens"] / PLANNER_INTERVAL_S,
+                                  {"prefill": seen["prefill"], "decode": seen["decode"]})
+        decision = decide(config, state, observation, now)
+        return decision.replicas["prefill"], decision.replicas["decode"]
+
+    return policy
+
+
+def keda_policy():
+    history: dict[str, deque] = {"prefill": deque(), "decode": deque()}
+
+    def policy(seen: dict, now: float) -> tuple[int, int]:
+        counts = []
+        for pool in ("prefill", "decode"):
+            desired = max(1, min(MAX_REPLICAS, math.ceil(seen[pool].waiting / KEDA_THRESHOLD)))
+            window = history[pool]
+            window.append((now, desired))
+            while window[0][0] < now - HPA_DOWN_WINDOW_S:
+                window.popleft()
+            current = seen[pool].replicas
+            counts.append(desired if desired >= current else max(d for _, d in window))
+        return counts[0], counts[1]
+
+    return policy
+
+
+def best_fixed(trace: list[Request], planner_share: float) -> tuple[dict, list[dict]]:
+    """The fewest-replica fixed pair at least as good as the planner. Each pool's own
+    share (TTFT for prefill, ITL for decode) grows with its size alone, so the smallest
+    prefill size reaching the planner's share is found by bisection with the decode pool
+    at its largest, and likewise the smallest decode size; then pairs from those two up,
+    by growing total, until one meets both targets as often as the planner."""
+    swept: list[dict] = []
+
+    def fixed(prefill: int, decode: int) -> dict:
+        for result in swept:
+            if (result["prefill"], result["decode"]) == (prefill, decode):
+                return result
+        result = {"prefill": prefill, "decode": decode,
+                  **run(trace, lambda seen, now: (0, 0), (prefill, decode), None)}
+        swept.append(result)
+        log(f"fixed {prefill}+{decode}: {result}")
+        return result
+
+    def smallest(share_of) -> int:
+        low, high = 1, MAX_REPLICAS
+        while low < high:
+            middle = (low + high) // 2
+            if share_of(middle) >= planner_share:
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+    least_prefill = smallest(lambda n: fixed(n, MAX_REPLICAS)["met_ttft_share"])
+    least_decode = smallest(lambda n: fixed(MAX_REPLICAS, n)["met_itl_share"])
+    for total in range(least_prefill + least_decode, 2 * MAX_REPLICAS + 1):
+        for prefill in range(least_prefill, total - least_decode + 1):
+            if prefill <= MAX_REPLICAS and total - prefill <= MAX_REPLICAS:
+                result = fixed(prefill, total - prefill)
+                if result["met_both_share"] >= planner_share:
+                    return result, swept
+    return max(swept, key=lambda r: (r["met_both_share"], -r["replica_hours"])), swept
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/planner_sim.json")
+    args = parser.parse_args()
+    log(f"load average {os.getloadavg()}")
+    began = time.perf_counter()
+    trace = make_trace(seed=11)
+    log(f"{len(trace)} requests over {DAY_S / 3600:g} h")
+    planner = run(trace, planner_policy(), (1, 1), PLANNER_INTERVAL_S)
+    log(f"planner: {planner}")
+    keda = run(trace, keda_policy(), (1, 1), KEDA_POLL_S)
+    log(f"keda: {keda}")
+    fixed, swept = best_fixed(trace, planner["met_both_share"])
+    log(f"best fixed: {fixed}")
+    report = {
+        "model": {"day_s": DAY_S, "base_rate": BASE_RATE, "phases": PHASES, "prefill_tokens_per_s": PREFILL_TOKENS_PER_S,
+                  "step_s": f"{STEP_BASE_S} + {STEP_PER_SEQ_S} x sequences", "max_num_seqs": MAX_NUM_SEQS,
+                  "startup_s": STARTUP_S, "ttft_target_s": TTFT_TARGET_S, "itl_target_s": ITL_TARGET_S,
+                  "decode_capacity_sequences": DECODE_CAPACITY, "max_replicas": MAX_REPLICAS},
+        "planner": planner, "keda": keda, "best_fixed": fixed, "fixed_swept": swept,
+        "planner_replica_hours_saved_vs_best_fixed": round(1 - planner["replica_hours"] / fixed["replica_hours"], 3),
+        "planner_replica_hours_saved_vs_keda": round(1 - planner["replica_hours"] / keda["replica_hours"], 3),
+        "wall_s": round(time.perf_counter() - began, 1),
+        "loadavg_end": os.getloadavg(),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    log(f"planner saves {report['planner_replica_hours_saved_vs_best_fixed']:.1%} of the best fixed pools' "
+        f"replica-hours, {report['planner_replica_hours_saved_vs_keda']:.1%} of KEDA's; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

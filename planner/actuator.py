@@ -1,0 +1,94 @@
+"""Carries out a decision: scale-up patches the Deployment's scale at once; scale-down
+drains first. The planner asks the least loaded replicas to drain (a drain request in
+the registry), each one stops taking requests, finishes those it runs and leaves the
+registry, and only then is the Deployment's scale patched down: its controller removes
+the drained pods, which fail readiness, before any ready one. Pods still loading (not
+yet registered) serve nothing: those go by a patch alone.
+
+With `--dry-run` (no Deployments) each action is logged instead of taken."""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from planner.decision import Decision
+from planner.fleet import Replica
+from planner.kube import Deployments
+from services.registry import Member, Registry
+
+logger = logging.getLogger(__name__)
+
+# How long a drain request outlives the drain's own timeout: a planner that dies mid-drain
+# leaves no request in Redis for good (the replica, drained, waits idle to be removed).
+DRAIN_REQUEST_SLACK_S = 300.0
+
+
+class Actuator:
+    def __init__(self, registry: Registry, deployments: Deployments | None, names: dict[str, str],
+                 drain_timeout_s: float) -> None:
+        """`names`: the Deployment of each pool the planner manages."""
+        self._registry = registry
+        self._deployments = deployments
+        self._names = names
+        self._drain_timeout_s = drain_timeout_s
+        self.draining: dict[str, str] = {}  # member id -> its pool, until its pool is scaled down
+
+    def counts(self, members: list[Member], pool_of: dict[str, str]) -> dict[str, int]:
+        """Each managed pool's replicas: its Deployment's count less those draining
+        (dry run: the registered replicas not draining)."""
+        draining = Counter(self.draining.values())
+        if self._deployments is None:
+            up = Counter(pool_of[m.id] for m in members if m.id not in self.draining)
+            return {pool: up[pool] for pool in self._names}
+        return {pool: self._deployments.replicas(name) - draining[pool] for pool, name in self._names.items()}
+
+    def settle_drains(self, members: list[Member]) -> None:
+        """Scales each pool down by its replicas that finished draining (left the registry)."""
+        live = {m.id for m in members}
+        done: dict[str, list[str]] = {}
+        for member_id, pool in self.draining.items():
+            if member_id not in live:
+                done.setdefault(pool, []).append(member_id)
+        for pool, member_ids in done.items():
+            # Forgotten right after their pool's patch, so a failure later in the round
+            # (another pool's patch) never patches this pool twice.
+            self._patch(pool, lambda current, n=len(member_ids): current - n, f"{len(member_ids)} replica(s) drained")
+            for member_id in member_ids:
+                del self.draining[member_id]
+                self._registry.clear_drain("scheduler", member_id)
+
+    def apply(self, decision: Decision, replicas: list[Replica], counts: dict[str, int]) -> None:
+        for pool, target in decision.replicas.items():
+            current = counts[pool]
+            if target > current:
+                self._patch(pool, lambda spec, more=target - current: spec + more, f"{current} -> {target}")
+            elif target < current:
+                self._scale_down(pool, current - target, [r for r in replicas if r.pool == pool
+                                                          and r.member.id not in self.draining])
+
+    def _scale_down(self, pool: str, fewer: int, serving: list[Replica]) -> None:
+        # Pods not registered yet (loading their model) serve nothing: they go first, by a
+        # patch alone (the controller removes pods that are not ready before ready ones).
+        loading = 0 if self._deployments is None else max(
+            0, self._deployments.replicas(self._names[pool]) - sum(1 for p in self.draining.values() if p == pool)
+            - len(serving))
+        unregistered = min(fewer, loading)
+        if unregistered:
+            self._patch(pool, lambda spec: spec - unregistered, f"{unregistered} replica(s) not yet serving")
+        for replica in sorted(serving, key=lambda r: (r.load, r.member.id))[:fewer - unregistered]:
+            logger.info("%s pool: %s replica %s (load %d) to drain", pool,
+                        "would ask" if self._deployments is None else "asking", replica.member.id, replica.load)
+            if self._deployments is not None:
+                self._registry.request_drain("scheduler", replica.member.id, self._drain_timeout_s,
+                                             ttl_s=self._drain_timeout_s + DRAIN_REQUEST_SLACK_S)
+                self.draining[replica.member.id] = pool
+
+    def _patch(self, pool: str, new_count, why: str) -> None:
+        name = self._names[pool]
+        if self._deployments is None:
+            logger.info("%s pool: would scale Deployment %s (%s)", pool, name, why)
+            return
+        current = self._deployments.replicas(name)
+        replicas = max(0, new_count(current))
+        logger.info("%s pool: scaling Deployment %s from %d to %d (%s)", pool, name, current, replicas, why)
+        self._deployments.scale(name, replicas)

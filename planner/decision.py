@@ -1,0 +1,235 @@
+"""How many replicas each pool should have: the planner's decision, as pure functions
+of what it observed (no I/O, no clock: the caller passes the time).
+
+Three pools: `prefill` (kv_producer replicas), `decode` (kv_consumer and kv_both) and
+`combined` (replicas without P/D, which compute their prompts and decode). A P/D fleet
+has the first two, a plain fleet the third.
+
+The rule is predictive, from each replica's measured capacity, as NVIDIA Dynamo's
+planner is, not a threshold on one queue-length number as KEDA's and the HPA's are:
+
+- prefill replicas = the prompt tokens per second to compute (the arrival rate, plus the
+  tokens already waiting, spread over one interval) / one replica's prefill tokens per
+  second at the TTFT target;
+- decode replicas = the sequences to decode at once (running plus waiting) / the
+  sequences one replica decodes within the ITL target;
+- combined replicas: the sum of the two fractions (one replica time-shares both).
+
+Each demand is extrapolated one interval ahead from its last change (new replicas take
+a while to load their model, so a rising load is met when it arrives), and divided by a
+utilization below 1 (headroom for bursts within an interval).
+
+Capacity is measured (a profile of one replica at the targets), then corrected by what
+the fleet shows, for one interval at a time: a pool that misses its latency target at a
+load per replica below its capacity gets, for this decision, that load as its capacity
+(at most half off): a reactive push on top of the predictive rule where the profile is
+too optimistic for today's workload. The correction never outlives the misses, and
+never raises the capacity above the profile: latencies are lagging and noisy signals (an
+ITL p90 is over the requests that ended, which began at a lighter load), and an
+estimate that ratcheted on them would drift off for good. (A first version did ratchet,
+both ways: on the simulator's day it sat at half the prefill capacity, over-provisioning
+that pool twice over; docs/planner.md has both runs.)
+
+Then bounds (min and max per pool), a cooldown after any change, and hysteresis on the
+way down: a pool scales down only to the highest count any decision asked for during
+the last `scale_down_window_s`, and only after `cooldown_s` since its last change, so a
+dip in the load does not remove a replica a minute before the load comes back.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+POOLS = ("prefill", "decode", "combined")
+# How far a miss can lower the capacity: a latency spike with another cause (a slow
+# node, a noisy neighbour) must not make the planner ask for many times the replicas.
+MAX_CAPACITY_DROP = 0.5
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """One replica's measured capacity (by profiling, e.g. benchmarks/planner_sim.py's
+    model, or a load test at the targets)."""
+
+    prefill_tokens_per_s: float  # prompt tokens per second computed, TTFT within its target
+    decode_sequences: float  # sequences decoded at once, ITL within its target
+
+    def __post_init__(self) -> None:
+        if self.prefill_tokens_per_s <= 0 or self.decode_sequences <= 0:
+            raise ValueError(f"capacities must be positive, got {self}")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    min: int
+    max: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min <= self.max:
+            raise ValueError(f"bounds need 0 <= min <= max, got min {self.min}, max {self.max}")
+
+    def clamp(self, count: int) -> int:
+        return max(self.min, min(self.max, count))
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    ttft_target_s: float
+    itl_target_s: float
+    capacity: Capacity
+    bounds: dict[str, Bounds]  # per pool the fleet has
+    interval_s: float = 30.0
+    # The share of a replica's capacity the rule plans to use.
+    utilization: float = 0.8
+    cooldown_s: float = 120.0  # after a change, no scale-down of that pool for this long
+    scale_down_window_s: float = 300.0  # scale down only to the highest count asked for over it
+
+    def __post_init__(self) -> None:
+        if self.ttft_target_s <= 0 or self.itl_target_s <= 0 or self.interval_s <= 0:
+            raise ValueError("the targets and the interval must be positive")
+        if not 0 < self.utilization <= 1:
+            raise ValueError(f"utilization must be in (0, 1], got {self.utilization}")
+        unknown = set(self.bounds) - set(POOLS)
+        if unknown:
+            raise ValueError(f"unknown pools {sorted(unknown)}; pools are {', '.join(POOLS)}")
+
+
+@dataclass(frozen=True)
+class PoolObservation:
+    replicas: int  # the pool's count: its Deployment's, less the replicas draining
+    running: int  # sequences running on its serving replicas
+    waiting: int  # requests queued on them
+    serving: int | None = None  # replicas up and registered (None: all of them); the others still load
+
+    @property
+    def up(self) -> int:
+        return self.replicas if self.serving is None else self.serving
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the fleet showed over the last interval. A p90 is None when no request gave one."""
+
+    ttft_p90_s: float | None
+    itl_p90_s: float | None
+    request_rate: float  # requests per second arriving
+    prompt_tokens_rate: float  # prompt tokens per second to compute (cache hits excluded where known)
+    pools: dict[str, PoolObservation]
+
+    @property
+    def mean_prompt_tokens(self) -> float:
+        return self.prompt_tokens_rate / self.request_rate if self.request_rate > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    at_s: float
+    replicas: dict[str, int]  # the count each pool should have
+    wanted: dict[str, int]  # what the rule asked for, before the cooldown and hysteresis
+    capacity: Capacity  # the estimate the rule used
+    reasons: dict[str, str]  # one line per pool, for the log
+
+
+@dataclass
+class PlannerState:
+    """What the planner remembers between decisions."""
+
+    capacity: Capacity  # the one the last decision used
+    last_change_s: dict[str, float] = field(default_factory=dict)
+    # (time, count asked for) per pool, over the scale-down window
+    asked: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
+    previous: Observation | None = None
+
+
+def _trend(now: float, before: float | None) -> float:
+    """`now` extrapolated one interval ahead from its last change; never below `now`'s
+    own value when the load falls (scale-down waits for the fall to be seen)."""
+    if before is None:
+        return now
+    return max(now, 2 * now - before)
+
+
+def corrected_capacity(config: PlannerConfig, seen: Observation) -> Capacity:
+    """This interval's capacity: the profile's, lowered where a target was missed at a
+    lower load per replica."""
+    prefill = config.capacity.prefill_tokens_per_s
+    decode = config.capacity.decode_sequences
+    prefill_pool = seen.pools.get("prefill")
+    decode_pool = seen.pools.get("decode")
+    # A combined replica time-shares both kinds of work: its load per kind understates how
+    # busy it is, so its misses say little about either capacity alone.
+    if prefill_pool and prefill_pool.up and seen.ttft_p90_s is not None and seen.ttft_p90_s > config.ttft_target_s:
+        prefill = _lowered(prefill, seen.prompt_tokens_rate / prefill_pool.up)
+    if decode_pool and decode_pool.up and seen.itl_p90_s is not None and seen.itl_p90_s > config.itl_target_s:
+        decode = _lowered(decode, decode_pool.running / decode_pool.up)
+    return Capacity(prefill, decode)
+
+
+def _lowered(capacity: float, load: float) -> float:
+    return max(capacity * MAX_CAPACITY_DROP, min(capacity, load))
+
+
+def wanted_replicas(config: PlannerConfig, capacity: Capacity, seen: Observation, before: Observation | None
+                    ) -> dict[str, tuple[int, str]]:
+    """The predictive rule: per pool, (replicas, why)."""
+    interval = config.interval_s
+    tokens_rate = _trend(seen.prompt_tokens_rate, before.prompt_tokens_rate if before else None)
+    wanted: dict[str, tuple[int, str]] = {}
+
+    def prefill_share(pool: PoolObservation) -> tuple[float, str]:
+        # The tokens already queued must be computed within one interval, beside the new ones.
+        backlog = pool.waiting * seen.mean_prompt_tokens / interval
+        share = (tokens_rate + backlog) / capacity.prefill_tokens_per_s
+        return share, f"{tokens_rate:.0f}+{backlog:.0f} prompt tok/s over {capacity.prefill_tokens_per_s:.0f}"
+
+    def decode_share(pool: PoolObservation, previous: PoolObservation | None) -> tuple[float, str]:
+        sequences = pool.running + pool.waiting
+        sequences = _trend(sequences, previous.running + previous.waiting if previous else None)
+        return sequences / capacity.decode_sequences, f"{sequences:.0f} seqs over {capacity.decode_sequences:.1f}"
+
+    for name, pool in seen.pools.items():
+        previous = before.pools.get(name) if before else None
+        if name == "prefill":
+            share, why = prefill_share(pool)
+        elif name == "decode":
+            share, why = decode_share(pool, previous)
+        else:
+            prefill, why_prefill = prefill_share(pool)
+            decode, why_decode = decode_share(pool, previous)
+            share, why = prefill + decode, f"{why_prefill}; {why_decode}"
+        wanted[name] = (math.ceil(share / config.utilization - 1e-9), why)
+    return wanted
+
+
+def decide(config: PlannerConfig, state: PlannerState, seen: Observation, now_s: float) -> Decision:
+    """One decision: updates `state` and returns the count each pool should have."""
+    state.capacity = corrected_capacity(config, seen)
+    wanted = wanted_replicas(config, state.capacity, seen, state.previous)
+    replicas, asked, reasons = {}, {}, {}
+    for name, (count, why) in wanted.items():
+        bounds = config.bounds.get(name, Bounds(0, max(count, seen.pools[name].replicas)))
+        count = bounds.clamp(count)
+        asked[name] = count
+        history = state.asked.setdefault(name, deque())
+        history.append((now_s, count))
+        while history and history[0][0] < now_s - config.scale_down_window_s:
+            history.popleft()
+        current = seen.pools[name].replicas
+        # The planner's start counts as a change: one that restarts removes nothing before
+        # it has watched the pool for a cooldown.
+        state.last_change_s.setdefault(name, now_s)
+        target = count
+        if count < current:
+            # Hysteresis: down only to the highest count asked for over the window, and
+            # not within the cooldown of the last change.
+            target = min(current, max(c for _, c in history))
+            if now_s - state.last_change_s[name] < config.cooldown_s:
+                target = current
+        target = bounds.clamp(target)
+        if target != current:
+            state.last_change_s[name] = now_s
+        replicas[name] = target
+        reasons[name] = f"{why} -> {count} wanted, {current} now, {target} decided"
+    state.previous = seen
+    return Decision(now_s, replicas, asked, replace(state.capacity), reasons)

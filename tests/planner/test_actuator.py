@@ -1,0 +1,142 @@
+"""The planner's actions against a fake Kubernetes API server (tests/planner/fake_kube.py),
+through the official client, with a real Redis registry: the exact requests it sends.
+Scale-up patches the Deployment's scale at once; scale-down first asks the least loaded
+replica to drain and patches only once it has left the registry."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from planner.actuator import Actuator
+from planner.decision import Capacity, Decision
+from planner.fleet import Replica, pool_of
+from planner.kube import Deployments
+from services.histogram_counts import HistogramCounts
+from services.messages import EngineStats
+from services.registry import Member, Registry
+
+from fake_kube import SCALE_PATH, Call, FakeKubeApi
+from servers import REPO, RoleProcess, redis_url  # noqa: F401  (fixtures)
+
+NAMESPACE = "serving"
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def scale(name: str) -> str:
+    return SCALE_PATH.format(namespace=NAMESPACE, name=name)
+
+
+def stats(running: int) -> EngineStats:
+    return EngineStats(running, 0, 0.0, 0, 100, 0, 0, HistogramCounts((0,), 0.0), None)
+
+
+def decision(**replicas: int) -> Decision:
+    return Decision(0.0, replicas, replicas, Capacity(1, 1), {})
+
+
+@pytest.fixture
+def api(tmp_path):
+    server = FakeKubeApi({(NAMESPACE, "kvfleet-prefill"): 1, (NAMESPACE, "kvfleet-replica"): 2})
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def registry(redis_url):
+    registry = Registry(redis_url)
+    yield registry
+    registry._redis.flushdb()
+    registry.close()
+
+
+def test_scale_up_patches_the_deployments_scale(api, registry, tmp_path):
+    deployments = Deployments(NAMESPACE, api.kubeconfig(tmp_path))
+    actuator = Actuator(registry, deployments, {"prefill": "kvfleet-prefill", "decode": "kvfleet-replica"}, 60.0)
+    counts = actuator.counts([], {})
+    actuator.apply(decision(prefill=3, decode=2), [], counts)
+    assert api.calls == [
+        Call("GET", scale("kvfleet-prefill"), None, None), Call("GET", scale("kvfleet-replica"), None, None),
+        Call("GET", scale("kvfleet-prefill"), None, None),
+        Call("PATCH", scale("kvfleet-prefill"), MERGE_PATCH, {"spec": {"replicas": 3}}),
+    ]
+    assert api.replicas[(NAMESPACE, "kvfleet-prefill")] == 3
+
+
+def test_scale_down_drains_the_least_loaded_replica_before_any_patch(api, registry, tmp_path):
+    deployments = Deployments(NAMESPACE, api.kubeconfig(tmp_path))
+    actuator = Actuator(registry, deployments, {"decode": "kvfleet-replica"}, 60.0)
+    busy, idle = (Member("scheduler", name, f"10.0.0.{i}:50052", {"kv_role": "kv_consumer"})
+                  for i, name in enumerate(("busy", "idle")))
+    for member in (busy, idle):
+        registry.put(member, ttl_s=30)
+    replicas = [Replica(busy, "decode", stats(5)), Replica(idle, "decode", stats(1))]
+    members = registry.members("scheduler")
+    counts = actuator.counts(members, {m.id: pool_of(m) for m in members})
+    assert counts == {"decode": 2}
+    actuator.apply(decision(decode=1), replicas, counts)
+    # Asked to drain; the Deployment is only read, not patched.
+    assert registry.drain_requested(idle) == 60.0 and registry.drain_requested(busy) is None
+    assert all(call.method == "GET" for call in api.calls)
+    assert actuator.counts(members, {}) == {"decode": 1}  # counted gone already: no second victim
+    actuator.settle_drains(registry.members("scheduler"))
+    assert all(call.method == "GET" for call in api.calls)  # still draining: still registered
+    registry.remove(idle)  # what the drained scheduler does (scheduler_svc/drain_request.py)
+    api.calls.clear()
+    actuator.settle_drains(registry.members("scheduler"))
+    assert api.calls == [Call("GET", scale("kvfleet-replica"), None, None),
+                         Call("PATCH", scale("kvfleet-replica"), MERGE_PATCH, {"spec": {"replicas": 1}})]
+    assert registry.drain_requested(idle) is None and actuator.draining == {}
+
+
+def test_the_planner_command_scales_a_pool_of_pods_that_never_registered(api, redis_url, tmp_path):
+    # Three combined pods, none of them serving (none in the registry), no load, no
+    # cooldown: the command scales the Deployment to its minimum by a patch alone,
+    # nothing to drain.
+    api.replicas[(NAMESPACE, "kvfleet-replica")] = 3
+    planner = RoleProcess("planner", "--redis-url", redis_url, "--kubeconfig", api.kubeconfig(tmp_path),
+                          "--namespace", NAMESPACE, "--combined-deployment", "kvfleet-replica",
+                          "--combined-min-replicas", "1", "--interval", "1", "--cooldown", "0", "--ttft-target-ms", "500",
+                          "--itl-target-ms", "50", "--prefill-tokens-per-s", "4000", "--decode-sequences", "32")
+    try:
+        deadline = time.monotonic() + 30
+        while api.replicas[(NAMESPACE, "kvfleet-replica")] != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert Call("PATCH", scale("kvfleet-replica"), MERGE_PATCH, {"spec": {"replicas": 1}}) in api.calls, \
+            planner.log_tail()
+        assert [c for c in api.calls if c.method == "PATCH"] == [
+            Call("PATCH", scale("kvfleet-replica"), MERGE_PATCH, {"spec": {"replicas": 1}})]
+    finally:
+        planner.kill()
+
+
+def test_the_planner_command_rides_out_a_registry_that_is_away(api, tmp_path):
+    # Nothing listens on that port: each round fails, says why, and the process goes on.
+    planner = RoleProcess("planner", "--redis-url", "redis://127.0.0.1:9/0", "--kubeconfig", api.kubeconfig(tmp_path),
+                          "--namespace", NAMESPACE, "--combined-deployment", "kvfleet-replica", "--interval", "1",
+                          "--ttft-target-ms", "500", "--itl-target-ms", "50", "--prefill-tokens-per-s", "4000",
+                          "--decode-sequences", "32")
+    try:
+        deadline = time.monotonic() + 30
+        while not any("this round failed" in line for line in planner.log) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # a process that the failure ends is gone by now
+        assert planner.process.poll() is None, planner.log_tail()
+        assert api.calls == []
+    finally:
+        planner.kill()
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "name at least one pool's Deployment"),
+    (["--decode-deployment", "d", "--decode-min-replicas", "5", "--decode-max-replicas", "2"],
+     "bounds need 0 <= min <= max, got min 5, max 2"),
+])
+def test_settings_that_cannot_work_are_one_line_and_exit_2(flags, message):
+    done = subprocess.run([sys.executable, "-m", "kvfleet.cli", "planner", "--redis-url", "redis://127.0.0.1:9/0",
+                           "--ttft-target-ms", "500", "--itl-target-ms", "50", "--prefill-tokens-per-s", "4000",
+                           "--decode-sequences", "32", *flags], cwd=REPO, capture_output=True, text=True, timeout=60)
+    (line,) = done.stderr.splitlines()
+    assert done.returncode == 2 and line.startswith(f"kvfleet planner: error: {message}"), done.stderr

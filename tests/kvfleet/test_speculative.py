@@ -1,4 +1,4 @@
-"""Speculative decoding with the ngram, suffix and draft_model methods (docs/speculative.md)
+"""Speculative decoding with the ngram, suffix, draft_model, eagle and eagle3 methods (docs/speculative.md)
 against the same model without it: greedy tokens identical whatever the batch, suffix decoding drafting
 from past outputs, stops landing inside an accepted
 run truncate it, the prefix cache holds only accepted tokens, requests speculation cannot
@@ -19,6 +19,7 @@ from kvfleet import LLM, SamplingParams
 from services.config import ConfigError
 from services.model_source import resolve_model
 from services.telemetry import EngineStatsCollector
+from worker_svc.formats.model_config import ModelConfig
 from worker_svc.model.weights import load_weights
 
 from conftest import assert_no_leaks
@@ -44,7 +45,7 @@ def spec_llm() -> LLM:
 @pytest.fixture(autouse=True)
 def _no_leaks(request: pytest.FixtureRequest):
     yield
-    for engine in ("spec_llm", "suffix_llm", "draft_llm"):
+    for engine in ("spec_llm", "suffix_llm", "draft_llm", "eagle_llm", "eagle3_llm"):
         if engine in request.fixturenames:
             assert_no_leaks(request.getfixturevalue(engine))
 
@@ -94,6 +95,68 @@ def draft_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
                speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
 
 
+def _eagle_head(directory: Path, method: str, config: ModelConfig, weights: dict[str, torch.Tensor]) -> Path:
+    """An EAGLE (or EAGLE-3) head for the default model in vLLM's checkpoint format. No trained
+    head exists here: its attention and MLP weights are random, with their output projections
+    zeroed, and fc passes the target's hidden state through (EAGLE: its last one; EAGLE-3: the
+    input of its last layer), so the head drafts the target's own prediction at the row before
+    the newest token (that token itself), then repeats it: drafts accepted on repetitive text
+    only, and the plumbing of hidden states, positions and KV is checked exactly. The EAGLE-3
+    head has its own LM head (the target's embedding) over a draft vocabulary without 1000
+    tokens, mapped back by d2t."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    width, inputs, layer = (2 * hidden, 3, "midlayer.") if method == "eagle3" else (hidden, 2, "layers.0.")
+    random = torch.Generator().manual_seed(0)
+    tensors = {f"{layer}{name}": torch.randn(*shape, generator=random) * 0.02 for name, shape in [
+        ("self_attn.q_proj.weight", (q, width)), ("self_attn.k_proj.weight", (kv, width)),
+        ("self_attn.v_proj.weight", (kv, width)), ("mlp.gate_proj.weight", (inter, hidden)),
+        ("mlp.up_proj.weight", (inter, hidden))]}
+    tensors |= {f"{layer}self_attn.o_proj.weight": torch.zeros(hidden, q),
+                f"{layer}mlp.down_proj.weight": torch.zeros(hidden, inter),
+                f"{layer}post_attention_layernorm.weight": torch.ones(hidden),
+                "fc.weight": torch.cat([torch.zeros(hidden, (inputs - 1) * hidden), torch.eye(hidden)], dim=1)}
+    head_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+                   "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": config.num_attention_heads,
+                   "num_key_value_heads": config.num_key_value_heads, "rms_norm_eps": config.rms_norm_eps,
+                   "vocab_size": config.vocab_size, "max_position_embeddings": 2048}
+    if method == "eagle3":
+        kept = torch.cat([torch.arange(0, 20000), torch.arange(21000, config.vocab_size)])
+        tensors |= {f"{layer}input_layernorm.weight": torch.ones(hidden), f"{layer}hidden_norm.weight": torch.ones(hidden),
+                    "norm.weight": weights["model.norm.weight"],
+                    "lm_head.weight": weights["model.embed_tokens.weight"][kept],
+                    "d2t": kept - torch.arange(len(kept)), "t2d": torch.zeros(config.vocab_size, dtype=torch.bool)}
+        head_config |= {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": len(kept),
+                        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, config.num_hidden_layers - 1]}}
+    save_file({name: t.to(torch.float16) if t.is_floating_point() else t for name, t in tensors.items()},
+              directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(head_config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def eagle_heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    config, weights = load_weights(resolve_model("smollm2"), torch.float32)
+    return {method: _eagle_head(tmp_path_factory.mktemp(method), method, config, weights)
+            for method in ("eagle", "eagle3")}
+
+
+def _eagle_llm(method: str, heads: dict[str, Path]) -> LLM:
+    # The draft_llm's pool: the mixed batch below preempts.
+    return LLM("smollm2", dtype="float32", num_gpu_blocks_override=16, max_model_len=256,
+               speculative_config={"method": method, "model": str(heads[method]), "num_speculative_tokens": 3})
+
+
+@pytest.fixture(scope="module")
+def eagle_llm(eagle_heads) -> LLM:
+    return _eagle_llm("eagle", eagle_heads)
+
+
+@pytest.fixture(scope="module")
+def eagle3_llm(eagle_heads) -> LLM:
+    return _eagle_llm("eagle3", eagle_heads)
+
+
 @pytest.fixture(scope="module")
 def mixed_batch(llm) -> tuple[list, list[SamplingParams], list[list[int]]]:
     """Prompts, their params and the plain model's tokens: a batch too large for the
@@ -127,6 +190,54 @@ def test_greedy_tokens_are_identical_in_a_mixed_batch(engine, mixed_batch, reque
         assert accepted >= 8 and rejected >= 16, (accepted, rejected)
     else:
         assert accepted >= 16, accepted
+
+
+# Greedy output repeats its newest token here, which the test heads draft.
+REPEATS = "Write the letter a forty times: aaaaaaaaaaaaaaaa"
+
+
+def test_eagle_greedy_tokens_are_identical_in_a_mixed_batch(llm, mixed_batch, eagle_llm):
+    """An EAGLE head fed by the target's hidden states in the same worker: greedy tokens
+    identical beside sampled, seeded and penalized requests, with preemption; its drafts both
+    accepted (on repeated letters) and rejected."""
+    spec = eagle_llm
+    prompts, params, plain = ([items[i] for i in (0, 1, 4, 5)] for items in mixed_batch)
+    repeats = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts, params, plain = [*prompts, REPEATS], [*params, repeats], [*plain, *_tokens(llm, [REPEATS], repeats)]
+    scheduler = spec.engine.scheduler
+    counts, preemptions_before = scheduler.spec_decoding, scheduler.num_preemptions
+    accepted_before, drafted_before = counts.num_accepted_tokens, counts.num_draft_tokens
+    assert _tokens(spec, prompts, params) == plain
+    assert scheduler.num_preemptions > preemptions_before
+    accepted = counts.num_accepted_tokens - accepted_before
+    rejected = counts.num_draft_tokens - drafted_before - accepted
+    assert accepted >= 8 and rejected >= 8, (accepted, rejected)
+
+
+@pytest.mark.parametrize("engine", ["eagle_llm", "eagle3_llm"])
+def test_an_eagle_head_drafts_from_the_targets_hidden_states(engine, llm, request):
+    """The EAGLE test head passes the target's last hidden state through the target's LM head:
+    its first draft is the target's prediction at the row before the newest token, which is
+    that token. Another row, a state before the final norm or a wrong shift would draft
+    others. The EAGLE-3 head reads the last layer's input, which predicts the newest token
+    often, not always, through its own LM head over a draft vocabulary: d2t maps its drafts
+    back, never into the 1000 tokens it lacks. Both heads repeat their first draft from their
+    own hidden state (their layer's output projections are zero). The tokens are the plain ones."""
+    spec = request.getfixturevalue(engine)
+    scheduler = spec.engine.scheduler
+    spec.engine.add_request("probe", spec.get_tokenizer().encode(REPEATS),
+                            SamplingParams(temperature=0.0, max_tokens=24))
+    newest = drafted = 0
+    output = []
+    while spec.engine.has_work:
+        output += [token for delta in spec.engine.step() for token in delta.new_token_ids]
+        for running in scheduler.running:
+            drafts = running.draft_token_ids
+            assert drafts == drafts[:1] * len(drafts) and not any(20000 <= t < 21000 for t in drafts), drafts
+            drafted += bool(drafts)
+            newest += drafts[:1] == [running.all_token_ids[-1]]
+    assert output == _tokens(llm, [REPEATS], SamplingParams(temperature=0.0, max_tokens=24))[0]
+    assert drafted >= 6 and (newest == drafted if engine == "eagle_llm" else newest >= 3), (drafted, newest)
 
 
 def test_suffix_drafts_from_past_outputs(llm, suffix_llm):
@@ -244,7 +355,12 @@ def test_sampled_requests_run_and_counters_are_vllms(spec_llm):
 
 
 @pytest.mark.parametrize(("config", "engine_args", "message"), [
-    ({"method": "eagle", "num_speculative_tokens": 2}, {}, "method 'eagle': kvfleet implements ngram, suffix, draft_model"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, {},
+     "method 'medusa': kvfleet implements ngram, suffix, draft_model, eagle, eagle3 only"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, {}, "method 'eagle' needs \"model\": the directory of an EAGLE head"),
+    ({"method": "mtp", "num_speculative_tokens": 1}, {}, "the Llama and Qwen2 models kvfleet serves have none"),
+    ({"method": "eagle3", "model": "/no/such/head", "num_speculative_tokens": 2}, {},
+     "model '/no/such/head': no config.json there"),
     ({"method": "ngram"}, {}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 2, "eagle_head": "x"}, {}, "eagle_head: not supported"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, {},
@@ -261,4 +377,16 @@ def test_sampled_requests_run_and_counters_are_vllms(spec_llm):
 def test_a_config_that_cannot_work_is_refused_before_loading(config, engine_args, message):
     with pytest.raises(ConfigError, match="--speculative-config") as refused:
         LLM("smollm2", speculative_config=config, **engine_args)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("method", "head", "message"), [
+    ("eagle", "eagle3", "fc.weight is 576x1728; an eagle head for a target of hidden size 576 has 576x1152: it is an "
+                        "EAGLE-3 head (use method 'eagle3')"),
+    ("eagle3", "eagle", "it is an EAGLE head (use method 'eagle')"),
+])
+def test_an_eagle_head_that_does_not_fit_is_refused_before_loading(method, head, message, eagle_heads):
+    with pytest.raises(ConfigError, match="--speculative-config model") as refused:
+        LLM("smollm2", speculative_config={"method": method, "model": str(eagle_heads[head]),
+                                           "num_speculative_tokens": 2})
     assert message in str(refused.value) and "\n" not in str(refused.value)

@@ -21,12 +21,15 @@ if TYPE_CHECKING:
     from worker_svc.runtime.sampling.grammar import Grammars
 
 
-def constrain_drafts(spec_requests: list[tuple[str, list[int]]], states: list[RequestState],
-                     logits: torch.Tensor, vocab_size: int) -> tuple[list[tuple[str, list[int]]], torch.Tensor, torch.Tensor]:
+Drafts = list[tuple[str, list[int]]]  # per request given drafts: its id and its drafts
+
+
+def constrain_drafts(spec_requests: Drafts, states: list[RequestState], logits: torch.Tensor,
+                     vocab_size: int) -> tuple[Drafts, torch.Tensor, torch.Tensor]:
     """The drafts each grammar allows, and the rows of their positions: raw (for logprobs)
     and masked by each position's grammar state (to verify). Requests without a grammar
     keep their drafts and rows."""
-    kept_requests, rows, masked_rows, masks = [], [], [], []
+    kept_requests, rows, masks = [], [], []
     first_row = 0
     for (request_id, drafts), state in zip(spec_requests, states):
         grammar = state.grammar

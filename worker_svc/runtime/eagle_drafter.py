@@ -74,19 +74,21 @@ class EagleDrafter:
         plan, inputs, features = self._step
         self._step = None
         next_ids: list[int] = []  # per row: the token after its position
+        step_ids = inputs.input_ids.tolist()
         ids, first_rows, rows, positions, counts = [], [], [], [], []
         for (request_id, count), start in zip(plan.num_scheduled_tokens.items(), inputs.row_starts):
             state = requests[request_id]
-            sampled = emitted.get(request_id, [])
-            known = state.token_ids + sampled
-            computed = state.num_computed_tokens
-            following = known[computed + 1: computed + 1 + count]
+            sampled, tokens = emitted.get(request_id, []), state.token_ids
+            computed, end = state.num_computed_tokens, state.num_computed_tokens + 1 + count
+            following = tokens[computed + 1 : end]
+            if end > len(tokens):  # the tokens this step emitted follow the ones the worker holds
+                following += sampled[max(0, computed + 1 - len(tokens)) : end - len(tokens)]
             # Rows past the newest token (rejected drafts) take their own token: written again next step.
-            next_ids += following + inputs.input_ids[start + len(following): start + count].tolist()
+            next_ids += following + step_ids[start + len(following) : start + count]
             state.draft_token_ids = state.draft_probs = None
             if not sampled or not can_speculate(state.sampling_params):
                 continue
-            newest = len(known) - 1
+            newest = len(tokens) + len(sampled) - 1
             if (drafts := draft_count(self.k, state, newest, batch)) > 0:
                 ids.append(request_id)
                 first_rows.append(start + newest - 1 - computed)

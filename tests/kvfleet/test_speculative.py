@@ -143,9 +143,9 @@ def eagle_heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _eagle_llm(method: str, heads: dict[str, Path]) -> LLM:
-    # The draft_llm's pool: the mixed batch below preempts; and a small token budget: the
-    # prompts are prefilled in chunks, whose rows the head runs over too.
-    return LLM("smollm2", dtype="float32", num_gpu_blocks_override=16, max_model_len=256, max_num_batched_tokens=64,
+    # The draft_llm's pool: the mixed batch below preempts; and a token budget below its
+    # prompts' sum: a step's last prompt is prefilled in chunks, whose rows the head runs over too.
+    return LLM("smollm2", dtype="float32", num_gpu_blocks_override=16, max_model_len=256, max_num_batched_tokens=96,
                speculative_config={"method": method, "model": str(heads[method]), "num_speculative_tokens": 3})
 
 

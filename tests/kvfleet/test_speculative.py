@@ -96,6 +96,10 @@ def draft_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
                speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
 
 
+# The EAGLE-3 test head's draft vocabulary (real heads keep the target's most used tokens).
+DRAFT_VOCAB = [*range(100), *range(150, 8000), *range(46000, 47000)]
+
+
 def _eagle_head(directory: Path, method: str, config: ModelConfig, weights: dict[str, torch.Tensor]) -> Path:
     """An EAGLE (or EAGLE-3) head for the default model in vLLM's checkpoint format. No trained
     head exists here: its attention and MLP weights are random, with their output projections
@@ -103,8 +107,8 @@ def _eagle_head(directory: Path, method: str, config: ModelConfig, weights: dict
     input of its last layer), so the head drafts the target's own prediction at the row before
     the newest token (that token itself), then repeats it: drafts accepted on repetitive text
     only, and the plumbing of hidden states, positions and KV is checked exactly. The EAGLE-3
-    head has its own LM head (the target's embedding) over a draft vocabulary without 1000
-    tokens, mapped back by d2t."""
+    head has its own LM head (the target's embedding rows) over a draft vocabulary of 8950
+    tokens (DRAFT_VOCAB), mapped back by d2t."""
     hidden, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     width, inputs, layer = (2 * hidden, 3, "midlayer.") if method == "eagle3" else (hidden, 2, "layers.0.")
@@ -122,7 +126,7 @@ def _eagle_head(directory: Path, method: str, config: ModelConfig, weights: dict
                    "num_key_value_heads": config.num_key_value_heads, "rms_norm_eps": config.rms_norm_eps,
                    "vocab_size": config.vocab_size, "max_position_embeddings": 2048}
     if method == "eagle3":
-        kept = torch.cat([torch.arange(0, 20000), torch.arange(21000, config.vocab_size)])
+        kept = torch.tensor(DRAFT_VOCAB)
         tensors |= {f"{layer}input_layernorm.weight": torch.ones(hidden), f"{layer}hidden_norm.weight": torch.ones(hidden),
                     "norm.weight": weights["model.norm.weight"],
                     "lm_head.weight": weights["model.embed_tokens.weight"][kept],
@@ -198,48 +202,62 @@ def test_greedy_tokens_are_identical_in_a_mixed_batch(engine, mixed_batch, reque
 REPEATS = "Write the letter a forty times: aaaaaaaaaaaaaaaa"
 
 
+def _watching_drafts(spec: LLM, prompts: list,
+                     params: list[SamplingParams]) -> tuple[list[list[int]], int, int, set[int]]:
+    """The requests' tokens, stepping the engine; after each step, every running request's
+    drafts for the next are checked: the test heads repeat their first draft (their layer's
+    output projections are zero). Also: how many requests' steps got drafts, how many of
+    those first drafts were the request's newest token, and every token drafted."""
+    engine, tokenizer = spec.engine, spec.get_tokenizer()
+    outputs: dict[str, list[int]] = {f"watched-{i}": [] for i in range(len(prompts))}
+    for request_id, prompt, param in zip(outputs, prompts, params):
+        engine.add_request(request_id, tokenizer.encode(prompt) if isinstance(prompt, str) else prompt, param)
+    drafted = newest = 0
+    tokens: set[int] = set()
+    while engine.has_work:
+        for delta in engine.step():
+            outputs[delta.request_id] += delta.new_token_ids
+        for running in engine.scheduler.running:
+            drafts = running.draft_token_ids
+            assert drafts == drafts[:1] * len(drafts), drafts
+            drafted += bool(drafts)
+            newest += drafts[:1] == [running.all_token_ids[-1]]
+            tokens.update(drafts)
+    return list(outputs.values()), drafted, newest, tokens
+
+
 def test_eagle_greedy_tokens_are_identical_in_a_mixed_batch(llm, mixed_batch, eagle_llm):
     """An EAGLE head fed by the target's hidden states in the same worker: greedy tokens
-    identical beside sampled, seeded and penalized requests, with preemption; its drafts both
-    accepted (on repeated letters) and rejected."""
-    spec = eagle_llm
+    identical beside sampled, seeded and penalized requests, with preemption and chunked
+    prefill; its drafts both accepted (on repeated letters) and rejected. The test head
+    passes the target's last hidden state through the target's LM head: its first draft is
+    the target's prediction at the row before the newest token, which is that token, every
+    time. Another row, a state before the final norm or a wrong shift would draft others."""
     prompts, params, plain = ([items[i] for i in (0, 1, 4, 5)] for items in mixed_batch)
     repeats = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts, params, plain = [*prompts, REPEATS], [*params, repeats], [*plain, *_tokens(llm, [REPEATS], repeats)]
-    scheduler = spec.engine.scheduler
+    scheduler = eagle_llm.engine.scheduler
     counts, preemptions_before = scheduler.spec_decoding, scheduler.num_preemptions
     accepted_before, drafted_before = counts.num_accepted_tokens, counts.num_draft_tokens
-    assert _tokens(spec, prompts, params) == plain
+    outputs, drafted, newest, _ = _watching_drafts(eagle_llm, prompts, params)
+    assert outputs == plain
     assert scheduler.num_preemptions > preemptions_before
+    assert drafted >= 12 and newest == drafted, (drafted, newest)
     accepted = counts.num_accepted_tokens - accepted_before
     rejected = counts.num_draft_tokens - drafted_before - accepted
     assert accepted >= 8 and rejected >= 8, (accepted, rejected)
 
 
-@pytest.mark.parametrize("engine", ["eagle_llm", "eagle3_llm"])
-def test_an_eagle_head_drafts_from_the_targets_hidden_states(engine, llm, request):
-    """The EAGLE test head passes the target's last hidden state through the target's LM head:
-    its first draft is the target's prediction at the row before the newest token, which is
-    that token. Another row, a state before the final norm or a wrong shift would draft
-    others. The EAGLE-3 head reads the last layer's input, which predicts the newest token
-    often, not always, through its own LM head over a draft vocabulary: d2t maps its drafts
-    back, never into the 1000 tokens it lacks. Both heads repeat their first draft from their
-    own hidden state (their layer's output projections are zero). The tokens are the plain ones."""
-    spec = request.getfixturevalue(engine)
-    scheduler = spec.engine.scheduler
-    spec.engine.add_request("probe", spec.get_tokenizer().encode(REPEATS),
-                            SamplingParams(temperature=0.0, max_tokens=24))
-    newest = drafted = 0
-    output = []
-    while spec.engine.has_work:
-        output += [token for delta in spec.engine.step() for token in delta.new_token_ids]
-        for running in scheduler.running:
-            drafts = running.draft_token_ids
-            assert drafts == drafts[:1] * len(drafts) and not any(20000 <= t < 21000 for t in drafts), drafts
-            drafted += bool(drafts)
-            newest += drafts[:1] == [running.all_token_ids[-1]]
-    assert output == _tokens(llm, [REPEATS], SamplingParams(temperature=0.0, max_tokens=24))[0]
-    assert drafted >= 6 and (newest == drafted if engine == "eagle_llm" else newest >= 3), (drafted, newest)
+def test_an_eagle3_head_drafts_from_three_layers_through_its_draft_vocabulary(llm, eagle3_llm):
+    """The EAGLE-3 test head reads the target's layers 2, 15 and 29 (their inputs) and passes
+    the last through its own LM head over a draft vocabulary, which d2t maps back: its first
+    draft, the prediction of the last layer's input, is often the newest token (ids from 150
+    up sit 50 places lower in the draft vocabulary: a d2t ignored would never draft it), not
+    always, and never a token its vocabulary lacks. The tokens are the plain ones."""
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    outputs, drafted, newest, tokens = _watching_drafts(eagle3_llm, [REPEATS], [params])
+    assert outputs == _tokens(llm, [REPEATS], params)
+    assert drafted >= 6 and newest >= 3 and tokens <= set(DRAFT_VOCAB), (drafted, newest, tokens)
 
 
 def test_structured_outputs_check_each_draft_against_the_grammar(llm, spec_llm):

@@ -121,3 +121,6 @@ class EagleHeadModel(nn.Module):
         if missing or unexpected:
             raise ValueError(f"the {self.head.method} head's weights do not fit: missing {missing}, "
                              f"unexpected {unexpected}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()

@@ -35,7 +35,7 @@ from services.messages import (
 )
 from services.metric_buckets import ITERATION_TOKENS
 from services.pooling_params import PoolerConfig
-from services.speculative_config import SpeculativeConfig, can_speculate
+from services.speculative_config import WORKER_METHODS, SpeculativeConfig, can_speculate
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class Scheduler:
         self.pooling_budget = PoolingBudget()
         self._pooling_left: int | None = None
         self._lookahead = config.speculative.num_speculative_tokens if (
-            config.speculative is not None and config.speculative.method == "draft_model") else 0
+            config.speculative is not None and config.speculative.method in WORKER_METHODS) else 0
         self._step_ids = itertools.count()
         # Ended or preempted since the last plan; the next plan tells the worker.
         self._dropped_ids: list[str] = []

@@ -1,6 +1,7 @@
 """The scheduler's draft proposer for the configured speculative method
 (docs/speculative.md): `ngram` (prompt lookup), `suffix` (suffix decoding), or
-`draft_model`, whose drafts the worker's draft model made in the step before."""
+`draft_model`, `eagle` and `eagle3`, whose drafts the worker's draft model or EAGLE head
+made in the step before."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -8,7 +9,7 @@ from typing import Protocol
 from scheduler_svc.ngram_proposer import propose_ngram
 from scheduler_svc.request import Request
 from scheduler_svc.suffix_proposer import SuffixProposer
-from services.speculative_config import SpeculativeConfig
+from services.speculative_config import WORKER_METHODS, SpeculativeConfig
 
 
 class Proposer(Protocol):
@@ -31,7 +32,8 @@ class NgramProposer:
 
 
 class DraftModelProposer:
-    """The draft model's tokens from the request's last result (worker_svc/runtime/draft_model.py)."""
+    """The draft model's or EAGLE head's tokens from the request's last result
+    (worker_svc/runtime/draft_model.py, worker_svc/runtime/eagle_drafter.py)."""
 
     def propose(self, request: Request, k: int) -> list[int]:
         drafts, request.draft_token_ids = request.draft_token_ids[:k], []
@@ -42,6 +44,6 @@ class DraftModelProposer:
 
 
 def make_proposer(spec: SpeculativeConfig) -> Proposer:
-    if spec.method == "draft_model":
+    if spec.method in WORKER_METHODS:
         return DraftModelProposer()
     return SuffixProposer(spec) if spec.method == "suffix" else NgramProposer(spec)

@@ -71,8 +71,9 @@ _ENGINE_HELP = {
     "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} drafts tokens from the request's own "
                           "prompt and output, {\"method\": \"suffix\"} from suffix trees over it and past "
-                          "outputs, {\"method\": \"draft_model\", \"model\": ...} from a smaller model; the model "
-                          "verifies them in one step (ngram, suffix and draft_model, for now)",
+                          "outputs, {\"method\": \"draft_model\", \"model\": ...} from a smaller model, "
+                          "{\"method\": \"eagle\" or \"eagle3\", \"model\": ...} from an EAGLE head fed by the "
+                          "model's hidden states; the model verifies them in one step",
     "kv_transfer_config": "prefill/decode disaggregation, vLLM's JSON: {\"kv_connector\": \"KvfleetConnector\", "
                           "\"kv_role\": \"kv_producer\"} (a prefill replica), kv_consumer (a decode replica) or "
                           "kv_both; optional kv_ip (the host other workers dial for this worker's blocks) and "

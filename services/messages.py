@@ -142,8 +142,8 @@ class StepResult(msgspec.Struct, **_HOT):
     kv_sent_done: list[str] = []
     # Pooling requests whose prompt this step finished: their pooled vector (docs/pooling.md).
     pooled: dict[str, list[float]] = {}
-    # Speculative decoding's draft_model method: per request that sampled, the draft
-    # model's tokens to follow them, for the scheduler to verify in the next step.
+    # Speculative decoding's draft_model, eagle and eagle3 methods: per request that sampled,
+    # the draft model's (or EAGLE head's) tokens to follow them, for the scheduler to verify in the next step.
     draft_token_ids: dict[str, list[int]] = {}
 
 

@@ -3,8 +3,9 @@ tokens for the target model to verify, checked before anything loads.
 
 The `ngram` (prompt lookup) and `suffix` (suffix decoding) methods draft from tokens the
 scheduler holds, so they need no model; `draft_model` drafts with a smaller model (`model`,
-same tokenizer) that the worker runs beside the target. Other methods and keys are refused
-by name.
+same tokenizer) that the worker runs beside the target, and `eagle` / `eagle3` with an
+EAGLE head (`model`, in the checkpoint format vLLM loads) fed by the target's hidden
+states. Other methods (`mtp`) and keys are refused by name.
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ class SpeculativeConfigError(ValueError):
     """What is wrong with a speculative config, in one line (services.config wraps it)."""
 
 
-METHODS = ("ngram", "suffix", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
+# Methods whose drafts a model in the worker makes (`model`), one step ahead of their verification.
+WORKER_METHODS = ("draft_model", "eagle", "eagle3")
 DRAFT_KEYS = ("model", "quantization", "draft_tensor_parallel_size")
 SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
@@ -67,9 +70,13 @@ def parse_speculative_config(value: str | dict) -> SpeculativeConfig:
     if unknown:
         raise SpeculativeConfigError(f"{', '.join(unknown)}: not supported; kvfleet takes {', '.join(KEYS)}")
     method = value.get("method")
+    if method == "mtp":
+        # vLLM refuses it for a target without MTP layers; no architecture kvfleet serves has them.
+        raise SpeculativeConfigError("method 'mtp' drafts with the target's own multi-token-prediction layers "
+                                     "(DeepSeek-V3, MiMo, Qwen3-Next, GLM-4.5 checkpoints); the Llama and Qwen2 "
+                                     "models kvfleet serves have none: use eagle, eagle3, draft_model, ngram or suffix")
     if method not in METHODS:
-        raise SpeculativeConfigError(f"method {method!r}: kvfleet implements {', '.join(METHODS)} only; "
-                                     "eagle, eagle3 and mtp are not supported yet")
+        raise SpeculativeConfigError(f"method {method!r}: kvfleet implements {', '.join(METHODS)} only")
     depth = _positive(value, "suffix_decoding_max_tree_depth", 24)
     # vLLM's default for suffix decoding: as many drafts as the tree is deep.
     num = _positive(value, "num_speculative_tokens", depth if method == "suffix" else None)
@@ -101,6 +108,9 @@ def _draft_keys(value: dict, method: str) -> tuple[str | None, str | None]:
     model, quantization = value.get("model"), value.get("quantization")
     if method == "draft_model" and not isinstance(model, str):
         raise SpeculativeConfigError("method 'draft_model' needs \"model\": the draft model (same tokenizer)")
+    if method in ("eagle", "eagle3") and not isinstance(model, str):
+        raise SpeculativeConfigError(f"method {method!r} needs \"model\": the directory of an {method.upper()} head "
+                                     "for the target (config.json and safetensors weights)")
     if quantization not in (None, "none", "gguf"):
         raise SpeculativeConfigError(f"quantization {quantization!r}: the draft's weights run as \"gguf\" "
                                      "(4-bit as stored) or \"none\" (dequantized)")
@@ -111,10 +121,12 @@ def _draft_keys(value: dict, method: str) -> tuple[str | None, str | None]:
 
 def can_speculate(params: SamplingParams) -> bool:
     """Whether a request may be given drafts: its next token must depend on the model's
-    logits at that position alone (no logits processors, grammar or per-position seed
-    noise), or speculation could change its output."""
-    return not (params.reads_output_tokens or params.logit_bias or params.allowed_token_ids
-                or params.seed is not None)
+    logits at that position alone (no logits processors or per-position seed noise), or
+    speculation could change its output. A grammar may: the worker checks each draft
+    against it and masks each verified position (worker_svc/runtime/sampling/spec_grammar.py)."""
+    return not (params.repetition_penalty != 1 or params.frequency_penalty or params.presence_penalty
+                or params.bad_words_token_ids or params.min_tokens or params.logit_bias
+                or params.allowed_token_ids or params.seed is not None)
 
 
 def _positive(value: dict, key: str, default: int | None) -> int:

@@ -109,8 +109,9 @@ REFUSED = {
     "chat-template": (["--chat-template", "no-such-file"], "'no-such-file' is neither a file nor a template"),
     "generation-config": (["--generation-config", "/no/such/dir"], "--generation-config /no/such/dir: no "
                           "generation_config.json there"),
-    "speculative-method": (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
-                           "--speculative-config: method 'eagle': kvfleet implements ngram"),
+    "speculative-method": (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
+                           "--speculative-config: method 'mtp' drafts with the target's own multi-token-prediction "
+                           "layers"),
     "kv-transfer-serve": (["--kv-transfer-config", '{"kv_connector": "KvfleetConnector", "kv_role": "kv_both"}'],
                           "--kv-transfer-config: prefill/decode disaggregation needs replicas of the cluster's roles"),
     "speculative-async": (["-sc", '{"method": "ngram", "num_speculative_tokens": 2}', "--async-scheduling"],

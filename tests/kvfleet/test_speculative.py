@@ -1,4 +1,4 @@
-"""Speculative decoding with the ngram, suffix and draft_model methods (docs/speculative.md)
+"""Speculative decoding with the ngram, suffix, draft_model, eagle and eagle3 methods (docs/speculative.md)
 against the same model without it: greedy tokens identical whatever the batch, suffix decoding drafting
 from past outputs, stops landing inside an accepted
 run truncate it, the prefix cache holds only accepted tokens, requests speculation cannot
@@ -7,6 +7,7 @@ refused before loading."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from safetensors.torch import save_file
 
 from gateway.cluster.fleet_stats import total
-from kvfleet import LLM, SamplingParams
+from kvfleet import LLM, SamplingParams, StructuredOutputsParams
 from services.config import ConfigError
 from services.model_source import resolve_model
 from services.telemetry import EngineStatsCollector
+from worker_svc.formats.model_config import ModelConfig
 from worker_svc.model.weights import load_weights
 
 from conftest import assert_no_leaks
@@ -44,7 +46,7 @@ def spec_llm() -> LLM:
 @pytest.fixture(autouse=True)
 def _no_leaks(request: pytest.FixtureRequest):
     yield
-    for engine in ("spec_llm", "suffix_llm", "draft_llm"):
+    for engine in ("spec_llm", "suffix_llm", "draft_llm", "eagle_llm", "eagle3_llm"):
         if engine in request.fixturenames:
             assert_no_leaks(request.getfixturevalue(engine))
 
@@ -94,6 +96,73 @@ def draft_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
                speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
 
 
+# The EAGLE-3 test head's draft vocabulary (real heads keep the target's most used tokens).
+DRAFT_VOCAB = [*range(100), *range(150, 8000), *range(46000, 47000)]
+
+
+def _eagle_head(directory: Path, method: str, config: ModelConfig, weights: dict[str, torch.Tensor]) -> Path:
+    """An EAGLE (or EAGLE-3) head for the default model in vLLM's checkpoint format. No trained
+    head exists here: its attention and MLP weights are random, with their output projections
+    zeroed, and fc passes the target's hidden state through (EAGLE: its last one; EAGLE-3: the
+    input of its last layer), so the head drafts the target's own prediction at the row before
+    the newest token (that token itself), then repeats it: drafts accepted on repetitive text
+    only, and the plumbing of hidden states, positions and KV is checked exactly. The EAGLE-3
+    head has its own LM head (the target's embedding rows) over a draft vocabulary of 8950
+    tokens (DRAFT_VOCAB), mapped back by d2t."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    width, inputs, layer = (2 * hidden, 3, "midlayer.") if method == "eagle3" else (hidden, 2, "layers.0.")
+    random = torch.Generator().manual_seed(0)
+    tensors = {f"{layer}{name}": torch.randn(*shape, generator=random) * 0.02 for name, shape in [
+        ("self_attn.q_proj.weight", (q, width)), ("self_attn.k_proj.weight", (kv, width)),
+        ("self_attn.v_proj.weight", (kv, width)), ("mlp.gate_proj.weight", (inter, hidden)),
+        ("mlp.up_proj.weight", (inter, hidden))]}
+    tensors |= {f"{layer}self_attn.o_proj.weight": torch.zeros(hidden, q),
+                f"{layer}mlp.down_proj.weight": torch.zeros(hidden, inter),
+                f"{layer}post_attention_layernorm.weight": torch.ones(hidden),
+                "fc.weight": torch.cat([torch.zeros(hidden, (inputs - 1) * hidden), torch.eye(hidden)], dim=1)}
+    head_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+                   "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": config.num_attention_heads,
+                   "num_key_value_heads": config.num_key_value_heads, "rms_norm_eps": config.rms_norm_eps,
+                   "vocab_size": config.vocab_size, "max_position_embeddings": 2048}
+    if method == "eagle3":
+        kept = torch.tensor(DRAFT_VOCAB)
+        tensors |= {f"{layer}input_layernorm.weight": torch.ones(hidden), f"{layer}hidden_norm.weight": torch.ones(hidden),
+                    "norm.weight": weights["model.norm.weight"],
+                    "lm_head.weight": weights["model.embed_tokens.weight"][kept],
+                    "d2t": kept - torch.arange(len(kept)), "t2d": torch.zeros(config.vocab_size, dtype=torch.bool)}
+        head_config |= {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": len(kept),
+                        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, config.num_hidden_layers - 1]}}
+    save_file({name: t.to(torch.float16) if t.is_floating_point() else t for name, t in tensors.items()},
+              directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(head_config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def eagle_heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    config, weights = load_weights(resolve_model("smollm2"), torch.float32)
+    return {method: _eagle_head(tmp_path_factory.mktemp(method), method, config, weights)
+            for method in ("eagle", "eagle3")}
+
+
+def _eagle_llm(method: str, heads: dict[str, Path]) -> LLM:
+    # The draft_llm's pool: the mixed batch below preempts; and a token budget below its
+    # prompts' sum: a step's last prompt is prefilled in chunks, whose rows the head runs over too.
+    return LLM("smollm2", dtype="float32", num_gpu_blocks_override=16, max_model_len=256, max_num_batched_tokens=96,
+               speculative_config={"method": method, "model": str(heads[method]), "num_speculative_tokens": 3})
+
+
+@pytest.fixture(scope="module")
+def eagle_llm(eagle_heads) -> LLM:
+    return _eagle_llm("eagle", eagle_heads)
+
+
+@pytest.fixture(scope="module")
+def eagle3_llm(eagle_heads) -> LLM:
+    return _eagle_llm("eagle3", eagle_heads)
+
+
 @pytest.fixture(scope="module")
 def mixed_batch(llm) -> tuple[list, list[SamplingParams], list[list[int]]]:
     """Prompts, their params and the plain model's tokens: a batch too large for the
@@ -127,6 +196,85 @@ def test_greedy_tokens_are_identical_in_a_mixed_batch(engine, mixed_batch, reque
         assert accepted >= 8 and rejected >= 16, (accepted, rejected)
     else:
         assert accepted >= 16, accepted
+
+
+# Greedy output repeats its newest token here, which the test heads draft.
+REPEATS = "Write the letter a forty times: aaaaaaaaaaaaaaaa"
+
+
+def _watching_drafts(spec: LLM, prompts: list,
+                     params: list[SamplingParams]) -> tuple[list[list[int]], int, int, set[int]]:
+    """The requests' tokens, stepping the engine; after each step, every running request's
+    drafts for the next are checked: the test heads repeat their first draft (their layer's
+    output projections are zero). Also: how many requests' steps got drafts, how many of
+    those first drafts were the request's newest token, and every token drafted."""
+    engine, tokenizer = spec.engine, spec.get_tokenizer()
+    outputs: dict[str, list[int]] = {f"watched-{i}": [] for i in range(len(prompts))}
+    for request_id, prompt, param in zip(outputs, prompts, params):
+        engine.add_request(request_id, tokenizer.encode(prompt) if isinstance(prompt, str) else prompt, param)
+    drafted = newest = 0
+    tokens: set[int] = set()
+    while engine.has_work:
+        for delta in engine.step():
+            outputs[delta.request_id] += delta.new_token_ids
+        for running in engine.scheduler.running:
+            drafts = running.draft_token_ids
+            assert drafts == drafts[:1] * len(drafts), drafts
+            drafted += bool(drafts)
+            newest += drafts[:1] == [running.all_token_ids[-1]]
+            tokens.update(drafts)
+    return list(outputs.values()), drafted, newest, tokens
+
+
+def test_eagle_greedy_tokens_are_identical_in_a_mixed_batch(llm, mixed_batch, eagle_llm):
+    """An EAGLE head fed by the target's hidden states in the same worker: greedy tokens
+    identical beside sampled, seeded and penalized requests, with preemption and chunked
+    prefill; its drafts both accepted (on repeated letters) and rejected. The test head
+    passes the target's last hidden state through the target's LM head: its first draft is
+    the target's prediction at the row before the newest token, which is that token, every
+    time. Another row, a state before the final norm or a wrong shift would draft others."""
+    prompts, params, plain = ([items[i] for i in (0, 1, 4, 5)] for items in mixed_batch)
+    repeats = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts, params, plain = [*prompts, REPEATS], [*params, repeats], [*plain, *_tokens(llm, [REPEATS], repeats)]
+    scheduler = eagle_llm.engine.scheduler
+    counts, preemptions_before = scheduler.spec_decoding, scheduler.num_preemptions
+    accepted_before, drafted_before = counts.num_accepted_tokens, counts.num_draft_tokens
+    outputs, drafted, newest, _ = _watching_drafts(eagle_llm, prompts, params)
+    assert outputs == plain
+    assert scheduler.num_preemptions > preemptions_before
+    assert drafted >= 12 and newest == drafted, (drafted, newest)
+    accepted = counts.num_accepted_tokens - accepted_before
+    rejected = counts.num_draft_tokens - drafted_before - accepted
+    assert accepted >= 8 and rejected >= 8, (accepted, rejected)
+
+
+def test_an_eagle3_head_drafts_from_three_layers_through_its_draft_vocabulary(llm, eagle3_llm):
+    """The EAGLE-3 test head reads the target's layers 2, 15 and 29 (their inputs) and passes
+    the last through its own LM head over a draft vocabulary, which d2t maps back: its first
+    draft, the prediction of the last layer's input, is often the newest token (ids from 150
+    up sit 50 places lower in the draft vocabulary: a d2t ignored would never draft it), not
+    always, and never a token its vocabulary lacks. The tokens are the plain ones."""
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    outputs, drafted, newest, tokens = _watching_drafts(eagle3_llm, [REPEATS], [params])
+    assert outputs == _tokens(llm, [REPEATS], params)
+    assert drafted >= 6 and newest >= 3 and tokens <= set(DRAFT_VOCAB), (drafted, newest, tokens)
+
+
+def test_structured_outputs_check_each_draft_against_the_grammar(llm, spec_llm):
+    """Prompt lookup drafts the code the prompt holds, which the regex (no digits) partly
+    forbids: each draft is checked against the grammar before it is verified, so the tokens
+    are the plain ones under the same grammar (an unchecked draft, `0` after `total = `, is
+    the model's argmax and would be accepted), a sampled request stays inside the regex, and
+    the allowed drafts are still accepted."""
+    code = r"(def|    )[a-z_ =\(\):\n+]+"  # a bounded repetition ({10,200}) took xgrammar 1.7 s to compile
+    params = [SamplingParams(temperature=temperature, max_tokens=32, structured_outputs=StructuredOutputsParams(regex=code))
+              for temperature in (0.0, 0.8)]
+    counts = spec_llm.engine.scheduler.spec_decoding
+    accepted_before = counts.num_accepted_tokens
+    greedy, sampled = spec_llm.generate([COPY, COPY], params, use_tqdm=False)
+    assert list(greedy.outputs[0].token_ids) == _tokens(llm, [COPY], params[0])[0]
+    assert re.fullmatch(r"(def|    )[a-z_ =\(\):\n+]*", sampled.outputs[0].text), sampled.outputs[0].text
+    assert counts.num_accepted_tokens - accepted_before >= 12
 
 
 def test_suffix_drafts_from_past_outputs(llm, suffix_llm):
@@ -244,7 +392,12 @@ def test_sampled_requests_run_and_counters_are_vllms(spec_llm):
 
 
 @pytest.mark.parametrize(("config", "engine_args", "message"), [
-    ({"method": "eagle", "num_speculative_tokens": 2}, {}, "method 'eagle': kvfleet implements ngram, suffix, draft_model"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, {},
+     "method 'medusa': kvfleet implements ngram, suffix, draft_model, eagle, eagle3 only"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, {}, "method 'eagle' needs \"model\": the directory of an EAGLE head"),
+    ({"method": "mtp", "num_speculative_tokens": 1}, {}, "the Llama and Qwen2 models kvfleet serves have none"),
+    ({"method": "eagle3", "model": "/no/such/head", "num_speculative_tokens": 2}, {},
+     "model '/no/such/head': no config.json there"),
     ({"method": "ngram"}, {}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 2, "eagle_head": "x"}, {}, "eagle_head: not supported"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, {},
@@ -261,4 +414,16 @@ def test_sampled_requests_run_and_counters_are_vllms(spec_llm):
 def test_a_config_that_cannot_work_is_refused_before_loading(config, engine_args, message):
     with pytest.raises(ConfigError, match="--speculative-config") as refused:
         LLM("smollm2", speculative_config=config, **engine_args)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("method", "head", "message"), [
+    ("eagle", "eagle3", "fc.weight is 576x1728; an eagle head for a target of hidden size 576 has 576x1152: it is an "
+                        "EAGLE-3 head (use method 'eagle3')"),
+    ("eagle3", "eagle", "it is an EAGLE head (use method 'eagle')"),
+])
+def test_an_eagle_head_that_does_not_fit_is_refused_before_loading(method, head, message, eagle_heads):
+    with pytest.raises(ConfigError, match="--speculative-config model") as refused:
+        LLM("smollm2", speculative_config={"method": method, "model": str(eagle_heads[head]),
+                                           "num_speculative_tokens": 2})
     assert message in str(refused.value) and "\n" not in str(refused.value)

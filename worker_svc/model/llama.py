@@ -141,6 +141,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # EAGLE-3 (worker_svc/runtime/eagle_drafter.py): the layers whose input hidden states each
+    # forward keeps in aux_hidden_states, for the head to draft from.
+    aux_hidden_state_layers: tuple[int, ...] = ()
+    aux_hidden_states: list[torch.Tensor] = []
+
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend, max_positions: int, device: torch.device,
         group: RankGroup, ops: Ops | None = None,
@@ -186,7 +191,10 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.group.receive_hidden(len(input_ids), self.config.hidden_size, self.dtype, positions.device)
         rope = self.ops.rope(self.rotary, positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        self.aux_hidden_states = []
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if index in self.aux_hidden_state_layers:
+                self.aux_hidden_states.append(hidden.clone() if residual is None else residual + hidden)
             hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
         # The last MLP's output joins the stream here, not in a fused final norm: compute_logits
         # norms only the rows that sample, and the next stage expects the whole hidden state.

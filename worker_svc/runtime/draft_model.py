@@ -22,6 +22,7 @@ import dataclasses
 import torch
 
 from services.config import EngineConfig
+from services.messages import StepPlan
 from services.model_source import resolve_model
 from services.speculative_config import can_speculate
 from worker_svc.attention.backend import BatchLayout
@@ -61,8 +62,9 @@ class DraftModel:
     def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         self.kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, kv_dtype, self.device)
 
-    def run(self, inputs: StepInputs) -> None:
-        """The step's tokens through the draft: its KV at their slots."""
+    def run(self, plan: StepPlan, inputs: StepInputs, hidden: torch.Tensor) -> None:
+        """The step's tokens through the draft: its KV at their slots (a draft model reads
+        the tokens only, not the plan's order or the target's hidden states an EAGLE head reads)."""
         self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.backend.build_metadata(inputs.layout))
 
     def propose(self, emitted: dict[str, list[int]], requests: dict[str, RequestState],
@@ -76,9 +78,7 @@ class DraftModel:
             if not can_speculate(state.sampling_params):
                 continue
             position = len(state.token_ids) + state.num_sampled_ahead - 1  # of its newest token
-            count = min(self.k, batch.num_blocks[state.row] * batch.block_size - position)
-            if (max_tokens := state.sampling_params.max_tokens) is not None:  # drafts past it would be cut
-                count = min(count, max_tokens - (position + 1 - state.num_prompt_tokens) - 1)
+            count = draft_count(self.k, state, position, batch)
             if count > 0:
                 ids.append(request_id)
                 rows.append(state.row)
@@ -91,7 +91,7 @@ class DraftModel:
             live = [i for i, count in enumerate(counts) if count > step]
             logits = self._decode([rows[i] for i in live], [tokens[i] for i in live],
                                   [starts[i] + step for i in live], batch)
-            new, probs = self._draw(logits, [requests[ids[i]] for i in live], [rows[i] for i in live], batch)
+            new, probs = draw_drafts(logits, [requests[ids[i]] for i in live], [rows[i] for i in live], batch)
             for j, (i, token) in enumerate(zip(live, new)):
                 drafts[ids[i]].append(token)
                 tokens[i] = token
@@ -104,34 +104,49 @@ class DraftModel:
                 state.draft_probs = torch.stack(proposals[request_id])
         return drafts
 
-    @staticmethod
-    def _draw(logits: torch.Tensor, states: list[RequestState], rows: list[int],
-              batch: InputBatch) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Each request's draft: the argmax when it is greedy, else a draw from q (its
-        sampling settings over the draft's logits), with q."""
-        tokens = logits.argmax(dim=-1)
-        sampled = [j for j, state in enumerate(states) if not state.sampling_params.greedy]
-        q: list[torch.Tensor | None] = [None] * len(states)
-        if sampled:
-            index = torch.tensor([rows[j] for j in sampled], device=logits.device)
-            settings = SamplingBatch.of([states[j].sampling_params for j in sampled], [None] * len(sampled),
-                                        (batch.temperature[index], batch.top_p[index], batch.top_k[index],
-                                         batch.min_p[index]))
-            probs = probabilities(logits[sampled], settings)
-            tokens[sampled] = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
-            for j, row in zip(sampled, probs):
-                q[j] = row
-        return tokens.tolist(), q
-
     def _decode(self, rows: list[int], tokens: list[int], positions: list[int], batch: InputBatch) -> torch.Tensor:
         """One token per request at `positions` through the draft: the logits of its next tokens."""
-        device, block_size = self.device, batch.block_size
-        position = torch.tensor(positions, dtype=torch.long, device=device)
-        block_tables = batch.block_table[torch.tensor(rows, device=device), : max(positions) // block_size + 1]
-        slots = (block_tables[torch.arange(len(rows), device=device), position // block_size].long() * block_size
-                 + position % block_size)
-        layout = BatchLayout(torch.ones(len(rows), dtype=torch.long, device=device), position + 1, block_tables,
-                             slots, block_size, 1)
-        hidden = self.model(torch.tensor(tokens, dtype=torch.long, device=device), position, self.kv_caches,
+        position, layout = decode_layout(rows, positions, batch)
+        hidden = self.model(torch.tensor(tokens, dtype=torch.long, device=self.device), position, self.kv_caches,
                             self.backend.build_metadata(layout))
         return self.model.compute_logits(hidden)
+
+
+def draw_drafts(logits: torch.Tensor, states: list[RequestState], rows: list[int],
+                batch: InputBatch) -> tuple[list[int], list[torch.Tensor | None]]:
+    """Each request's draft: the argmax when it is greedy, else a draw from q (its
+    sampling settings over the draft's logits), with q."""
+    tokens = logits.argmax(dim=-1)
+    sampled = [j for j, state in enumerate(states) if not state.sampling_params.greedy]
+    q: list[torch.Tensor | None] = [None] * len(states)
+    if sampled:
+        index = torch.tensor([rows[j] for j in sampled], device=logits.device)
+        settings = SamplingBatch.of([states[j].sampling_params for j in sampled], [None] * len(sampled),
+                                    (batch.temperature[index], batch.top_p[index], batch.top_k[index],
+                                     batch.min_p[index]))
+        probs = probabilities(logits[sampled], settings)
+        tokens[sampled] = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+        for j, row in zip(sampled, probs):
+            q[j] = row
+    return tokens.tolist(), q
+
+
+def draft_count(k: int, state: RequestState, position: int, batch: InputBatch) -> int:
+    """How many drafts may follow a request's newest token at `position`: at most k, as far
+    as its blocks reach (the scheduler's lookahead slots), never past its max_tokens."""
+    count = min(k, batch.num_blocks[state.row] * batch.block_size - position)
+    if (max_tokens := state.sampling_params.max_tokens) is not None:  # drafts past it would be cut
+        count = min(count, max_tokens - (position + 1 - state.num_prompt_tokens) - 1)
+    return count
+
+
+def decode_layout(rows: list[int], positions: list[int], batch: InputBatch) -> tuple[torch.Tensor, BatchLayout]:
+    """One token per request (its InputBatch row) at `positions`: the positions as a tensor
+    and the attention layout over the requests' blocks."""
+    device, block_size = batch.device, batch.block_size
+    position = torch.tensor(positions, dtype=torch.long, device=device)
+    block_tables = batch.block_table[torch.tensor(rows, device=device), : max(positions) // block_size + 1]
+    slots = (block_tables[torch.arange(len(rows), device=device), position // block_size].long() * block_size
+             + position % block_size)
+    return position, BatchLayout(torch.ones(len(rows), dtype=torch.long, device=device), position + 1,
+                                 block_tables, slots, block_size, 1)

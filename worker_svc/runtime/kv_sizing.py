@@ -17,6 +17,7 @@ from worker_svc.group.rank_group import RankGroup
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.runtime.batch import InputBatch, RequestState
 from worker_svc.runtime.draft_model import DraftModel
+from worker_svc.runtime.eagle_drafter import EagleDrafter
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block, check_fits_one_request
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,8 @@ class SizedWorker(Protocol):
     attention_backend: AttentionBackend
     model: LlamaForCausalLM
     group: RankGroup
-    drafter: DraftModel | None  # speculative decoding's draft model: its KV shares the target's block ids
+    # Speculative decoding's draft model or EAGLE head: its KV shares the target's block ids.
+    drafter: DraftModel | EagleDrafter | None
 
 
 def size_kv_cache(worker: SizedWorker) -> int:

@@ -13,6 +13,7 @@ from services.config import ConfigError, EngineConfig
 from services.generation_config import sampling_defaults
 from services.lora_modules import LoRAModulePath
 from services.model_source import ModelFormat, ModelSource, resolve_model, resolve_tokenizer
+from worker_svc.formats.eagle_head import read_eagle_head
 from worker_svc.formats.model_config import ModelConfig, read_model_config
 from worker_svc.formats.peft_adapter import LoraAdapterError, check_peft_adapter
 from worker_svc.formats.sentence_transformers import max_seq_length
@@ -59,6 +60,8 @@ def check_model(config: EngineConfig) -> CheckedModel:
         )
     if config.speculative is not None and config.speculative.method == "draft_model":
         check_draft(config.speculative.model, model_config)
+    if config.speculative is not None and config.speculative.method in ("eagle", "eagle3"):
+        read_eagle_head(config.speculative.model, config.speculative.method, model_config)
     return CheckedModel(source, model_config, max_model_len)
 
 

@@ -28,6 +28,7 @@ from worker_svc.runtime import kernel_choice
 from worker_svc.runtime.batch import InputBatch, RequestState
 from worker_svc.runtime.device import kv_cache_dtype, runs_q4_as_stored, torch_device, torch_dtype
 from worker_svc.runtime.draft_model import DraftModel
+from worker_svc.runtime.eagle_drafter import EagleDrafter
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
 from worker_svc.runtime.kv_sizing import size_kv_cache
 from worker_svc.runtime.kv_tiers import build_kv_transfer
@@ -87,9 +88,7 @@ class Worker:
         self.pooler = Pooler(self.pooler_config, final_norm, head) if self.pooler_config is not None else None
         self.scheduler_instance_id = ""  # whose requests those are
         self.last_step_at = time.monotonic()  # when a step last began or ended
-        spec = config.speculative
-        self.drafter = (DraftModel(config, self.device, self.dtype, self.max_model_len)
-                        if spec is not None and spec.method == "draft_model" else None)
+        self.drafter = self._drafter(config)
         if self.encoder:
             self._no_kv_cache()
         else:
@@ -114,6 +113,15 @@ class Worker:
                                     self.dtype, self.device, kernel_choice.uses_triton(config, self.device))
             self.model.attach_lora(self.lora.context)
 
+    def _drafter(self, config: EngineConfig) -> DraftModel | EagleDrafter | None:
+        """The model that drafts in this worker, for the speculative methods that have one."""
+        method = config.speculative.method if config.speculative is not None else None
+        if method == "draft_model":
+            return DraftModel(config, self.device, self.dtype, self.max_model_len)
+        if method in ("eagle", "eagle3"):
+            return EagleDrafter(config, self.model, self.device, self.dtype, self.max_model_len)
+        return None
+
     def _allocate_kv_cache(self, config: EngineConfig, group: RankGroup) -> None:
         # Block ids are the group's: every rank holds the same number, its own heads' and layers' share of each.
         self.num_blocks = group.minimum(size_kv_cache(self))
@@ -135,8 +143,9 @@ class Worker:
         one_rank = config.tensor_parallel_size * config.pipeline_parallel_size == 1
         self.kv_transfer, self.num_offload_blocks, self.kv_layout_key = (
             build_kv_transfer(self) if config.has_kv_connector or one_rank else (None, 0, ""))
+        # A replayed graph would not keep the layers' hidden states an EAGLE-3 head reads.
         self.graphs = kernel_choice.decode_graphs(config, self.device, group, self.model, self.attention_backend,
-                                            self.kv_caches, self.batch)
+                                            self.kv_caches, self.batch) if not self.model.aux_hidden_state_layers else None
 
     def _no_kv_cache(self) -> None:
         """An encoder's blocks hold nothing: they only count, for the scheduler, the tokens of
@@ -342,7 +351,7 @@ class Worker:
             metadata = self.attention_backend.build_metadata(inputs.layout)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
         if self.drafter is not None:
-            self.drafter.run(inputs)
+            self.drafter.run(plan, inputs, hidden)
         outcome: StepResult | Exception | None = None
         if shard.is_last_stage:
             # Every collective first (the last stage's ranks gather logits together), so a

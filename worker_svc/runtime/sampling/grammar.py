@@ -135,7 +135,7 @@ class Grammars:
 
     def request_grammar(self, params: StructuredOutputsParams, output_token_ids: list[int]) -> RequestGrammar:
         """The state of a request whose output so far is `output_token_ids` (none, unless it resumes)."""
-        grammar = RequestGrammar(xgr.GrammarMatcher(self.compile(params), max_rollback_tokens=0),
+        grammar = RequestGrammar(xgr.GrammarMatcher(self.compile(params)),
                                  tuple(params.reasoning_end_token_ids), [])
         for position, token in enumerate(output_token_ids):
             if grammar.waiting_for:

@@ -16,6 +16,7 @@ from worker_svc.runtime.batch import InputBatch, RequestState, StepInputs
 from worker_svc.runtime.sampling.logits_processors import LogitsAdjustments
 from worker_svc.runtime.sampling.rejection_sampler import verify
 from worker_svc.runtime.sampling.sampler import gather_logprobs, position_seed, sample
+from worker_svc.runtime.sampling.spec_grammar import advance, constrain_drafts
 
 if TYPE_CHECKING:
     from worker_svc.runtime.sampling.grammar import Grammars
@@ -78,8 +79,15 @@ class StepOutputs:
     def _verify(self, result: StepResult, spec_requests: list[tuple[str, list[int]]],
                 requests: dict[str, RequestState], logits: torch.Tensor) -> None:
         states = [requests[request_id] for request_id, _ in spec_requests]
-        emitted = verify(logits, [(s.sampling_params, drafts) for s, (_, drafts) in zip(states, spec_requests)],
+        checked = logits
+        if any(state.grammar is not None for state in states):
+            # Drafts the grammars refuse are dropped; the rest verified against masked logits.
+            spec_requests, logits, checked = constrain_drafts(spec_requests, states, logits,
+                                                              self.model_config.vocab_size)
+        emitted = verify(checked, [(s.sampling_params, drafts) for s, (_, drafts) in zip(states, spec_requests)],
                          [_proposal(state, drafts) for state, (_, drafts) in zip(states, spec_requests)])
+        if checked is not logits:
+            advance(self.grammars(), states, emitted)
         first_row = 0
         for (request_id, drafts), state, tokens in zip(spec_requests, states, emitted):
             result.sampled_token_ids[request_id] = tokens

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from services.json_flag import json_object
+
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTORS = ("KvfleetConnector", "NixlConnector")
 # vLLM's keys that mean nothing here (one process per rank, one transport): accepted, unused.
@@ -58,17 +60,8 @@ class KvTransferConfig:
 
 def parse_kv_transfer_config(value: str | dict) -> KvTransferConfig:
     """A JSON object (the flag's text) or a dict (the SDK's) -> a checked KvTransferConfig."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise KvTransferConfigError(f"not JSON ({exc.msg} at character {exc.pos})") from exc
-    if not isinstance(value, dict):
-        raise KvTransferConfigError('give a JSON object, such as {"kv_connector": "KvfleetConnector", '
-                                    '"kv_role": "kv_producer"}')
-    unknown = sorted(set(value) - set(_KEYS))
-    if unknown:
-        raise KvTransferConfigError(f"{', '.join(unknown)}: not supported; kvfleet takes {', '.join(_KEYS)}")
+    value = json_object(value, _KEYS, '{"kv_connector": "KvfleetConnector", "kv_role": "kv_producer"}',
+                        KvTransferConfigError)
     connector = value.get("kv_connector")
     if connector not in CONNECTORS:
         raise KvTransferConfigError(f"kv_connector {connector!r}: kvfleet's connector is KvfleetConnector "

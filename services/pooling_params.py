@@ -7,11 +7,10 @@ vector instead of a token, and it ends there (docs/pooling.md).
 """
 from __future__ import annotations
 
-import json
-
 import msgspec
 
 from services.invalid_parameter import InvalidParameter
+from services.json_flag import json_object
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 POOLER_CONFIG_KEYS = ("pooling_type", "normalize", "dimensions")
@@ -49,17 +48,9 @@ class PoolerConfig(msgspec.Struct, frozen=True, omit_defaults=True):
     labels: tuple[str, ...] = ()
 
 
-def parse_pooler_config(text: str) -> dict:
+def parse_pooler_config(value: str | dict) -> dict:
     """--pooler-config's JSON as the PoolerConfig fields it sets; ValueError naming what is wrong."""
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError("must be a JSON object")
-    unknown = sorted(set(raw) - set(POOLER_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(f"unsupported keys {unknown}; kvfleet takes {', '.join(POOLER_CONFIG_KEYS)}")
+    raw = dict(json_object(value, POOLER_CONFIG_KEYS, '{"pooling_type": "MEAN", "normalize": true}', ValueError))
     if "pooling_type" in raw:
         raw["pooling_type"] = str(raw["pooling_type"]).upper()
         if raw["pooling_type"] not in POOLING_TYPES:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from services.json_flag import json_object
 from services.sampling_params import SamplingParams
 
 
@@ -59,16 +60,7 @@ class SpeculativeConfig:
 
 def parse_speculative_config(value: str | dict) -> SpeculativeConfig:
     """A JSON object (the flag's text) or a dict (the SDK's) -> a checked SpeculativeConfig."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise SpeculativeConfigError(f"not JSON ({exc.msg} at character {exc.pos})") from exc
-    if not isinstance(value, dict):
-        raise SpeculativeConfigError("give a JSON object, such as {\"method\": \"ngram\", \"num_speculative_tokens\": 4}")
-    unknown = sorted(set(value) - set(KEYS))
-    if unknown:
-        raise SpeculativeConfigError(f"{', '.join(unknown)}: not supported; kvfleet takes {', '.join(KEYS)}")
+    value = json_object(value, KEYS, '{"method": "ngram", "num_speculative_tokens": 4}', SpeculativeConfigError)
     method = value.get("method")
     if method == "mtp":
         # vLLM refuses it for a target without MTP layers; no architecture kvfleet serves has them.

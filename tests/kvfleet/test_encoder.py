@@ -180,7 +180,8 @@ def test_a_decoder_classifier_classifies_as_transformers(tmp_path):
 
 @pytest.mark.parametrize("engine_args, message", [
     ({"pooler_config": '{"pooling_type": "MAX"}'}, "--pooler-config: pooling_type 'MAX'"),
-    ({"pooler_config": '{"softmax": true}'}, "--pooler-config: unsupported keys ['softmax']"),
+    ({"pooler_config": '{"softmax": true}'},
+     "--pooler-config: softmax: not supported; kvfleet takes pooling_type, normalize, dimensions"),
     ({"convert": "classify"}, "has no sequence-classification head"),
     ({"convert": "embed", "runner": "generate"}, "use --runner pooling"),
     ({"model": MODEL, "runner": "generate"}, "is an encoder, it only pools"),

@@ -111,6 +111,9 @@ class EngineCore:
             if config.has_kv_connector else None,
             self._handoff(config, worker_address, described.kv_block_bytes),
         )
+        # The adapters add_lora loaded (runtime loads), by id: a replica lists them again in a
+        # registry that lost them (scheduler_svc/lora_announce.py).
+        self.loaded_loras: dict[int, LoRARequest] = {}
         # vllm:lora_requests_info's names, and the queues' versions they were taken at (_lora_stats).
         self._lora_versions: tuple[int, int] | None = None
         self._lora: LoraStats | None = None
@@ -183,8 +186,10 @@ class EngineCore:
         """Has the worker read and check the adapter, as compile_grammar: on the caller's
         thread, before the requests that name it. Raises ValueError naming what is wrong."""
         self.worker.add_lora(lora_request)
+        self.loaded_loras[lora_request.lora_int_id] = lora_request
 
     def remove_lora(self, lora_int_id: int) -> bool:
+        self.loaded_loras.pop(lora_int_id, None)
         return self.worker.remove_lora(lora_int_id)
 
     def _request(

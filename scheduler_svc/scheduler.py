@@ -19,6 +19,7 @@ from scheduler_svc.kv_connector import KvConnector
 from scheduler_svc.kv_handoff import PROMPT_TOKEN_SOURCES, KvHandoff, count_prompt_tokens
 from scheduler_svc.pooling_budget import PoolingBudget
 from scheduler_svc.request import FinishReason, Request, RequestStatus
+from scheduler_svc.request_checks import check_request, stop_reason
 from scheduler_svc.spec_decode_counts import SpecDecodingCounts
 from scheduler_svc.spec_gate import SpecGate
 from scheduler_svc.spec_proposer import make_proposer
@@ -110,7 +111,7 @@ class Scheduler:
         """Queue a request; `followers` are its parallel samples, forked from it once
         its prompt is computed, so the prompt's KV is computed and held once."""
         for candidate in (request, *followers):
-            self._validate(candidate)
+            check_request(candidate, self.config, in_use=candidate.request_id in self.requests)
         if followers and request.sampling_params.pooling is not None:  # a follower would pool its last token only
             raise InvalidParameter("n", "a pooling request has one result")
         self.requests[request.request_id] = request
@@ -119,46 +120,6 @@ class Scheduler:
             follower.status = RequestStatus.AWAITING_FORK
             self.requests[follower.request_id] = follower
         request.followers = list(followers)
-
-    def _validate(self, request: Request) -> None:
-        prompt_len = len(request.prompt_token_ids)
-        limit = self.config.max_model_len
-        if request.request_id in self.requests:
-            raise InvalidParameter("request_id", f"{request.request_id!r} is already in use")
-        if prompt_len == 0:
-            raise InvalidParameter("prompt", "The decoder prompt cannot be empty")  # vLLM's words
-        if prompt_len > limit:
-            raise InvalidParameter(
-                "prompt",
-                f"the prompt is {prompt_len} tokens long, more than the maximum model length of {limit}",
-            )
-        if request.sampling_params.pooling is not None and self.config.pooler is None:
-            raise InvalidParameter("pooling", "this model does not pool: serve it with --runner pooling "
-                                   "(or --convert embed, or a --pooler-config)")
-        if request.sampling_params.pooling is None and not self.config.generates:
-            raise InvalidParameter("prompt", "this model is served for pooling (--runner pooling): it generates no "
-                                   "text; ask /v1/embeddings")
-        resumed = len(request.output_token_ids)
-        max_tokens = request.sampling_params.max_tokens
-        if resumed and (prompt_len + resumed >= limit or (max_tokens is not None and resumed >= max_tokens)):
-            raise InvalidParameter("output_token_ids", f"{resumed} tokens resumed leave nothing to generate")
-        vocab = self.config.vocab_size
-        for param in ("logprobs", "prompt_logprobs"):
-            wanted = getattr(request.sampling_params, param)
-            if wanted is not None and wanted > vocab:
-                raise InvalidParameter(param, f"asks for {wanted} tokens, more than the vocabulary's {vocab}")
-        named = {"prompt": request.prompt_token_ids, "output_token_ids": request.output_token_ids,
-                 "logit_bias": list(request.sampling_params.logit_bias or {}),
-                 "allowed_token_ids": request.sampling_params.allowed_token_ids or [],
-                 "stop_token_ids": request.sampling_params.stop_token_ids}
-        for param, token_ids in named.items():
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad and param == "prompt":  # vLLM's words, which clients match on
-                raise InvalidParameter(param, f"Token id {max(bad)} is out of vocabulary (vocabulary size: {vocab})")
-            if bad:
-                raise InvalidParameter(
-                    param, f"token_id(s) {bad[:5]} in {param} contain out-of-vocab token ids. Vocabulary size: {vocab}"
-                )
 
     def abort_request(self, request_id: str) -> TokenDelta | None:
         request = self.requests.get(request_id)
@@ -683,7 +644,7 @@ class Scheduler:
         for token in sampled:
             request.output_token_ids.append(token)
             accepted.append(token)
-            reason = self._stop_reason(request, token)
+            reason = stop_reason(request, token, self.config.max_model_len)
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason)
@@ -742,21 +703,6 @@ class Scheduler:
             if save and self.connector is not None:
                 self.connector.computed(request.block_ids[index], hashes[index])
         request.num_cached_blocks = end
-
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        params = request.sampling_params
-        num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and token in request.eos_token_ids:
-                return FinishReason.STOP
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return FinishReason.STOP
-        if params.max_tokens is not None and num_output >= params.max_tokens:
-            return FinishReason.LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self._release_followers(request)

@@ -97,11 +97,7 @@ class DraftModel:
                 tokens[i] = token
                 if probs[j] is not None:
                     proposals[ids[i]].append(probs[j])
-        for request_id in ids:
-            state = requests[request_id]
-            state.draft_token_ids = drafts[request_id]
-            if proposals[request_id]:
-                state.draft_probs = torch.stack(proposals[request_id])
+        keep_drafts(requests, drafts, proposals)
         return drafts
 
     def _decode(self, rows: list[int], tokens: list[int], positions: list[int], batch: InputBatch) -> torch.Tensor:
@@ -129,6 +125,16 @@ def draw_drafts(logits: torch.Tensor, states: list[RequestState], rows: list[int
         for j, row in zip(sampled, probs):
             q[j] = row
     return tokens.tolist(), q
+
+
+def keep_drafts(requests: dict[str, RequestState], drafts: dict[str, list[int]],
+                proposals: dict[str, list[torch.Tensor]]) -> None:
+    """Each request's drafts, and the draws' distributions q where it samples, for verification."""
+    for request_id, tokens in drafts.items():
+        state = requests[request_id]
+        state.draft_token_ids = tokens
+        if proposals[request_id]:
+            state.draft_probs = torch.stack(proposals[request_id])
 
 
 def draft_count(k: int, state: RequestState, position: int, batch: InputBatch) -> int:

@@ -27,7 +27,7 @@ from worker_svc.model.eagle import EagleHeadModel
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.runtime import kernel_choice
 from worker_svc.runtime.batch import InputBatch, RequestState, StepInputs
-from worker_svc.runtime.draft_model import decode_layout, draft_count, draw_drafts
+from worker_svc.runtime.draft_model import decode_layout, draft_count, draw_drafts, keep_drafts
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block
 
 
@@ -117,11 +117,7 @@ class EagleDrafter:
             position, layout = decode_layout([rows[i] for i in live], [positions[i] + step for i in live], batch)
             hidden, out = self.model(self._embed(tokens), hidden[keep], position, self.kv_caches,
                                      self.backend.build_metadata(layout))
-        for request_id in ids:
-            state = requests[request_id]
-            state.draft_token_ids = drafts[request_id]
-            if proposals[request_id]:
-                state.draft_probs = torch.stack(proposals[request_id])
+        keep_drafts(requests, drafts, proposals)
         return drafts
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:

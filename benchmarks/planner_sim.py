@@ -153,6 +153,8 @@ class DecodeReplica:
     heap: list = field(default_factory=list)  # (steps at which it finishes, tie, request)
     draining: bool = False
     version: int = 0
+    generated: float = 0.0  # tokens generated so far, all its sequences together
+
 
     @property
     def size(self) -> int:
@@ -163,8 +165,13 @@ class DecodeReplica:
 
     def advance(self, now: float) -> None:
         if self.heap:
-            self.steps += (now - self.at) / self.step_s()
+            steps = (now - self.at) / self.step_s()
+            self.steps += steps
+            self.generated += steps * self.size
         self.at = now
+
+    def generated_by(self, now: float) -> float:
+        return self.generated + ((now - self.at) / self.step_s() * self.size if self.heap else 0.0)
 
     def next_end(self) -> float | None:
         if not self.heap:
@@ -188,6 +195,9 @@ class Fleet:
         self.window_itls: list[float] = []
         self.window_requests = 0
         self.window_prompt_tokens = 0
+        # vllm:generation_tokens_total: by the replicas removed, and at the last look
+        self.generated_gone = 0.0
+        self.generated_before = 0.0
 
     def push(self, at: float, kind: str, payload: object) -> None:
         self.order += 1
@@ -244,6 +254,7 @@ class Fleet:
         self.reschedule(replica)
         if replica.draining and not replica.heap:
             self.bill.pay(replica.added, self.now)
+            self.generated_gone += replica.generated
             self.decode.remove(replica)
         self.fill_slots()
 
@@ -264,14 +275,17 @@ class Fleet:
                     self.push(max(replica.free_at, self.now), "prefill-drained", replica)
                 elif not replica.heap:
                     self.bill.pay(replica.added, self.now)
+                    self.generated_gone += replica.generated
                     pool.remove(replica)
 
     def observe(self) -> dict:
         def p90(values: list[float]) -> float | None:
             return sorted(values)[int(0.9 * (len(values) - 1))] if values else None
 
+        generated = self.generated_gone + sum(r.generated_by(self.now) for r in self.decode)
         seen = {
             "ttft_p90": p90(self.window_ttfts), "itl_p90": p90(self.window_itls),
+            "generated_tokens": generated - self.generated_before,
             "requests": self.window_requests, "prompt_tokens": self.window_prompt_tokens,
             "prefill": PoolObservation(sum(1 for r in self.prefill if not r.draining), 0,
                                        sum(r.waiting(self.now) for r in self.prefill),
@@ -281,6 +295,7 @@ class Fleet:
                                       serving=sum(1 for r in self.decode if not r.draining and r.ready <= self.now)),
         }
         self.window_ttfts, self.window_itls = [], []
+        self.generated_before = generated
         self.window_requests = self.window_prompt_tokens = 0
         return seen
 
@@ -327,13 +342,14 @@ def planner_policy():
         ttft_target_s=TTFT_TARGET_S, itl_target_s=ITL_TARGET_S,
         capacity=Capacity(PREFILL_TOKENS_PER_S, DECODE_CAPACITY),
         bounds={"prefill": Bounds(1, MAX_REPLICAS), "decode": Bounds(1, MAX_REPLICAS)},
-        interval_s=PLANNER_INTERVAL_S)
+        interval_s=PLANNER_INTERVAL_S, startup_s=STARTUP_S)
     state = PlannerState(config.capacity)
 
     def policy(seen: dict, now: float) -> tuple[int, int]:
         observation = Observation(seen["ttft_p90"], seen["itl_p90"], seen["requests"] / PLANNER_INTERVAL_S,
                                   seen["prompt_tokens"] / PLANNER_INTERVAL_S,
-                                  {"prefill": seen["prefill"], "decode": seen["decode"]})
+                                  {"prefill": seen["prefill"], "decode": seen["decode"]},
+                                  generation_tokens_rate=seen["generated_tokens"] / PLANNER_INTERVAL_S)
         decision = decide(config, state, observation, now)
         return decision.replicas["prefill"], decision.replicas["decode"]
 

@@ -26,8 +26,10 @@ planner is, not a threshold on one queue-length number as KEDA's and the HPA's a
 Each demand is extrapolated from its trend to the end of the time a count decided now
 must hold: a new replica serves `startup_s` after it is asked for (it loads its model),
 and the next decision's replicas one interval later still, so the rule provisions for
-the load `startup_s` + one interval ahead. The trend is the change over the last
-`startup_s` (at least one interval: a longer base, less noise to extrapolate), and only
+the load `startup_s` + one interval ahead. The prompt tokens' trend is their change
+over the last `startup_s` (at least one interval: an arrival count is noisy, a longer
+base has less noise to extrapolate), the decoding's over the last interval (the
+sequences in flight are a level, smooth, and the first to show longer answers); only
 upward (scale-down waits for a fall to be seen). Then divided by a utilization below 1
 (headroom for bursts within an interval).
 
@@ -164,8 +166,10 @@ class PlannerState:
 
 @dataclass(frozen=True)
 class Trend:
-    """How far back the trend's base is, and how far ahead it is extrapolated."""
+    """A demand's change since `base`, an observation `base_s` before this one, carried
+    `ahead_s` further."""
 
+    base: Observation | None
     base_s: float
     ahead_s: float
 
@@ -209,11 +213,13 @@ def _lowered(capacity: float, load: float) -> float:
     return max(capacity * MAX_CAPACITY_DROP, min(capacity, load))
 
 
-def wanted_replicas(config: PlannerConfig, capacity: Capacity, seen: Observation, before: Observation | None,
-                    trend: Trend) -> dict[str, tuple[int, str]]:
-    """The predictive rule: per pool, (replicas, why). `before`: the trend's base."""
+def wanted_replicas(config: PlannerConfig, capacity: Capacity, seen: Observation, arrivals: Trend,
+                    in_flight: Trend) -> dict[str, tuple[int, str]]:
+    """The predictive rule: per pool, (replicas, why). The prompt tokens' trend is
+    `arrivals`, the decoding's `in_flight` (decide says why two)."""
     interval = config.interval_s
-    tokens_rate = trend(seen.prompt_tokens_rate, before.prompt_tokens_rate if before else None)
+    before = arrivals.base
+    tokens_rate = arrivals(seen.prompt_tokens_rate, before.prompt_tokens_rate if before else None)
     wanted: dict[str, tuple[int, str]] = {}
 
     def prefill_share(pool: PoolObservation) -> tuple[float, str]:
@@ -222,26 +228,27 @@ def wanted_replicas(config: PlannerConfig, capacity: Capacity, seen: Observation
         share = (tokens_rate + backlog) / capacity.prefill_tokens_per_s
         return share, f"{tokens_rate:.0f}+{backlog:.0f} prompt tok/s over {capacity.prefill_tokens_per_s:.0f}"
 
-    def decode_share(pool: PoolObservation, previous: PoolObservation | None) -> tuple[float, str]:
+    def decode_share(name: str, pool: PoolObservation) -> tuple[float, str]:
+        before = in_flight.base
+        previous = before.pools.get(name) if before else None
         rate = decode_tokens_rate(seen, pool)
         if rate is not None:
             rate_before = decode_tokens_rate(before, previous) if before and previous else None
-            rate = trend(rate, rate_before)
+            rate = in_flight(rate, rate_before)
             per_replica = capacity.decode_sequences / config.itl_target_s
             return rate / per_replica, f"{rate:.0f} gen tok/s over {per_replica:.0f}"
         sequences = pool.running + pool.waiting
-        sequences = trend(sequences, previous.running + previous.waiting if previous else None)
+        sequences = in_flight(sequences, previous.running + previous.waiting if previous else None)
         return sequences / capacity.decode_sequences, f"{sequences:.0f} seqs over {capacity.decode_sequences:.1f}"
 
     for name, pool in seen.pools.items():
-        previous = before.pools.get(name) if before else None
         if name == "prefill":
             share, why = prefill_share(pool)
         elif name == "decode":
-            share, why = decode_share(pool, previous)
+            share, why = decode_share(name, pool)
         else:
             prefill, why_prefill = prefill_share(pool)
-            decode, why_decode = decode_share(pool, previous)
+            decode, why_decode = decode_share(name, pool)
             share, why = prefill + decode, f"{why_prefill}; {why_decode}"
         wanted[name] = (math.ceil(share / config.utilization - 1e-9), why)
     return wanted
@@ -250,16 +257,25 @@ def wanted_replicas(config: PlannerConfig, capacity: Capacity, seen: Observation
 def decide(config: PlannerConfig, state: PlannerState, seen: Observation, now_s: float) -> Decision:
     """One decision: updates `state` and returns the count each pool should have."""
     state.capacity = corrected_capacity(config, seen)
-    # The trend's base: the newest observation at least startup_s old (or the oldest kept).
+    # Two trends, both carried startup_s + one interval ahead. The prompt tokens per
+    # second are arrivals counted over one interval, a sample as noisy as a Poisson
+    # count (1/sqrt(n) of it): their change over one interval, carried several intervals
+    # ahead, is mostly that noise, so their base is the newest observation at least
+    # startup_s old (the oldest kept, early on). The decoding is a level, the sequences in
+    # flight, each there for its whole answer (its rate sums every step of the interval):
+    # its change over the last interval is signal, and the first sign that answers grew.
     observed = state.seen
     while len(observed) > 1 and observed[1][0] <= now_s - config.startup_s:
         observed.popleft()
-    if observed:
-        base_at, before = observed[0]
-        trend = Trend(max(now_s - base_at, 1e-9), config.startup_s + config.interval_s)
-    else:
-        before, trend = None, Trend(config.interval_s, config.interval_s)
-    wanted = wanted_replicas(config, state.capacity, seen, before, trend)
+    ahead_s = config.startup_s + config.interval_s
+
+    def trend_since(at: float, base: Observation) -> Trend:
+        return Trend(base, max(now_s - at, 1e-9), ahead_s)
+
+    none = Trend(None, config.interval_s, ahead_s)
+    arrivals = trend_since(*observed[0]) if observed else none
+    in_flight = trend_since(*observed[-1]) if observed else none
+    wanted = wanted_replicas(config, state.capacity, seen, arrivals, in_flight)
     replicas, asked, reasons = {}, {}, {}
     for name, (count, why) in wanted.items():
         bounds = config.bounds.get(name, Bounds(0, max(count, seen.pools[name].replicas)))

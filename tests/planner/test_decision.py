@@ -71,15 +71,18 @@ def test_decode_demand_is_the_generation_rate_not_the_sequence_count():
     assert state.capacity.decode_sequences == 30
 
 
-def test_the_trend_provisions_one_startup_ahead_from_the_change_over_it():
-    # Prompt tokens rise 1000/s every 30 s; a replica takes 90 s to serve. At 90 s the
-    # trend over the last 90 s (4000 -> 7000) is carried 90 + 30 s ahead: 11000 tok/s,
-    # 3 replicas of 4000 (one interval ahead from the last change: 8000, 2).
-    for startup, expected in ((90.0, 3), (0.0, 2)):
+def test_the_trend_provisions_one_startup_ahead():
+    # A replica takes 90 s to serve: each demand is carried 90 + 30 s ahead. Prompt tokens
+    # rise 1000/s every 30 s: their trend is over the last 90 s (4000 -> 7000, noise
+    # averaged out): 11000 tok/s, 3 replicas of 4000 (one interval ahead from the last
+    # change: 8000, 2). The sequences in flight jump from 10 to 40 in the last interval:
+    # their trend is over that interval (the first sign of longer answers), 160 -> 5
+    # replicas of 32 (one interval ahead: 70 -> 3).
+    for startup, expected in ((90.0, {"prefill": 3, "decode": 5}), (0.0, {"prefill": 2, "decode": 3})):
         config_, state = config(startup_s=startup), PlannerState(CAPACITY)
-        for now, rate in ((0, 4_000), (30, 5_000), (60, 6_000), (90, 7_000)):
-            decision = decide(config_, state, seen(rate, (1, 0, 0), (1, 10, 0)), now_s=now)
-        assert decision.wanted["prefill"] == expected
+        for now, rate, sequences in ((0, 4_000, 10), (30, 5_000, 10), (60, 6_000, 10), (90, 7_000, 40)):
+            decision = decide(config_, state, seen(rate, (1, 0, 0), (1, sequences, 0)), now_s=now)
+        assert decision.wanted == expected
 
 
 def test_a_combined_pool_adds_both_shares():

@@ -22,9 +22,10 @@ A request meets the targets when its TTFT <= TTFT_TARGET_S and its ITL <= ITL_TA
 Policies:
 - planner: planner/decision.py's `decide` every PLANNER_INTERVAL_S on what a gateway
   and the replicas' Stats would show (TTFT p90 of the first tokens of the interval, the
-  p90 of the ITLs of requests that ended in it, rates, each pool's queue), with the
-  capacity a profile of one replica gives (PREFILL_TOKENS_PER_S; the sequences whose
-  step stays within the ITL target). Scale-down drains, as planner/actuator.py does.
+  p90 of the ITLs of requests that ended in it, rates, the tokens generated, as
+  vllm:generation_tokens_total counts them, each pool's queue), with the capacity a
+  profile of one replica gives (PREFILL_TOKENS_PER_S; the sequences whose step stays
+  within the ITL target), and STARTUP_S as its start-up time. Scale-down drains, as planner/actuator.py does.
 - keda: one ScaledObject per pool on its own vllm:num_requests_waiting (the chart's
   defaults: threshold 5, polled every 15 s), scaled as the HPA does (desired =
   ceil(waiting / threshold), at once up, down to the highest desired count of the last

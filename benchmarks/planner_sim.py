@@ -38,8 +38,10 @@ Policies:
   issue's bar is checked against each and against KEDA's rule (`bar` in the JSON).
 - reactive_bound (not a policy): the planner told when the afternoon begins; what no
   planner that reacts to what it sees can beat on this trace.
-Bounds for both autoscalers: 1 to MAX_REPLICAS per pool. Defined before any result was
-seen; the numbers are what they are.
+Bounds for both autoscalers: 1 to MAX_REPLICAS per pool. The workload, the targets, the
+cost model and the first fixed reference were defined before any result was seen and
+never changed; the highest-share fixed pair and the told-of-the-switch reference came
+after the first runs, each a harder comparison for the planner, not an easier one.
 """
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ class Actuator:
         self._names = names
         self._drain_timeout_s = drain_timeout_s
         self.draining: dict[str, str] = {}  # member id -> its pool, until its pool is scaled down
+        self._resumed = False
 
     def counts(self, members: list[Member], pool_of: dict[str, str]) -> dict[str, int]:
         """Each managed pool's replicas: its Deployment's count less those draining
@@ -42,8 +43,22 @@ class Actuator:
             return {pool: up[pool] for pool in self._names}
         return {pool: self._deployments.replicas(name) - draining[pool] for pool, name in self._names.items()}
 
+    def resume_drains(self) -> None:
+        """Once, at the first round that reaches Redis: takes up the drains a planner
+        before this one asked for (the request names its pool) and did not settle, so a
+        planner that restarts mid-drain still scales the pool down once they end."""
+        if self._resumed or self._deployments is None:  # a dry run asks for no drain, settles none
+            return
+        for member_id, pool in self._registry.drain_requests("scheduler").items():
+            if pool in self._names:
+                self.draining.setdefault(member_id, pool)
+        self._resumed = True
+        if self.draining:
+            logger.info("resuming the drains of %s", ", ".join(f"{m} ({p})" for m, p in sorted(self.draining.items())))
+
     def settle_drains(self, members: list[Member]) -> None:
         """Scales each pool down by its replicas that finished draining (left the registry)."""
+        self.resume_drains()
         live = {m.id for m in members}
         done: dict[str, list[str]] = {}
         for member_id, pool in self.draining.items():
@@ -80,7 +95,7 @@ class Actuator:
                         "would ask" if self._deployments is None else "asking", replica.member.id, replica.load)
             if self._deployments is not None:
                 self._registry.request_drain("scheduler", replica.member.id, self._drain_timeout_s,
-                                             ttl_s=self._drain_timeout_s + DRAIN_REQUEST_SLACK_S)
+                                             ttl_s=self._drain_timeout_s + DRAIN_REQUEST_SLACK_S, pool=pool)
                 self.draining[replica.member.id] = pool
 
     def _patch(self, pool: str, new_count, why: str) -> None:

@@ -11,13 +11,27 @@ planner is, not a threshold on one queue-length number as KEDA's and the HPA's a
 - prefill replicas = the prompt tokens per second to compute (the arrival rate, plus the
   tokens already waiting, spread over one interval) / one replica's prefill tokens per
   second at the TTFT target;
-- decode replicas = the sequences to decode at once (running plus waiting) / the
+- decode replicas = the tokens per second to generate / one replica's at the ITL
+  target. Where the fleet's generation rate is known (the gateways'
+  `vllm:generation_tokens_total`), the demand is that rate with the waiting sequences
+  added at the rate each running one steps; a replica that holds C sequences within the
+  ITL target generates C / target tokens a second (Little's law). Not the count of
+  sequences itself: that count grows as the steps slow (a sequence stays as many steps
+  as it has tokens), so at a light load per replica it understates what fewer replicas
+  would hold (on the simulator's afternoon, 150 fast sequences on 16 replicas asked for
+  3, where those 3 would hold 900 slow ones). Without the rate, the sequences / the
   sequences one replica decodes within the ITL target;
 - combined replicas: the sum of the two fractions (one replica time-shares both).
 
-Each demand is extrapolated one interval ahead from its last change (new replicas take
-a while to load their model, so a rising load is met when it arrives), and divided by a
-utilization below 1 (headroom for bursts within an interval).
+Each demand is extrapolated from its trend to the end of the time a count decided now
+must hold: a new replica serves `startup_s` after it is asked for (it loads its model),
+and the next decision's replicas one interval later still, so the rule provisions for
+the load `startup_s` + one interval ahead. The prompt tokens' trend is their change
+over the last `startup_s` (at least one interval: an arrival count is noisy, a longer
+base has less noise to extrapolate), the decoding's over the last interval (the
+sequences in flight are a level, smooth, and the first to show longer answers); only
+upward (scale-down waits for a fall to be seen). Then divided by a utilization below 1
+(headroom for bursts within an interval).
 
 Capacity is measured (a profile of one replica at the targets), then corrected by what
 the fleet shows, for one interval at a time: a pool that misses its latency target at a
@@ -84,10 +98,15 @@ class PlannerConfig:
     utilization: float = 0.8
     cooldown_s: float = 120.0  # after a change, no scale-down of that pool for this long
     scale_down_window_s: float = 300.0  # scale down only to the highest count asked for over it
+    # Seconds from a scale-up to the new replica serving (its pod scheduled, its model
+    # loaded): the demand is provisioned for this far ahead, plus one interval.
+    startup_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ttft_target_s <= 0 or self.itl_target_s <= 0 or self.interval_s <= 0:
             raise ValueError("the targets and the interval must be positive")
+        if self.startup_s < 0:
+            raise ValueError(f"startup_s must be at least 0, got {self.startup_s}")
         if not 0 < self.utilization <= 1:
             raise ValueError(f"utilization must be in (0, 1], got {self.utilization}")
         unknown = set(self.bounds) - set(POOLS)
@@ -116,6 +135,8 @@ class Observation:
     request_rate: float  # requests per second arriving
     prompt_tokens_rate: float  # prompt tokens per second to compute (cache hits excluded where known)
     pools: dict[str, PoolObservation]
+    # tokens per second the fleet generated (None: not known, e.g. from an older gateway)
+    generation_tokens_rate: float | None = None
 
     @property
     def mean_prompt_tokens(self) -> float:
@@ -139,15 +160,33 @@ class PlannerState:
     last_change_s: dict[str, float] = field(default_factory=dict)
     # (time, count asked for) per pool, over the scale-down window
     asked: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
-    previous: Observation | None = None
+    # (time, observation) back to the newest one at least startup_s old: the trend's base
+    seen: deque[tuple[float, Observation]] = field(default_factory=deque)
 
 
-def _trend(now: float, before: float | None) -> float:
-    """`now` extrapolated one interval ahead from its last change; never below `now`'s
-    own value when the load falls (scale-down waits for the fall to be seen)."""
-    if before is None:
-        return now
-    return max(now, 2 * now - before)
+@dataclass(frozen=True)
+class Trend:
+    """A demand's change since `base`, an observation `base_s` before this one, carried
+    `ahead_s` further."""
+
+    base: Observation | None
+    base_s: float
+    ahead_s: float
+
+    def __call__(self, now: float, before: float | None) -> float:
+        """`now` extrapolated `ahead_s` from its change over `base_s`; never below `now`'s
+        own value when the load falls (scale-down waits for the fall to be seen)."""
+        if before is None:
+            return now
+        return now + max(0.0, now - before) * self.ahead_s / self.base_s
+
+
+def decode_tokens_rate(seen: Observation, pool: PoolObservation) -> float | None:
+    """The tokens per second a pool is asked to generate: what the fleet generated, the
+    waiting sequences added at the rate each running one steps. None without a rate."""
+    if seen.generation_tokens_rate is None or pool.running <= 0:
+        return None
+    return seen.generation_tokens_rate * (pool.running + pool.waiting) / pool.running
 
 
 def corrected_capacity(config: PlannerConfig, seen: Observation) -> Capacity:
@@ -162,7 +201,11 @@ def corrected_capacity(config: PlannerConfig, seen: Observation) -> Capacity:
     if prefill_pool and prefill_pool.up and seen.ttft_p90_s is not None and seen.ttft_p90_s > config.ttft_target_s:
         prefill = _lowered(prefill, seen.prompt_tokens_rate / prefill_pool.up)
     if decode_pool and decode_pool.up and seen.itl_p90_s is not None and seen.itl_p90_s > config.itl_target_s:
-        decode = _lowered(decode, decode_pool.running / decode_pool.up)
+        # The load per replica in sequences; from the generation rate, the sequences that
+        # rate would be at the ITL target (C sequences at the target step C / target a second).
+        rate = decode_tokens_rate(seen, replace(decode_pool, waiting=0))
+        load = decode_pool.running if rate is None else rate * config.itl_target_s
+        decode = _lowered(decode, load / decode_pool.up)
     return Capacity(prefill, decode)
 
 
@@ -170,11 +213,13 @@ def _lowered(capacity: float, load: float) -> float:
     return max(capacity * MAX_CAPACITY_DROP, min(capacity, load))
 
 
-def wanted_replicas(config: PlannerConfig, capacity: Capacity, seen: Observation, before: Observation | None
-                    ) -> dict[str, tuple[int, str]]:
-    """The predictive rule: per pool, (replicas, why)."""
+def wanted_replicas(config: PlannerConfig, capacity: Capacity, seen: Observation, arrivals: Trend,
+                    in_flight: Trend) -> dict[str, tuple[int, str]]:
+    """The predictive rule: per pool, (replicas, why). The prompt tokens' trend is
+    `arrivals`, the decoding's `in_flight` (decide says why two)."""
     interval = config.interval_s
-    tokens_rate = _trend(seen.prompt_tokens_rate, before.prompt_tokens_rate if before else None)
+    before = arrivals.base
+    tokens_rate = arrivals(seen.prompt_tokens_rate, before.prompt_tokens_rate if before else None)
     wanted: dict[str, tuple[int, str]] = {}
 
     def prefill_share(pool: PoolObservation) -> tuple[float, str]:
@@ -183,20 +228,27 @@ def wanted_replicas(config: PlannerConfig, capacity: Capacity, seen: Observation
         share = (tokens_rate + backlog) / capacity.prefill_tokens_per_s
         return share, f"{tokens_rate:.0f}+{backlog:.0f} prompt tok/s over {capacity.prefill_tokens_per_s:.0f}"
 
-    def decode_share(pool: PoolObservation, previous: PoolObservation | None) -> tuple[float, str]:
+    def decode_share(name: str, pool: PoolObservation) -> tuple[float, str]:
+        before = in_flight.base
+        previous = before.pools.get(name) if before else None
+        rate = decode_tokens_rate(seen, pool)
+        if rate is not None:
+            rate_before = decode_tokens_rate(before, previous) if before and previous else None
+            rate = in_flight(rate, rate_before)
+            per_replica = capacity.decode_sequences / config.itl_target_s
+            return rate / per_replica, f"{rate:.0f} gen tok/s over {per_replica:.0f}"
         sequences = pool.running + pool.waiting
-        sequences = _trend(sequences, previous.running + previous.waiting if previous else None)
+        sequences = in_flight(sequences, previous.running + previous.waiting if previous else None)
         return sequences / capacity.decode_sequences, f"{sequences:.0f} seqs over {capacity.decode_sequences:.1f}"
 
     for name, pool in seen.pools.items():
-        previous = before.pools.get(name) if before else None
         if name == "prefill":
             share, why = prefill_share(pool)
         elif name == "decode":
-            share, why = decode_share(pool, previous)
+            share, why = decode_share(name, pool)
         else:
             prefill, why_prefill = prefill_share(pool)
-            decode, why_decode = decode_share(pool, previous)
+            decode, why_decode = decode_share(name, pool)
             share, why = prefill + decode, f"{why_prefill}; {why_decode}"
         wanted[name] = (math.ceil(share / config.utilization - 1e-9), why)
     return wanted
@@ -205,7 +257,25 @@ def wanted_replicas(config: PlannerConfig, capacity: Capacity, seen: Observation
 def decide(config: PlannerConfig, state: PlannerState, seen: Observation, now_s: float) -> Decision:
     """One decision: updates `state` and returns the count each pool should have."""
     state.capacity = corrected_capacity(config, seen)
-    wanted = wanted_replicas(config, state.capacity, seen, state.previous)
+    # Two trends, both carried startup_s + one interval ahead. The prompt tokens per
+    # second are arrivals counted over one interval, a sample as noisy as a Poisson
+    # count (1/sqrt(n) of it): their change over one interval, carried several intervals
+    # ahead, is mostly that noise, so their base is the newest observation at least
+    # startup_s old (the oldest kept, early on). The decoding is a level, the sequences in
+    # flight, each there for its whole answer (its rate sums every step of the interval):
+    # its change over the last interval is signal, and the first sign that answers grew.
+    observed = state.seen
+    while len(observed) > 1 and observed[1][0] <= now_s - config.startup_s:
+        observed.popleft()
+    ahead_s = config.startup_s + config.interval_s
+
+    def trend_since(at: float, base: Observation) -> Trend:
+        return Trend(base, max(now_s - at, 1e-9), ahead_s)
+
+    none = Trend(None, config.interval_s, ahead_s)
+    arrivals = trend_since(*observed[0]) if observed else none
+    in_flight = trend_since(*observed[-1]) if observed else none
+    wanted = wanted_replicas(config, state.capacity, seen, arrivals, in_flight)
     replicas, asked, reasons = {}, {}, {}
     for name, (count, why) in wanted.items():
         bounds = config.bounds.get(name, Bounds(0, max(count, seen.pools[name].replicas)))
@@ -231,5 +301,5 @@ def decide(config: PlannerConfig, state: PlannerState, seen: Observation, now_s:
             state.last_change_s[name] = now_s
         replicas[name] = target
         reasons[name] = f"{why} -> {count} wanted, {current} now, {target} decided"
-    state.previous = seen
+    observed.append((now_s, seen))
     return Decision(now_s, replicas, asked, replace(state.capacity), reasons)

@@ -1,6 +1,6 @@
 """What the planner sees of the fleet each interval: the replicas in the registry and
 their pools (from the `kv_role` in each scheduler's lease), each one's queue from its
-Stats, and the latencies and rates, either scraped from the gateways' /metrics (the
+Stats, and the latencies and rates (requests, generated tokens), either scraped from the gateways' /metrics (the
 difference between two scrapes) or asked of Prometheus (`--prometheus-url`)."""
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 REQUESTS = "vllm:request_success"
+GENERATION_TOKENS = "vllm:generation_tokens"
 STATS_TIMEOUT_S = 2.0
 HTTP_TIMEOUT_S = 5.0
 
@@ -57,12 +58,13 @@ class GatewayScrape:
     ttft: dict[float, float]
     itl: dict[float, float]
     requests: float
+    generation_tokens: float = 0.0
 
 
 def parse_gateway_metrics(text: str) -> GatewayScrape:
     ttft: dict[float, float] = defaultdict(float)
     itl: dict[float, float] = defaultdict(float)
-    requests = 0.0
+    requests = generation_tokens = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == f"{TTFT}_bucket":
@@ -71,13 +73,16 @@ def parse_gateway_metrics(text: str) -> GatewayScrape:
                 itl[float(sample.labels["le"])] += sample.value
             elif sample.name == f"{REQUESTS}_total":
                 requests += sample.value
-    return GatewayScrape(dict(ttft), dict(itl), requests)
+            elif sample.name == f"{GENERATION_TOKENS}_total":
+                generation_tokens += sample.value
+    return GatewayScrape(dict(ttft), dict(itl), requests, generation_tokens)
 
 
 def _add(a: GatewayScrape, b: GatewayScrape) -> GatewayScrape:
     def add(x: dict[float, float], y: dict[float, float]) -> dict[float, float]:
         return {k: x.get(k, 0.0) + y.get(k, 0.0) for k in x.keys() | y.keys()}
-    return GatewayScrape(add(a.ttft, b.ttft), add(a.itl, b.itl), a.requests + b.requests)
+    return GatewayScrape(add(a.ttft, b.ttft), add(a.itl, b.itl), a.requests + b.requests,
+                         a.generation_tokens + b.generation_tokens)
 
 
 def _computed_prompt_tokens(stats: EngineStats) -> int:
@@ -121,18 +126,19 @@ class FleetReader:
         computed = sum(max(0, n - self._prompt_tokens[i]) for i, n in tokens.items() if i in self._prompt_tokens)
         self._prompt_tokens = tokens
         if self._prometheus:
-            ttft, itl, request_rate = self._from_prometheus(window_s)
+            ttft, itl, request_rate, generation_rate = self._from_prometheus(window_s)
         else:
-            ttft, itl, request_rate = self._from_gateways(elapsed)
+            ttft, itl, request_rate, generation_rate = self._from_gateways(elapsed)
         pools = {}
         for name, count in counts.items():
             members = [r for r in replicas if r.pool == name and r.stats]
             pools[name] = PoolObservation(
                 count, sum(r.stats.num_requests_running for r in members),
                 sum(r.stats.num_requests_waiting for r in members), serving=len(members))
-        return Observation(ttft, itl, request_rate, computed / elapsed if elapsed else 0.0, pools)
+        return Observation(ttft, itl, request_rate, computed / elapsed if elapsed else 0.0, pools,
+                           generation_tokens_rate=generation_rate)
 
-    def _from_gateways(self, elapsed: float | None) -> tuple[float | None, float | None, float]:
+    def _from_gateways(self, elapsed: float | None) -> tuple[float | None, float | None, float, float | None]:
         scrape = GatewayScrape({}, {}, 0.0)
         for gateway in self._registry.members("gateway"):
             try:
@@ -142,12 +148,14 @@ class FleetReader:
                 logger.warning("no metrics from gateway %s at %s: %s", gateway.id, gateway.address, exc)
         before, self._scrape = self._scrape, scrape
         if before is None or not elapsed:
-            return None, None, 0.0
+            return None, None, 0.0, None
         requests = scrape.requests - before.requests
+        # A gateway that restarted counts from zero: no rate this interval, rather than a negative one.
+        generated = scrape.generation_tokens - before.generation_tokens
         return (quantile(0.9, bucket_delta(scrape.ttft, before.ttft)), quantile(0.9, bucket_delta(scrape.itl, before.itl)),
-                max(0.0, requests) / elapsed)
+                max(0.0, requests) / elapsed, generated / elapsed if generated >= 0 else None)
 
-    def _from_prometheus(self, window_s: float) -> tuple[float | None, float | None, float]:
+    def _from_prometheus(self, window_s: float) -> tuple[float | None, float | None, float, float | None]:
         window = f"{max(1, round(window_s))}s"
 
         def query(promql: str) -> float | None:
@@ -164,7 +172,8 @@ class FleetReader:
         def p90(name: str) -> float | None:
             return query(f"histogram_quantile(0.9, sum by (le) (rate({name}_bucket[{window}])))")
 
-        return p90(TTFT), p90(ITL), query(f"sum(rate({REQUESTS}_total[{window}]))") or 0.0
+        return (p90(TTFT), p90(ITL), query(f"sum(rate({REQUESTS}_total[{window}]))") or 0.0,
+                query(f"sum(rate({GENERATION_TOKENS}_total[{window}]))"))
 
     def close(self) -> None:
         for channel in self._channels.values():

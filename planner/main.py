@@ -38,6 +38,10 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-down-window", type=float, default=300.0,
                         help="a pool scales down only to the most replicas asked for over these seconds "
                         "(default: %(default)s)")
+    parser.add_argument("--startup", type=float, default=0.0,
+                        help="seconds from a scale-up to the new replica serving (its pod scheduled, its model "
+                        "loaded): the rule provisions for the load this far ahead, plus one interval "
+                        "(default: %(default)s)")
     for pool, (low, high) in POOL_DEFAULTS.items():
         parser.add_argument(f"--{pool}-deployment", default=None,
                             help=f"the Deployment of the {pool} pool (unset: the planner leaves that pool alone)")
@@ -68,7 +72,7 @@ def planner_config(args: argparse.Namespace):
             bounds={pool: Bounds(getattr(args, f"{pool}_min_replicas"), getattr(args, f"{pool}_max_replicas"))
                     for pool in names},
             interval_s=args.interval, utilization=args.utilization, cooldown_s=args.cooldown,
-            scale_down_window_s=args.scale_down_window), names
+            scale_down_window_s=args.scale_down_window, startup_s=args.startup), names
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 

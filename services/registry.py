@@ -107,18 +107,25 @@ class Registry:
 
     # A drain request: the planner sets it, the member's process drains and leaves the
     # registry, and the planner removes it once it has scaled the member's pool down.
-    # Its value: the seconds the member's requests get to finish (past them, they end with an error).
-    def request_drain(self, role: str, member_id: str, timeout_s: float, ttl_s: float) -> None:
-        self._redis.set(f"{DRAIN_PREFIX}:{role}:{member_id}", repr(float(timeout_s)), px=max(1, round(ttl_s * 1000)))
+    # Its value, JSON: `timeout_s`, the seconds the member's requests get to finish (past
+    # them, they end with an error), and `pool`, the planner's pool of the member, so that
+    # a planner that restarts mid-drain resumes it (its pool is scaled down once it left).
+    def request_drain(self, role: str, member_id: str, timeout_s: float, ttl_s: float, pool: str = "") -> None:
+        value = json.dumps({"timeout_s": float(timeout_s), "pool": pool})
+        self._redis.set(f"{DRAIN_PREFIX}:{role}:{member_id}", value, px=max(1, round(ttl_s * 1000)))
 
     def drain_requested(self, member: Member) -> float | None:
         """The drain's timeout if `member` is asked to drain, else None."""
         value = self._redis.get(f"{DRAIN_PREFIX}:{member.role}:{member.id}")
-        return None if value is None else float(value)
+        return None if value is None else float(json.loads(value)["timeout_s"])
 
-    def drain_requests(self, role: str) -> list[str]:
-        """The ids of the members of `role` asked to drain, whether or not they still hold a lease."""
-        return sorted(key.rsplit(":", 1)[1] for key in self._redis.scan_iter(match=f"{DRAIN_PREFIX}:{role}:*"))
+    def drain_requests(self, role: str) -> dict[str, str]:
+        """The members of `role` asked to drain, whether or not they still hold a lease,
+        each with the pool the request names."""
+        keys = sorted(self._redis.scan_iter(match=f"{DRAIN_PREFIX}:{role}:*"))
+        values = self._redis.mget(keys) if keys else []
+        # A key may expire between the scan and the read: it is then no request.
+        return {key.rsplit(":", 1)[1]: json.loads(value)["pool"] for key, value in zip(keys, values) if value}
 
     def clear_drain(self, role: str, member_id: str) -> None:
         self._redis.delete(f"{DRAIN_PREFIX}:{role}:{member_id}")

@@ -91,6 +91,26 @@ def test_scale_down_drains_the_least_loaded_replica_before_any_patch(api, regist
     assert registry.drain_requested(idle) is None and actuator.draining == {}
 
 
+def test_a_restarted_planner_resumes_the_drain_it_asked_for(api, registry, tmp_path):
+    deployments = Deployments(NAMESPACE, api.kubeconfig(tmp_path))
+    names = {"decode": "kvfleet-replica"}
+    busy, idle = (Member("scheduler", name, f"10.0.0.{i}:50052", {"kv_role": "kv_consumer"})
+                  for i, name in enumerate(("busy", "idle")))
+    for member in (busy, idle):
+        registry.put(member, ttl_s=30)
+    Actuator(registry, deployments, names, 60.0).apply(
+        decision(decode=1), [Replica(busy, "decode", stats(5)), Replica(idle, "decode", stats(0))], {"decode": 2})
+    # A new planner (the first one restarted mid-drain) finds the drain in Redis, with its pool.
+    restarted = Actuator(registry, deployments, names, 60.0)
+    restarted.settle_drains(registry.members("scheduler"))
+    assert restarted.draining == {"idle": "decode"} and restarted.counts([], {}) == {"decode": 1}
+    registry.remove(idle)
+    api.calls.clear()
+    restarted.settle_drains(registry.members("scheduler"))
+    assert api.calls[-1] == Call("PATCH", scale("kvfleet-replica"), MERGE_PATCH, {"spec": {"replicas": 1}})
+    assert registry.drain_requests("scheduler") == {}
+
+
 def test_the_planner_command_scales_a_pool_of_pods_that_never_registered(api, redis_url, tmp_path):
     # Three combined pods, none of them serving (none in the registry), no load, no
     # cooldown: the command scales the Deployment to its minimum by a patch alone,

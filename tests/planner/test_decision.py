@@ -1,6 +1,8 @@
 """The planner's decision logic on its own: no server, no clock (planner/decision.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from planner.decision import (
@@ -48,6 +50,39 @@ def test_a_rising_load_is_met_one_interval_ahead():
     decision = decide(config_, state, seen(8_000, (2, 0, 0), (2, 60, 0)), now_s=30)
     # extrapolated: 12000 tok/s -> 3 prefill; 90 sequences -> 3 decode (not 2 and 2)
     assert decision.replicas == {"prefill": 3, "decode": 3}
+
+
+def test_decode_demand_is_the_generation_rate_not_the_sequence_count():
+    # 40 fast sequences on 4 replicas generate 4000 tok/s; a replica holds 40 sequences
+    # within the 50 ms ITL target: 800 tok/s. 4000/800/0.8 = 6.25 -> 7, where the count of
+    # sequences (40/40/0.8 -> 2) would leave 2 replicas to step 20 each, far past the target.
+    observation = Observation(0.5, 0.03, 5.0, 4_000, {"prefill": PoolObservation(1, 0, 0),
+                                                      "decode": PoolObservation(4, 40, 0)}, generation_tokens_rate=4_000)
+    assert decide(config(), PlannerState(CAPACITY), observation, now_s=0).wanted["decode"] == 7
+    # Waiting sequences count at the rate the running ones step: 4000 x 50/40 = 5000 -> 8.
+    observation = replace(observation, pools={"prefill": PoolObservation(1, 0, 0), "decode": PoolObservation(4, 40, 10)})
+    assert decide(config(), PlannerState(CAPACITY), observation, now_s=0).wanted["decode"] == 8
+    # A missed ITL lowers the capacity to the load per replica in sequences at the target:
+    # 1200 tok/s over 2 replicas x 50 ms = 30 sequences.
+    observation = Observation(0.5, 0.09, 5.0, 4_000, {"prefill": PoolObservation(1, 0, 0),
+                                                      "decode": PoolObservation(2, 80, 0)}, generation_tokens_rate=1_200)
+    state = PlannerState(CAPACITY)
+    decide(config(), state, observation, now_s=0)
+    assert state.capacity.decode_sequences == 30
+
+
+def test_the_trend_provisions_one_startup_ahead():
+    # A replica takes 90 s to serve: each demand is carried 90 + 30 s ahead. Prompt tokens
+    # rise 1000/s every 30 s: their trend is over the last 90 s (4000 -> 7000, noise
+    # averaged out): 11000 tok/s, 3 replicas of 4000 (one interval ahead from the last
+    # change: 8000, 2). The sequences in flight jump from 10 to 40 in the last interval:
+    # their trend is over that interval (the first sign of longer answers), 160 -> 5
+    # replicas of 32 (one interval ahead: 70 -> 3).
+    for startup, expected in ((90.0, {"prefill": 3, "decode": 5}), (0.0, {"prefill": 2, "decode": 3})):
+        config_, state = config(startup_s=startup), PlannerState(CAPACITY)
+        for now, rate, sequences in ((0, 4_000, 10), (30, 5_000, 10), (60, 6_000, 10), (90, 7_000, 40)):
+            decision = decide(config_, state, seen(rate, (1, 0, 0), (1, sequences, 0)), now_s=now)
+        assert decision.wanted == expected
 
 
 def test_a_combined_pool_adds_both_shares():
@@ -104,7 +139,8 @@ def test_a_missed_target_lowers_the_capacity_for_that_interval_only():
     assert state.capacity.decode_sequences == 20
 
 
-@pytest.mark.parametrize("bad", [dict(utilization=0), dict(ttft_target_s=0), dict(bounds={"gpu": Bounds(0, 1)})])
+@pytest.mark.parametrize("bad", [dict(utilization=0), dict(ttft_target_s=0), dict(bounds={"gpu": Bounds(0, 1)}),
+                                 dict(startup_s=-1)])
 def test_bad_settings_are_refused_by_name(bad):
     with pytest.raises(ValueError):
         config(**bad)

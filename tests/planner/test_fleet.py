@@ -21,6 +21,7 @@ ANSWERS = {
     "histogram_quantile(0.9, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket[30s])))": "0.75",
     "histogram_quantile(0.9, sum by (le) (rate(vllm:inter_token_latency_seconds_bucket[30s])))": "NaN",
     "sum(rate(vllm:request_success_total[30s]))": "4.5",
+    "sum(rate(vllm:generation_tokens_total[30s]))": "900",
 }
 
 
@@ -56,7 +57,7 @@ def test_prometheus_is_asked_for_the_interval_s_p90s_and_rate(prometheus, redis_
     seen = reader.observe([], {"decode": 2}, now_s=100.0, window_s=30.0)
     assert queries == list(ANSWERS)
     # NaN (no observation in the window) is no p90, not a number to compare with a target.
-    assert (seen.ttft_p90_s, seen.itl_p90_s, seen.request_rate) == (0.75, None, 4.5)
+    assert (seen.ttft_p90_s, seen.itl_p90_s, seen.request_rate, seen.generation_tokens_rate) == (0.75, None, 4.5, 900)
     assert seen.pools["decode"].replicas == 2 and seen.pools["decode"].serving == 0
 
 
@@ -69,6 +70,10 @@ vllm:time_to_first_token_seconds_sum{model_name="m"} 1.5
 # TYPE vllm:request_success counter
 vllm:request_success_total{finished_reason="stop",model_name="m"} 4.0
 vllm:request_success_total{finished_reason="length",model_name="m"} 2.0
+# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{model_name="m"} 120.0
+vllm:generation_tokens_total{model_name="n"} 30.0
 """
     scrape = parse_gateway_metrics(text)
     assert scrape.ttft == {0.1: 3.0, math.inf: 5.0} and scrape.itl == {} and scrape.requests == 6.0
+    assert scrape.generation_tokens == 150.0

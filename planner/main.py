@@ -38,7 +38,7 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-down-window", type=float, default=300.0,
                         help="a pool scales down only to the most replicas asked for over these seconds "
                         "(default: %(default)s)")
-    parser.add_argument("--startup", type=float, default=0.0,
+    parser.add_argument("--startup", type=float, default=120.0,
                         help="seconds from a scale-up to the new replica serving (its pod scheduled, its model "
                         "loaded): the rule provisions for the load this far ahead, plus one interval "
                         "(default: %(default)s)")

@@ -112,6 +112,12 @@ class EngineCore:
             if config.has_kv_connector else None,
             self._handoff(config, worker_address, described.kv_block_bytes),
         )
+        # The adapters add_lora loaded (runtime loads), by id: a replica lists them again in a
+        # registry that lost them (scheduler_svc/lora_announce.py).
+        self.loaded_loras: dict[int, LoRARequest] = {}
+        # vllm:lora_requests_info's names, and the queues' versions they were taken at (_lora_stats).
+        self._lora_versions: tuple[int, int] | None = None
+        self._lora: LoraStats | None = None
         # Built once: every stats() shares it.
         self.cache_config = CacheConfigInfo(
             block_size=described.block_size,
@@ -181,8 +187,10 @@ class EngineCore:
         """Has the worker read and check the adapter, as compile_grammar: on the caller's
         thread, before the requests that name it. Raises ValueError naming what is wrong."""
         self.worker.add_lora(lora_request)
+        self.loaded_loras[lora_request.lora_int_id] = lora_request
 
     def remove_lora(self, lora_int_id: int) -> bool:
+        self.loaded_loras.pop(lora_int_id, None)
         return self.worker.remove_lora(lora_int_id)
 
     def _request(
@@ -317,10 +325,15 @@ class EngineCore:
         )
 
     def _lora_stats(self) -> LoraStats:
+        """Recomputed only when the queues changed: stats() runs every engine iteration."""
         def names(requests: Iterable[Request]) -> list[str]:
             return list(dict.fromkeys(r.lora_request.lora_name for r in requests if r.lora_request is not None))
 
-        return LoraStats(self.config.max_loras, names(self.scheduler.running), names(self.scheduler.waiting))
+        versions = (self.scheduler.running.version, self.scheduler.waiting.version)
+        if self._lora_versions != versions:
+            self._lora_versions = versions
+            self._lora = LoraStats(self.config.max_loras, names(self.scheduler.running), names(self.scheduler.waiting))
+        return self._lora
 
     def _tier_stats(self) -> dict:
         connector = self.scheduler.connector

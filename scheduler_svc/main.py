@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from scheduler_svc.lora_announce import reannounce_loras
 from scheduler_svc.worker_client import DEADLINE_TOKENS, DEFAULT_STEP_TIMEOUT_S
 from services.cli_args import (
     add_engine_args,
@@ -185,4 +186,5 @@ def _scheduler_lease(args: argparse.Namespace, port: int, loop: StepLoop, hub: N
         # requests of a scheduler whose lease lapses, and these are still running.
         return hub.publisher.nats.away_s() < args.lease_ttl and (serving() or loop.draining)
 
-    return Lease(Registry(args.redis_url), member, args.lease_ttl, healthy=healthy)
+    registry = Registry(args.redis_url)
+    return Lease(registry, member, args.lease_ttl, healthy=healthy, on_registered=reannounce_loras(registry, loop.core))

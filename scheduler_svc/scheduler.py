@@ -22,6 +22,7 @@ from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.spec_decode_counts import SpecDecodingCounts
 from scheduler_svc.spec_gate import SpecGate
 from scheduler_svc.spec_proposer import make_proposer
+from scheduler_svc.versioned_queues import VersionedDeque, VersionedList
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.histogram_counts import BucketCounter
 from services.invalid_parameter import InvalidParameter
@@ -79,8 +80,8 @@ class Scheduler:
         self.connector = connector
         self.handoff = handoff
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: deque[Request] = VersionedDeque()  # each counts its changes (versioned_queues.py)
+        self.running: list[Request] = VersionedList()
         self.num_preemptions = 0
         self.num_swapped_preemptions = 0  # the part of num_preemptions that swapped rather than dropped KV
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache

@@ -18,3 +18,8 @@ class LoRARequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tr
             raise ValueError(f"lora_int_id must be > 0, got {self.lora_int_id}")
         if not self.lora_name:
             raise ValueError("lora_name must not be empty")
+
+
+def encode_lora(lora_request: LoRARequest) -> str:
+    """As the registry lists an adapter (JSON), for every gateway to read."""
+    return msgspec.json.encode(lora_request).decode()

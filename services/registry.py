@@ -64,9 +64,15 @@ class Registry:
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True, **credentials
         )
 
-    def put(self, member: Member, ttl_s: float) -> None:
+    def put(self, member: Member, ttl_s: float) -> bool:
+        """Lists or renews `member`; True when its key was not there: a first registration,
+        or one that Redis lost (a restart with an empty keyspace) or let lapse."""
         value = json.dumps({"address": member.address, "metadata": dict(member.metadata)})
-        self._redis.set(member.key, value, px=max(1, round(ttl_s * 1000)))
+        pipeline = self._redis.pipeline()
+        pipeline.exists(member.key)
+        pipeline.set(member.key, value, px=max(1, round(ttl_s * 1000)))
+        existed, _ = pipeline.execute()
+        return not existed
 
     def remove(self, member: Member) -> None:
         self._redis.delete(member.key)
@@ -88,6 +94,10 @@ class Registry:
     # has no TTL: an adapter stays until unloaded (a restarted, empty Redis forgets them).
     def put_lora(self, name: str, value: str) -> None:
         self._redis.hset(LORA_KEY, name, value)
+
+    def put_lora_if_absent(self, name: str, value: str) -> None:
+        """A replica's re-announcement (Lease's on_registered): never over a newer load's entry."""
+        self._redis.hsetnx(LORA_KEY, name, value)
 
     def remove_lora(self, name: str) -> None:
         self._redis.hdel(LORA_KEY, name)
@@ -125,16 +135,20 @@ class Lease:
 
     The key goes in at the first healthy beat, so a role is listed only once it can
     serve; an unhealthy beat skips the renewal, so the key lapses within the TTL.
-    Usable as a context manager.
+    Usable as a context manager. `on_registered` runs after each beat that found the key
+    absent (the first, or after Redis lost it): to put back what the member announces
+    beside its lease (a scheduler's runtime-loaded LoRA adapters).
     """
 
     def __init__(
-        self, registry: Registry, member: Member, ttl_s: float = DEFAULT_TTL_S, healthy: Callable[[], bool] = lambda: True
+        self, registry: Registry, member: Member, ttl_s: float = DEFAULT_TTL_S, healthy: Callable[[], bool] = lambda: True,
+        on_registered: Callable[[], None] = lambda: None,
     ) -> None:
         self.registry = registry
         self.member = member
         self.ttl_s = ttl_s
         self._healthy = healthy
+        self._on_registered = on_registered
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvfleet-lease-{member.role}", daemon=True)
 
@@ -166,8 +180,8 @@ class Lease:
 
     def _beat(self) -> None:
         try:
-            if self._healthy():
-                self.registry.put(self.member, self.ttl_s)
+            if self._healthy() and self.registry.put(self.member, self.ttl_s):
+                self._on_registered()
         except redis.RedisError as exc:  # Redis may come back before the lease runs out
             logger.warning("could not renew %s: %s", self.member.key, exc)
         except Exception:

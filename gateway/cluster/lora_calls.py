@@ -42,7 +42,3 @@ def read_loras(registry: Registry) -> dict[str, LoRARequest]:
         except (msgspec.DecodeError, ValueError):
             continue
     return loras
-
-
-def encode_lora(lora_request: LoRARequest) -> str:
-    return msgspec.json.encode(lora_request).decode()

@@ -29,10 +29,10 @@ from grpc_health.v1 import health_pb2
 
 from gateway.cluster.fleet_stats import engine_info, total
 from gateway.cluster.kv_index import KvIndex
-from gateway.cluster.lora_calls import encode_lora, read_loras
+from gateway.cluster.lora_calls import read_loras
 from gateway.cluster.replica import Replica
 from services.engine_client import RequestLost
-from services.lora_request import LoRARequest
+from services.lora_request import LoRARequest, encode_lora
 from services.messages import EngineInfo, EngineStats
 from services.registry import ClusterView, Member, Registry
 from services.scheduler_messages import AbortRequest, StatsRequest

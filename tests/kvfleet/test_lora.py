@@ -108,6 +108,18 @@ def test_adapters_share_prefix_blocks_only_with_themselves(lora_llm, lora_adapte
     assert hits_for(loras["mlp4"]) == 48
 
 
+def test_lora_stats_are_recomputed_only_when_the_queues_change(lora_llm, lora_adapter_dirs):
+    engine = lora_llm.engine
+    idle = engine.stats().lora
+    assert engine.stats().lora is idle  # the engine loop asks every iteration: nothing changed, nothing rebuilt
+    engine.add_request("stats-probe", [1000, 1001], SamplingParams(max_tokens=1),
+                       lora_request=lora_requests(lora_adapter_dirs)["mlp4"])
+    assert engine.stats().lora.waiting == ["mlp4"]
+    while engine.has_work:
+        engine.step()
+    assert engine.stats().lora == idle and engine.stats().lora.running == []
+
+
 def test_adapters_beyond_max_loras_wait_their_turn_and_the_host_cache_reads_evicted_ones_again(
     make_module_llm, lora_adapter_dirs, lora_references
 ):

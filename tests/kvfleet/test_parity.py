@@ -66,33 +66,34 @@ def test_block_size_32_matches_transformers(make_llm, few_prompts, few_reference
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_matches_transformers(make_llm, few_prompts, few_reference, mode):
-    # 24 blocks of 16 hold 384 tokens; the batch needs ~900, so requests are
-    # preempted. max_model_len must still fit one request. 0.05 GiB of swap is
-    # ~70 host blocks: swap mode swaps, and falls back to recompute when that is full.
+def test_preemption_matches_transformers(make_llm, prompts, reference, mode):
+    # 24 blocks of 16 hold 384 tokens. The first 7 of the 8 shortest prompts (5 to 150
+    # tokens) are admitted into 20 of them; their outputs need 14 more, so requests are
+    # preempted. max_model_len must still fit one request. 0.05 GiB of swap is ~70 host
+    # blocks: swap mode swaps, and falls back to recompute when that is full.
     llm = make_llm(**DENSE, num_gpu_blocks_override=24, max_model_len=24 * 16, preemption_mode=mode,
                    swap_space=0.05)
-    assert generate_tokens(llm, few_prompts) == few_reference
+    assert generate_tokens(llm, prompts[:8]) == reference[:8]
     scheduler = llm.engine.scheduler
     assert scheduler.num_preemptions > 0
     assert (scheduler.num_swapped_preemptions > 0) == (mode == "swap")
 
 
-# Offload tiers (docs/kv_connector.md) under a pool of 40 blocks: a host tier too small
-# for the work (~27 blocks) in front of the disk, so loads take blocks from both; and the
+# Offload tiers (docs/kv_connector.md) under a pool of 24 blocks: a host tier too small
+# for the work (~13 blocks) in front of the disk, so loads take blocks from both; and the
 # shared directory alone.
 TIERS = {
-    "CPU+DISK": lambda tmp: {"kv_offloading_size": 0.02, "kv_offloading_dir": str(tmp / "disk")},
+    "CPU+DISK": lambda tmp: {"kv_offloading_size": 0.01, "kv_offloading_dir": str(tmp / "disk")},
     "SHARED": lambda tmp: {"kv_shared_dir": str(tmp / "shared")},
 }
 
 
 @pytest.mark.parametrize("tiers", TIERS)
 def test_blocks_loaded_from_every_offload_tier_give_the_same_tokens(make_llm, prompts, reference, tiers, tmp_path):
-    llm = make_llm(**DENSE, num_gpu_blocks_override=40, max_model_len=40 * 16, **TIERS[tiers](tmp_path))
-    longest = prompts[-5:-1]  # 940 tokens in all: the pool holds 640, so each round evicts the last one's blocks
-    assert generate_tokens(llm, longest) == reference[-5:-1]
-    assert generate_tokens(llm, longest) == reference[-5:-1]
+    llm = make_llm(**DENSE, num_gpu_blocks_override=24, max_model_len=24 * 16, **TIERS[tiers](tmp_path))
+    longer = prompts[-5:-2]  # 610 tokens in all: the pool holds 384, so each round evicts the first ones' blocks
+    assert generate_tokens(llm, longer) == reference[-5:-2]
+    assert generate_tokens(llm, longer) == reference[-5:-2]
     loaded = {tier.medium: tier.loaded_blocks for tier in llm.engine.stats().kv_tiers}
     assert all(loaded.get(medium, 0) > 0 for medium in tiers.split("+")), loaded
     assert llm.engine.stats().external_prefix_cache_hits > 0
@@ -156,13 +157,14 @@ def test_bfloat16_runs_close_to_float32(make_llm, prompts, reference, dtype):
     assert llm.engine.worker.kv_caches[0].dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("kv_cache_dtype, bound", [("float16", 0.95), ("bfloat16", 0.85)])
+@pytest.mark.parametrize("kv_cache_dtype, bound", [("float16", 0.95), ("bfloat16", 0.75)])
 def test_16_bit_kv_cache_holds_twice_the_tokens_and_stays_close(make_llm, dense_llm, few_prompts, few_reference,
                                                                kv_cache_dtype, bound):
     """--kv-cache-dtype float16/bfloat16 under the float32 model: K and V are stored rounded
     to 16 bits, so the same memory holds twice the tokens, and attention reads them widened
-    to float32. Measured with the 12 prompts together: float16 (10 mantissa bits) kept 100%
-    of the positions before the first divergence, bfloat16 (7 bits) 92.7%."""
+    to float32. Measured with the 6 prompts together: float16 (10 mantissa bits) kept 100%
+    of the positions before the first divergence, bfloat16 (7 bits) 85.4%, its 330-token
+    prompt parting at the 5th token (with all 12 prompts: 100% and 92.7%)."""
     llm = make_llm(**DENSE, kv_cache_dtype=kv_cache_dtype)
     worker = llm.engine.worker
     assert worker.kv_caches[0].dtype == getattr(torch, kv_cache_dtype)

@@ -23,11 +23,13 @@ from pathlib import Path
 import msgspec
 import nats as nats_client
 import pytest
+import redis
 
 from gateway.cluster.client import ClusterEngineClient
 from kvfleet import LLM
 from kvfleet.processes import free_port
 from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.lora_announce import reannounce_loras
 from scheduler_svc.main import lease_metadata
 from scheduler_svc.nats_publisher import NatsOutputHub
 from scheduler_svc.server import start_scheduler_server
@@ -92,13 +94,12 @@ class Cluster:
         self.scheduler = start_scheduler_server(self.loop, self.hub, "127.0.0.1:0")
         self.leases = [
             Lease(self.registry, member, TTL_S).start()
-            for member in (
-                Member("worker", "w", self.worker.address),
-                Member("tokenizer", "t", self.tokenizer.address),
-                Member("scheduler", "s", self.scheduler.address,
-                       lease_metadata(self.worker.address, "smollm2", self.loop.core)),
-            )
+            for member in (Member("worker", "w", self.worker.address), Member("tokenizer", "t", self.tokenizer.address))
         ]
+        # As scheduler_svc/main.py leases a scheduler: its runtime-loaded adapters announced again on re-registering.
+        self.leases.append(Lease(self.registry, Member("scheduler", "s", self.scheduler.address,
+                                                       lease_metadata(self.worker.address, "smollm2", self.loop.core)),
+                                 TTL_S, on_registered=reannounce_loras(self.registry, self.loop.core)).start())
 
     def idle(self) -> bool:
         """Every request has ended: no block leaked, and the worker dropped every request's state."""
@@ -416,3 +417,20 @@ def test_an_adapter_loaded_through_one_gateway_serves_through_another_with_merge
             time.sleep(0.05)
     finally:
         other.shutdown()
+
+
+def test_an_adapter_loaded_at_runtime_is_listed_again_after_redis_restarts_empty(
+    client, cluster, redis_url, lora_adapter_dirs
+) -> None:
+    lora = LoRARequest("mlp4", 9, str(lora_adapter_dirs["mlp4"]))
+    asyncio.run(client.add_lora(lora))
+    try:
+        redis.Redis.from_url(redis_url).flushall()  # what a Redis restarted without persistence holds
+        deadline = time.monotonic() + 4 * TTL_S
+        # The scheduler's next beat registers it again and puts its adapter back; the gateway's poll reads it.
+        while "mlp4" not in cluster.registry.loras() or client.lora_requests() != {"mlp4": lora}:
+            assert time.monotonic() < deadline, (client.lora_requests(), cluster.registry.loras())
+            time.sleep(0.05)
+        assert cluster.registry.members("scheduler")
+    finally:
+        asyncio.run(client.remove_lora(lora.lora_int_id))

@@ -16,16 +16,19 @@ import torch
 from services.lora_request import LoRARequest
 from worker_svc.formats.model_config import ModelConfig
 from worker_svc.formats.peft_adapter import PeftAdapter, module_shapes, read_peft_adapter
+from worker_svc.kernels.cpu import sgmv
 from worker_svc.model.lora import LoraContext, LoraSlots, LoraStep
 
 
 class LoraManager:
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, max_cpu_loras: int,
                  dtype: torch.dtype, device: torch.device, kernel: bool = False) -> None:
-        """`kernel`: the deltas as Triton kernels (worker_svc/kernels/triton/sgmv.py)."""
+        """`kernel`: the deltas as Triton kernels (worker_svc/kernels/triton/sgmv.py); else, for
+        float32 on CPU, as the C++ kernel where it builds (worker_svc/kernels/cpu/sgmv.py)."""
         self.model_config, self.max_rank, self.max_cpu_loras = config, max_rank, max_cpu_loras
+        cpu_kernel = sgmv.load() if not kernel and device.type == "cpu" and dtype == torch.float32 else None
         self.context = LoraContext(LoraSlots(module_shapes(config), config.num_hidden_layers, max_loras, max_rank,
-                                             dtype, device), kernel)
+                                             dtype, device, transposed_b=cpu_kernel is not None), kernel, cpu_kernel)
         self._host: OrderedDict[int, PeftAdapter] = OrderedDict()  # by lora_int_id, least recent first
         self._requests: dict[int, LoRARequest] = {}  # every adapter added and not removed: where to read it again
         self._slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recent first
@@ -80,7 +83,7 @@ class LoraManager:
         for slot, count in zip(slot_of_request, counts):
             slot_counts[slot] = slot_counts.get(slot, 0) + count
         token_slots = torch.tensor(slot_of_request, dtype=torch.long).to(token_requests.device)[token_requests]
-        self.context.step = LoraStep.of(token_slots, slot_counts)
+        self.context.step = LoraStep.of(token_slots, slot_counts, self.context.slots.ranks)
         return self.context.step
 
     def _ensure_in_slot(self, lora: LoRARequest, needed: dict[int, LoRARequest]) -> None:

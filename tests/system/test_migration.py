@@ -37,7 +37,11 @@ from test_worker_failover import health, wait_for
 
 LEASE_TTL_S = 3.0
 STEP_TIMEOUT_S = 5.0  # per 512 tokens: these steps hold under 300
-ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", str(256 * 2**20)]
+# Dense weights: a migrated request's tokens so far are recomputed as one prefill, and only
+# the dense path computes them exactly as its decode steps did, whatever the batch (the
+# 4-bit path's large steps take another GEMM, so under load a near-tie could flip a token).
+ENGINE_FLAGS = ["--dtype", "float32", "--quantization", "none", "--max-model-len", "256",
+                "--kv-cache-memory", str(256 * 2**20)]
 TOKENS = 64
 STREAMS = 8
 

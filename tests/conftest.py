@@ -27,11 +27,23 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2():
-    """The oracle: transformers' own GGUF loading of the same weights, float32."""
+def hf_smollm2(tmp_path_factory: pytest.TempPathFactory):
+    """The oracle: transformers' own GGUF loading of the same weights, float32. Its GGUF
+    reader takes ~25 s, so the first of a run's processes saves what it read and the
+    others (pytest-xdist's workers) load that: the same tensors, read in ~1 s."""
+    from filelock import FileLock
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    run_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run_dir = run_dir.parent  # shared by the run's workers
+    saved = run_dir / "hf-smollm2.pt"  # the module itself: transformers will not save a GGUF-loaded model
+    with FileLock(f"{saved}.lock"):
+        if saved.exists():
+            model = torch.load(saved, weights_only=False)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+            torch.save(model, saved)
     # Never stop at EOS: the engine runs with ignore_eos, so every prompt yields its full length.
     model.generation_config.eos_token_id = None
     return model.eval()

@@ -51,6 +51,14 @@ def make_workload(rng: random.Random, n: int, prompt_range: tuple[int, int], out
     ]
 
 
+def peer_workload(quick: bool) -> tuple[Workload, Workload, tuple[int, int], tuple[int, int]]:
+    """The peer benchmarks' mixed workload (64 requests, prompts 16-512, outputs 16-256,
+    seed 0; --quick: 16 short ones), its warm-up batch, and its prompt and output ranges."""
+    n, prompts, outputs = (16, (16, 128), (16, 64)) if quick else (64, (16, 512), (16, 256))
+    workload = make_workload(random.Random(0), n, prompts, outputs)
+    return workload, [(prompt[:64], 8) for prompt, _ in workload[:4]], prompts, outputs
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 

@@ -25,7 +25,6 @@ import argparse
 import importlib.util
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -146,12 +145,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/peer_llama_cpp.json")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from offline_throughput import agreement, make_workload
+    from offline_throughput import agreement, peer_workload
     from peer_vllm import run_engine
 
-    n, prompts, outputs = (16, (16, 128), (16, 64)) if args.quick else (64, (16, 512), (16, 256))
-    workload = make_workload(random.Random(0), n, prompts, outputs)
-    warmup = [(prompt[:64], 8) for prompt, _ in workload[:4]]
+    workload, warmup, prompts, outputs = peer_workload(args.quick)
+    n = len(workload)
     build_peer()
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(THREADS),
            "KVFLEET_NUM_THREADS": str(THREADS), "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}

@@ -24,7 +24,6 @@ import argparse
 import importlib.util
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -125,11 +124,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="alternate the three runs this many times")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from offline_throughput import agreement, make_workload
+    from offline_throughput import agreement, peer_workload
 
-    n, prompts, outputs = (16, (16, 128), (16, 64)) if args.quick else (64, (16, 512), (16, 256))
-    workload = make_workload(random.Random(0), n, prompts, outputs)
-    warmup = [(prompt[:64], 8) for prompt, _ in workload[:4]]
+    workload, warmup, prompts, outputs = peer_workload(args.quick)
+    n = len(workload)
     build_peer()
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(THREADS),
            "KVFLEET_NUM_THREADS": str(THREADS), "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}",

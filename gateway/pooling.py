@@ -7,6 +7,7 @@ import time
 from gateway.context import GatewayContext
 from gateway.errors import bad_request
 from gateway.generation import prime_all
+from gateway.pooling_protocol import _PoolingInputs
 from services.engine_client import RequestFailed
 from services.pooling_outputs import fit_pooling_prompt
 from services.pooling_params import PoolingParams
@@ -36,6 +37,17 @@ async def token_lists(ctx: GatewayContext, prompts: str | list[str] | list[int] 
     if not all(lists):  # a text of no tokens (a model that adds none)
         raise bad_request("input", "The decoder prompt cannot be empty")
     return [fit_pooling_prompt(ids, truncate_prompt_tokens, ctx.max_model_len) for ids in lists]
+
+
+async def pooling_inputs(ctx: GatewayContext, body: _PoolingInputs, api: str,
+                         dimensions: int | None = None) -> list[list[int]]:
+    """A request that pools each of its inputs: checked against this model (with the
+    vector length it asks for), as token ids."""
+    ctx.check_model(body.model)
+    ctx.check_ready()
+    check_pools(ctx, api)
+    check_dimensions(ctx, dimensions)
+    return await token_lists(ctx, body.input, body.add_special_tokens, body.truncate_prompt_tokens)
 
 
 def check_dimensions(ctx: GatewayContext, dimensions: int | None) -> None:

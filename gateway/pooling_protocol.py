@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
@@ -14,17 +14,22 @@ from gateway.protocol import TokenId, _Request
 EmbeddingInput = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
-class EmbeddingRequest(_Request):
+class _PoolingInputs(_Request):
+    """What every request that pools its inputs one by one takes."""
+
     model: str | None = None
     input: EmbeddingInput
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
     user: str | None = None
     # vLLM's extra parameters.
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     add_special_tokens: bool = True
-    normalize: bool | None = None
     priority: int = 0
+
+
+class EmbeddingRequest(_PoolingInputs):
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool | None = None
 
 
 class EmbeddingData(BaseModel):
@@ -40,14 +45,31 @@ class PoolingUsage(BaseModel):
     total_tokens: int
     completion_tokens: int = 0
 
+    @classmethod
+    def of(cls, prompt_tokens: int) -> PoolingUsage:
+        return cls(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
 
-class EmbeddingResponse(BaseModel):
-    id: str = Field(default_factory=lambda: f"embd-{uuid.uuid4().hex}")
+
+Data = TypeVar("Data", bound=BaseModel)
+
+
+class _PoolingList(BaseModel, Generic[Data]):
+    """The envelope of every pooling answer but rerank's; each kind names its id's prefix."""
+
+    id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    data: list[EmbeddingData]
+    data: list[Data]
     usage: PoolingUsage
+
+
+def _new_id(prefix: str) -> Any:
+    return Field(default_factory=lambda: f"{prefix}-{uuid.uuid4().hex}")
+
+
+class EmbeddingResponse(_PoolingList[EmbeddingData]):
+    id: str = _new_id("embd")
 
 
 class PoolingRequest(EmbeddingRequest):
@@ -60,23 +82,12 @@ class PoolingData(BaseModel):
     data: list[float] | str
 
 
-class PoolingResponse(BaseModel):
-    id: str = Field(default_factory=lambda: f"pool-{uuid.uuid4().hex}")
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[PoolingData]
-    usage: PoolingUsage
+class PoolingResponse(_PoolingList[PoolingData]):
+    id: str = _new_id("pool")
 
 
-class ClassificationRequest(_Request):
-    model: str | None = None
-    input: EmbeddingInput
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-    add_special_tokens: bool = True
+class ClassificationRequest(_PoolingInputs):
     use_activation: bool | None = None
-    user: str | None = None
-    priority: int = 0
 
 
 class ClassificationData(BaseModel):
@@ -86,13 +97,8 @@ class ClassificationData(BaseModel):
     num_classes: int
 
 
-class ClassificationResponse(BaseModel):
-    id: str = Field(default_factory=lambda: f"classify-{uuid.uuid4().hex}")
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[ClassificationData]
-    usage: PoolingUsage
+class ClassificationResponse(_PoolingList[ClassificationData]):
+    id: str = _new_id("classify")
 
 
 class _ScoringFields(_Request):
@@ -114,13 +120,8 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
-    id: str = Field(default_factory=lambda: f"score-{uuid.uuid4().hex}")
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[ScoreData]
-    usage: PoolingUsage
+class ScoreResponse(_PoolingList[ScoreData]):
+    id: str = _new_id("score")
 
 
 class RerankRequest(_ScoringFields):
@@ -146,7 +147,7 @@ class RerankUsage(BaseModel):
 
 
 class RerankResponse(BaseModel):
-    id: str = Field(default_factory=lambda: f"rerank-{uuid.uuid4().hex}")
+    id: str = _new_id("rerank")
     model: str
     usage: RerankUsage
     results: list[RerankResult]

@@ -11,7 +11,7 @@ from gateway.context import GatewayContext, get_context
 from gateway.disconnect import cancel_on_disconnect
 from gateway.errors import bad_request
 from gateway.json_body import OffLoopJsonRoute
-from gateway.pooling import check_pools, pool, token_lists
+from gateway.pooling import pool, pooling_inputs
 from gateway.pooling_protocol import (
     ClassificationData,
     ClassificationRequest,
@@ -34,19 +34,14 @@ async def create_classify(body: ClassificationRequest, request: Request,
 
 
 async def _classify(body: ClassificationRequest, ctx: GatewayContext) -> Response:
-    ctx.check_model(body.model)
-    ctx.check_ready()
-    check_pools(ctx, "Classification")
+    lists = await pooling_inputs(ctx, body, "Classification")
     labels = ctx.pooler.labels
     if not labels:
         raise bad_request(None, "The model does not support Classification API")
-    lists = await token_lists(ctx, body.input, body.add_special_tokens, body.truncate_prompt_tokens)
     scores = await pool(ctx, f"classify-{uuid.uuid4().hex}", lists, PoolingParams(use_activation=body.use_activation))
     data = [ClassificationData(index=i, label=labels[max(range(len(probs)), key=probs.__getitem__)], probs=probs,
                                num_classes=len(probs)) for i, probs in enumerate(scores)]
-    tokens = sum(map(len, lists))
-    response = ClassificationResponse(model=ctx.served_model_name, data=data,
-                                      usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
+    response = ClassificationResponse(model=ctx.served_model_name, data=data, usage=PoolingUsage.of(sum(map(len, lists))))
     return Response(response.model_dump_json(), media_type="application/json")
 
 
@@ -56,14 +51,10 @@ async def create_pooling(body: PoolingRequest, request: Request, ctx: GatewayCon
 
 
 async def _pooling(body: PoolingRequest, ctx: GatewayContext) -> Response:
-    ctx.check_model(body.model)
-    ctx.check_ready()
-    check_pools(ctx, "Pooling")
-    lists = await token_lists(ctx, body.input, body.add_special_tokens, body.truncate_prompt_tokens)
+    lists = await pooling_inputs(ctx, body, "Pooling")
     vectors = await pool(ctx, f"pool-{uuid.uuid4().hex}", lists, PoolingParams(body.normalize, body.dimensions))
-    tokens = sum(map(len, lists))
     response = PoolingResponse(model=ctx.served_model_name,
                                data=[PoolingData(index=i, data=encoded(v, body.encoding_format))
                                      for i, v in enumerate(vectors)],
-                               usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
+                               usage=PoolingUsage.of(sum(map(len, lists))))
     return Response(response.model_dump_json(), media_type="application/json")

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from gateway.context import GatewayContext, get_context
 from gateway.disconnect import cancel_on_disconnect
 from gateway.json_body import OffLoopJsonRoute
-from gateway.pooling import check_dimensions, check_pools, pool, token_lists
+from gateway.pooling import pool, pooling_inputs
 from gateway.pooling_protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, PoolingUsage
 from services.pooling_params import PoolingParams
 
@@ -26,16 +26,10 @@ async def create_embedding(body: EmbeddingRequest, request: Request,
 
 
 async def _embed(body: EmbeddingRequest, ctx: GatewayContext) -> Response:
-    ctx.check_model(body.model)
-    ctx.check_ready()
-    check_pools(ctx, "Embeddings")
-    check_dimensions(ctx, body.dimensions)
-    lists = await token_lists(ctx, body.input, body.add_special_tokens, body.truncate_prompt_tokens)
+    lists = await pooling_inputs(ctx, body, "Embeddings", body.dimensions)
     vectors = await pool(ctx, f"embd-{uuid.uuid4().hex}", lists, PoolingParams(body.normalize, body.dimensions))
     data = [EmbeddingData(index=i, embedding=encoded(vector, body.encoding_format)) for i, vector in enumerate(vectors)]
-    tokens = sum(len(ids) for ids in lists)
-    response = EmbeddingResponse(model=ctx.served_model_name, data=data,
-                                 usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
+    response = EmbeddingResponse(model=ctx.served_model_name, data=data, usage=PoolingUsage.of(sum(map(len, lists))))
     return Response(response.model_dump_json(), media_type="application/json")
 
 

@@ -38,7 +38,7 @@ async def _score(body: ScoreRequest, ctx: GatewayContext) -> Response:
                                        "Score")
     response = ScoreResponse(model=ctx.served_model_name,
                              data=[ScoreData(index=i, score=score) for i, score in enumerate(scores)],
-                             usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
+                             usage=PoolingUsage.of(tokens))
     return Response(response.model_dump_json(), media_type="application/json")
 
 

@@ -1,7 +1,10 @@
 """A replica (worker + scheduler) in this process over real gRPC and NATS, registered in
-Redis under a name of its own: what the cluster tests put behind a gateway's client
-when they want to look inside each replica."""
+Redis under a name of its own, and the tokenizer role beside it: what the cluster tests
+put behind a gateway's client when they want to look inside each replica."""
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.main import lease_metadata
@@ -12,8 +15,22 @@ from scheduler_svc.worker_client import RemoteWorker
 from services.config import EngineConfig
 from services.messages import EngineStats
 from services.registry import Lease, Member, Registry
+from tokenizer_svc.server import start_tokenizer_server
+from tokenizer_svc.tokenizer import Tokenizer
 from worker_svc.runtime.worker import Worker
 from worker_svc.server import start_worker_server
+
+
+@contextmanager
+def serving_tokenizer(registry: Registry, tokenizer: Tokenizer, ttl_s: float) -> Iterator[None]:
+    """The tokenizer role, registered: a gateway is ready once one is up."""
+    server = start_tokenizer_server(tokenizer, "127.0.0.1:0")
+    lease = Lease(registry, Member("tokenizer", "t", server.address), ttl_s).start()
+    try:
+        yield
+    finally:
+        lease.stop()
+        server.stop(0)
 
 
 class InProcessReplica:

@@ -31,15 +31,14 @@ from services.lora_request import LoRARequest
 from services.messages import TokenDelta
 from services.model_source import resolve_model
 from services.pooling_params import PoolingParams
-from services.registry import Lease, Member, Registry
+from services.registry import Member, Registry
 from services.sampling_params import SamplingParams
 from services.telemetry import EngineStatsCollector
 from tokenizer_svc.in_process import InProcessEncoder
-from tokenizer_svc.server import start_tokenizer_server
 from tokenizer_svc.tokenizer import Tokenizer
 
 from corpus import TEXT, parity_prompts
-from in_process_replica import InProcessReplica
+from in_process_replica import InProcessReplica, serving_tokenizer
 from servers import nats, redis_url  # noqa: F401  (fixtures)
 
 BLOCK = 16
@@ -80,15 +79,12 @@ def tokenizer() -> Tokenizer:
 @pytest.fixture(scope="module")
 def pair(nats, redis_url, tokenizer) -> Iterator[dict[str, InProcessReplica]]:
     registry = Registry(redis_url)
-    server = start_tokenizer_server(tokenizer, "127.0.0.1:0")  # a gateway is ready once a tokenizer is up
-    lease = Lease(registry, Member("tokenizer", "t", server.address), TTL_S).start()
-    replicas = {"prefill": start_replica("kv_producer", nats.url, registry),
-                "decode": start_replica("kv_consumer", nats.url, registry)}
-    yield replicas
-    for replica in replicas.values():
-        replica.close()
-    lease.stop()
-    server.stop(0)
+    with serving_tokenizer(registry, tokenizer, TTL_S):
+        replicas = {"prefill": start_replica("kv_producer", nats.url, registry),
+                    "decode": start_replica("kv_consumer", nats.url, registry)}
+        yield replicas
+        for replica in replicas.values():
+            replica.close()
     registry.close()
 
 

@@ -33,7 +33,7 @@ from tokenizer_svc.server import start_tokenizer_server
 from tokenizer_svc.tokenizer import Tokenizer
 
 from corpus import TEXT
-from in_process_replica import InProcessReplica
+from in_process_replica import InProcessReplica, serving_tokenizer
 from servers import nats, redis_url  # noqa: F401  (fixtures)
 
 ENGINE = dict(dtype="float32", num_gpu_blocks_override=64, max_model_len=256)
@@ -59,16 +59,13 @@ def tokenizer() -> Tokenizer:
 @pytest.fixture(scope="module")
 def replicas(nats, redis_url, tokenizer) -> Iterator[dict[str, InProcessReplica]]:
     registry = Registry(redis_url)
-    server = start_tokenizer_server(tokenizer, "127.0.0.1:0")
-    lease = Lease(registry, Member("tokenizer", "t", server.address), TTL_S).start()
-    # The registry lists schedulers by member id: "a" before "b", so under equal load
-    # a least-load gateway picks "a"; the prefix is put in "b".
-    replicas = {name: InProcessReplica(name, nats.url, registry, ENGINE, TTL_S) for name in ("a", "b")}
-    yield replicas
-    for replica in replicas.values():
-        replica.close()
-    lease.stop()
-    server.stop(0)
+    with serving_tokenizer(registry, tokenizer, TTL_S):
+        # The registry lists schedulers by member id: "a" before "b", so under equal load
+        # a least-load gateway picks "a"; the prefix is put in "b".
+        replicas = {name: InProcessReplica(name, nats.url, registry, ENGINE, TTL_S) for name in ("a", "b")}
+        yield replicas
+        for replica in replicas.values():
+            replica.close()
     registry.close()
 
 

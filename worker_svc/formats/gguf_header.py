@@ -17,6 +17,7 @@ _MAGIC = b"GGUF"
 # GGUF value type -> struct format of its scalar; 8 is a string, 9 an array.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")
 
 
 class BadGGUF(ValueError):
@@ -52,9 +53,12 @@ class _Cursor:
         self.offset += length
         return text
 
-    def skip_string(self) -> None:
-        length = self.scalar("Q")  # read before the offset it moves
-        self.offset += length
+    def skip_strings(self, count: int) -> None:
+        # A vocabulary is ~50k strings, each skipped by its length prefix: one tight loop, not a call each.
+        data, offset, unpack = self.data, self.offset, _LENGTH.unpack_from
+        for _ in range(count):
+            offset += 8 + unpack(data, offset)[0]
+        self.offset = offset
 
     def value(self, kind: int, whole: bool = False) -> Any:
         """An array's length, or with `whole` its items."""
@@ -68,9 +72,11 @@ class _Cursor:
                 return [self.value(item_kind, whole) for _ in range(count)]
             if item_kind in _SCALARS:
                 self.offset += count * struct.calcsize(_SCALARS[item_kind])
+            elif item_kind == _STRING:
+                self.skip_strings(count)
             else:
                 for _ in range(count):
-                    self.value(item_kind) if item_kind == _ARRAY else self.skip_string()
+                    self.value(item_kind)
             return count
         raise BadGGUF(f"unknown GGUF value type {kind}")
 

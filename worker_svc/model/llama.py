@@ -86,7 +86,8 @@ class VocabEmbedding(nn.Embedding):
     q8: Q8Blocks | None = None
 
     def __init__(self, rows: int, hidden_size: int, first_row: int, group: RankGroup) -> None:
-        super().__init__(rows, hidden_size)
+        # An empty weight skips nn.Embedding's random init, whose normal_ imports torch._dynamo (2 s a start).
+        super().__init__(rows, hidden_size, _weight=torch.empty(rows, hidden_size))
         self.first_row = first_row
         self.group = group
 

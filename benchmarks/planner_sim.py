@@ -42,6 +42,9 @@ Policies:
   raised before the afternoon; what forecasting the switch perfectly could buy.
 - decode_floors (not policies): the planner with a decode floor all day, told the
   afternoon's need but not its hour; what insuring against the switch costs.
+- planner with a season (--season, a day): measured on the day after a day of the same
+  shape (other requests), its forecast at least what each demand was over the coming
+  horizon the day before; and the control, the same two days without a season.
 The bar in its robust form (bar_against_every_fixed_pair): every fixed pair meeting the
 targets for at least the planner's share costs at least 4/3 of its replica-hours.
 Bounds for both autoscalers: 1 to MAX_REPLICAS per pool. The workload, the targets, the
@@ -138,10 +141,11 @@ def make_trace(seed: int) -> list[Request]:
 
 @dataclass
 class Billing:
+    since: float = 0.0  # what ran before is not counted (a day that only warms a planner up)
     hours: float = 0.0
 
     def pay(self, start: float, end: float) -> None:
-        self.hours += (end - start) / 3600
+        self.hours += max(0.0, end - max(start, self.since)) / 3600
 
 
 @dataclass(eq=False)
@@ -196,10 +200,10 @@ class DecodeReplica:
 class Fleet:
     """One policy's run over the trace."""
 
-    def __init__(self, prefill: int, decode: int) -> None:
+    def __init__(self, prefill: int, decode: int, billed_from: float = 0.0) -> None:
         self.prefill = [PrefillReplica(0.0, 0.0) for _ in range(prefill)]
         self.decode = [DecodeReplica(0.0, 0.0) for _ in range(decode)]
-        self.bill = Billing()
+        self.bill = Billing(billed_from)
         self.events: list = []
         self.order = 0
         self.queue: deque[Request] = deque()  # waiting for a decode slot
@@ -314,8 +318,11 @@ class Fleet:
         return seen
 
 
-def run(trace: list[Request], policy, start: tuple[int, int], tick_s: float | None) -> dict:
-    fleet = Fleet(*start)
+def run(trace: list[Request], policy, start: tuple[int, int], tick_s: float | None, days: int = 1) -> dict:
+    """One policy over `days` days of `trace`; only the last day is measured and paid for
+    (the others only warm the policy up)."""
+    measured_from = (days - 1) * DAY_S
+    fleet = Fleet(*start, billed_from=measured_from)
     requests = [Request(r.arrival, r.prompt, r.output) for r in trace]
     for request in requests:
         fleet.push(request.arrival, "arrive", request)
@@ -336,11 +343,12 @@ def run(trace: list[Request], policy, start: tuple[int, int], tick_s: float | No
             if payload in fleet.prefill:
                 fleet.bill.pay(payload.added, at)
                 fleet.prefill.remove(payload)
-        elif kind == "tick" and at < DAY_S:  # after the day, the fleet only finishes what it holds
+        elif kind == "tick" and at < days * DAY_S:  # after the day, the fleet only finishes what it holds
             fleet.resize(*policy(fleet.observe(), at))
             fleet.push(at + tick_s, "tick", None)
     for replica in fleet.prefill + fleet.decode:
-        fleet.bill.pay(replica.added, max(fleet.now, DAY_S))
+        fleet.bill.pay(replica.added, max(fleet.now, days * DAY_S))
+    requests = [r for r in requests if r.arrival >= measured_from]
     met = sum(1 for r in requests if r.ttft <= TTFT_TARGET_S and r.itl <= ITL_TARGET_S)
     return {
         "requests": len(requests),
@@ -351,18 +359,18 @@ def run(trace: list[Request], policy, start: tuple[int, int], tick_s: float | No
     }
 
 
-def planner_config(decode_min: int = 1) -> PlannerConfig:
+def planner_config(decode_min: int = 1, season_s: float = 0.0) -> PlannerConfig:
     """The planner's defaults (utilization, cooldown, scale-down window, forecast window),
     with the simulated fleet's targets, measured capacity, bounds and start-up time."""
     return PlannerConfig(
         ttft_target_s=TTFT_TARGET_S, itl_target_s=ITL_TARGET_S,
         capacity=Capacity(PREFILL_TOKENS_PER_S, DECODE_CAPACITY),
         bounds={"prefill": Bounds(1, MAX_REPLICAS), "decode": Bounds(decode_min, MAX_REPLICAS)},
-        interval_s=PLANNER_INTERVAL_S, startup_s=STARTUP_S)
+        interval_s=PLANNER_INTERVAL_S, startup_s=STARTUP_S, season_s=season_s)
 
 
-def planner_policy(decode_min: int = 1):
-    config = planner_config(decode_min)
+def planner_policy(decode_min: int = 1, season_s: float = 0.0):
+    config = planner_config(decode_min, season_s)
     state = PlannerState(config.capacity)
 
     def policy(seen: dict, now: float) -> tuple[int, int]:
@@ -477,14 +485,25 @@ def told_in_advance_bound(trace: list[Request]) -> dict:
     return run(trace, policy, (1, 1), PLANNER_INTERVAL_S)
 
 
+def seasonal(trace: list[Request]) -> tuple[dict, dict]:
+    """The planner with a season of DAY_S (--season), measured on the trace's day after
+    one day of the same shape with other requests (another seed): it has seen yesterday's
+    switch, and nothing else of the schedule. With the same two days and no season, the
+    control: what the day before alone (a fleet warm at dawn) changes."""
+    yesterday = make_trace(seed=10)
+    today = [Request(r.arrival + DAY_S, r.prompt, r.output) for r in trace]
+    return tuple(run(yesterday + today, planner_policy(season_s=season), (1, 1), PLANNER_INTERVAL_S, days=2)
+                 for season in (DAY_S, 0.0))
+
+
 def decode_floors(trace: list[Request]) -> list[dict]:
     """Not policies: the planner with a floor under its decode pool all day
     (--decode-min-replicas), what a planner that is not told when long answers come
-    could hold against them instead, if told how many replicas they need. The floors
-    around that need (the afternoon's peak at the ITL capacity, 5)."""
+    could hold against them instead, if told how many replicas they need: that need (the
+    afternoon's peak at the ITL capacity, 5) and one less."""
     need = math.ceil(5 * BASE_RATE * PHASES["decode-heavy"][1] / (DECODE_CAPACITY / ITL_TARGET_S))
     return [{"decode_min_replicas": floor, **run(trace, planner_policy(floor), (1, floor), PLANNER_INTERVAL_S)}
-            for floor in (need - 1, need, need + 1)]
+            for floor in (need - 1, need)]
 
 
 def bar(planner: dict, other: dict) -> dict:
@@ -537,6 +556,9 @@ def main() -> None:
     log(f"told in advance: {told}")
     floors = decode_floors(trace)
     log(f"decode floors: {floors}")
+    with_season, control = seasonal(trace)
+    log(f"planner with a season, the day after: {with_season}; the same days without: {control}")
+    season_as_good = cheapest_fixed(fixed, with_season["met_both_share"])
     report = {
         "model": {"day_s": DAY_S, "base_rate": BASE_RATE, "phases": PHASES, "prefill_tokens_per_s": PREFILL_TOKENS_PER_S,
                   "step_s": f"{STEP_BASE_S} + {STEP_PER_SEQ_S} x sequences", "max_num_seqs": MAX_NUM_SEQS,
@@ -547,10 +569,16 @@ def main() -> None:
         "highest_fixed": highest, "cheapest_fixed_at_highest": highest_cheapest,
         "fixed_swept": sorted(fixed.swept, key=lambda r: (r["prefill"], r["decode"])),
         "reactive_bound": bound, "told_in_advance_bound": told, "decode_floors": floors,
+        "planner_with_season": with_season, "planner_day_after_without_season": control,
+        "cheapest_fixed_at_or_above_planner_with_season": season_as_good,
         "bar": {"vs_every_fixed_pair_at_or_above_planner": bar_against_every_fixed_pair(planner, as_good),
                 "vs_cheapest_fixed_at_or_above_planner": bar(planner, as_good),
                 "vs_cheapest_fixed_at_highest": bar(planner, highest_cheapest),
-                "vs_keda": bar(planner, keda)},
+                "vs_keda": bar(planner, keda),
+                "with_season": {"vs_every_fixed_pair_at_or_above": bar_against_every_fixed_pair(with_season,
+                                                                                                season_as_good),
+                                "vs_cheapest_fixed_at_or_above_planner_without_season": bar(with_season, as_good),
+                                "vs_keda": bar(with_season, keda)}},
         "wall_s": round(time.perf_counter() - began, 1),
         "loadavg_end": os.getloadavg(),
     }

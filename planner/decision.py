@@ -31,8 +31,9 @@ decision's replicas one interval later still, so the rule provisions for the loa
 `startup_s` + one interval ahead: the least-squares line through the demand's samples
 of the last `forecast_window_s` (by default that same horizon), read that far ahead
 when it rises, read now when it falls (planner/forecast.py says why a line and not a
-change between two samples). Then divided by a utilization below 1 (headroom for bursts
-within an interval).
+change between two samples); with a `season_s` (a load that repeats daily), at least
+what the demand was over that horizon one season ago. Then divided by a utilization
+below 1 (headroom for bursts within an interval).
 
 Capacity is measured (a profile of one replica at the targets), then corrected by what
 the fleet shows, for one interval at a time: a pool that misses its latency target at a
@@ -107,10 +108,14 @@ class PlannerConfig:
     # Each demand's trend line is fit through its samples of the last this many seconds
     # (None: startup_s + one interval, as far back as the forecast looks ahead).
     forecast_window_s: float | None = None
+    # The period the load repeats with (a day), for a seasonal term in the forecast; 0: none.
+    season_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ttft_target_s <= 0 or self.itl_target_s <= 0 or self.interval_s <= 0:
             raise ValueError("the targets and the interval must be positive")
+        if self.season_s < 0:
+            raise ValueError(f"season_s must be at least 0, got {self.season_s}")
         if self.forecast_window_s is not None and self.forecast_window_s <= 0:
             raise ValueError(f"forecast_window_s must be positive, got {self.forecast_window_s}")
         if self.startup_s < 0:
@@ -226,7 +231,7 @@ def wanted_replicas(config: PlannerConfig, state: PlannerState, seen: Observatio
     wanted: dict[str, tuple[int, str]] = {}
 
     def forecast(key: str, value: float) -> float:
-        series = state.forecasts.setdefault(key, Forecast(config.window_s))
+        series = state.forecasts.setdefault(key, Forecast(config.window_s, config.season_s))
         series.add(now_s, value)
         return series.ahead(config.ahead_s)
 

@@ -148,7 +148,8 @@ def test_a_missed_target_lowers_the_capacity_for_that_interval_only():
 
 
 @pytest.mark.parametrize("bad", [dict(utilization=0), dict(ttft_target_s=0), dict(bounds={"gpu": Bounds(0, 1)}),
-                                 dict(startup_s=-1), dict(forecast_window_s=0)])
+                                 dict(startup_s=-1), dict(forecast_window_s=0),
+                                 dict(season_s=-1)])
 def test_bad_settings_are_refused_by_name(bad):
     with pytest.raises(ValueError):
         config(**bad)

@@ -33,3 +33,19 @@ def test_a_fall_is_met_by_the_line_now_and_old_samples_leave_the_window():
     series.add(200, 50)  # the others are older than 60 s; two samples are kept for a line
     assert [at for at, _ in series.samples] == [60, 200]
     assert series.ahead(120) == pytest.approx(50)
+
+
+def test_with_a_season_the_forecast_is_at_least_what_came_next_one_season_ago():
+    # A day of 1000 s: flat at 100, then 600 from 500 s on. The next day at 430 s the
+    # line is flat at 100, but the day before, within the coming 120 s, it rose to 600.
+    series = Forecast(120, season_s=1000)
+    for at in range(0, 1430 + 1, 30):
+        series.add(at, 600 if 500 <= at < 1000 else 100)
+    assert series.ahead(120) == 600
+    assert series.ahead(30) == 100  # the rise was more than 30 s on
+    # Without a season, or before a season of samples, the line alone.
+    assert forecast([(at, 100) for at in range(0, 1430 + 1, 30)]).ahead(120) == 100
+    young = Forecast(120, season_s=1000)
+    for at in range(400, 430 + 1, 30):
+        young.add(at, 100)
+    assert young.ahead(120) == 100

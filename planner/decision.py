@@ -126,7 +126,6 @@ class PlannerConfig:
         if unknown:
             raise ValueError(f"unknown pools {sorted(unknown)}; pools are {', '.join(POOLS)}")
 
-
     @property
     def ahead_s(self) -> float:
         """How far ahead a count decided now must hold: until the next decision's replicas serve."""

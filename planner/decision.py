@@ -13,25 +13,27 @@ planner is, not a threshold on one queue-length number as KEDA's and the HPA's a
   second at the TTFT target;
 - decode replicas = the tokens per second to generate / one replica's at the ITL
   target. Where the fleet's generation rate is known (the gateways'
-  `vllm:generation_tokens_total`), the demand is that rate with the waiting sequences
-  added at the rate each running one steps; a replica that holds C sequences within the
-  ITL target generates C / target tokens a second (Little's law). Not the count of
-  sequences itself: that count grows as the steps slow (a sequence stays as many steps
-  as it has tokens), so at a light load per replica it understates what fewer replicas
-  would hold (on the simulator's afternoon, 150 fast sequences on 16 replicas asked for
-  3, where those 3 would hold 900 slow ones). Without the rate, the sequences / the
-  sequences one replica decodes within the ITL target;
+  `vllm:generation_tokens_total`), the demand is that rate, or, where more, what the
+  running sequences would generate each stepping at the ITL target (an overloaded pool
+  generates less than it is asked for: its rate alone reads as what it can do), the
+  waiting sequences added at the same rate per sequence; a replica that holds C
+  sequences within the ITL target generates C / target tokens a second (Little's law).
+  Not the count of sequences itself: that count grows as the steps slow (a sequence
+  stays as many steps as it has tokens), so at a light load per replica it understates
+  what fewer replicas would hold (on the simulator's afternoon, 150 fast sequences on 16
+  replicas asked for 3, where those 3 would hold 900 slow ones). Without the rate, the
+  sequences / the sequences one replica decodes within the ITL target;
 - combined replicas: the sum of the two fractions (one replica time-shares both).
 
-Each demand is extrapolated from its trend to the end of the time a count decided now
-must hold: a new replica serves `startup_s` after it is asked for (it loads its model),
-and the next decision's replicas one interval later still, so the rule provisions for
-the load `startup_s` + one interval ahead. The prompt tokens' trend is their change
-over the last `startup_s` (at least one interval: an arrival count is noisy, a longer
-base has less noise to extrapolate), the decoding's over the last interval (the
-sequences in flight are a level, smooth, and the first to show longer answers); only
-upward (scale-down waits for a fall to be seen). Then divided by a utilization below 1
-(headroom for bursts within an interval).
+Each demand is forecast to the end of the time a count decided now must hold: a new
+replica serves `startup_s` after it is asked for (it loads its model), and the next
+decision's replicas one interval later still, so the rule provisions for the load
+`startup_s` + one interval ahead: the least-squares line through the demand's samples
+of the last `forecast_window_s` (by default that same horizon), read that far ahead
+when it rises, read now when it falls (planner/forecast.py says why a line and not a
+change between two samples); with a `season_s` (a load that repeats daily), at least
+what the demand was over that horizon one season ago. Then divided by a utilization
+below 1 (headroom for bursts within an interval).
 
 Capacity is measured (a profile of one replica at the targets), then corrected by what
 the fleet shows, for one interval at a time: a pool that misses its latency target at a
@@ -54,6 +56,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
+
+from planner.forecast import Forecast
 
 POOLS = ("prefill", "decode", "combined")
 # How far a miss can lower the capacity: a latency spike with another cause (a slow
@@ -101,10 +105,19 @@ class PlannerConfig:
     # Seconds from a scale-up to the new replica serving (its pod scheduled, its model
     # loaded): the demand is provisioned for this far ahead, plus one interval.
     startup_s: float = 0.0
+    # Each demand's trend line is fit through its samples of the last this many seconds
+    # (None: startup_s + one interval, as far back as the forecast looks ahead).
+    forecast_window_s: float | None = None
+    # The period the load repeats with (a day), for a seasonal term in the forecast; 0: none.
+    season_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ttft_target_s <= 0 or self.itl_target_s <= 0 or self.interval_s <= 0:
             raise ValueError("the targets and the interval must be positive")
+        if self.season_s < 0:
+            raise ValueError(f"season_s must be at least 0, got {self.season_s}")
+        if self.forecast_window_s is not None and self.forecast_window_s <= 0:
+            raise ValueError(f"forecast_window_s must be positive, got {self.forecast_window_s}")
         if self.startup_s < 0:
             raise ValueError(f"startup_s must be at least 0, got {self.startup_s}")
         if not 0 < self.utilization <= 1:
@@ -112,6 +125,15 @@ class PlannerConfig:
         unknown = set(self.bounds) - set(POOLS)
         if unknown:
             raise ValueError(f"unknown pools {sorted(unknown)}; pools are {', '.join(POOLS)}")
+
+    @property
+    def ahead_s(self) -> float:
+        """How far ahead a count decided now must hold: until the next decision's replicas serve."""
+        return self.startup_s + self.interval_s
+
+    @property
+    def window_s(self) -> float:
+        return self.ahead_s if self.forecast_window_s is None else self.forecast_window_s
 
 
 @dataclass(frozen=True)
@@ -160,33 +182,20 @@ class PlannerState:
     last_change_s: dict[str, float] = field(default_factory=dict)
     # (time, count asked for) per pool, over the scale-down window
     asked: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
-    # (time, observation) back to the newest one at least startup_s old: the trend's base
-    seen: deque[tuple[float, Observation]] = field(default_factory=deque)
+    # per demand ("prompt", "decode:<pool>"): its recent samples and their trend line
+    forecasts: dict[str, Forecast] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Trend:
-    """A demand's change since `base`, an observation `base_s` before this one, carried
-    `ahead_s` further."""
-
-    base: Observation | None
-    base_s: float
-    ahead_s: float
-
-    def __call__(self, now: float, before: float | None) -> float:
-        """`now` extrapolated `ahead_s` from its change over `base_s`; never below `now`'s
-        own value when the load falls (scale-down waits for the fall to be seen)."""
-        if before is None:
-            return now
-        return now + max(0.0, now - before) * self.ahead_s / self.base_s
-
-
-def decode_tokens_rate(seen: Observation, pool: PoolObservation) -> float | None:
-    """The tokens per second a pool is asked to generate: what the fleet generated, the
-    waiting sequences added at the rate each running one steps. None without a rate."""
+def decode_tokens_rate(seen: Observation, pool: PoolObservation, itl_target_s: float) -> float | None:
+    """The tokens per second a pool is asked to generate: what the fleet generated, or,
+    where that is less, what its running sequences would generate each stepping at the
+    ITL target (a pool stepping slower than its target, overloaded, generates less than
+    it is asked for, and its rate alone would say the load is what it can do); the
+    waiting sequences added at the same rate per sequence. None without a rate."""
     if seen.generation_tokens_rate is None or pool.running <= 0:
         return None
-    return seen.generation_tokens_rate * (pool.running + pool.waiting) / pool.running
+    rate = max(seen.generation_tokens_rate, pool.running / itl_target_s)
+    return rate * (pool.running + pool.waiting) / pool.running
 
 
 def corrected_capacity(config: PlannerConfig, seen: Observation) -> Capacity:
@@ -203,7 +212,7 @@ def corrected_capacity(config: PlannerConfig, seen: Observation) -> Capacity:
     if decode_pool and decode_pool.up and seen.itl_p90_s is not None and seen.itl_p90_s > config.itl_target_s:
         # The load per replica in sequences; from the generation rate, the sequences that
         # rate would be at the ITL target (C sequences at the target step C / target a second).
-        rate = decode_tokens_rate(seen, replace(decode_pool, waiting=0))
+        rate = seen.generation_tokens_rate
         load = decode_pool.running if rate is None else rate * config.itl_target_s
         decode = _lowered(decode, load / decode_pool.up)
     return Capacity(prefill, decode)
@@ -213,14 +222,19 @@ def _lowered(capacity: float, load: float) -> float:
     return max(capacity * MAX_CAPACITY_DROP, min(capacity, load))
 
 
-def wanted_replicas(config: PlannerConfig, capacity: Capacity, seen: Observation, arrivals: Trend,
-                    in_flight: Trend) -> dict[str, tuple[int, str]]:
-    """The predictive rule: per pool, (replicas, why). The prompt tokens' trend is
-    `arrivals`, the decoding's `in_flight` (decide says why two)."""
-    interval = config.interval_s
-    before = arrivals.base
-    tokens_rate = arrivals(seen.prompt_tokens_rate, before.prompt_tokens_rate if before else None)
+def wanted_replicas(config: PlannerConfig, state: PlannerState, seen: Observation,
+                    now_s: float) -> dict[str, tuple[int, str]]:
+    """The predictive rule: per pool, (replicas, why), each demand its forecast
+    `startup_s` + one interval ahead (planner/forecast.py)."""
+    capacity, interval = state.capacity, config.interval_s
     wanted: dict[str, tuple[int, str]] = {}
+
+    def forecast(key: str, value: float) -> float:
+        series = state.forecasts.setdefault(key, Forecast(config.window_s, config.season_s))
+        series.add(now_s, value)
+        return series.ahead(config.ahead_s)
+
+    tokens_rate = forecast("prompt", seen.prompt_tokens_rate)
 
     def prefill_share(pool: PoolObservation) -> tuple[float, str]:
         # The tokens already queued must be computed within one interval, beside the new ones.
@@ -229,16 +243,12 @@ def wanted_replicas(config: PlannerConfig, capacity: Capacity, seen: Observation
         return share, f"{tokens_rate:.0f}+{backlog:.0f} prompt tok/s over {capacity.prefill_tokens_per_s:.0f}"
 
     def decode_share(name: str, pool: PoolObservation) -> tuple[float, str]:
-        before = in_flight.base
-        previous = before.pools.get(name) if before else None
-        rate = decode_tokens_rate(seen, pool)
+        rate = decode_tokens_rate(seen, pool, config.itl_target_s)
         if rate is not None:
-            rate_before = decode_tokens_rate(before, previous) if before and previous else None
-            rate = in_flight(rate, rate_before)
+            rate = forecast(f"decode:{name}", rate)
             per_replica = capacity.decode_sequences / config.itl_target_s
             return rate / per_replica, f"{rate:.0f} gen tok/s over {per_replica:.0f}"
-        sequences = pool.running + pool.waiting
-        sequences = in_flight(sequences, previous.running + previous.waiting if previous else None)
+        sequences = forecast(f"sequences:{name}", pool.running + pool.waiting)
         return sequences / capacity.decode_sequences, f"{sequences:.0f} seqs over {capacity.decode_sequences:.1f}"
 
     for name, pool in seen.pools.items():
@@ -257,25 +267,7 @@ def wanted_replicas(config: PlannerConfig, capacity: Capacity, seen: Observation
 def decide(config: PlannerConfig, state: PlannerState, seen: Observation, now_s: float) -> Decision:
     """One decision: updates `state` and returns the count each pool should have."""
     state.capacity = corrected_capacity(config, seen)
-    # Two trends, both carried startup_s + one interval ahead. The prompt tokens per
-    # second are arrivals counted over one interval, a sample as noisy as a Poisson
-    # count (1/sqrt(n) of it): their change over one interval, carried several intervals
-    # ahead, is mostly that noise, so their base is the newest observation at least
-    # startup_s old (the oldest kept, early on). The decoding is a level, the sequences in
-    # flight, each there for its whole answer (its rate sums every step of the interval):
-    # its change over the last interval is signal, and the first sign that answers grew.
-    observed = state.seen
-    while len(observed) > 1 and observed[1][0] <= now_s - config.startup_s:
-        observed.popleft()
-    ahead_s = config.startup_s + config.interval_s
-
-    def trend_since(at: float, base: Observation) -> Trend:
-        return Trend(base, max(now_s - at, 1e-9), ahead_s)
-
-    none = Trend(None, config.interval_s, ahead_s)
-    arrivals = trend_since(*observed[0]) if observed else none
-    in_flight = trend_since(*observed[-1]) if observed else none
-    wanted = wanted_replicas(config, state.capacity, seen, arrivals, in_flight)
+    wanted = wanted_replicas(config, state, seen, now_s)
     replicas, asked, reasons = {}, {}, {}
     for name, (count, why) in wanted.items():
         bounds = config.bounds.get(name, Bounds(0, max(count, seen.pools[name].replicas)))
@@ -301,5 +293,4 @@ def decide(config: PlannerConfig, state: PlannerState, seen: Observation, now_s:
             state.last_change_s[name] = now_s
         replicas[name] = target
         reasons[name] = f"{why} -> {count} wanted, {current} now, {target} decided"
-    observed.append((now_s, seen))
     return Decision(now_s, replicas, asked, replace(state.capacity), reasons)

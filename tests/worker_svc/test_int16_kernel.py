@@ -2,7 +2,8 @@
 steps where AVX-512 VNNI does not run: its product is that of the activations quantized
 per block of 32 to int16 (as the VNNI kernel's, test_vnni_kernel.py) and exactly the GGUF
 weights (4-bit in PackedQ4's layout, 8-bit as Q8Blocks hold them), within about 1e-5 of
-the float32 product, and Q4Linear and Q8Linear send their small steps to it."""
+the float32 product, and Q4Linear and Q8Linear send their small steps to it, which in a
+decode step take every thread though torch's ops take one."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,6 +16,7 @@ from worker_svc.formats.q4_weights import GROUP_SIZE, Q4Blocks
 from worker_svc.formats.q8_weights import Q8Blocks
 from worker_svc.kernels.cpu import int16_gemm, vnni_gemm
 from worker_svc.kernels.cpu.q4_gemm import PackedQ4
+from worker_svc.kernels.cpu.threads import decode_threads, step_threads
 from worker_svc.model.q4_linear import INT16_MAX_ROWS, DequantScratch, Q4Linear
 from worker_svc.model.q8_linear import Q8Linear
 
@@ -121,3 +123,23 @@ def test_layers_send_small_steps_to_it(rows):
     head_blocks = random_q8(48, 3 * 32)
     head = Q8Linear(head_blocks, torch.float32)
     assert torch.equal(head(x[:, :96]), kernel.q8_linear(head_blocks, x[:, :96]))
+
+
+@needs_kernel
+def test_a_decode_step_gives_it_every_thread(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # kvfleet's default: a small step runs torch on one thread
+    packed = PackedQ4.from_blocks(random_blocks(GGMLQuantizationType.Q4_1, 195, 7 * 32))
+    x = torch.randn(1, 7 * 32)
+    alone = kernel.q4_linear(packed, x, None)  # a call this small takes one thread outside a step
+    function, threads_taken = kernel.q4_function, []
+    monkeypatch.setattr(kernel, "q4_function", lambda *args: (threads_taken.append(args[-1]), function(*args))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with step_threads(torch.device("cpu"), 1):
+            assert torch.get_num_threads() == 1 and decode_threads() == 2
+            in_step = kernel.q4_linear(packed, x, None)
+        assert decode_threads() == 0
+    finally:
+        torch.set_num_threads(before)
+    assert threads_taken == [2] and torch.equal(in_step, alone)  # each output row on one thread: the same bits

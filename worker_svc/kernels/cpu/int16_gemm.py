@@ -20,7 +20,7 @@ import torch
 from worker_svc.formats.q8_weights import Q8Blocks
 from worker_svc.kernels.cpu.library import AVX2_CPU_FLAGS, AVX2_FLAGS, bind, load_library, pointer
 from worker_svc.kernels.cpu.q4_gemm import PASSIVE_PARALLEL_MIN_MACS, PackedQ4, checked_call
-from worker_svc.kernels.cpu.threads import idle_threads_sleep
+from worker_svc.kernels.cpu.threads import decode_threads, idle_threads_sleep
 
 SOURCE = Path(__file__).parent / "csrc" / "int16_gemm.cpp"
 
@@ -33,13 +33,15 @@ class Int16Kernel:
                                                           ctypes.c_int])
         self.q8_function = bind(library.q8_int16_linear, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64,
                                                           ctypes.c_int])
-        # As for the float32 kernel: waking a sleeping thread costs more than a small call.
+        # As for the float32 kernel: waking a sleeping thread costs more than a small call (but
+        # in a decode step the pool's helpers poll, and every call takes decode_threads()).
         self.min_parallel_macs = PASSIVE_PARALLEL_MIN_MACS if idle_threads_sleep() else 0
 
     def q4_linear(self, packed: PackedQ4, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] float32 (rows may lie apart) -> x @ W.T + bias [rows, out] float32."""
         x, threads = checked_call(x, bias, packed.in_features, packed.out_features, self.min_parallel_macs,
                                   rows_apart=True)
+        threads = decode_threads() or threads
         out = torch.empty(x.shape[0], packed.out_features)
         self.q4_function(x.data_ptr(), x.stride(0), packed.codes.data_ptr(), packed.scale_offsets.data_ptr(),
                          pointer(bias), out.data_ptr(), *x.shape, packed.out_features, threads)
@@ -49,6 +51,7 @@ class Int16Kernel:
         """x [rows, in] float32 (rows may lie apart) -> x @ W.T [rows, out] float32."""
         rows, cols = blocks.shape
         x, threads = checked_call(x, None, cols, rows, self.min_parallel_macs, rows_apart=True)
+        threads = decode_threads() or threads
         out = torch.empty(x.shape[0], rows)
         self.q8_function(x.data_ptr(), x.stride(0), blocks.codes.data_ptr(), blocks.scales.data_ptr(),
                          out.data_ptr(), *x.shape, rows, threads)

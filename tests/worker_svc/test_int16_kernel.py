@@ -3,7 +3,8 @@ steps where AVX-512 VNNI does not run: its product is that of the activations qu
 per block of 32 to int16 (as the VNNI kernel's, test_vnni_kernel.py) and exactly the GGUF
 weights (4-bit in PackedQ4's layout, 8-bit as Q8Blocks hold them), within about 1e-5 of
 the float32 product, and Q4Linear and Q8Linear send their small steps to it, which in a
-decode step take every thread though torch's ops take one."""
+decode step take every thread though torch's ops take one (a worker whose model runs it
+says so to its steps: test_q8_weights.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -136,10 +137,13 @@ def test_a_decode_step_gives_it_every_thread(monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with step_threads(torch.device("cpu"), 1):
+        with step_threads(torch.device("cpu"), 1):  # a model without these GEMMs: its helpers sleep
+            assert torch.get_num_threads() == 1 and decode_threads() == 0
+        with step_threads(torch.device("cpu"), 1, decode_gemms=True):
             assert torch.get_num_threads() == 1 and decode_threads() == 2
             in_step = kernel.q4_linear(packed, x, None)
         assert decode_threads() == 0
     finally:
         torch.set_num_threads(before)
     assert threads_taken == [2] and torch.equal(in_step, alone)  # each output row on one thread: the same bits
+

@@ -44,7 +44,8 @@ class Q8Linear(nn.Module):
         self.vnni = vnni_gemm.load()
         self.panels = None if self.vnni is None else Q8Panels.from_blocks(blocks)
         self.kernel = q8_gemm.load()  # None where it could not be built: every step takes the dense head
-        self.int16 = int16_gemm.load()  # the same blocks, faster than `kernel` at every size it serves
+        # The same blocks, faster than `kernel` at every size it serves; not where the VNNI one runs.
+        self.int16 = None if self.panels is not None else int16_gemm.load()
         self.dense: Linear | None = None
         if self.panels is None:
             self.dense = Linear(self.in_features, self.out_features, bias=False)

@@ -76,11 +76,12 @@ def decode_threads() -> int:
 
 
 @contextmanager
-def step_threads(device: torch.device, num_tokens: int) -> Iterator[None]:
+def step_threads(device: torch.device, num_tokens: int, decode_gemms: bool = False) -> Iterator[None]:
     """A CPU step: torch's ops on the calling thread alone where waking the others costs more
-    than they give (OpenMP's thread count is per calling thread, so this one step's), and
-    the decode GEMMs on all (decode_threads); otherwise with the kernels' pool helpers
-    polling for its parallel regions until it ends."""
+    than they give (OpenMP's thread count is per calling thread, so this one step's), and,
+    for a model whose decode GEMMs take them (`decode_gemms`), those on all (decode_threads;
+    other models' helpers keep sleeping); otherwise with the kernels' pool helpers polling
+    for its parallel regions until it ends."""
     threads = torch.get_num_threads()
     if device.type != "cpu" or threads == 1:
         yield
@@ -88,14 +89,15 @@ def step_threads(device: torch.device, num_tokens: int) -> Iterator[None]:
     pool = thread_pool()
     if idle_threads_sleep() and num_tokens <= SINGLE_THREAD_MAX_TOKENS:
         torch.set_num_threads(1)
-        if pool is not None:
+        polled = pool is not None and decode_gemms
+        if polled:
             pool.kvfleet_pool_steps(1)
             _small_step.threads = threads
         try:
             yield
         finally:
             torch.set_num_threads(threads)
-            if pool is not None:
+            if polled:
                 _small_step.threads = 0
                 pool.kvfleet_pool_steps(-1)
         return

@@ -1,14 +1,15 @@
 // y = x @ W^T + bias over GGUF blocks (4-bit projections, the 8-bit LM head) with int16
 // activations, on AVX2 (no VNNI), for steps of few rows: decode.
 //
-// The float32 kernels (q4_gemm.cpp, q8_gemm.cpp) widen every code to a float and FMA it, 12
-// instructions a 4-bit block before its 4 FMAs a row: a 1-row step ran at 3-5 GB/s of weights
-// against 11-14 GB/s for a plain read. Here x is quantized per row and block of 32 inputs to
+// The float32 kernels (q4_gemm.cpp, q8_gemm.cpp) widen every code to a float and FMA it, about
+// 20 instructions a 4-bit block before its 4 FMAs a row: a 1-row step ran at 2.5-4.5 GB/s of
+// weights on one thread against 13 GB/s for a plain read; this kernel at 6.3-10.9
+// (benchmarks/roofline.py, docs/cpu.md). Here x is quantized per row and block of 32 inputs to
 // int16 with scale a = amax / 32767 (as vnni_gemm.cpp's, the same values to the bit), and a
 // block's dot product is exact in int32:
 //   sum_k (code_k * d + m) * (q_k * a) = d * a * sum_k code_k * q_k + m * a * sum_k q_k,
 // with (d, m) the weight block's float16 scale and offset (Q8_0 has no offset). The codes
-// are widened only to int16 (two instructions a block) and multiplied 16 pairs at a time
+// are widened only to int16 (a shift, a mask and two unpacks a block) and multiplied 16 pairs at a time
 // (VPMADDWD, exact: |code * q| <= 128 * 32767); the scales are applied once a block.
 //
 // The weights are read in the float32 kernels' layouts (PackedQ4, Q8Blocks), so a layer keeps
@@ -184,9 +185,10 @@ void tile(const Weights& w, const Call& c, int64_t n0, int64_t m0) {
     }
 }
 
-// Output rows n0 .. n0 + NR for every row of x: one row of x takes NR at once (independent
-// chains for the one row); more rows take up to 4 at a time against one output row, so
-// that each block is widened once for them.
+// Output rows n0 .. n0 + NR for every row of x. One row of x takes them one after another, each
+// a single stream of codes (two and four interleaved, more streams at once, read the 8-bit head
+// and the 1536-wide down projection at half the rate); more rows take up to 4 at a time against
+// one output row, so that each block is widened once for them.
 template <int NR, class Weights>
 void rows_tile(const Weights& w, const Call& c, int64_t n0) {
   if (c.M == 1) {

@@ -43,7 +43,7 @@ def test_the_encoder_matches_sentence_transformers_in_one_batch(encoder, sentenc
 
 
 def test_a_step_of_unsorted_lengths_is_each_sequence_alone(encoder):
-    """The model groups a step's sequences by length (shortest first, GROUP_TOKENS a
+    """The model groups a step's sequences by length (shortest first, GROUP_BYTES a
     group, padding its attention to its longest): sequences arriving in any order, of
     lengths that cut the step into several groups, each get its own hidden states back
     in its own rows, as if computed alone."""
@@ -51,7 +51,7 @@ def test_a_step_of_unsorted_lengths_is_each_sequence_alone(encoder):
 
     model = encoder.engine.worker.model
     lengths = [40, 3, 256, 3, 17, 1, 120, 255, 64]
-    assert len(bert._groups(lengths, model.config.hidden_size, model.config.intermediate_size)) > 2
+    assert len(bert._groups(lengths, model.config, 4)) > 2
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randint(1000, 20000, (n,), generator=generator) for n in lengths]
     types = [torch.zeros(n, dtype=torch.long) for n in lengths]

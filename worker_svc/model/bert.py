@@ -67,27 +67,32 @@ class _Padding:
         return flat.index_select(0, self.rows) if self.padded else flat
 
 
-# The most tokens that go through the layers together. A whole step at once (8,192 tokens)
-# allocated tensors of 30-50 MB per layer, past glibc's largest mmap threshold (32 MB): each
-# came fresh from the kernel, its pages faulted in and zeroed, and fell out of the caches.
-GROUP_TOKENS = 2048
+# The most bytes of a group's largest tensor (its intermediate activations). A whole step
+# at once (8,192 tokens of all-MiniLM-L6-v2) allocated 30-50 MB per layer, past glibc's
+# largest mmap threshold (32 MB): each came fresh from the kernel, its pages faulted in
+# and zeroed (0.8 s of system time and 650,000 page faults in 300 sentences, against
+# 0.03 s and 17,000 in groups), and fell out of the caches. 12 MiB is 2,048 of its tokens.
+GROUP_BYTES = 12 << 20
 # A group ends where padding its attention would add more than this share to its work.
 GROUP_PADDING_COST = 0.05
 
 
-def _groups(lengths: list[int], hidden_size: int, intermediate_size: int) -> list[list[int]]:
+def _groups(lengths: list[int], config: ModelConfig, element_size: int) -> list[list[int]]:
     """The sequences (indices into `lengths`) in groups that go through the layers
-    together: shortest first, at most GROUP_TOKENS tokens a group (a longer sequence
-    alone), of lengths alike enough that padding its attention to its longest costs little."""
+    together: shortest first, at most GROUP_BYTES of intermediate activations a group (a
+    longer sequence alone), of lengths alike enough that padding its attention to its
+    longest costs little."""
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    max_tokens = GROUP_BYTES // (intermediate * element_size)
     # A token's work in the linears, in units of one query-key pair's in attention (4H flops).
-    pairs_per_token = 2 * hidden_size * (4 * hidden_size + 2 * intermediate_size) / (4 * hidden_size)
+    pairs_per_token = 2 * hidden * (4 * hidden + 2 * intermediate) / (4 * hidden)
     groups: list[list[int]] = []
     group: list[int] = []
     tokens = squares = 0
     for index in sorted(range(len(lengths)), key=lengths.__getitem__):
         length = lengths[index]
         padding = (len(group) + 1) * length * length - squares - length * length  # pairs padded in
-        if group and (tokens + length > GROUP_TOKENS
+        if group and (tokens + length > max_tokens
                       or padding > GROUP_PADDING_COST * pairs_per_token * (tokens + length)):
             groups.append(group)
             group, tokens, squares = [], 0, 0
@@ -126,7 +131,7 @@ class BertModel(nn.Module):
         for length in lengths:
             starts.append(starts[-1] + length)
         out = torch.empty_like(hidden)
-        for group in _groups(lengths, self.config.hidden_size, self.config.intermediate_size):
+        for group in _groups(lengths, self.config, hidden.element_size()):
             rows = [(starts[i], starts[i + 1]) for i in group]
             contiguous = all(end == start for (_, end), (start, _) in zip(rows, rows[1:]))
             if contiguous:  # sequences in order already (LLM.embed sorts them): views, no copy

@@ -130,7 +130,7 @@ def run_server(name: str, plan: dict[str, Any], env: dict[str, str], work: Path)
             raise
         finally:
             stop_server(process)
-    if name == "vllm":  # which precision "auto" chose, as its engine logs it
+    if name == "vllm":  # the precision it ran, as its engine logs it (a check on --dtype)
         found = re.search(r"dtype=(torch\.)?(\w+)", log_path.read_text())
         out["dtype"] = found.group(2) if found else None
     return out

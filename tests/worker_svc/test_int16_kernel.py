@@ -7,14 +7,12 @@ decode step take every thread though torch's ops take one (a worker whose model 
 says so to its steps: test_q8_weights.py)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 
-from worker_svc.formats.q4_weights import GROUP_SIZE, Q4Blocks
-from worker_svc.formats.q8_weights import Q8Blocks
+from tests.worker_svc.quantized_blocks import dense, quantized, random_blocks, random_q8
+from worker_svc.formats.q4_weights import GROUP_SIZE
 from worker_svc.kernels.cpu import int16_gemm, vnni_gemm
 from worker_svc.kernels.cpu.q4_gemm import PackedQ4
 from worker_svc.kernels.cpu.threads import decode_threads, step_threads
@@ -31,28 +29,6 @@ needs_kernel = pytest.mark.skipif(kernel is None, reason="no AVX2/FMA/F16C CPU o
 def without_the_vnni_kernel(monkeypatch):
     """Q4Linear and Q8Linear as on a CPU without AVX-512 VNNI, whose small steps this kernel serves."""
     monkeypatch.setattr(vnni_gemm, "load", lambda: None)
-
-
-def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> Q4Blocks:
-    weights = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
-    return Q4Blocks.from_gguf(quantize(weights, kind), kind)
-
-
-def random_q8(rows: int, cols: int, seed: int = 0) -> Q8Blocks:
-    weights = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
-    return Q8Blocks.from_gguf(quantize(weights, GGMLQuantizationType.Q8_0))
-
-
-def dense(blocks: Q4Blocks) -> torch.Tensor:
-    return blocks.dequantize(torch.empty(blocks.codes.numel())).double()
-
-
-def quantized(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel reads it: per row and block of 32, int16 values times amax / 32767."""
-    grouped = x.reshape(x.shape[0], -1, GROUP_SIZE)
-    scale = grouped.abs().amax(-1, keepdim=True) / 32767
-    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))  # float32, as the kernel's
-    return (torch.round(grouped * inverse).double() * scale.double()).reshape(x.shape)
 
 
 def assert_the_quantized_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,

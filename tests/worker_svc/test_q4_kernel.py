@@ -3,12 +3,11 @@ exactly the GGUF weights, for every step size it serves, and Q4Linear routes to 
 where the int16 kernels (test_vnni_kernel.py, test_int16_kernel.py) do not run."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 
+from tests.worker_svc.quantized_blocks import random_blocks
 from worker_svc.formats.q4_weights import Q4Blocks
 from worker_svc.kernels.cpu import int16_gemm, library, q4_gemm, vnni_gemm
 from worker_svc.kernels.cpu.q4_gemm import PackedQ4
@@ -25,11 +24,6 @@ def without_the_int16_kernels(monkeypatch):
     """Q4Linear as on a CPU without AVX-512 VNNI, and with its decode steps' AVX2 int16 kernel off."""
     monkeypatch.setattr(vnni_gemm, "load", lambda: None)
     monkeypatch.setattr(int16_gemm, "load", lambda: None)
-
-
-def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> Q4Blocks:
-    weights = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
-    return Q4Blocks.from_gguf(quantize(weights, kind), kind)
 
 
 def reference(blocks: Q4Blocks, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

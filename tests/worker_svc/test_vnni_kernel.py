@@ -6,14 +6,12 @@ where it runs. The norm and the activation it computes as it quantizes are those
 decoder kernels to the bit, so a fused step equals an unfused one."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 
+from tests.worker_svc.quantized_blocks import dense, quantized, random_blocks, random_q8
 from worker_svc.formats.q4_weights import GROUP_SIZE, Q4Blocks
-from worker_svc.formats.q8_weights import Q8Blocks
 from worker_svc.kernels.cpu import decoder_ops, library, vnni_gemm
 from worker_svc.kernels.cpu.vnni_gemm import QUANTIZE_PARALLEL_MIN_ELEMENTS, Q4Panels, Q8Panels
 from worker_svc.model.layers import RMSNorm
@@ -25,23 +23,6 @@ KINDS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
 
 kernel = vnni_gemm.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no AVX-512 VNNI CPU or no compiler")
-
-
-def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> Q4Blocks:
-    weights = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
-    return Q4Blocks.from_gguf(quantize(weights, kind), kind)
-
-
-def dense(blocks: Q4Blocks) -> torch.Tensor:
-    return blocks.dequantize(torch.empty(blocks.codes.numel())).double()
-
-
-def quantized(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel reads it: per row and block of 32, int16 values times amax / 32767."""
-    grouped = x.reshape(x.shape[0], -1, GROUP_SIZE)
-    scale = grouped.abs().amax(-1, keepdim=True) / 32767
-    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))  # float32, as the kernel's
-    return (torch.round(grouped * inverse).double() * scale.double()).reshape(x.shape)
 
 
 @needs_kernel
@@ -61,11 +42,6 @@ def test_kernel_computes_the_quantized_activations_product(kind, rows, with_bias
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     exact = x.double() @ dense(blocks).T + (0 if bias is None else bias.double())
     assert (out.double() - exact).abs().max() <= 1e-4 * exact.abs().max()
-
-
-def random_q8(rows: int, cols: int, seed: int = 0) -> Q8Blocks:
-    weights = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
-    return Q8Blocks.from_gguf(quantize(weights, GGMLQuantizationType.Q8_0))
 
 
 @needs_kernel

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from scheduler_svc.block_pool import BlockPool, KvEventLog, StoredBlock
 from scheduler_svc.kv_connector import KvConnector
@@ -20,6 +19,7 @@ from scheduler_svc.kv_handoff import PROMPT_TOKEN_SOURCES, KvHandoff, count_prom
 from scheduler_svc.pooling_budget import PoolingBudget
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.request_checks import check_request, stop_reason
+from scheduler_svc.scheduler_config import SchedulerConfig
 from scheduler_svc.spec_decode_counts import SpecDecodingCounts
 from scheduler_svc.spec_gate import SpecGate
 from scheduler_svc.spec_proposer import make_proposer
@@ -37,32 +37,7 @@ from services.messages import (
     TokenDelta,
 )
 from services.metric_buckets import ITERATION_TOKENS
-from services.pooling_params import PoolerConfig
-from services.speculative_config import WORKER_METHODS, SpeculativeConfig, can_speculate
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    block_size: int
-    num_blocks: int
-    vocab_size: int
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"  # or "swap"
-    num_host_blocks: int = 0  # the swap pool
-    # A request whose step is in flight may be planned into the next step, its input the
-    # token that step will sample (vLLM's async scheduling; the worker fills it in).
-    async_scheduling: bool = False
-    # Speculative decoding (docs/speculative.md): drafts appended to decoding requests' steps.
-    speculative: SpeculativeConfig | None = None
-    # Set when the worker pools (docs/pooling.md): pooling requests share its steps with the others.
-    pooler: PoolerConfig | None = None
-    generates: bool = True  # False: it pools only (--runner pooling)
-    # Adapters one step may run (--max-loras): a waiting request of another adapter waits.
-    max_loras: int = 0
+from services.speculative_config import WORKER_METHODS, can_speculate
 
 
 class Scheduler:

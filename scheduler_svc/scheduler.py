@@ -25,6 +25,7 @@ from scheduler_svc.spec_gate import SpecGate
 from scheduler_svc.spec_proposer import make_proposer
 from scheduler_svc.spec_step_cost import SpecStepCosts
 from scheduler_svc.versioned_queues import VersionedDeque, VersionedList
+from scheduler_svc.worker_drops import WorkerDrops
 from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.histogram_counts import BucketCounter
 from services.invalid_parameter import InvalidParameter
@@ -78,10 +79,7 @@ class Scheduler:
         self._lookahead = config.speculative.num_speculative_tokens if (
             config.speculative is not None and config.speculative.method in WORKER_METHODS) else 0
         self._step_ids = itertools.count()
-        # Ended or preempted since the last plan; the next plan tells the worker.
-        self._dropped_ids: list[str] = []
-        # Copy-on-write of forked requests' partly filled blocks, for the next plan.
-        self._pending_copies: list[tuple[int, int]] = []
+        self.drops = WorkerDrops(handoff)
 
     # -- admission -----------------------------------------------------------------
 
@@ -135,13 +133,13 @@ class Scheduler:
     def has_work(self) -> bool:
         """Requests to run, ended ones the worker has not been told to drop yet, or loads
         into blocks that are freed once the worker says the load ended."""
-        return bool(self.requests or self._dropped_ids or (self.connector is not None and self.connector.loading)
+        return bool(self.requests or self.drops.dropped_ids or (self.connector is not None and self.connector.loading)
                     or (self.handoff is not None and self.handoff.held))
 
     @property
     def has_drops(self) -> bool:
         """Ended requests or block copies that the next plan must tell the worker."""
-        return bool(self._dropped_ids or self._pending_copies)
+        return bool(self.drops.dropped_ids or self.drops.copies)
 
     @property
     def num_schedulable(self) -> int:
@@ -175,8 +173,7 @@ class Scheduler:
         # After a preemption memory is short: admitting new work would only thrash.
         if self.num_preemptions == preemptions_before:
             self._schedule_waiting(plan, budget, max_requests)
-        plan.finished_request_ids, self._dropped_ids = self._dropped_ids, []
-        plan.blocks_to_copy, self._pending_copies = self._pending_copies, []
+        self.drops.take(plan)
         if self.connector is not None:
             plan.kv_host_saves, plan.kv_file_saves = self.connector.take_saves()
         if self.handoff is not None:
@@ -487,7 +484,7 @@ class Scheduler:
         self.block_pool.free(request.block_ids)
         request.block_ids = []
         request.num_cached_blocks = 0
-        self._forget_on_worker(request)
+        self.drops.forget(request)
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
@@ -504,7 +501,7 @@ class Scheduler:
 
     def resend_drops(self, request_ids: list[str]) -> None:
         """A plan failed, so the worker may not have dropped these: the next plan says it again."""
-        self._dropped_ids.extend(request_ids)
+        self.drops.dropped_ids.extend(request_ids)
 
     def forget_worker(self) -> list[str]:
         """The worker is lost (it died, restarted, or cannot be reached): every
@@ -514,7 +511,7 @@ class Scheduler:
         request_ids = list(self.requests)
         for request_id in request_ids:
             self.abort_request(request_id)
-        self._pending_copies.clear()
+        self.drops.copies.clear()
         if self.connector is not None:
             for loading in self.connector.forget():  # no load will finish: their blocks are free
                 self.block_pool.free(loading.request.block_ids)
@@ -523,13 +520,6 @@ class Scheduler:
             self.block_pool.free(self.handoff.release(list(self.handoff.held)))
         self.block_pool.reset_prefix_cache()
         return request_ids
-
-    def _forget_on_worker(self, request: Request) -> None:
-        if self.handoff is not None:  # a hold its prefill was growing ends with its blocks
-            self.handoff.forget(request)
-        if request.known_to_worker:
-            request.known_to_worker = False
-            self._dropped_ids.append(request.request_id)
 
     # -- results ---------------------------------------------------------------------
 
@@ -607,7 +597,7 @@ class Scheduler:
             follower.block_ids = list(shared)
             if partial:
                 [copy] = self.block_pool.allocate(1)
-                self._pending_copies.append((leader.block_ids[num_shared], copy))
+                self.drops.copies.append((leader.block_ids[num_shared], copy))
                 follower.block_ids.append(copy)
             follower.num_computed_tokens = fork_len
             follower.num_cached_blocks = num_shared
@@ -696,7 +686,7 @@ class Scheduler:
         request.block_ids = []
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self._forget_on_worker(request)
+        self.drops.forget(request)
         if self.proposer is not None:
             self.proposer.finish(request)
             self.spec_gate.finish(request.request_id)

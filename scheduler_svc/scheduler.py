@@ -13,7 +13,8 @@ import itertools
 import time
 from collections import deque
 
-from scheduler_svc.block_pool import BlockPool, KvEventLog, StoredBlock
+from scheduler_svc.block_pool import BlockPool, KvEventLog
+from scheduler_svc.kv_cache_manager import KvCacheManager
 from scheduler_svc.kv_connector import KvConnector
 from scheduler_svc.kv_handoff import PROMPT_TOKEN_SOURCES, KvHandoff, count_prompt_tokens
 from scheduler_svc.pooling_budget import PoolingBudget
@@ -26,7 +27,6 @@ from scheduler_svc.spec_proposer import make_proposer
 from scheduler_svc.spec_step_cost import SpecStepCosts
 from scheduler_svc.versioned_queues import VersionedDeque, VersionedList
 from scheduler_svc.worker_drops import WorkerDrops
-from services.block_hash import extend_block_hashes, extra_keys_bytes
 from services.histogram_counts import BucketCounter
 from services.invalid_parameter import InvalidParameter
 from services.messages import (
@@ -38,7 +38,7 @@ from services.messages import (
     TokenDelta,
 )
 from services.metric_buckets import ITERATION_TOKENS
-from services.speculative_config import WORKER_METHODS, can_speculate
+from services.speculative_config import can_speculate
 
 
 class Scheduler:
@@ -62,8 +62,7 @@ class Scheduler:
         self.running: list[Request] = VersionedList()
         self.num_preemptions = 0
         self.num_swapped_preemptions = 0  # the part of num_preemptions that swapped rather than dropped KV
-        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
-        self.prefix_cache_hits = 0  # tokens found there
+        self.kv_cache_manager = KvCacheManager(config, self.block_pool, connector)
         self.iteration_tokens = BucketCounter(ITERATION_TOKENS)  # see EngineStats.iteration_tokens
         self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)  # see EngineStats
         self.spec_decoding = SpecDecodingCounts(config.speculative.num_speculative_tokens
@@ -76,8 +75,6 @@ class Scheduler:
         # left of them in the step being planned, None when uncapped.
         self.pooling_budget = PoolingBudget()
         self._pooling_left: int | None = None
-        self._lookahead = config.speculative.num_speculative_tokens if (
-            config.speculative is not None and config.speculative.method in WORKER_METHODS) else 0
         self._step_ids = itertools.count()
         self.drops = WorkerDrops(handoff)
 
@@ -124,6 +121,14 @@ class Scheduler:
         self.block_pool.events = events
         if self.connector is not None:
             self.connector.attach_events(events)
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv_cache_manager.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv_cache_manager.hits
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -181,6 +186,7 @@ class Scheduler:
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: int, max_requests: int | None) -> int:
+        allocate_slots = self.kv_cache_manager.allocate_slots
         index = 0
         while index < len(self.running) and budget > 0 and len(plan.num_scheduled_tokens) != max_requests:
             request = self.running[index]
@@ -193,10 +199,10 @@ class Scheduler:
             if num_tokens == 0:  # a pooling request, past this step's pooling tokens
                 continue
             drafts = self._propose(request, computed, num_tokens, budget)
-            new_blocks = self._allocate_slots(request, computed + num_tokens + len(drafts)) if drafts else None
+            new_blocks = allocate_slots(request, computed + num_tokens + len(drafts)) if drafts else None
             if new_blocks is None:  # no drafts, or no free blocks for them (no preempting for drafts)
                 drafts = []
-                new_blocks = self._allocate_slots(request, computed + num_tokens)
+                new_blocks = allocate_slots(request, computed + num_tokens)
             if new_blocks is None and ahead:
                 continue  # no preempting for a step ahead: it runs once its result is back
             while new_blocks is None:
@@ -206,7 +212,7 @@ class Scheduler:
                 self._preempt(victim, plan)
                 if victim is request:
                     return budget
-                new_blocks = self._allocate_slots(request, computed + num_tokens)
+                new_blocks = allocate_slots(request, computed + num_tokens)
             self._add_to_plan(plan, request, num_tokens, new_blocks, drafts)
             budget -= num_tokens + len(drafts)
             self._take_pooling(request, num_tokens)
@@ -280,7 +286,7 @@ class Scheduler:
             if request.status is RequestStatus.SWAPPED:
                 admitted = self._swap_in(request, plan, room)
             else:
-                hits = self._cached_prefix(request)
+                hits = self.kv_cache_manager.get_computed_blocks(request)
                 if self._start_load(request, hits, plan):
                     self.waiting.popleft()
                     continue
@@ -306,25 +312,14 @@ class Scheduler:
 
     def _admit(self, request: Request, hits: list[int], budget: int) -> tuple[int, list[int]] | None:
         """Start (or restart) a request from its longest cached prefix (`hits`), if it fits."""
-        num_computed = len(hits) * self.config.block_size
-        remaining = request.num_tokens - num_computed
+        remaining = request.num_tokens - len(hits) * self.config.block_size
         if not self.config.enable_chunked_prefill and remaining > budget:
             return None
         num_tokens = min(remaining, budget)
-        needed = self._blocks_for(num_computed + num_tokens) - len(hits)
-        if needed > self.block_pool.num_free_blocks - self.block_pool.num_unheld(hits):
+        if not self.kv_cache_manager.start_from_prefix(request, hits, num_tokens):
             return None
-        self.block_pool.share(hits)
-        request.block_ids = hits + self.block_pool.allocate(needed)
-        request.num_computed_tokens = num_computed
-        request.num_cached_blocks = len(hits)
-        if request.num_cached_tokens is None:  # a preempted request's later hits are its own blocks
-            request.num_cached_tokens = num_computed
-        if self.config.enable_prefix_caching:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_computed
         if self.connector is not None and request.sampling_params.prompt_logprobs is None:
-            max_hit_blocks = (request.num_tokens - 1) // self.config.block_size
+            max_hit_blocks = self.kv_cache_manager.max_hit_blocks(request)
             self.connector.queries += max(0, max_hit_blocks - len(hits)) * self.config.block_size
         return num_tokens, request.block_ids
 
@@ -334,7 +329,7 @@ class Scheduler:
         if self.connector is None or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             return False
         if self.handoff is not None and request.kv_transfer_params is not None:
-            self._hash_full_blocks(request)  # the fetched blocks are indexed by their hashes
+            self.kv_cache_manager.hash_blocks(request)  # the fetched blocks are indexed by their hashes
             load = self.handoff.start_fetch(request, hits, self.block_pool, self.connector, self.config.block_size)
             if load is not None:
                 if request.scheduled_time is None:
@@ -343,7 +338,7 @@ class Scheduler:
                 plan.kv_loads.append(load)
                 return True
         max_hit_blocks = (request.num_tokens - 1) // self.config.block_size
-        if self._needs_every_position(request) or len(hits) >= max_hit_blocks:
+        if self.kv_cache_manager.needs_every_position(request) or len(hits) >= max_hit_blocks:
             return False
         sources = self.connector.find(request.block_hashes, len(hits), max_hit_blocks)
         if not sources or len(sources) > self.block_pool.num_free_blocks - self.block_pool.num_unheld(hits):
@@ -376,36 +371,15 @@ class Scheduler:
             request.kv_transfer_s = time.monotonic() - loading.started
             self.handoff.loaded(num_loaded, loading.num_blocks, request.kv_transfer_s)
         num_blocks = loading.num_device_hits + num_loaded
-        self._index_blocks(request, num_blocks, save=False)  # they came from the tiers
+        self.kv_cache_manager.index(request, num_blocks, save=False)  # they came from the tiers
         request.num_computed_tokens = num_blocks * size
         if request.num_cached_tokens is None:
             request.num_cached_tokens = request.num_computed_tokens
-        if self.config.enable_prefix_caching:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += loading.num_device_hits * size
+        self.kv_cache_manager.count(request, loading.num_device_hits * size)
         # It runs from here: the next plan computes the rest, into the blocks it holds and
         # more (a running request, so it can be preempted like any other).
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-
-    def _cached_prefix(self, request: Request) -> list[int]:
-        # Prompt logprobs need every prompt position computed, cached or not.
-        if not self.config.enable_prefix_caching or self._needs_every_position(request):
-            return []
-        self._hash_full_blocks(request)
-        # At least one token must be computed to get logits for the next one.
-        max_hit_blocks = (request.num_tokens - 1) // self.config.block_size
-        return self.block_pool.lookup(request.block_hashes[:max_hit_blocks])
-
-    def _needs_every_position(self, request: Request) -> bool:
-        """Prompt logprobs, and pooling other than LAST (MEAN, CLS), read every prompt
-        position's output: a cached prefix has none to give."""
-        return request.sampling_params.prompt_logprobs is not None or (
-            request.sampling_params.pooling is not None and self.config.pooler.pooling_type != "LAST")
-
-    def _hash_full_blocks(self, request: Request) -> None:
-        extra = extra_keys_bytes(cache_salt=request.cache_salt, lora_id=request.lora_int_id)
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.config.block_size, extra)
 
     def _swap_in(self, request: Request, plan: StepPlan, budget: int) -> tuple[int, list[int]] | None:
         """Resume a swapped request: fresh device blocks, its KV copied back into them."""
@@ -420,22 +394,6 @@ class Scheduler:
         self.host_pool.free(request.host_block_ids)
         request.host_block_ids = []
         return num_tokens, request.block_ids
-
-    def _allocate_slots(self, request: Request, num_tokens: int) -> list[int] | None:
-        """Blocks for KV of `num_tokens` tokens in all (the new blocks), or None when the pool is short."""
-        missing = self._blocks_for(num_tokens) - len(request.block_ids)
-        if missing <= 0:
-            return []
-        if missing > self.block_pool.num_free_blocks:
-            return None
-        new_blocks = self.block_pool.allocate(missing)
-        request.block_ids.extend(new_blocks)
-        return new_blocks
-
-    def _blocks_for(self, num_tokens: int) -> int:
-        """Blocks a request holding KV of `num_tokens` tokens needs; with a draft model, also
-        for its lookahead slots, where the drafts' KV is written after the step."""
-        return -(-min(num_tokens + self._lookahead, self.config.max_model_len) // self.config.block_size)
 
     def _add_to_plan(self, plan: StepPlan, request: Request, num_tokens: int, new_blocks: list[int],
                      drafts: list[int] = ()) -> None:
@@ -555,7 +513,7 @@ class Scheduler:
                 # Before its tokens are accepted: a request that ends in this step (one
                 # token asked for) frees its blocks, which must go back cached, as vLLM's do.
                 # (Accepted drafts are not its tokens yet: their blocks are cached below.)
-                self._cache_computed_blocks(request)
+                self.kv_cache_manager.cache_computed(request)
             if request_id in result.prompt_logprobs:
                 request.prompt_logprobs += result.prompt_logprobs[request_id]
             if (pooled := result.pooled.get(request_id)) is not None:
@@ -572,7 +530,7 @@ class Scheduler:
             if request.followers and request.num_computed_tokens >= len(request.prompt_token_ids):
                 self._fork_followers(request)
             if drafts and self.config.enable_prefix_caching and not request.is_finished:
-                self._cache_computed_blocks(request)  # the blocks its accepted drafts filled
+                self.kv_cache_manager.cache_computed(request)  # the blocks its accepted drafts filled
         if deltas:  # as vLLM, which records a step's stats only when it has outputs
             self.iteration_tokens.observe(step_tokens)
         return deltas
@@ -649,30 +607,6 @@ class Scheduler:
         times = FirstTokenTimes(request.scheduled_time - request.arrival_time, now - request.scheduled_time)
         return TokenDelta(request.request_id, [], FinishReason.STOP.value, first_token_times=times,
                           num_cached_tokens=request.num_cached_tokens or 0, pooled=pooled)
-
-    def _cache_computed_blocks(self, request: Request) -> None:
-        """Index the blocks whose tokens are now all computed, and save them to the offload tiers."""
-        # Only blocks of its tokens: a speculative step's accepted drafts count as computed
-        # before they are appended to its output.
-        num_full = min(request.num_computed_tokens, request.num_tokens) // self.config.block_size
-        if num_full <= request.num_cached_blocks:
-            return
-        self._hash_full_blocks(request)
-        self._index_blocks(request, num_full, save=True)
-
-    def _index_blocks(self, request: Request, end: int, save: bool) -> None:
-        """Index the request's blocks from its last indexed one up to `end` in the prefix
-        cache; with `save`, the connector saves them to the tiers lacking them."""
-        size, hashes = self.config.block_size, request.block_hashes
-        tokens = request.all_token_ids if self.block_pool.events is not None else None  # for KV events only
-        for index in range(request.num_cached_blocks, end):
-            stored = None if tokens is None else StoredBlock(
-                hashes[index - 1] if index else None, tokens[index * size:(index + 1) * size], request.cache_salt,
-                request.lora_int_id, request.lora_request.lora_name if request.lora_request is not None else None)
-            self.block_pool.cache(request.block_ids[index], hashes[index], stored)
-            if save and self.connector is not None:
-                self.connector.computed(request.block_ids[index], hashes[index])
-        request.num_cached_blocks = end
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self._release_followers(request)

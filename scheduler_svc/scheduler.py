@@ -17,6 +17,7 @@ from scheduler_svc.block_pool import BlockPool, KvEventLog
 from scheduler_svc.kv_cache_manager import KvCacheManager
 from scheduler_svc.kv_connector import KvConnector
 from scheduler_svc.kv_handoff import PROMPT_TOKEN_SOURCES, KvHandoff, count_prompt_tokens
+from scheduler_svc.kv_loads import KvLoads
 from scheduler_svc.pooling_budget import PoolingBudget
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.request_checks import check_request, stop_reason
@@ -63,6 +64,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_preemptions = 0  # the part of num_preemptions that swapped rather than dropped KV
         self.kv_cache_manager = KvCacheManager(config, self.block_pool, connector)
+        self.kv_loads = KvLoads(config, self.block_pool, connector, handoff, self.kv_cache_manager,
+                                self.running) if connector is not None else None
         self.iteration_tokens = BucketCounter(ITERATION_TOKENS)  # see EngineStats.iteration_tokens
         self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)  # see EngineStats
         self.spec_decoding = SpecDecodingCounts(config.speculative.num_speculative_tokens
@@ -287,7 +290,7 @@ class Scheduler:
                 admitted = self._swap_in(request, plan, room)
             else:
                 hits = self.kv_cache_manager.get_computed_blocks(request)
-                if self._start_load(request, hits, plan):
+                if self.kv_loads is not None and self.kv_loads.start(request, hits, plan):
                     self.waiting.popleft()
                     continue
                 if self.handoff is not None and self.handoff.awaits_blocks(request):
@@ -322,64 +325,6 @@ class Scheduler:
             max_hit_blocks = self.kv_cache_manager.max_hit_blocks(request)
             self.connector.queries += max(0, max_hit_blocks - len(hits)) * self.config.block_size
         return num_tokens, request.block_ids
-
-    def _start_load(self, request: Request, hits: list[int], plan: StepPlan) -> bool:
-        """Whether the request's prefix continues, past the device pool's `hits`, in the
-        offload tiers: then its blocks are taken and the worker loads them meanwhile."""
-        if self.connector is None or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            return False
-        if self.handoff is not None and request.kv_transfer_params is not None:
-            self.kv_cache_manager.hash_blocks(request)  # the fetched blocks are indexed by their hashes
-            load = self.handoff.start_fetch(request, hits, self.block_pool, self.connector, self.config.block_size)
-            if load is not None:
-                if request.scheduled_time is None:
-                    request.scheduled_time = time.monotonic()
-                request.status = RequestStatus.LOADING_KV
-                plan.kv_loads.append(load)
-                return True
-        max_hit_blocks = (request.num_tokens - 1) // self.config.block_size
-        if self.kv_cache_manager.needs_every_position(request) or len(hits) >= max_hit_blocks:
-            return False
-        sources = self.connector.find(request.block_hashes, len(hits), max_hit_blocks)
-        if not sources or len(sources) > self.block_pool.num_free_blocks - self.block_pool.num_unheld(hits):
-            return False
-        self.connector.queries += (max_hit_blocks - len(hits)) * self.config.block_size
-        if request.scheduled_time is None:
-            request.scheduled_time = time.monotonic()
-        self.block_pool.share(hits)
-        request.block_ids = hits + self.block_pool.allocate(len(sources))
-        request.num_computed_tokens = len(hits) * self.config.block_size
-        request.num_cached_blocks = len(hits)
-        request.status = RequestStatus.LOADING_KV
-        plan.kv_loads.append(self.connector.start_load(request, len(hits), sources))
-        return True
-
-    def _load_finished(self, request_id: str, num_loaded: int) -> None:
-        """The worker filled the first `num_loaded` blocks asked of it; the rest are computed."""
-        loading = self.connector.loading.pop(request_id, None)
-        if loading is None:
-            return
-        request = loading.request
-        if request.status is not RequestStatus.LOADING_KV:  # aborted meanwhile
-            self.block_pool.free(request.block_ids)
-            request.block_ids = []
-            return
-        size = self.config.block_size
-        self.connector.hits += num_loaded * size
-        request.num_external_tokens += num_loaded * size
-        if loading.remote:
-            request.kv_transfer_s = time.monotonic() - loading.started
-            self.handoff.loaded(num_loaded, loading.num_blocks, request.kv_transfer_s)
-        num_blocks = loading.num_device_hits + num_loaded
-        self.kv_cache_manager.index(request, num_blocks, save=False)  # they came from the tiers
-        request.num_computed_tokens = num_blocks * size
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = request.num_computed_tokens
-        self.kv_cache_manager.count(request, loading.num_device_hits * size)
-        # It runs from here: the next plan computes the rest, into the blocks it holds and
-        # more (a running request, so it can be preempted like any other).
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
 
     def _swap_in(self, request: Request, plan: StepPlan, budget: int) -> tuple[int, list[int]] | None:
         """Resume a swapped request: fresh device blocks, its KV copied back into them."""
@@ -470,10 +415,8 @@ class Scheduler:
         for request_id in request_ids:
             self.abort_request(request_id)
         self.drops.copies.clear()
-        if self.connector is not None:
-            for loading in self.connector.forget():  # no load will finish: their blocks are free
-                self.block_pool.free(loading.request.block_ids)
-                loading.request.block_ids = []
+        if self.kv_loads is not None:
+            self.kv_loads.forget()
         if self.handoff is not None:  # what they held is gone with the worker
             self.block_pool.free(self.handoff.release(list(self.handoff.held)))
         self.block_pool.reset_prefix_cache()
@@ -485,7 +428,7 @@ class Scheduler:
         if self.connector is not None:
             self.connector.add_counts(result.kv_tiers)
             for request_id, num_loaded in result.kv_loads_done.items():
-                self._load_finished(request_id, num_loaded)
+                self.kv_loads.finished(request_id, num_loaded)
         if self.handoff is not None and result.kv_sent_done:
             self.block_pool.free(self.handoff.release(result.kv_sent_done))
         deltas = []

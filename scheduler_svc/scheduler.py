@@ -19,6 +19,7 @@ from scheduler_svc.kv_connector import KvConnector
 from scheduler_svc.kv_handoff import PROMPT_TOKEN_SOURCES, KvHandoff, count_prompt_tokens
 from scheduler_svc.kv_loads import KvLoads
 from scheduler_svc.pooling_budget import PoolingBudget
+from scheduler_svc.preemption import Preemption
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.request_checks import check_request, stop_reason
 from scheduler_svc.scheduler_config import SchedulerConfig
@@ -55,14 +56,11 @@ class Scheduler:
             )
         self.config = config
         self.block_pool = BlockPool(config.num_blocks)
-        self.host_pool = BlockPool(config.num_host_blocks) if config.preemption_mode == "swap" else None
         self.connector = connector
         self.handoff = handoff
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = VersionedDeque()  # each counts its changes (versioned_queues.py)
         self.running: list[Request] = VersionedList()
-        self.num_preemptions = 0
-        self.num_swapped_preemptions = 0  # the part of num_preemptions that swapped rather than dropped KV
         self.kv_cache_manager = KvCacheManager(config, self.block_pool, connector)
         self.kv_loads = KvLoads(config, self.block_pool, connector, handoff, self.kv_cache_manager,
                                 self.running) if connector is not None else None
@@ -80,6 +78,7 @@ class Scheduler:
         self._pooling_left: int | None = None
         self._step_ids = itertools.count()
         self.drops = WorkerDrops(handoff)
+        self.preemption = Preemption(config, self.block_pool, self.drops, self.waiting)
 
     # -- admission -----------------------------------------------------------------
 
@@ -124,6 +123,14 @@ class Scheduler:
         self.block_pool.events = events
         if self.connector is not None:
             self.connector.attach_events(events)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemption.num_preemptions
+
+    @property
+    def num_swapped_preemptions(self) -> int:
+        return self.preemption.num_swapped_preemptions
 
     @property
     def prefix_cache_queries(self) -> int:
@@ -212,7 +219,7 @@ class Scheduler:
                 # The newest request not in flight: one in flight is computing into its blocks.
                 victim = next(r for r in reversed(self.running) if not r.in_flight)
                 self.running.remove(victim)
-                self._preempt(victim, plan)
+                self.preemption.preempt(victim, plan)
                 if victim is request:
                     return budget
                 new_blocks = allocate_slots(request, computed + num_tokens)
@@ -287,7 +294,7 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             if request.status is RequestStatus.SWAPPED:
-                admitted = self._swap_in(request, plan, room)
+                admitted = self.preemption.swap_in(request, plan, room)
             else:
                 hits = self.kv_cache_manager.get_computed_blocks(request)
                 if self.kv_loads is not None and self.kv_loads.start(request, hits, plan):
@@ -326,20 +333,6 @@ class Scheduler:
             self.connector.queries += max(0, max_hit_blocks - len(hits)) * self.config.block_size
         return num_tokens, request.block_ids
 
-    def _swap_in(self, request: Request, plan: StepPlan, budget: int) -> tuple[int, list[int]] | None:
-        """Resume a swapped request: fresh device blocks, its KV copied back into them."""
-        num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-        needed = -(-(request.num_computed_tokens + num_tokens) // self.config.block_size)
-        if needed > self.block_pool.num_free_blocks:
-            return None
-        request.block_ids = self.block_pool.allocate(needed)
-        # The host pool may be reused once the worker has copied these, which it
-        # does first thing in this very step.
-        plan.blocks_to_swap_in.extend(zip(request.host_block_ids, request.block_ids))
-        self.host_pool.free(request.host_block_ids)
-        request.host_block_ids = []
-        return num_tokens, request.block_ids
-
     def _add_to_plan(self, plan: StepPlan, request: Request, num_tokens: int, new_blocks: list[int],
                      drafts: list[int] = ()) -> None:
         """`drafts`: appended to the request's `num_tokens` inputs, to verify."""
@@ -369,27 +362,6 @@ class Scheduler:
                 lora_request=request.lora_request,
             )
         )
-
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
-        """Free the request's device blocks and requeue it at the front: its KV goes to
-        the host pool in swap mode (when it fits), otherwise it is recomputed later."""
-        num_blocks = len(request.block_ids)
-        # A pooling request's partial vector lives in the worker's state, which a swap drops: recomputed.
-        if (self.host_pool is not None and num_blocks <= self.host_pool.num_free_blocks
-                and request.sampling_params.pooling is None):
-            request.host_block_ids = self.host_pool.allocate(num_blocks)
-            plan.blocks_to_swap_out.extend(zip(request.block_ids, request.host_block_ids))
-            request.status = RequestStatus.SWAPPED
-            self.num_swapped_preemptions += 1
-        else:
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.PREEMPTED
-        self.block_pool.free(request.block_ids)
-        request.block_ids = []
-        request.num_cached_blocks = 0
-        self.drops.forget(request)
-        self.waiting.appendleft(request)
-        self.num_preemptions += 1
 
     def requests_in(self, plan: StepPlan) -> list[str]:
         """The live requests whose KV a plan computes or moves: if the plan fails, their KV is in doubt."""
@@ -558,8 +530,7 @@ class Scheduler:
         else:
             self.block_pool.free(request.block_ids)
         if request.host_block_ids:
-            self.host_pool.free(request.host_block_ids)
-            request.host_block_ids = []
+            self.preemption.release_host_blocks(request)
         request.block_ids = []
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -24,9 +24,8 @@ from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.request_checks import check_request, stop_reason
 from scheduler_svc.scheduler_config import SchedulerConfig
 from scheduler_svc.spec_decode_counts import SpecDecodingCounts
-from scheduler_svc.spec_gate import SpecGate
-from scheduler_svc.spec_proposer import make_proposer
 from scheduler_svc.spec_step_cost import SpecStepCosts
+from scheduler_svc.speculation import Speculation
 from scheduler_svc.versioned_queues import VersionedDeque, VersionedList
 from scheduler_svc.worker_drops import WorkerDrops
 from services.histogram_counts import BucketCounter
@@ -40,7 +39,6 @@ from services.messages import (
     TokenDelta,
 )
 from services.metric_buckets import ITERATION_TOKENS
-from services.speculative_config import can_speculate
 
 
 class Scheduler:
@@ -68,10 +66,7 @@ class Scheduler:
         self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)  # see EngineStats
         self.spec_decoding = SpecDecodingCounts(config.speculative.num_speculative_tokens
                                                 if config.speculative is not None else 0)
-        # What decode steps of each size cost on this machine: how many drafts pay (suffix).
-        self.spec_step_costs = SpecStepCosts() if config.speculative is not None else None
-        self.proposer = make_proposer(config.speculative, self.spec_step_costs) if config.speculative is not None else None
-        self.spec_gate = SpecGate(config.speculative.disable_by_batch_size) if config.speculative is not None else None
+        self.speculation = Speculation(config) if config.speculative is not None else None
         # Pooling tokens per step beside generation (scheduler_svc/pooling_budget.py); what is
         # left of them in the step being planned, None when uncapped.
         self.pooling_budget = PoolingBudget()
@@ -131,6 +126,11 @@ class Scheduler:
     @property
     def num_swapped_preemptions(self) -> int:
         return self.preemption.num_swapped_preemptions
+
+    @property
+    def spec_step_costs(self) -> SpecStepCosts | None:
+        """What decode steps of each size cost on this machine, with speculative decoding."""
+        return self.speculation.step_costs if self.speculation is not None else None
 
     @property
     def prefix_cache_queries(self) -> int:
@@ -208,7 +208,8 @@ class Scheduler:
             num_tokens = min(request.num_tokens + request.num_ahead_samples - computed, self._room(request, budget))
             if num_tokens == 0:  # a pooling request, past this step's pooling tokens
                 continue
-            drafts = self._propose(request, computed, num_tokens, budget)
+            drafts = self.speculation.propose(request, computed, num_tokens, budget, len(self.running)) if (
+                self.speculation is not None) else []
             new_blocks = allocate_slots(request, computed + num_tokens + len(drafts)) if drafts else None
             if new_blocks is None:  # no drafts, or no free blocks for them (no preempting for drafts)
                 drafts = []
@@ -250,27 +251,8 @@ class Scheduler:
         """How long the worker took for `plan`: what the pooling cap and the drafts that pay are computed from."""
         counts = plan.num_scheduled_tokens.values()
         self.pooling_budget.record(sum(n for n in counts if n > 1), sum(1 for n in counts if n == 1), seconds)
-        if self.spec_step_costs is not None:
-            self.spec_step_costs.record(plan, seconds)
-
-    def _propose(self, request: Request, computed: int, num_tokens: int, budget: int) -> list[int]:
-        """Draft tokens for a decoding request to verify in this step (docs/speculative.md).
-        A request whose next token depends on more than its logits (processors, a grammar,
-        a seed's per-position noise) decodes one token at a time, as without speculation."""
-        spec = self.config.speculative
-        if (spec is None or num_tokens != 1 or computed + 1 != request.num_tokens or request.in_flight
-                or request.sampling_params.pooling is not None):
-            return []
-        params = request.sampling_params
-        if not can_speculate(params):
-            return []
-        # Never past max_tokens or the context: the drafts' positions must exist.
-        k = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens)
-        if params.max_tokens is not None:
-            k = min(k, params.max_tokens - len(request.output_token_ids) - 1)
-        if k <= 0:
-            return []
-        return self.spec_gate.admit(request.request_id, self.proposer.propose(request, k), len(self.running))
+        if self.speculation is not None:
+            self.speculation.step_costs.record(plan, seconds)
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, max_requests: int | None) -> None:
         skipped: list[Request] = []  # of adapters that have no slot this step: back in front, in order
@@ -418,8 +400,8 @@ class Scheduler:
                 num_accepted = len(sampled) - 1 if sampled else 0
                 self.spec_decoding.observe(len(drafts), num_accepted)
                 num_tokens -= len(drafts) - num_accepted
-            if self.spec_gate is not None and sampled:
-                self.spec_gate.observe(request_id, len(drafts or ()), sampled)
+            if self.speculation is not None and sampled:
+                self.speculation.gate.observe(request_id, len(drafts or ()), sampled)
             request.num_computed_tokens += num_tokens
             if self.handoff is not None and (announced := self.handoff.publish(request, self.config.block_size)):
                 # Its blocks move as its prefill computes them: where they wait, before its token.
@@ -535,9 +517,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.drops.forget(request)
-        if self.proposer is not None:
-            self.proposer.finish(request)
-            self.spec_gate.finish(request.request_id)
+        if self.speculation is not None:
+            self.speculation.finish(request)
         del self.requests[request.request_id]
 
 

@@ -18,6 +18,7 @@ from scheduler_svc.kv_cache_manager import KvCacheManager
 from scheduler_svc.kv_connector import KvConnector
 from scheduler_svc.kv_handoff import PROMPT_TOKEN_SOURCES, KvHandoff, count_prompt_tokens
 from scheduler_svc.kv_loads import KvLoads
+from scheduler_svc.plan_entries import add_to_plan
 from scheduler_svc.pooling_budget import PoolingBudget
 from scheduler_svc.preemption import Preemption
 from scheduler_svc.request import FinishReason, Request, RequestStatus
@@ -31,9 +32,7 @@ from scheduler_svc.worker_drops import WorkerDrops
 from services.histogram_counts import BucketCounter
 from services.invalid_parameter import InvalidParameter
 from services.messages import (
-    CachedRequestData,
     FirstTokenTimes,
-    NewRequestData,
     StepPlan,
     StepResult,
     TokenDelta,
@@ -224,7 +223,7 @@ class Scheduler:
                 if victim is request:
                     return budget
                 new_blocks = allocate_slots(request, computed + num_tokens)
-            self._add_to_plan(plan, request, num_tokens, new_blocks, drafts)
+            add_to_plan(plan, request, num_tokens, new_blocks, drafts)
             budget -= num_tokens + len(drafts)
             self._take_pooling(request, num_tokens)
         return budget
@@ -293,7 +292,7 @@ class Scheduler:
                 request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._add_to_plan(plan, request, num_tokens, new_blocks)
+            add_to_plan(plan, request, num_tokens, new_blocks)
             budget -= num_tokens
             self._take_pooling(request, num_tokens)
 
@@ -314,36 +313,6 @@ class Scheduler:
             max_hit_blocks = self.kv_cache_manager.max_hit_blocks(request)
             self.connector.queries += max(0, max_hit_blocks - len(hits)) * self.config.block_size
         return num_tokens, request.block_ids
-
-    def _add_to_plan(self, plan: StepPlan, request: Request, num_tokens: int, new_blocks: list[int],
-                     drafts: list[int] = ()) -> None:
-        """`drafts`: appended to the request's `num_tokens` inputs, to verify."""
-        plan.num_scheduled_tokens[request.request_id] = num_tokens + len(drafts)
-        if drafts:
-            plan.scheduled_spec_decode_tokens[request.request_id] = list(drafts)
-        computed = request.num_computed_tokens + request.num_in_flight_tokens  # once the steps in flight are done
-        if computed + num_tokens == request.num_tokens + request.num_ahead_samples:
-            request.num_ahead_samples += 1  # the step reaches the last token: it samples the next
-        request.num_in_flight_tokens += num_tokens + len(drafts)
-        outputs = request.output_token_ids
-        if request.known_to_worker:
-            plan.cached_requests.append(CachedRequestData(request.request_id, new_blocks, computed,
-                                                          outputs[request.num_outputs_on_worker :]))
-            request.num_outputs_on_worker = len(outputs)
-            return
-        request.known_to_worker = True
-        request.num_outputs_on_worker = len(outputs)
-        plan.new_requests.append(
-            NewRequestData(
-                request_id=request.request_id,
-                token_ids=request.all_token_ids,
-                num_prompt_tokens=len(request.prompt_token_ids),
-                block_ids=list(request.block_ids),
-                num_computed_tokens=request.num_computed_tokens,
-                sampling_params=request.sampling_params,
-                lora_request=request.lora_request,
-            )
-        )
 
     def requests_in(self, plan: StepPlan) -> list[str]:
         """The live requests whose KV a plan computes or moves: if the plan fails, their KV is in doubt."""

@@ -66,10 +66,7 @@ class Scheduler:
         self.spec_decoding = SpecDecodingCounts(config.speculative.num_speculative_tokens
                                                 if config.speculative is not None else 0)
         self.speculation = Speculation(config) if config.speculative is not None else None
-        # Pooling tokens per step beside generation (scheduler_svc/pooling_budget.py); what is
-        # left of them in the step being planned, None when uncapped.
-        self.pooling_budget = PoolingBudget()
-        self._pooling_left: int | None = None
+        self.pooling_budget = PoolingBudget()  # pooling tokens per step beside generation
         self._step_ids = itertools.count()
         self.drops = WorkerDrops(handoff)
         self.preemption = Preemption(config, self.block_pool, self.drops, self.waiting)
@@ -181,7 +178,7 @@ class Scheduler:
         if self.handoff is not None:  # held for consumers that never came
             self.block_pool.free(self.handoff.expire())
         budget = self.config.max_num_batched_tokens
-        self._pooling_left = self._pooling_cap()
+        self.pooling_budget.start_step(self._caps_pooling())
         preemptions_before = self.num_preemptions
         budget = self._schedule_running(plan, budget, max_requests)
         # After a preemption memory is short: admitting new work would only thrash.
@@ -204,7 +201,8 @@ class Scheduler:
             if ahead and not self._runs_ahead(request):
                 continue
             computed = request.num_computed_tokens + request.num_in_flight_tokens
-            num_tokens = min(request.num_tokens + request.num_ahead_samples - computed, self._room(request, budget))
+            num_tokens = min(request.num_tokens + request.num_ahead_samples - computed,
+                             self.pooling_budget.room(request, budget))
             if num_tokens == 0:  # a pooling request, past this step's pooling tokens
                 continue
             drafts = self.speculation.propose(request, computed, num_tokens, budget, len(self.running)) if (
@@ -225,26 +223,14 @@ class Scheduler:
                 new_blocks = allocate_slots(request, computed + num_tokens)
             add_to_plan(plan, request, num_tokens, new_blocks, drafts)
             budget -= num_tokens + len(drafts)
-            self._take_pooling(request, num_tokens)
+            self.pooling_budget.take(request, num_tokens)
         return budget
 
-    def _pooling_cap(self) -> int | None:
-        """This step's pooling tokens: capped while generation requests run (and prompts can
-        be chunked), else the whole budget (scheduler_svc/pooling_budget.py)."""
-        if (self.config.pooler is None or not self.config.enable_chunked_prefill
-                or not any(r.sampling_params.pooling is None for r in self.running)):
-            return None
-        return self.pooling_budget.cap()
-
-    def _room(self, request: Request, budget: int) -> int:
-        """The step's tokens this request may take: a pooling request's are capped too."""
-        if self._pooling_left is None or request.sampling_params.pooling is None:
-            return budget
-        return min(budget, self._pooling_left)
-
-    def _take_pooling(self, request: Request, num_tokens: int) -> None:
-        if self._pooling_left is not None and request.sampling_params.pooling is not None:
-            self._pooling_left -= num_tokens
+    def _caps_pooling(self) -> bool:
+        """Whether this step's pooling tokens are capped: while generation requests run, and
+        prompts can be chunked (scheduler_svc/pooling_budget.py)."""
+        return (self.config.pooler is not None and self.config.enable_chunked_prefill
+                and any(r.sampling_params.pooling is None for r in self.running))
 
     def record_step_time(self, plan: StepPlan, seconds: float) -> None:
         """How long the worker took for `plan`: what the pooling cap and the drafts that pay are computed from."""
@@ -270,7 +256,7 @@ class Scheduler:
                     skipped.append(self.waiting.popleft())
                     continue
                 loras.add(request.lora_int_id)
-            room = self._room(request, budget)
+            room = self.pooling_budget.room(request, budget)
             if room == 0:  # a pooling request, past this step's pooling tokens: generation may go on
                 skipped.append(self.waiting.popleft())
                 continue
@@ -294,7 +280,7 @@ class Scheduler:
             self.running.append(request)
             add_to_plan(plan, request, num_tokens, new_blocks)
             budget -= num_tokens
-            self._take_pooling(request, num_tokens)
+            self.pooling_budget.take(request, num_tokens)
 
     @property
     def _num_seqs(self) -> int:

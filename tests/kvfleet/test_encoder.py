@@ -42,6 +42,25 @@ def test_the_encoder_matches_sentence_transformers_in_one_batch(encoder, sentenc
         assert cosine.item() >= 0.999, (len(output.prompt_token_ids), cosine.item())
 
 
+def test_a_step_of_unsorted_lengths_is_each_sequence_alone(encoder):
+    """The model groups a step's sequences by length (shortest first, GROUP_BYTES a
+    group, padding its attention to its longest): sequences arriving in any order, of
+    lengths that cut the step into several groups, each get its own hidden states back
+    in its own rows, as if computed alone."""
+    from worker_svc.model import bert
+
+    model = encoder.engine.worker.model
+    lengths = [40, 3, 256, 3, 17, 1, 120, 255, 64]
+    assert len(bert._groups(lengths, model.config, 4)) > 2
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randint(1000, 20000, (n,), generator=generator) for n in lengths]
+    types = [torch.zeros(n, dtype=torch.long) for n in lengths]
+    positions = [torch.arange(n) for n in lengths]
+    packed = model(torch.cat(inputs), torch.cat(positions), torch.cat(types), lengths)
+    for sequence, ids, position, kinds in zip(packed.split(lengths), inputs, positions, types):
+        torch.testing.assert_close(sequence, model(ids, position, kinds, [len(ids)]), atol=1e-4, rtol=1e-4)
+
+
 def test_the_encoder_serves_embeddings_and_refuses_generation(encoder, sentence_transformer):
     import openai
     from fastapi.testclient import TestClient

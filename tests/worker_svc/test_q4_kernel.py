@@ -1,6 +1,6 @@
 """The float32 4-bit GEMM kernel (worker_svc/kernels/cpu/csrc/q4_gemm.cpp) computes x @ W.T + bias over
 exactly the GGUF weights, for every step size it serves, and Q4Linear routes to it
-where the int16 kernel (test_vnni_kernel.py) does not run."""
+where the int16 kernels (test_vnni_kernel.py, test_int16_kernel.py) do not run."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from worker_svc.formats.q4_weights import Q4Blocks
-from worker_svc.kernels.cpu import library, q4_gemm, vnni_gemm
+from worker_svc.kernels.cpu import int16_gemm, library, q4_gemm, vnni_gemm
 from worker_svc.kernels.cpu.q4_gemm import PackedQ4
 from worker_svc.model.q4_linear import KERNEL_MAX_ROWS, DequantScratch, Q4Linear
 
@@ -21,9 +21,10 @@ needs_kernel = pytest.mark.skipif(kernel is None, reason="no AVX2/FMA/F16C CPU o
 
 
 @pytest.fixture(autouse=True)
-def without_the_int16_kernel(monkeypatch):
-    """Q4Linear as on a CPU without AVX-512 VNNI, whose steps these kernels serve."""
+def without_the_int16_kernels(monkeypatch):
+    """Q4Linear as on a CPU without AVX-512 VNNI, and with its decode steps' AVX2 int16 kernel off."""
     monkeypatch.setattr(vnni_gemm, "load", lambda: None)
+    monkeypatch.setattr(int16_gemm, "load", lambda: None)
 
 
 def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> Q4Blocks:

@@ -1,6 +1,7 @@
 """8-bit GGUF weights kept as stored (--quantization gguf): Q8Blocks read exactly what
 gguf's dequantizer reads, the embedding looks its rows up from them, and the LM head
-(csrc/q8_gemm.cpp for few rows, a packed float32 copy for more) computes x @ W.T over
+(csrc/q8_gemm.cpp for few rows, a packed float32 copy for more; the int16 kernels' own
+tests hold theirs) computes x @ W.T over
 exactly those weights; the model holds no float32 embedding."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from gguf.quants import dequantize, quantize
 
 from kvfleet import LLM
 from worker_svc.formats.q8_weights import Q8Blocks
-from worker_svc.kernels.cpu import q8_gemm, vnni_gemm
+from worker_svc.kernels.cpu import int16_gemm, q8_gemm, vnni_gemm
 from worker_svc.model.q8_linear import KERNEL_MAX_ROWS, Q8Linear
 
 kernel = q8_gemm.load()
@@ -45,8 +46,9 @@ def test_blocks_rows_and_slices_are_ggufs_weights():
 def test_head_equals_the_float32_product(rows, use_kernel, monkeypatch):
     if use_kernel and kernel is None:
         pytest.skip("no kernel here")
-    # The float32 paths, which a CPU without AVX-512 VNNI takes (tests/worker_svc/test_vnni_kernel.py has the int16 one).
+    # The float32 paths (tests/worker_svc/test_vnni_kernel.py and test_int16_kernel.py have the int16 ones).
     monkeypatch.setattr(vnni_gemm, "load", lambda: None)
+    monkeypatch.setattr(int16_gemm, "load", lambda: None)
     if not use_kernel:
         monkeypatch.setattr(q8_gemm, "load", lambda: None)
     # 203 outputs (not a multiple of the kernel's tiles) of 5 blocks (an odd count).
@@ -71,6 +73,8 @@ def test_the_model_keeps_its_embedding_and_head_8_bit(gguf_llm):
     model = gguf_llm.engine.worker.model
     assert model.embed_tokens.q8 is not None and model.embed_tokens.weight is None
     assert isinstance(model.lm_head, Q8Linear) and model.lm_head.blocks is model.embed_tokens.q8  # tied: one copy
+    # Its small steps' GEMMs take every thread where the AVX2 int16 kernel runs them (test_int16_kernel.py).
+    assert gguf_llm.engine.worker.decode_gemms == (model.lm_head.int16 is not None)
     # Big steps take the head's packed float32 copy, or the int16 kernel (which needs none); nothing else
     # holds the vocabulary in float32.
     assert (model.lm_head.panels is None) == (model.lm_head.dense is not None)

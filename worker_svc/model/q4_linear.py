@@ -23,7 +23,18 @@ Elsewhere, on the 2-core AVX2 CPU measured before it:
 there, steps of up to KERNEL_MAX_ROWS rows take kvfleet's float32 kernel
 (kernels/cpu/q4_gemm.py): it reads the 4-bit codes and float16 scales (0.625 bytes a
 weight) and computes in float32 over exactly the GGUF weights, so its tokens are the
-float32 model's.
+float32 model's. Decode steps of up to INT16_MAX_ROWS rows take the AVX2 int16 kernel
+(kernels/cpu/int16_gemm.py) over the same packing instead: activations quantized as the
+VNNI kernel's are, the codes widened only to int16. One token's 120 projections, 2
+threads in a decode step (int16; the float32 kernel runs on the step's one), load
+average 4.4, so noisy:
+
+  rows                          1    2    3    4    6    8
+  int16 kernel, ms             15   18   23   30   32   57
+  float32 4-bit kernel, ms     20   22   27   29   36   47
+
+(on one thread each, 1 row: 11 against 16 ms). Single requests decoding alone kept all
+384 greedy positions of the parity prompts.
 Bigger steps take the float32 GEMM over weights the kernel dequantizes into a scratch
 buffer, one layer at a time (21 ms a step for all layers; torch's dequantization of the
 blocks took 58). Two more runs at 16-64 rows: the kernel 81 and 95 ms against 116 and
@@ -40,11 +51,12 @@ import torch
 from torch import nn
 
 from worker_svc.formats.q4_weights import GROUP_SIZE, Q4Blocks
-from worker_svc.kernels.cpu import q4_gemm, vnni_gemm
+from worker_svc.kernels.cpu import int16_gemm, q4_gemm, vnni_gemm
 from worker_svc.kernels.cpu.vnni_gemm import Q4Panels
 from worker_svc.model.layers import RMSNorm, cpu_linear
 
 KERNEL_MAX_ROWS = 24  # steps of at most this many rows take the float32 4-bit kernel, where it built
+INT16_MAX_ROWS = 3  # of those, steps of at most this many take the AVX2 int16 kernel, where it built
 INT4_MAX_ROWS = 32  # without it, steps of at most this many rows take torch's int4 kernel
 
 
@@ -71,11 +83,12 @@ class Q4Linear(nn.Module):
         self.int4_weight: torch.Tensor | None = None
         self.int4_scale_zeros: torch.Tensor | None = None
         if self.panels is not None:  # every step takes it: nothing else is kept
-            self.kernel = self.packed = self.blocks = None
+            self.kernel = self.packed = self.blocks = self.int16 = None
             return
         scratch.reserve(blocks.codes.numel())
         self.kernel = q4_gemm.load()
         self.packed = None if self.kernel is None else q4_gemm.PackedQ4.from_blocks(blocks)
+        self.int16 = None if self.packed is None else int16_gemm.load()  # reads the same packing
         # The kernel also dequantizes its packing for big steps, 2.8x faster than torch's passes over the
         # blocks (21 vs 58 ms for SmolLM2's 120 projections), so their 1.25 bytes a weight are not kept.
         self.blocks = None if self.packed is not None and scratch.buffer.dtype == torch.float32 else blocks
@@ -92,7 +105,9 @@ class Q4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.panels is not None or (self.packed is not None and rows.shape[0] <= KERNEL_MAX_ROWS):
+        if self.int16 is not None and rows.shape[0] <= INT16_MAX_ROWS:
+            out = self.int16.q4_linear(self.packed, rows.float(), self._float_bias()).to(rows.dtype)
+        elif self.panels is not None or (self.packed is not None and rows.shape[0] <= KERNEL_MAX_ROWS):
             out = self.kernel_matmul(rows)
         elif self.packed is None and rows.shape[0] <= INT4_MAX_ROWS:
             out = self.int4_matmul(rows)

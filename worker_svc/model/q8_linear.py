@@ -11,6 +11,12 @@ packed one. So the head keeps both: the blocks for decode steps of few requests,
 packed float32 copy (as a float32 model's head) for bigger ones; the embedding, which
 the float32 model held besides, is read from the blocks.
 
+Without AVX-512 VNNI, those few rows take the AVX2 int16 kernel (kernels/cpu/int16_gemm.py)
+over the same blocks where it built: one row in 2.8 ms against 7.6 (10.9 against 4.0 GB/s
+of the head's bytes, benchmarks/roofline.py, one thread, load average 3-4), 8 rows in
+9.2 against 12.3 and 16 in 18 against 25 (random blocks of its shape, one thread, load
+average 2.3).
+
 Where AVX-512 VNNI runs, every step takes the int16 kernel (kernels/cpu/vnni_gemm.py)
 instead, and no float32 copy is kept (113 MB for SmolLM2). Measured on an AVX-512 EPYC
 (the 49152 x 576 head, 2 threads, best of 7, two runs): 1 row in 0.33-0.45 ms against
@@ -23,7 +29,7 @@ import torch
 from torch import nn
 
 from worker_svc.formats.q8_weights import Q8Blocks
-from worker_svc.kernels.cpu import q8_gemm, vnni_gemm
+from worker_svc.kernels.cpu import int16_gemm, q8_gemm, vnni_gemm
 from worker_svc.kernels.cpu.vnni_gemm import Q8Panels
 from worker_svc.model.layers import Linear
 
@@ -38,6 +44,8 @@ class Q8Linear(nn.Module):
         self.vnni = vnni_gemm.load()
         self.panels = None if self.vnni is None else Q8Panels.from_blocks(blocks)
         self.kernel = q8_gemm.load()  # None where it could not be built: every step takes the dense head
+        # The same blocks, faster than `kernel` at every size it serves; not where the VNNI one runs.
+        self.int16 = None if self.panels is not None else int16_gemm.load()
         self.dense: Linear | None = None
         if self.panels is None:
             self.dense = Linear(self.in_features, self.out_features, bias=False)
@@ -48,6 +56,8 @@ class Q8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.panels is not None:
             out = self.vnni.linear(self.panels, rows.to(torch.float32), None).to(x.dtype)
+        elif self.int16 is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
+            out = self.int16.q8_linear(self.blocks, rows.to(torch.float32)).to(x.dtype)
         elif self.kernel is not None and rows.shape[0] <= KERNEL_MAX_ROWS:
             out = self.kernel.linear(self.blocks, rows.to(torch.float32).contiguous()).to(x.dtype)
         else:

@@ -75,6 +75,8 @@ class Worker:
         else:
             self._load_decoder(config, group)
         self.load_seconds = time.perf_counter() - started
+        # Whether its small steps' GEMMs take every thread (the AVX2 int16 kernel: threads.decode_threads).
+        self.decode_gemms = any(getattr(module, "int16", None) is not None for module in self.model.modules())
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()  # CompileGrammar calls come on several threads
         self.block_size = config.block_size
@@ -314,7 +316,7 @@ class Worker:
     def _execute(self, plan: StepPlan) -> StepResult | None:
         self._apply_deltas(plan)
         shard = self.group.shard
-        with step_threads(self.device, sum(plan.num_scheduled_tokens.values())):
+        with step_threads(self.device, sum(plan.num_scheduled_tokens.values()), self.decode_gemms):
             if plan.num_scheduled_tokens:
                 outcome = self._compute(plan)
             else:

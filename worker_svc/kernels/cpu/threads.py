@@ -8,7 +8,7 @@ made decode 5-25x slower. So kvfleet asks OpenMP to sleep when idle
 defaulting to torch's own choice (a thread per physical core) for a single worker, and
 to an even share of it for each rank of a CPU worker group (ranks with more threads
 than the cores would take turns on them). A step of few tokens runs on one of them
-(`step_threads`). Tests pin one thread.
+(`step_threads`), except kvfleet's decode GEMMs, which take them all. Tests pin one thread.
 
 kvfleet's own kernels split their work over a pool of their own (csrc/thread_pool.cpp),
 not OpenMP's: while a step runs its helpers poll for the next parallel region for a
@@ -17,6 +17,7 @@ little while before they sleep, so the step's ~150 regions do not each pay a wak
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -57,23 +58,49 @@ def configure_torch_threads(ranks_sharing_cores: int = 1) -> int:
 SINGLE_THREAD_MAX_TOKENS = 8
 
 
+class _SmallStep(threading.local):
+    threads = 0  # the threads decode_threads() gives in this thread's small step; 0 outside one
+
+
+_small_step = _SmallStep()
+
+
+def decode_threads() -> int:
+    """In a step of few tokens (step_threads), the threads kvfleet's decode GEMMs take (the
+    AVX2 int16 kernel, int16_gemm.py): all of the engine's, the pool's helpers polling,
+    while torch's ops run on one. One token's 4-bit projections and 8-bit LM head took
+    6.8 ms on two threads against 11.6 on one (benchmarks/roofline.py, 2-core AVX2 EPYC):
+    the weights' read is what a decode step waits for, and one core alone does not
+    saturate memory. 0 outside such a step: callers then choose from torch's count."""
+    return _small_step.threads
+
+
 @contextmanager
-def step_threads(device: torch.device, num_tokens: int) -> Iterator[None]:
-    """A CPU step: on the calling thread alone where waking the others costs more than they
-    give (OpenMP's thread count is per calling thread, so this one step's); otherwise with the
-    kernels' pool helpers polling for its parallel regions until it ends."""
+def step_threads(device: torch.device, num_tokens: int, decode_gemms: bool = False) -> Iterator[None]:
+    """A CPU step: torch's ops on the calling thread alone where waking the others costs more
+    than they give (OpenMP's thread count is per calling thread, so this one step's), and,
+    for a model whose decode GEMMs take them (`decode_gemms`), those on all (decode_threads;
+    other models' helpers keep sleeping); otherwise with the kernels' pool helpers polling
+    for its parallel regions until it ends."""
     threads = torch.get_num_threads()
     if device.type != "cpu" or threads == 1:
         yield
         return
+    pool = thread_pool()
     if idle_threads_sleep() and num_tokens <= SINGLE_THREAD_MAX_TOKENS:
         torch.set_num_threads(1)
+        polled = pool is not None and decode_gemms
+        if polled:
+            pool.kvfleet_pool_steps(1)
+            _small_step.threads = threads
         try:
             yield
         finally:
             torch.set_num_threads(threads)
+            if polled:
+                _small_step.threads = 0
+                pool.kvfleet_pool_steps(-1)
         return
-    pool = thread_pool()
     if pool is not None:
         pool.kvfleet_pool_steps(1)
     try:

@@ -17,6 +17,8 @@ replicas need one.
 """
 from __future__ import annotations
 
+from scheduler_svc.request import Request
+
 # The issue's bound on the chat streams' inter-token latency beside embeddings is +25%;
 # the cap aims below it, as the costs it is computed from are estimates.
 POOLING_STEP_RISE = 0.2
@@ -33,6 +35,7 @@ class PoolingBudget:
         self.max_rise = max_rise
         self._step_s: float | None = None  # a step with no prompt tokens (decode rows only)
         self._token_s: float | None = None  # each prompt token on top of it
+        self._left: int | None = None  # of the step being planned; None when uncapped
 
     def record(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
         """One executed step: its prompt tokens (prefill and pooling), its one-token rows, and
@@ -48,6 +51,21 @@ class PoolingBudget:
         if self._step_s is None or not self._token_s:
             return INITIAL_CAP
         return max(1, int(self.max_rise * self._step_s / self._token_s))
+
+    def start_step(self, capped: bool) -> None:
+        """A step is planned: its pooling tokens are capped (while generation requests
+        run and prompts can be chunked), else they may take the whole budget."""
+        self._left = self.cap() if capped else None
+
+    def room(self, request: Request, budget: int) -> int:
+        """The step's tokens this request may take: a pooling request's are capped too."""
+        if self._left is None or request.sampling_params.pooling is None:
+            return budget
+        return min(budget, self._left)
+
+    def take(self, request: Request, num_tokens: int) -> None:
+        if self._left is not None and request.sampling_params.pooling is not None:
+            self._left -= num_tokens
 
 
 def _averaged(average: float | None, sample: float) -> float:

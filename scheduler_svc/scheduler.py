@@ -6,63 +6,40 @@ requests go first, oldest first, so streams keep flowing; waiting requests fill 
 remaining token budget, starting from their longest cached prefix. When blocks run
 out the newest running request is preempted: its KV is dropped and recomputed
 later, or (swap mode) copied to a host pool and back.
+
+The Scheduler owns the queues, the step's token budget and admission; it composes one
+collaborator per concern, each sharing the queues and pools it needs: a request's
+blocks and the prefix cache (kv_cache_manager.py), KV loads from the offload tiers or
+a prefill replica (kv_loads.py), preemption and swap (preemption.py), drafts
+(speculation.py), what a plan says of each request (plan_entries.py) and what else it
+tells the worker (worker_drops.py), and applying a step's results (output_processor.py).
 """
 from __future__ import annotations
 
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
 
-from scheduler_svc.block_pool import BlockPool, KvEventLog, StoredBlock
+from scheduler_svc.block_pool import BlockPool, KvEventLog
+from scheduler_svc.kv_cache_manager import KvCacheManager
 from scheduler_svc.kv_connector import KvConnector
-from scheduler_svc.kv_handoff import PROMPT_TOKEN_SOURCES, KvHandoff, count_prompt_tokens
+from scheduler_svc.kv_handoff import KvHandoff
+from scheduler_svc.kv_loads import KvLoads
+from scheduler_svc.output_processor import OutputProcessor
+from scheduler_svc.plan_entries import add_to_plan
 from scheduler_svc.pooling_budget import PoolingBudget
+from scheduler_svc.preemption import Preemption
 from scheduler_svc.request import FinishReason, Request, RequestStatus
-from scheduler_svc.request_checks import check_request, stop_reason
+from scheduler_svc.request_checks import check_request
+from scheduler_svc.scheduler_config import SchedulerConfig
 from scheduler_svc.spec_decode_counts import SpecDecodingCounts
-from scheduler_svc.spec_gate import SpecGate
-from scheduler_svc.spec_proposer import make_proposer
 from scheduler_svc.spec_step_cost import SpecStepCosts
+from scheduler_svc.speculation import Speculation
 from scheduler_svc.versioned_queues import VersionedDeque, VersionedList
-from services.block_hash import extend_block_hashes, extra_keys_bytes
+from scheduler_svc.worker_drops import WorkerDrops
 from services.histogram_counts import BucketCounter
 from services.invalid_parameter import InvalidParameter
-from services.messages import (
-    CachedRequestData,
-    FirstTokenTimes,
-    NewRequestData,
-    StepPlan,
-    StepResult,
-    TokenDelta,
-)
-from services.metric_buckets import ITERATION_TOKENS
-from services.pooling_params import PoolerConfig
-from services.speculative_config import WORKER_METHODS, SpeculativeConfig, can_speculate
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    block_size: int
-    num_blocks: int
-    vocab_size: int
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"  # or "swap"
-    num_host_blocks: int = 0  # the swap pool
-    # A request whose step is in flight may be planned into the next step, its input the
-    # token that step will sample (vLLM's async scheduling; the worker fills it in).
-    async_scheduling: bool = False
-    # Speculative decoding (docs/speculative.md): drafts appended to decoding requests' steps.
-    speculative: SpeculativeConfig | None = None
-    # Set when the worker pools (docs/pooling.md): pooling requests share its steps with the others.
-    pooler: PoolerConfig | None = None
-    generates: bool = True  # False: it pools only (--runner pooling)
-    # Adapters one step may run (--max-loras): a waiting request of another adapter waits.
-    max_loras: int = 0
+from services.messages import StepPlan, StepResult, TokenDelta
 
 
 class Scheduler:
@@ -78,35 +55,21 @@ class Scheduler:
             )
         self.config = config
         self.block_pool = BlockPool(config.num_blocks)
-        self.host_pool = BlockPool(config.num_host_blocks) if config.preemption_mode == "swap" else None
         self.connector = connector
         self.handoff = handoff
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = VersionedDeque()  # each counts its changes (versioned_queues.py)
         self.running: list[Request] = VersionedList()
-        self.num_preemptions = 0
-        self.num_swapped_preemptions = 0  # the part of num_preemptions that swapped rather than dropped KV
-        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
-        self.prefix_cache_hits = 0  # tokens found there
-        self.iteration_tokens = BucketCounter(ITERATION_TOKENS)  # see EngineStats.iteration_tokens
-        self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)  # see EngineStats
-        self.spec_decoding = SpecDecodingCounts(config.speculative.num_speculative_tokens
-                                                if config.speculative is not None else 0)
-        # What decode steps of each size cost on this machine: how many drafts pay (suffix).
-        self.spec_step_costs = SpecStepCosts() if config.speculative is not None else None
-        self.proposer = make_proposer(config.speculative, self.spec_step_costs) if config.speculative is not None else None
-        self.spec_gate = SpecGate(config.speculative.disable_by_batch_size) if config.speculative is not None else None
-        # Pooling tokens per step beside generation (scheduler_svc/pooling_budget.py); what is
-        # left of them in the step being planned, None when uncapped.
-        self.pooling_budget = PoolingBudget()
-        self._pooling_left: int | None = None
-        self._lookahead = config.speculative.num_speculative_tokens if (
-            config.speculative is not None and config.speculative.method in WORKER_METHODS) else 0
+        self.kv_cache_manager = KvCacheManager(config, self.block_pool, connector)
+        self.kv_loads = KvLoads(config, self.block_pool, connector, handoff, self.kv_cache_manager,
+                                self.running) if connector is not None else None
+        self.speculation = Speculation(config) if config.speculative is not None else None
+        self.pooling_budget = PoolingBudget()  # pooling tokens per step beside generation
         self._step_ids = itertools.count()
-        # Ended or preempted since the last plan; the next plan tells the worker.
-        self._dropped_ids: list[str] = []
-        # Copy-on-write of forked requests' partly filled blocks, for the next plan.
-        self._pending_copies: list[tuple[int, int]] = []
+        self.drops = WorkerDrops(handoff)
+        self.preemption = Preemption(config, self.block_pool, self.drops, self.waiting)
+        self.outputs = OutputProcessor(config, self.requests, self.waiting, self.running, self.block_pool, handoff,
+                                       self.kv_cache_manager, self.drops, self.preemption, self.speculation)
 
     # -- admission -----------------------------------------------------------------
 
@@ -132,7 +95,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.LOADING_KV:
             # The worker may still write into its blocks: they are freed when the load ends.
-            self._release_followers(request)
+            self.outputs.release_followers(request)
             request.status = RequestStatus.FINISHED
             request.finish_reason = FinishReason.ABORT
             del self.requests[request_id]
@@ -143,7 +106,7 @@ class Scheduler:
                     leader.followers.remove(request)
         else:
             self.waiting.remove(request)
-        self._finish(request, FinishReason.ABORT)
+        self.outputs.finish(request, FinishReason.ABORT)
         return TokenDelta(request_id, [], FinishReason.ABORT.value)
 
     def attach_kv_events(self, events: KvEventLog) -> None:
@@ -160,13 +123,13 @@ class Scheduler:
     def has_work(self) -> bool:
         """Requests to run, ended ones the worker has not been told to drop yet, or loads
         into blocks that are freed once the worker says the load ended."""
-        return bool(self.requests or self._dropped_ids or (self.connector is not None and self.connector.loading)
+        return bool(self.requests or self.drops.dropped_ids or (self.connector is not None and self.connector.loading)
                     or (self.handoff is not None and self.handoff.held))
 
     @property
     def has_drops(self) -> bool:
         """Ended requests or block copies that the next plan must tell the worker."""
-        return bool(self._dropped_ids or self._pending_copies)
+        return bool(self.drops.dropped_ids or self.drops.copies)
 
     @property
     def num_schedulable(self) -> int:
@@ -185,6 +148,41 @@ class Scheduler:
                 and (params.max_tokens is None or len(request.output_token_ids) + 1 < params.max_tokens)
                 and request.num_tokens + 1 < self.config.max_model_len and not params.reads_output_tokens)
 
+    # -- what EngineStats reads, kept by the collaborators ----------------------------
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemption.num_preemptions
+
+    @property
+    def num_swapped_preemptions(self) -> int:
+        return self.preemption.num_swapped_preemptions
+
+    @property
+    def iteration_tokens(self) -> BucketCounter:
+        return self.outputs.iteration_tokens
+
+    @property
+    def prompt_tokens_by_source(self) -> dict[str, int]:
+        return self.outputs.prompt_tokens_by_source
+
+    @property
+    def spec_decoding(self) -> SpecDecodingCounts:
+        return self.outputs.spec_decoding
+
+    @property
+    def spec_step_costs(self) -> SpecStepCosts | None:
+        """What decode steps of each size cost on this machine, with speculative decoding."""
+        return self.speculation.step_costs if self.speculation is not None else None
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv_cache_manager.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv_cache_manager.hits
+
     # -- one step --------------------------------------------------------------------
 
     def schedule(self, max_requests: int | None = None) -> StepPlan:
@@ -194,14 +192,13 @@ class Scheduler:
         if self.handoff is not None:  # held for consumers that never came
             self.block_pool.free(self.handoff.expire())
         budget = self.config.max_num_batched_tokens
-        self._pooling_left = self._pooling_cap()
+        self.pooling_budget.start_step(self._caps_pooling())
         preemptions_before = self.num_preemptions
         budget = self._schedule_running(plan, budget, max_requests)
         # After a preemption memory is short: admitting new work would only thrash.
         if self.num_preemptions == preemptions_before:
             self._schedule_waiting(plan, budget, max_requests)
-        plan.finished_request_ids, self._dropped_ids = self._dropped_ids, []
-        plan.blocks_to_copy, self._pending_copies = self._pending_copies, []
+        self.drops.take(plan)
         if self.connector is not None:
             plan.kv_host_saves, plan.kv_file_saves = self.connector.take_saves()
         if self.handoff is not None:
@@ -209,6 +206,7 @@ class Scheduler:
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: int, max_requests: int | None) -> int:
+        allocate_slots = self.kv_cache_manager.allocate_slots
         index = 0
         while index < len(self.running) and budget > 0 and len(plan.num_scheduled_tokens) != max_requests:
             request = self.running[index]
@@ -217,72 +215,43 @@ class Scheduler:
             if ahead and not self._runs_ahead(request):
                 continue
             computed = request.num_computed_tokens + request.num_in_flight_tokens
-            num_tokens = min(request.num_tokens + request.num_ahead_samples - computed, self._room(request, budget))
+            num_tokens = min(request.num_tokens + request.num_ahead_samples - computed,
+                             self.pooling_budget.room(request, budget))
             if num_tokens == 0:  # a pooling request, past this step's pooling tokens
                 continue
-            drafts = self._propose(request, computed, num_tokens, budget)
-            new_blocks = self._allocate_slots(request, computed + num_tokens + len(drafts)) if drafts else None
+            drafts = self.speculation.propose(request, computed, num_tokens, budget, len(self.running)) if (
+                self.speculation is not None) else []
+            new_blocks = allocate_slots(request, computed + num_tokens + len(drafts)) if drafts else None
             if new_blocks is None:  # no drafts, or no free blocks for them (no preempting for drafts)
                 drafts = []
-                new_blocks = self._allocate_slots(request, computed + num_tokens)
+                new_blocks = allocate_slots(request, computed + num_tokens)
             if new_blocks is None and ahead:
                 continue  # no preempting for a step ahead: it runs once its result is back
             while new_blocks is None:
                 # The newest request not in flight: one in flight is computing into its blocks.
                 victim = next(r for r in reversed(self.running) if not r.in_flight)
                 self.running.remove(victim)
-                self._preempt(victim, plan)
+                self.preemption.preempt(victim, plan)
                 if victim is request:
                     return budget
-                new_blocks = self._allocate_slots(request, computed + num_tokens)
-            self._add_to_plan(plan, request, num_tokens, new_blocks, drafts)
+                new_blocks = allocate_slots(request, computed + num_tokens)
+            add_to_plan(plan, request, num_tokens, new_blocks, drafts)
             budget -= num_tokens + len(drafts)
-            self._take_pooling(request, num_tokens)
+            self.pooling_budget.take(request, num_tokens)
         return budget
 
-    def _pooling_cap(self) -> int | None:
-        """This step's pooling tokens: capped while generation requests run (and prompts can
-        be chunked), else the whole budget (scheduler_svc/pooling_budget.py)."""
-        if (self.config.pooler is None or not self.config.enable_chunked_prefill
-                or not any(r.sampling_params.pooling is None for r in self.running)):
-            return None
-        return self.pooling_budget.cap()
-
-    def _room(self, request: Request, budget: int) -> int:
-        """The step's tokens this request may take: a pooling request's are capped too."""
-        if self._pooling_left is None or request.sampling_params.pooling is None:
-            return budget
-        return min(budget, self._pooling_left)
-
-    def _take_pooling(self, request: Request, num_tokens: int) -> None:
-        if self._pooling_left is not None and request.sampling_params.pooling is not None:
-            self._pooling_left -= num_tokens
+    def _caps_pooling(self) -> bool:
+        """Whether this step's pooling tokens are capped: while generation requests run, and
+        prompts can be chunked (scheduler_svc/pooling_budget.py)."""
+        return (self.config.pooler is not None and self.config.enable_chunked_prefill
+                and any(r.sampling_params.pooling is None for r in self.running))
 
     def record_step_time(self, plan: StepPlan, seconds: float) -> None:
         """How long the worker took for `plan`: what the pooling cap and the drafts that pay are computed from."""
         counts = plan.num_scheduled_tokens.values()
         self.pooling_budget.record(sum(n for n in counts if n > 1), sum(1 for n in counts if n == 1), seconds)
-        if self.spec_step_costs is not None:
-            self.spec_step_costs.record(plan, seconds)
-
-    def _propose(self, request: Request, computed: int, num_tokens: int, budget: int) -> list[int]:
-        """Draft tokens for a decoding request to verify in this step (docs/speculative.md).
-        A request whose next token depends on more than its logits (processors, a grammar,
-        a seed's per-position noise) decodes one token at a time, as without speculation."""
-        spec = self.config.speculative
-        if (spec is None or num_tokens != 1 or computed + 1 != request.num_tokens or request.in_flight
-                or request.sampling_params.pooling is not None):
-            return []
-        params = request.sampling_params
-        if not can_speculate(params):
-            return []
-        # Never past max_tokens or the context: the drafts' positions must exist.
-        k = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens)
-        if params.max_tokens is not None:
-            k = min(k, params.max_tokens - len(request.output_token_ids) - 1)
-        if k <= 0:
-            return []
-        return self.spec_gate.admit(request.request_id, self.proposer.propose(request, k), len(self.running))
+        if self.speculation is not None:
+            self.speculation.step_costs.record(plan, seconds)
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, max_requests: int | None) -> None:
         skipped: list[Request] = []  # of adapters that have no slot this step: back in front, in order
@@ -301,15 +270,15 @@ class Scheduler:
                     skipped.append(self.waiting.popleft())
                     continue
                 loras.add(request.lora_int_id)
-            room = self._room(request, budget)
+            room = self.pooling_budget.room(request, budget)
             if room == 0:  # a pooling request, past this step's pooling tokens: generation may go on
                 skipped.append(self.waiting.popleft())
                 continue
             if request.status is RequestStatus.SWAPPED:
-                admitted = self._swap_in(request, plan, room)
+                admitted = self.preemption.swap_in(request, plan, room)
             else:
-                hits = self._cached_prefix(request)
-                if self._start_load(request, hits, plan):
+                hits = self.kv_cache_manager.get_computed_blocks(request)
+                if self.kv_loads is not None and self.kv_loads.start(request, hits, plan):
                     self.waiting.popleft()
                     continue
                 if self.handoff is not None and self.handoff.awaits_blocks(request):
@@ -323,9 +292,9 @@ class Scheduler:
                 request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._add_to_plan(plan, request, num_tokens, new_blocks)
+            add_to_plan(plan, request, num_tokens, new_blocks)
             budget -= num_tokens
-            self._take_pooling(request, num_tokens)
+            self.pooling_budget.take(request, num_tokens)
 
     @property
     def _num_seqs(self) -> int:
@@ -334,187 +303,27 @@ class Scheduler:
 
     def _admit(self, request: Request, hits: list[int], budget: int) -> tuple[int, list[int]] | None:
         """Start (or restart) a request from its longest cached prefix (`hits`), if it fits."""
-        num_computed = len(hits) * self.config.block_size
-        remaining = request.num_tokens - num_computed
+        remaining = request.num_tokens - len(hits) * self.config.block_size
         if not self.config.enable_chunked_prefill and remaining > budget:
             return None
         num_tokens = min(remaining, budget)
-        needed = self._blocks_for(num_computed + num_tokens) - len(hits)
-        if needed > self.block_pool.num_free_blocks - self.block_pool.num_unheld(hits):
+        if not self.kv_cache_manager.start_from_prefix(request, hits, num_tokens):
             return None
-        self.block_pool.share(hits)
-        request.block_ids = hits + self.block_pool.allocate(needed)
-        request.num_computed_tokens = num_computed
-        request.num_cached_blocks = len(hits)
-        if request.num_cached_tokens is None:  # a preempted request's later hits are its own blocks
-            request.num_cached_tokens = num_computed
-        if self.config.enable_prefix_caching:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_computed
         if self.connector is not None and request.sampling_params.prompt_logprobs is None:
-            max_hit_blocks = (request.num_tokens - 1) // self.config.block_size
+            max_hit_blocks = self.kv_cache_manager.max_hit_blocks(request)
             self.connector.queries += max(0, max_hit_blocks - len(hits)) * self.config.block_size
         return num_tokens, request.block_ids
 
-    def _start_load(self, request: Request, hits: list[int], plan: StepPlan) -> bool:
-        """Whether the request's prefix continues, past the device pool's `hits`, in the
-        offload tiers: then its blocks are taken and the worker loads them meanwhile."""
-        if self.connector is None or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            return False
-        if self.handoff is not None and request.kv_transfer_params is not None:
-            self._hash_full_blocks(request)  # the fetched blocks are indexed by their hashes
-            load = self.handoff.start_fetch(request, hits, self.block_pool, self.connector, self.config.block_size)
-            if load is not None:
-                if request.scheduled_time is None:
-                    request.scheduled_time = time.monotonic()
-                request.status = RequestStatus.LOADING_KV
-                plan.kv_loads.append(load)
-                return True
-        max_hit_blocks = (request.num_tokens - 1) // self.config.block_size
-        if self._needs_every_position(request) or len(hits) >= max_hit_blocks:
-            return False
-        sources = self.connector.find(request.block_hashes, len(hits), max_hit_blocks)
-        if not sources or len(sources) > self.block_pool.num_free_blocks - self.block_pool.num_unheld(hits):
-            return False
-        self.connector.queries += (max_hit_blocks - len(hits)) * self.config.block_size
-        if request.scheduled_time is None:
-            request.scheduled_time = time.monotonic()
-        self.block_pool.share(hits)
-        request.block_ids = hits + self.block_pool.allocate(len(sources))
-        request.num_computed_tokens = len(hits) * self.config.block_size
-        request.num_cached_blocks = len(hits)
-        request.status = RequestStatus.LOADING_KV
-        plan.kv_loads.append(self.connector.start_load(request, len(hits), sources))
-        return True
-
-    def _load_finished(self, request_id: str, num_loaded: int) -> None:
-        """The worker filled the first `num_loaded` blocks asked of it; the rest are computed."""
-        loading = self.connector.loading.pop(request_id, None)
-        if loading is None:
-            return
-        request = loading.request
-        if request.status is not RequestStatus.LOADING_KV:  # aborted meanwhile
-            self.block_pool.free(request.block_ids)
-            request.block_ids = []
-            return
-        size = self.config.block_size
-        self.connector.hits += num_loaded * size
-        request.num_external_tokens += num_loaded * size
-        if loading.remote:
-            request.kv_transfer_s = time.monotonic() - loading.started
-            self.handoff.loaded(num_loaded, loading.num_blocks, request.kv_transfer_s)
-        num_blocks = loading.num_device_hits + num_loaded
-        self._index_blocks(request, num_blocks, save=False)  # they came from the tiers
-        request.num_computed_tokens = num_blocks * size
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = request.num_computed_tokens
-        if self.config.enable_prefix_caching:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += loading.num_device_hits * size
-        # It runs from here: the next plan computes the rest, into the blocks it holds and
-        # more (a running request, so it can be preempted like any other).
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-
-    def _cached_prefix(self, request: Request) -> list[int]:
-        # Prompt logprobs need every prompt position computed, cached or not.
-        if not self.config.enable_prefix_caching or self._needs_every_position(request):
-            return []
-        self._hash_full_blocks(request)
-        # At least one token must be computed to get logits for the next one.
-        max_hit_blocks = (request.num_tokens - 1) // self.config.block_size
-        return self.block_pool.lookup(request.block_hashes[:max_hit_blocks])
-
-    def _needs_every_position(self, request: Request) -> bool:
-        """Prompt logprobs, and pooling other than LAST (MEAN, CLS), read every prompt
-        position's output: a cached prefix has none to give."""
-        return request.sampling_params.prompt_logprobs is not None or (
-            request.sampling_params.pooling is not None and self.config.pooler.pooling_type != "LAST")
-
-    def _hash_full_blocks(self, request: Request) -> None:
-        extra = extra_keys_bytes(cache_salt=request.cache_salt, lora_id=request.lora_int_id)
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.config.block_size, extra)
-
-    def _swap_in(self, request: Request, plan: StepPlan, budget: int) -> tuple[int, list[int]] | None:
-        """Resume a swapped request: fresh device blocks, its KV copied back into them."""
-        num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-        needed = -(-(request.num_computed_tokens + num_tokens) // self.config.block_size)
-        if needed > self.block_pool.num_free_blocks:
-            return None
-        request.block_ids = self.block_pool.allocate(needed)
-        # The host pool may be reused once the worker has copied these, which it
-        # does first thing in this very step.
-        plan.blocks_to_swap_in.extend(zip(request.host_block_ids, request.block_ids))
-        self.host_pool.free(request.host_block_ids)
-        request.host_block_ids = []
-        return num_tokens, request.block_ids
-
-    def _allocate_slots(self, request: Request, num_tokens: int) -> list[int] | None:
-        """Blocks for KV of `num_tokens` tokens in all (the new blocks), or None when the pool is short."""
-        missing = self._blocks_for(num_tokens) - len(request.block_ids)
-        if missing <= 0:
-            return []
-        if missing > self.block_pool.num_free_blocks:
-            return None
-        new_blocks = self.block_pool.allocate(missing)
-        request.block_ids.extend(new_blocks)
-        return new_blocks
-
-    def _blocks_for(self, num_tokens: int) -> int:
-        """Blocks a request holding KV of `num_tokens` tokens needs; with a draft model, also
-        for its lookahead slots, where the drafts' KV is written after the step."""
-        return -(-min(num_tokens + self._lookahead, self.config.max_model_len) // self.config.block_size)
-
-    def _add_to_plan(self, plan: StepPlan, request: Request, num_tokens: int, new_blocks: list[int],
-                     drafts: list[int] = ()) -> None:
-        """`drafts`: appended to the request's `num_tokens` inputs, to verify."""
-        plan.num_scheduled_tokens[request.request_id] = num_tokens + len(drafts)
-        if drafts:
-            plan.scheduled_spec_decode_tokens[request.request_id] = list(drafts)
-        computed = request.num_computed_tokens + request.num_in_flight_tokens  # once the steps in flight are done
-        if computed + num_tokens == request.num_tokens + request.num_ahead_samples:
-            request.num_ahead_samples += 1  # the step reaches the last token: it samples the next
-        request.num_in_flight_tokens += num_tokens + len(drafts)
-        outputs = request.output_token_ids
-        if request.known_to_worker:
-            plan.cached_requests.append(CachedRequestData(request.request_id, new_blocks, computed,
-                                                          outputs[request.num_outputs_on_worker :]))
-            request.num_outputs_on_worker = len(outputs)
-            return
-        request.known_to_worker = True
-        request.num_outputs_on_worker = len(outputs)
-        plan.new_requests.append(
-            NewRequestData(
-                request_id=request.request_id,
-                token_ids=request.all_token_ids,
-                num_prompt_tokens=len(request.prompt_token_ids),
-                block_ids=list(request.block_ids),
-                num_computed_tokens=request.num_computed_tokens,
-                sampling_params=request.sampling_params,
-                lora_request=request.lora_request,
-            )
-        )
-
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
-        """Free the request's device blocks and requeue it at the front: its KV goes to
-        the host pool in swap mode (when it fits), otherwise it is recomputed later."""
-        num_blocks = len(request.block_ids)
-        # A pooling request's partial vector lives in the worker's state, which a swap drops: recomputed.
-        if (self.host_pool is not None and num_blocks <= self.host_pool.num_free_blocks
-                and request.sampling_params.pooling is None):
-            request.host_block_ids = self.host_pool.allocate(num_blocks)
-            plan.blocks_to_swap_out.extend(zip(request.block_ids, request.host_block_ids))
-            request.status = RequestStatus.SWAPPED
-            self.num_swapped_preemptions += 1
-        else:
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.PREEMPTED
-        self.block_pool.free(request.block_ids)
-        request.block_ids = []
-        request.num_cached_blocks = 0
-        self._forget_on_worker(request)
-        self.waiting.appendleft(request)
-        self.num_preemptions += 1
+    def update(self, plan: StepPlan, result: StepResult) -> list[TokenDelta]:
+        """Apply a worker step's results: the KV loads and sends that ended, then each
+        request's outputs (scheduler_svc/output_processor.py)."""
+        if self.connector is not None:
+            self.connector.add_counts(result.kv_tiers)
+            for request_id, num_loaded in result.kv_loads_done.items():
+                self.kv_loads.finished(request_id, num_loaded)
+        if self.handoff is not None and result.kv_sent_done:
+            self.block_pool.free(self.handoff.release(result.kv_sent_done))
+        return self.outputs.update(plan, result)
 
     def requests_in(self, plan: StepPlan) -> list[str]:
         """The live requests whose KV a plan computes or moves: if the plan fails, their KV is in doubt."""
@@ -529,7 +338,7 @@ class Scheduler:
 
     def resend_drops(self, request_ids: list[str]) -> None:
         """A plan failed, so the worker may not have dropped these: the next plan says it again."""
-        self._dropped_ids.extend(request_ids)
+        self.drops.dropped_ids.extend(request_ids)
 
     def forget_worker(self) -> list[str]:
         """The worker is lost (it died, restarted, or cannot be reached): every
@@ -539,201 +348,10 @@ class Scheduler:
         request_ids = list(self.requests)
         for request_id in request_ids:
             self.abort_request(request_id)
-        self._pending_copies.clear()
-        if self.connector is not None:
-            for loading in self.connector.forget():  # no load will finish: their blocks are free
-                self.block_pool.free(loading.request.block_ids)
-                loading.request.block_ids = []
+        self.drops.copies.clear()
+        if self.kv_loads is not None:
+            self.kv_loads.forget()
         if self.handoff is not None:  # what they held is gone with the worker
             self.block_pool.free(self.handoff.release(list(self.handoff.held)))
         self.block_pool.reset_prefix_cache()
         return request_ids
-
-    def _forget_on_worker(self, request: Request) -> None:
-        if self.handoff is not None:  # a hold its prefill was growing ends with its blocks
-            self.handoff.forget(request)
-        if request.known_to_worker:
-            request.known_to_worker = False
-            self._dropped_ids.append(request.request_id)
-
-    # -- results ---------------------------------------------------------------------
-
-    def update(self, plan: StepPlan, result: StepResult) -> list[TokenDelta]:
-        if self.connector is not None:
-            self.connector.add_counts(result.kv_tiers)
-            for request_id, num_loaded in result.kv_loads_done.items():
-                self._load_finished(request_id, num_loaded)
-        if self.handoff is not None and result.kv_sent_done:
-            self.block_pool.free(self.handoff.release(result.kv_sent_done))
-        deltas = []
-        now = time.monotonic()
-        step_tokens = 0
-        for request_id, num_tokens in plan.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_in_flight_tokens -= num_tokens
-            sampled = result.sampled_token_ids.get(request_id)
-            if drafts := plan.scheduled_spec_decode_tokens.get(request_id):
-                # Only the last token and the accepted drafts are computed: the rejected
-                # drafts' positions are written again next step, into the blocks it keeps.
-                num_accepted = len(sampled) - 1 if sampled else 0
-                self.spec_decoding.observe(len(drafts), num_accepted)
-                num_tokens -= len(drafts) - num_accepted
-            if self.spec_gate is not None and sampled:
-                self.spec_gate.observe(request_id, len(drafts or ()), sampled)
-            request.num_computed_tokens += num_tokens
-            if self.handoff is not None and (announced := self.handoff.publish(request, self.config.block_size)):
-                # Its blocks move as its prefill computes them: where they wait, before its token.
-                deltas.append(TokenDelta(request_id, [], kv_transfer_params=announced))
-            if self.config.enable_prefix_caching:
-                # Before its tokens are accepted: a request that ends in this step (one
-                # token asked for) frees its blocks, which must go back cached, as vLLM's do.
-                # (Accepted drafts are not its tokens yet: their blocks are cached below.)
-                self._cache_computed_blocks(request)
-            if request_id in result.prompt_logprobs:
-                request.prompt_logprobs += result.prompt_logprobs[request_id]
-            if (pooled := result.pooled.get(request_id)) is not None:
-                deltas.append(self._pooled(request, pooled, now))
-                step_tokens += len(request.prompt_token_ids)
-            if sampled:
-                request.num_ahead_samples -= 1
-                delta = self._accept(request, sampled, result.logprobs.get(request_id), now)
-                request.draft_token_ids = result.draft_token_ids.get(request_id, [])
-                deltas.append(delta)
-                step_tokens += len(delta.new_token_ids)
-                if delta.first_token_times is not None:
-                    step_tokens += len(request.prompt_token_ids)
-            if request.followers and request.num_computed_tokens >= len(request.prompt_token_ids):
-                self._fork_followers(request)
-            if drafts and self.config.enable_prefix_caching and not request.is_finished:
-                self._cache_computed_blocks(request)  # the blocks its accepted drafts filled
-        if deltas:  # as vLLM, which records a step's stats only when it has outputs
-            self.iteration_tokens.observe(step_tokens)
-        return deltas
-
-    def _fork_followers(self, leader: Request) -> None:
-        """Start each follower from the leader's prompt KV: the full blocks of all but
-        the last prompt token are shared; the partly filled one is copied, since both
-        will write into it. Each follower then computes the last prompt token itself
-        and samples its own first token. Without a free block for the copy, or past
-        max_num_seqs, a follower is admitted like any request (its prefix still comes
-        from the cache)."""
-        fork_len = len(leader.prompt_token_ids) - 1
-        num_shared, partial = divmod(fork_len, self.config.block_size)
-        shared = leader.block_ids[:num_shared]
-        for follower in leader.followers:
-            # Each parallel sample is a sequence of its own: max_num_seqs counts it.
-            if len(self.running) >= self.config.max_num_seqs or (partial and self.block_pool.num_free_blocks == 0):
-                follower.status = RequestStatus.WAITING
-                self.waiting.appendleft(follower)
-                continue
-            self.block_pool.share(shared)
-            follower.block_ids = list(shared)
-            if partial:
-                [copy] = self.block_pool.allocate(1)
-                self._pending_copies.append((leader.block_ids[num_shared], copy))
-                follower.block_ids.append(copy)
-            follower.num_computed_tokens = fork_len
-            follower.num_cached_blocks = num_shared
-            follower.num_cached_tokens = leader.num_cached_tokens
-            follower.scheduled_time = time.monotonic()
-            follower.status = RequestStatus.RUNNING
-            self.running.append(follower)
-        leader.followers = []
-
-    def _accept(
-        self, request: Request, sampled: list[int], logprobs: list[dict[int, float]] | None, now: float
-    ) -> TokenDelta:
-        accepted = []
-        for token in sampled:
-            request.output_token_ids.append(token)
-            accepted.append(token)
-            reason = stop_reason(request, token, self.config.max_model_len)
-            if reason is not None:
-                self.running.remove(request)
-                self._finish(request, reason)
-                break
-        prompt_logprobs = first_token_times = None
-        num_cached_tokens = 0
-        if len(request.output_token_ids) == len(accepted):  # the first delta: the prompt is done
-            num_cached_tokens = request.num_cached_tokens or 0
-            count_prompt_tokens(self.prompt_tokens_by_source, request)
-            if request.sampling_params.prompt_logprobs is not None:
-                prompt_logprobs = request.prompt_logprobs
-            first_token_times = FirstTokenTimes(request.scheduled_time - request.arrival_time,
-                                                now - request.scheduled_time, request.kv_transfer_s)
-        return TokenDelta(
-            request.request_id,
-            accepted,
-            _value(request.finish_reason),
-            request.stop_reason,
-            logprobs[: len(accepted)] if logprobs is not None else None,
-            prompt_logprobs,
-            first_token_times,
-            num_cached_tokens,
-            kv_transfer_params=request.kv_transfer_params_out,
-        )
-
-    def _pooled(self, request: Request, pooled: list[float], now: float) -> TokenDelta:
-        """A pooling request's prompt is computed: it ends with its vector, its blocks freed
-        (into the prefix cache, when it keeps them)."""
-        request.num_ahead_samples -= 1
-        self.running.remove(request)
-        self._finish(request, FinishReason.STOP)
-        times = FirstTokenTimes(request.scheduled_time - request.arrival_time, now - request.scheduled_time)
-        return TokenDelta(request.request_id, [], FinishReason.STOP.value, first_token_times=times,
-                          num_cached_tokens=request.num_cached_tokens or 0, pooled=pooled)
-
-    def _cache_computed_blocks(self, request: Request) -> None:
-        """Index the blocks whose tokens are now all computed, and save them to the offload tiers."""
-        # Only blocks of its tokens: a speculative step's accepted drafts count as computed
-        # before they are appended to its output.
-        num_full = min(request.num_computed_tokens, request.num_tokens) // self.config.block_size
-        if num_full <= request.num_cached_blocks:
-            return
-        self._hash_full_blocks(request)
-        self._index_blocks(request, num_full, save=True)
-
-    def _index_blocks(self, request: Request, end: int, save: bool) -> None:
-        """Index the request's blocks from its last indexed one up to `end` in the prefix
-        cache; with `save`, the connector saves them to the tiers lacking them."""
-        size, hashes = self.config.block_size, request.block_hashes
-        tokens = request.all_token_ids if self.block_pool.events is not None else None  # for KV events only
-        for index in range(request.num_cached_blocks, end):
-            stored = None if tokens is None else StoredBlock(
-                hashes[index - 1] if index else None, tokens[index * size:(index + 1) * size], request.cache_salt,
-                request.lora_int_id, request.lora_request.lora_name if request.lora_request is not None else None)
-            self.block_pool.cache(request.block_ids[index], hashes[index], stored)
-            if save and self.connector is not None:
-                self.connector.computed(request.block_ids[index], hashes[index])
-        request.num_cached_blocks = end
-
-    def _finish(self, request: Request, reason: FinishReason) -> None:
-        self._release_followers(request)
-        if reason is not FinishReason.ABORT and self.handoff is not None and self.handoff.wants_hold(request):
-            request.kv_transfer_params_out = self.handoff.hold(request)  # its blocks wait for a consumer
-        else:
-            self.block_pool.free(request.block_ids)
-        if request.host_block_ids:
-            self.host_pool.free(request.host_block_ids)
-            request.host_block_ids = []
-        request.block_ids = []
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        self._forget_on_worker(request)
-        if self.proposer is not None:
-            self.proposer.finish(request)
-            self.spec_gate.finish(request.request_id)
-        del self.requests[request.request_id]
-
-
-    def _release_followers(self, request: Request) -> None:
-        for follower in request.followers:  # never forked: they start on their own
-            follower.status = RequestStatus.WAITING
-            self.waiting.appendleft(follower)
-        request.followers = []
-
-
-def _value(reason: FinishReason | None) -> str | None:
-    return None if reason is None else reason.value

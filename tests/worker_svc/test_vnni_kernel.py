@@ -192,5 +192,5 @@ def test_a_cpu_without_vnni_keeps_the_float32_kernels(monkeypatch, tmp_path, cap
     finally:
         vnni_gemm.load.cache_clear()
     assert layer.panels is None and (layer.packed is not None or layer.int4_weight is not None)
-    assert "the int16 GEMM kernel for GGUF blocks" in caplog.text and "avx512_vnni" in caplog.text
+    assert "the AVX-512 VNNI int16 GEMM kernel for GGUF blocks" in caplog.text and "avx512_vnni" in caplog.text
     assert not list(tmp_path.rglob("vnni_gemm-*.so"))

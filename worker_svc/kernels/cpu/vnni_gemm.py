@@ -169,5 +169,5 @@ class VnniKernel:
 @functools.cache
 def load() -> VnniKernel | None:
     """The kernel, built if this machine has not built it yet; None where it cannot run (warned once)."""
-    library = load_library(SOURCE, FLAGS, "the int16 GEMM kernel for GGUF blocks", needs=CPU_FLAGS)
+    library = load_library(SOURCE, FLAGS, "the AVX-512 VNNI int16 GEMM kernel for GGUF blocks", needs=CPU_FLAGS)
     return None if library is None else VnniKernel(library)

@@ -101,8 +101,8 @@ def run_cluster_up(args: argparse.Namespace) -> int:
     _check_extra_models(args)
     listener = listen(args)
     listener.listen()  # from now on connections wait in its backlog until a gateway takes them
-    if args.engine_port is not None:
-        bind(args.host, args.engine_port).close()
+    # Held until the roles' ports are picked, so that none of them takes it.
+    engine_port_held = bind(args.host, args.engine_port) if args.engine_port is not None else None
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stopping.set())
@@ -159,6 +159,8 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         if cluster_token() is None:
             env[TOKEN_ENV] = secrets.token_urlsafe(32)
         env.update({NATS_USER_ENV: "kvfleet", NATS_PASSWORD_ENV: nats_password, REDIS_PASSWORD_ENV: redis_password})
+        if engine_port_held is not None:
+            engine_port_held.close()  # the scheduler binds it
         for label, _, command in commands:
             argv = [sys.executable, "-m", "kvfleet.cli", *command]
             role = Supervised(label, lambda name=label, argv=argv: spawn_labelled(name, argv, env))

@@ -4,13 +4,19 @@ A replica that serves embeddings beside chat (a generating decoder with --pooler
 shares each step between the two. A pooling request is all prefill: given the step's
 whole token budget, it would make every step of the chat streams beside it many times
 longer (a 512-token step of the default model costs 15 decode steps on a 2-core CPU).
-So while generation requests run, pooling tokens are capped per step: at the number
-that, at the step costs measured so far, makes a step at most POOLING_STEP_RISE longer
-than a step without prompt tokens. Pooling requests are chunked to fit (a decoder's
-pooling runs across chunks), and take the whole budget again once no generation
-request runs. The costs come from the replica's own steps (EngineCore records them),
-so the cap follows the hardware: a GPU, whose step costs little more for hundreds of
-tokens, gets a cap in the hundreds; this CPU one of a few tokens.
+So while generation requests run, the streams' steps may grow by POOLING_STEP_RISE on
+average, kept as a credit of seconds: each step of generation earns that share of a
+decode-only step, each step with prompt tokens spends what it took beyond one. Pooling
+tokens go only into steps planned out of debt, as many as the credit buys at the measured
+cost per prompt token. An account rather than a per-step cap, because a step's cost is
+not a decode step plus a cost per token: on a CPU a decode row runs the int16 kernel
+alone and the float32 kernels beside any 3 more rows, so a mixed step costs twice a
+decode-only one before its first pooling token; an account pays that jump rarely, for
+big chunks, where a per-step cap paid it every step. Pooling requests are chunked to fit
+(a decoder's pooling runs across chunks), and take the whole budget again once no
+generation request runs. The costs come from the replica's own steps (EngineCore records
+them), so the rule follows the hardware: a GPU, whose step costs little more for hundreds
+of tokens, gets hundreds a step; this CPU a chunk every few steps.
 
 vLLM serves one kind of request per server, so it has no such rule; kvfleet's mixed
 replicas need one.
@@ -28,6 +34,9 @@ INITIAL_CAP = 16
 MIN_MEASURED_TOKENS = 32
 # Weight of each new measurement in the running averages.
 SMOOTHING = 0.2
+# The most credit kept, in decode-only steps' allowances: a burst after a quiet spell
+# stays one ordinary chunk.
+MAX_CREDIT_STEPS = 8
 
 
 class PoolingBudget:
@@ -35,6 +44,7 @@ class PoolingBudget:
         self.max_rise = max_rise
         self._step_s: float | None = None  # a step with no prompt tokens (decode rows only)
         self._token_s: float | None = None  # each prompt token on top of it
+        self._credit = 0.0  # seconds the streams may still lose to prompt tokens
         self._left: int | None = None  # of the step being planned; None when uncapped
 
     def record(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
@@ -44,13 +54,19 @@ class PoolingBudget:
             self._step_s = _averaged(self._step_s, seconds)
         elif prompt_tokens >= MIN_MEASURED_TOKENS and self._step_s is not None:
             self._token_s = _averaged(self._token_s, max(seconds - self._step_s, 0.0) / prompt_tokens)
+        if decode_rows and self._step_s is not None:
+            allowance = self.max_rise * self._step_s
+            spent = max(seconds - self._step_s, 0.0) if prompt_tokens else 0.0
+            self._credit = min(self._credit + allowance - spent, MAX_CREDIT_STEPS * allowance)
 
     def cap(self) -> int:
-        """Pooling tokens one step beside generation may take (at least one, so that
-        pooling requests always progress)."""
+        """Pooling tokens the next step beside generation may take: none while the streams
+        are in debt, else what the credit and this step's allowance buy."""
         if self._step_s is None or not self._token_s:
             return INITIAL_CAP
-        return max(1, int(self.max_rise * self._step_s / self._token_s))
+        if self._credit < 0:
+            return 0
+        return max(1, int((self._credit + self.max_rise * self._step_s) / self._token_s))
 
     def start_step(self, capped: bool) -> None:
         """A step is planned: its pooling tokens are capped (while generation requests

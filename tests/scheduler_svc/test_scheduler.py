@@ -250,29 +250,37 @@ def test_a_pooling_request_is_prefill_only_bypasses_mean_s_prefix_cache_and_free
     assert scheduler.schedule().finished_request_ids == ["p"]  # the worker drops its state
 
 
-def test_pooling_tokens_beside_generation_are_capped_by_the_measured_step_costs():
-    """So that a chat stream's steps stay short beside embeddings: pooling requests get at
-    most the cap per step while a generation request runs (a later generation request
-    passes them in the queue), and the whole budget once none does."""
+def test_pooling_tokens_beside_generation_are_paid_for_from_the_streams_allowance():
+    """So that a chat stream's steps stay short beside embeddings: while a generation request
+    runs, pooling tokens go only into steps planned out of debt, as many as the credit buys
+    (a later generation request passes them in the queue); the whole budget once none runs."""
     from services.pooling_params import PoolerConfig, PoolingParams
 
     scheduler = make_scheduler(pooler=PoolerConfig(), max_num_batched_tokens=64)
+    budget = scheduler.pooling_budget
     add(scheduler, "g", 4)
     run_step(scheduler)
-    # Measured: 100 ms for a decode-only step, 5 ms more per prompt token: 4 tokens add 20%.
-    scheduler.pooling_budget.record(0, 1, 0.100)
-    scheduler.pooling_budget.record(40, 0, 0.300)
-    assert scheduler.pooling_budget.cap() == 4
+    # Measured: 100 ms a decode-only step (earning 20 ms of credit), 5 ms a prompt token.
+    budget.record(0, 1, 0.100)
+    budget.record(40, 0, 0.300)
+    assert budget.cap() == 8  # 20 ms of credit and this step's 20 ms buy 8 tokens
     for start, (request_id, length) in enumerate((("p1", 6), ("p2", 12), ("g2", 5))):  # nothing cached
         params = SamplingParams(pooling=PoolingParams()) if request_id[0] == "p" else SamplingParams(max_tokens=8)
         scheduler.add_request(Request(request_id, [100 * (start + 1) + i for i in range(length)], params, (EOS,)))
     plan, _ = run_step(scheduler)
-    assert plan.num_scheduled_tokens == {"g": 1, "p1": 4, "g2": 5}
+    assert plan.num_scheduled_tokens == {"g": 1, "p1": 6, "g2": 5, "p2": 2}
+    # That step took 110 ms beyond a decode-only one: 70 ms of debt after its 20 ms allowance.
+    budget.record(13, 1, 0.210)
     plan, _ = run_step(scheduler)
-    assert plan.num_scheduled_tokens == {"g": 1, "p1": 2, "g2": 1, "p2": 2}
+    assert plan.num_scheduled_tokens == {"g": 1, "g2": 1}  # in debt: no pooling token
+    for _ in range(4):  # four decode-only steps repay 80 ms
+        budget.record(0, 2, 0.100)
+    plan, _ = run_step(scheduler)
+    # 10 ms of credit and this step's 20 ms buy 6 tokens (this harness samples p1 a token too).
+    assert plan.num_scheduled_tokens == {"g": 1, "g2": 1, "p1": 1, "p2": 5}
     for request_id in ("g", "g2", "p1"):
         scheduler.abort_request(request_id)
-    assert scheduler.schedule().num_scheduled_tokens == {"p2": 10}  # alone: uncapped
+    assert scheduler.schedule().num_scheduled_tokens == {"p2": 5}  # alone: uncapped
 
 
 def test_requests_of_adapters_beyond_max_loras_wait_and_the_others_pass_them():

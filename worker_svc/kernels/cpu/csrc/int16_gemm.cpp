@@ -19,10 +19,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 
 #include "parallel.h"
 #include "simd_math.h"
+#include "thread_buffer.h"
 
 namespace {
 
@@ -205,17 +205,6 @@ void rows_tile(const Weights& w, const Call& c, int64_t n0) {
       default: break;
     }
   }
-}
-
-// The caller's buffer for the quantized activations, kept between calls.
-uint8_t* thread_buffer(int64_t bytes) {
-  static thread_local std::unique_ptr<uint8_t, decltype(&std::free)> buffer{nullptr, &std::free};
-  static thread_local int64_t capacity = 0;
-  if (bytes > capacity) {
-    capacity = (bytes + 63) / 64 * 64;  // aligned_alloc takes whole multiples of the alignment
-    buffer.reset(static_cast<uint8_t*>(std::aligned_alloc(64, capacity)));
-  }
-  return buffer.get();
 }
 
 // x quantized on the calling thread (a few rows: microseconds), then output rows split over `threads`.

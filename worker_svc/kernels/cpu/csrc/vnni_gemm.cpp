@@ -32,11 +32,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <type_traits>
 
 #include "parallel.h"
 #include "quantized_rows.h"
+#include "thread_buffer.h"
 
 namespace {
 
@@ -239,22 +239,8 @@ constexpr int64_t kPassBytes = 512 << 10;
 // widening cost more than unpacking once a tile of rows saved, at 36-64 it broke even.
 constexpr int64_t kWidenRows = 48;
 
-// A thread's buffers, kept between calls: the caller's for its quantized x, each pool
-// thread's for the run it widens. Cache-line aligned: a tile's 64-byte loads of a widened
-// run from new[]'s 16-byte aligned memory each touched two lines, and steps of 512-2048
-// rows ran 8-16% slower (2 threads, alternated in one process).
+// Its threads' buffers (thread_buffer.h): the caller's for its quantized x, each pool thread's for the run it widens.
 enum class Buffer { kQuantizedX, kWideRun };
-
-template <Buffer>
-uint8_t* thread_buffer(int64_t bytes) {
-  static thread_local std::unique_ptr<uint8_t, decltype(&std::free)> buffer{nullptr, &std::free};
-  static thread_local int64_t capacity = 0;
-  if (bytes > capacity) {
-    capacity = (bytes + 63) / 64 * 64;  // aligned_alloc takes whole multiples of the alignment
-    buffer.reset(static_cast<uint8_t*>(std::aligned_alloc(64, capacity)));
-  }
-  return buffer.get();
-}
 
 // Runs a thread claims where x takes one pass (a decode step's): a thread that starts late
 // then leaves some of its share to the others (parallel::for_each_claimed). A bigger x is

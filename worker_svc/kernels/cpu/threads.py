@@ -87,26 +87,20 @@ def step_threads(device: torch.device, num_tokens: int, decode_gemms: bool = Fal
         yield
         return
     pool = thread_pool()
-    if idle_threads_sleep() and num_tokens <= SINGLE_THREAD_MAX_TOKENS:
+    small = idle_threads_sleep() and num_tokens <= SINGLE_THREAD_MAX_TOKENS
+    polled = pool is not None and (decode_gemms or not small)
+    if small:
         torch.set_num_threads(1)
-        polled = pool is not None and decode_gemms
-        if polled:
-            pool.kvfleet_pool_steps(1)
-            _small_step.threads = threads
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)
-            if polled:
-                _small_step.threads = 0
-                pool.kvfleet_pool_steps(-1)
-        return
-    if pool is not None:
+        _small_step.threads = threads if polled else 0
+    if polled:
         pool.kvfleet_pool_steps(1)
     try:
         yield
     finally:
-        if pool is not None:
+        if small:
+            torch.set_num_threads(threads)
+            _small_step.threads = 0
+        if polled:
             pool.kvfleet_pool_steps(-1)
 
 

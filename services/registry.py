@@ -28,6 +28,10 @@ LORA_KEY = "kvfleet:lora_adapters"
 # The planner's requests that a replica drain and leave (docs/planner.md): one key per
 # member, `kvfleet:drain:<role>:<id>`, under a TTL, so a planner that dies leaves none for good.
 DRAIN_PREFIX = "kvfleet:drain"
+# The keyspace's generation: a random id written once, with no TTL, by the first reader
+# to find it missing. A Redis that restarted empty (or was flushed) has lost it, so a
+# new one tells readers that missing leases may only be waiting for their next beat.
+EPOCH_KEY = "kvfleet:epoch"
 DEFAULT_TTL_S = 10.0
 REDIS_PASSWORD_ENV = "KVFLEET_REDIS_PASSWORD"
 # An ACL user's name (Redis 6+), logged in with the password above; without it, the
@@ -130,6 +134,13 @@ class Registry:
     def clear_drain(self, role: str, member_id: str) -> None:
         self._redis.delete(f"{DRAIN_PREFIX}:{role}:{member_id}")
 
+    def epoch(self) -> str:
+        """The keyspace's generation (EPOCH_KEY), written here if it is missing."""
+        pipeline = self._redis.pipeline()
+        pipeline.set(EPOCH_KEY, uuid.uuid4().hex, nx=True)
+        pipeline.get(EPOCH_KEY)
+        return pipeline.execute()[1]
+
     def ping(self) -> bool:
         return bool(self._redis.ping())
 
@@ -193,6 +204,28 @@ class Lease:
             logger.warning("could not renew %s: %s", self.member.key, exc)
         except Exception:
             logger.exception("the health check of %s failed", self.member.key)
+
+
+class RegistryContinuity:
+    """Since when the registry has answered every read from one keyspace. A lease missing
+    sooner than a TTL after Redis came back, or after it lost its keyspace (a new epoch,
+    with no failed read to show for it when it restarted between two reads), may only be
+    waiting for its member's next beat: it is evidence about the member only after that."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+        self._epoch: str | None = None
+
+    def answered(self, epoch: str, now: float) -> None:
+        if self._since is None or epoch != self._epoch:
+            self._since = now
+        self._epoch = epoch
+
+    def failed(self) -> None:
+        self._since = None
+
+    def held_for(self, ttl_s: float, now: float) -> bool:
+        return self._since is not None and now - self._since >= ttl_s
 
 
 @dataclass(frozen=True)

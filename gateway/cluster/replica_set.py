@@ -34,7 +34,7 @@ from gateway.cluster.replica import Replica
 from services.engine_client import RequestLost
 from services.lora_request import LoRARequest, encode_lora
 from services.messages import EngineInfo, EngineStats
-from services.registry import ClusterView, Member, Registry
+from services.registry import ClusterView, Member, Registry, RegistryContinuity
 from services.scheduler_messages import AbortRequest, StatsRequest
 from services.transport.futures import finished
 from services.transport.role_services import SCHEDULER
@@ -55,10 +55,9 @@ class ReplicaSet:
         """`serves`: the leases of the model this set routes to (gateway/cluster/served_models.py); None: all."""
         self._lease_ttl_s = lease_ttl_s
         self._serves = serves
-        # Since when every registry read has worked; None while Redis is away. A lease
-        # missing within a TTL of Redis coming back may just not be re-written yet (an
-        # empty restarted Redis), so it counts only once this grace has passed.
-        self._registry_since: float | None = None
+        # A lease missing within a TTL of Redis coming back or losing its keyspace may
+        # just not be re-written yet, so it counts only once that grace has passed.
+        self._continuity = RegistryContinuity()
         self._view = ClusterView([], [], [])
         self._redis_url = redis_url
         self._poll_interval_s = poll_interval_s
@@ -163,17 +162,19 @@ class ReplicaSet:
             view = ClusterView.read(self._registry)
             if self._serves is not None:
                 view = view.serving(self._serves)
-            self.loras = read_loras(self._registry)
+            loras = read_loras(self._registry)
+            epoch = self._registry.epoch()  # after the reads: a keyspace lost before them shows here
         except redis.RedisError as exc:  # keep the last view: a Redis blip must not stop serving
             logger.warning("cannot read the registry at %s: %s", self._redis_url, exc)
-            self._registry_since = None
+            self._continuity.failed()
             return
         now = time.monotonic()
-        if self._registry_since is None:
-            self._registry_since = now
-        if now - self._registry_since < self._lease_ttl_s:  # grace: what was listed still is
+        self._continuity.answered(epoch, now)
+        if not self._continuity.held_for(self._lease_ttl_s, now):  # grace: what was listed still is
             view = view.merged(self._view)
+            loras = {**self.loras, **loras}
         self._view = view
+        self.loras = loras
         leased = {member.id: member for member in view.schedulers}
         if view.schedulers:
             self.info = engine_info(view.schedulers)

@@ -419,18 +419,20 @@ def test_an_adapter_loaded_through_one_gateway_serves_through_another_with_merge
         other.shutdown()
 
 
-def test_an_adapter_loaded_at_runtime_is_listed_again_after_redis_restarts_empty(
+def test_a_redis_restarted_empty_turns_nothing_away_and_gets_the_adapters_back(
     client, cluster, redis_url, lora_adapter_dirs
 ) -> None:
     lora = LoRARequest("mlp4", 9, str(lora_adapter_dirs["mlp4"]))
     asyncio.run(client.add_lora(lora))
     try:
         redis.Redis.from_url(redis_url).flushall()  # what a Redis restarted without persistence holds
-        deadline = time.monotonic() + 4 * TTL_S
-        # The scheduler's next beat registers it again and puts its adapter back; the gateway's poll reads it.
-        while "mlp4" not in cluster.registry.loras() or client.lora_requests() != {"mlp4": lora}:
-            assert time.monotonic() < deadline, (client.lora_requests(), cluster.registry.loras())
+        flushed = time.monotonic()
+        # A lease missing before its member's next beat is no evidence of a lapse: the
+        # gateway serves as it did while the beats re-register every member.
+        while time.monotonic() - flushed < 2 * TTL_S:
+            assert client.is_ready() and client.lora_requests() == {"mlp4": lora}
             time.sleep(0.05)
+        assert "mlp4" in cluster.registry.loras()  # the scheduler's beat put its adapter back
         assert cluster.registry.members("scheduler")
     finally:
         asyncio.run(client.remove_lora(lora.lora_int_id))

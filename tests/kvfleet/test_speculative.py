@@ -317,9 +317,10 @@ def test_logprobs_of_accepted_tokens_are_the_plain_ones(llm, spec_llm):
     assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
     for mine, theirs in zip(spec.outputs[0].logprobs, plain.outputs[0].logprobs, strict=True):
         assert list(mine) == list(theirs)
-        # A verify step's rows go through the 4-bit kernels several at a time, over the float16
-        # cache GGUF weights get by default: they round apart from a one-row decode's (0.003 measured).
-        assert all(mine[t] == pytest.approx(theirs[t], abs=5e-3) for t in mine)
+        # A verify step's rows go through the 4-bit kernels and attention several at a time, over
+        # the float16 cache GGUF weights get by default: they round apart from a one-row decode's
+        # (at most 0.003 measured on an AVX2 CPU, 0.006 on an AVX-512 one).
+        assert all(mine[t] == pytest.approx(theirs[t], abs=1e-2) for t in mine)
 
 
 def _inside_a_run(spec_llm: LLM) -> tuple[list[int], int]:

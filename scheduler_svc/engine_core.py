@@ -86,6 +86,7 @@ class EngineCore:
             config.tensor_parallel_size * config.pipeline_parallel_size == 1)
         self._depth = 2 if self.runs_ahead else described.max_plans_in_flight
         self._worker_lost = False
+        self._streams_waiting_since: float | None = None  # the last step's end, while requests run
         # Plans handed to a pipelined group whose results are still to come, oldest first.
         self._in_flight: deque[tuple[StepPlan, Future[StepResult]]] = deque()
         self.max_model_len = described.max_model_len
@@ -216,8 +217,15 @@ class EngineCore:
         while the worker runs the current one."""
         depth = self._depth
         if depth == 1:
+            started = time.perf_counter()
             plan = self._plan()
-            return self._finish(plan, lambda: self._execute(plan))
+            deltas = self._finish(plan, lambda: self._execute(plan))
+            # What the streams waited: since the last step's outputs while they ran (the
+            # caller's work between steps counts, taking requests in), else this step.
+            ended = time.perf_counter()
+            self.scheduler.record_turn_time(plan, ended - (self._streams_waiting_since or started))
+            self._streams_waiting_since = ended if self.scheduler.running else None
+            return deltas
         while len(self._in_flight) < depth and (self.scheduler.num_schedulable or self.scheduler.has_drops):
             # A pipeline gives each plan it has room for an even share; a plan ahead takes all.
             share = None if self.runs_ahead else -(-self.scheduler.num_schedulable // (depth - len(self._in_flight)))
@@ -236,9 +244,10 @@ class EngineCore:
         return self._finish(plan, result.result)
 
     def _execute(self, plan: StepPlan) -> StepResult:
-        """Runs one plan on the worker, timed: the scheduler caps pooling tokens beside
-        generation by what steps cost (scheduler_svc/pooling_budget.py). Plans in flight
-        together (pipelines, async scheduling) are not timed, and keep the first cap."""
+        """Runs one plan on the worker, timed: speculative decoding prices a step's rows by
+        it (scheduler_svc/spec_step_cost.py); a whole turn's time caps pooling tokens beside
+        generation (scheduler_svc/pooling_budget.py). Plans in flight together (pipelines,
+        async scheduling) are not timed, and keep the first prices and cap."""
         started = time.perf_counter()
         result = self.worker.execute(plan)
         self.scheduler.record_step_time(plan, time.perf_counter() - started)

@@ -4,12 +4,14 @@ A replica that serves embeddings beside chat (a generating decoder with --pooler
 shares each step between the two. A pooling request is all prefill: given the step's
 whole token budget, it would make every step of the chat streams beside it many times
 longer (a 512-token step of the default model costs 15 decode steps on a 2-core CPU).
-So while generation requests run, the streams' steps may grow by POOLING_STEP_RISE on
-average, kept as a credit of seconds: each step of generation earns that share of a
-decode-only step, each step with prompt tokens spends what it took beyond one. Pooling
-tokens go only into steps planned out of debt, as many as the credit buys at the measured
-cost per prompt token. An account rather than a per-step cap, because a step's cost is
-not a decode step plus a cost per token: on a CPU a decode row runs the int16 kernel
+So while generation requests run, their mean turn (from one step's outputs to the next's,
+what a stream waits for a token) may be POOLING_STEP_RISE longer than without pooling
+work, kept as a credit of seconds: each turn of generation earns (1 + rise) times a turn
+without pooling work and spends what it took, the work of taking pooling requests in
+and of planning around them included. Pooling tokens go only into steps planned out of
+debt, as many as the credit buys at the measured cost per prompt token. An account
+rather than a per-step cap, because a step's cost is not a decode step plus a cost per
+token: on an AVX2 CPU a decode row runs the int16 kernel
 alone and the float32 kernels beside any 3 more rows, so a mixed step costs twice a
 decode-only one before its first pooling token; an account pays that jump rarely, for
 big chunks, where a per-step cap paid it every step. Pooling requests are chunked to fit
@@ -42,31 +44,37 @@ MAX_CREDIT_STEPS = 8
 class PoolingBudget:
     def __init__(self, max_rise: float = POOLING_STEP_RISE) -> None:
         self.max_rise = max_rise
-        self._step_s: float | None = None  # a step with no prompt tokens (decode rows only)
+        self._alone_s: float | None = None  # a turn of decode rows only, no pooling work anywhere
+        self._step_s: float | None = None  # a turn of decode rows only, whatever else waits
         self._token_s: float | None = None  # each prompt token on top of it
-        self._credit = 0.0  # seconds the streams may still lose to prompt tokens
+        self._credit = 0.0  # seconds the streams may still lose to pooling
         self._left: int | None = None  # of the step being planned; None when uncapped
 
-    def record(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
-        """One executed step: its prompt tokens (prefill and pooling), its one-token rows, and
-        how long the worker took."""
+    def record(self, prompt_tokens: int, decode_rows: int, seconds: float, pooling: bool) -> None:
+        """One turn: its step's prompt tokens (prefill and pooling) and one-token rows, how
+        long the streams waited for it, and whether pooling requests were waiting or running."""
         if prompt_tokens == 0 and decode_rows:
             self._step_s = _averaged(self._step_s, seconds)
+            if not pooling:
+                self._alone_s = _averaged(self._alone_s, seconds)
         elif prompt_tokens >= MIN_MEASURED_TOKENS and self._step_s is not None:
             self._token_s = _averaged(self._token_s, max(seconds - self._step_s, 0.0) / prompt_tokens)
         if decode_rows and self._step_s is not None:
-            allowance = self.max_rise * self._step_s
-            spent = max(seconds - self._step_s, 0.0) if prompt_tokens else 0.0
-            self._credit = min(self._credit + allowance - spent, MAX_CREDIT_STEPS * allowance)
+            alone = self._alone_s or self._step_s
+            # Earned only while pooling waits: a quiet spell's credit spent at once would be
+            # a burst the streams' mean over a short answer does not absorb.
+            most = MAX_CREDIT_STEPS * self.max_rise * alone if pooling else 0.0
+            self._credit = min(self._credit + (1 + self.max_rise) * alone - seconds, most)
 
     def cap(self) -> int:
         """Pooling tokens the next step beside generation may take: none while the streams
-        are in debt, else what the credit and this step's allowance buy."""
+        are in debt, else what the credit and this turn's allowance buy beyond its decode rows."""
         if self._step_s is None or not self._token_s:
             return INITIAL_CAP
         if self._credit < 0:
             return 0
-        return max(1, int((self._credit + self.max_rise * self._step_s) / self._token_s))
+        allowance = (1 + self.max_rise) * (self._alone_s or self._step_s) - self._step_s
+        return max(1, int((self._credit + allowance) / self._token_s))
 
     def start_step(self, capped: bool) -> None:
         """A step is planned: its pooling tokens are capped (while generation requests

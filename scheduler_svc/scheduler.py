@@ -247,11 +247,17 @@ class Scheduler:
                 and any(r.sampling_params.pooling is None for r in self.running))
 
     def record_step_time(self, plan: StepPlan, seconds: float) -> None:
-        """How long the worker took for `plan`: what the pooling cap and the drafts that pay are computed from."""
-        counts = plan.num_scheduled_tokens.values()
-        self.pooling_budget.record(sum(n for n in counts if n > 1), sum(1 for n in counts if n == 1), seconds)
+        """How long the worker took for `plan`: what the drafts that pay are computed from."""
         if self.speculation is not None:
             self.speculation.step_costs.record(plan, seconds)
+
+    def record_turn_time(self, plan: StepPlan, seconds: float) -> None:
+        """How long the streams of `plan` waited for its outputs: what the pooling cap is computed from."""
+        if self.config.pooler is None:
+            return
+        counts = plan.num_scheduled_tokens.values()
+        pooling = any(r.sampling_params.pooling is not None for queue in (self.running, self.waiting) for r in queue)
+        self.pooling_budget.record(sum(n for n in counts if n > 1), sum(1 for n in counts if n == 1), seconds, pooling)
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, max_requests: int | None) -> None:
         skipped: list[Request] = []  # of adapters that have no slot this step: back in front, in order

@@ -251,7 +251,7 @@ def test_a_pooling_request_is_prefill_only_bypasses_mean_s_prefix_cache_and_free
 
 
 def test_pooling_tokens_beside_generation_are_paid_for_from_the_streams_allowance():
-    """So that a chat stream's steps stay short beside embeddings: while a generation request
+    """So that a chat stream's turns stay short beside embeddings: while a generation request
     runs, pooling tokens go only into steps planned out of debt, as many as the credit buys
     (a later generation request passes them in the queue); the whole budget once none runs."""
     from services.pooling_params import PoolerConfig, PoolingParams
@@ -260,9 +260,13 @@ def test_pooling_tokens_beside_generation_are_paid_for_from_the_streams_allowanc
     budget = scheduler.pooling_budget
     add(scheduler, "g", 4)
     run_step(scheduler)
-    # Measured: 100 ms a decode-only step (earning 20 ms of credit), 5 ms a prompt token.
-    budget.record(0, 1, 0.100)
-    budget.record(40, 0, 0.300)
+    # Measured: 100 ms a decode-only turn, 5 ms a prompt token. Turns with no pooling work
+    # anywhere bank nothing: only this turn's 20 ms allowance buys tokens.
+    for _ in range(3):
+        budget.record(0, 1, 0.100, False)
+    budget.record(40, 0, 0.300, True)
+    assert budget.cap() == 4
+    budget.record(0, 1, 0.100, True)  # a decode-only turn while pooling waits earns 20 ms
     assert budget.cap() == 8  # 20 ms of credit and this step's 20 ms buy 8 tokens
     for start, (request_id, length) in enumerate((("p1", 6), ("p2", 12), ("g2", 5))):  # nothing cached
         params = SamplingParams(pooling=PoolingParams()) if request_id[0] == "p" else SamplingParams(max_tokens=8)
@@ -270,11 +274,11 @@ def test_pooling_tokens_beside_generation_are_paid_for_from_the_streams_allowanc
     plan, _ = run_step(scheduler)
     assert plan.num_scheduled_tokens == {"g": 1, "p1": 6, "g2": 5, "p2": 2}
     # That step took 110 ms beyond a decode-only one: 70 ms of debt after its 20 ms allowance.
-    budget.record(13, 1, 0.210)
+    budget.record(13, 1, 0.210, True)
     plan, _ = run_step(scheduler)
     assert plan.num_scheduled_tokens == {"g": 1, "g2": 1}  # in debt: no pooling token
     for _ in range(4):  # four decode-only steps repay 80 ms
-        budget.record(0, 2, 0.100)
+        budget.record(0, 2, 0.100, True)
     plan, _ = run_step(scheduler)
     # 10 ms of credit and this step's 20 ms buy 6 tokens (this harness samples p1 a token too).
     assert plan.num_scheduled_tokens == {"g": 1, "g2": 1, "p1": 1, "p2": 5}

@@ -60,9 +60,9 @@ class Worker:
         self.source = checked.source
         self.max_model_len = checked.max_model_len
         self.device = torch_device(config, group.shard.rank)
-        self.dtype = torch_dtype(config, self.device)
         # An encoder (BERT, docs/pooling.md) only pools: no KV cache, no sampling, one rank.
         self.encoder = checked.config.is_encoder
+        self.dtype = torch_dtype(config, self.device, self.encoder)
         self.lora: LoraManager | None = None  # --enable-lora's adapters (a decoder's, docs/lora.md)
         self.runs_q4 = not self.encoder and runs_q4_as_stored(config, self.device, checked.config)
         self.kv_dtype = kv_cache_dtype(config, self.dtype, self.runs_q4)

@@ -46,7 +46,7 @@ import json, sys, time
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 job = json.load(sys.stdin)
-llm = LLM(model=job["model"], dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+llm = LLM(model=job["model"], dtype=job["dtype"], enforce_eager=True, enable_prefix_caching=False,
           max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=2048, seed=0)
 def run(work):
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in work]
@@ -104,10 +104,20 @@ def build_peer() -> None:
         AutoTokenizer.from_pretrained(package, gguf_file=GGUF_FILE).save_pretrained(HF_DIR)
 
 
+class EngineCrashed(RuntimeError):
+    """An engine's process was killed by a signal (a segmentation fault, say)."""
+
+    def __init__(self, python: Path, returncode: int, stderr: str) -> None:
+        super().__init__(f"{python} exited {returncode}:\n{stderr[-4000:]}")
+        self.returncode = returncode
+
+
 def run_engine(python: Path, script: str, job: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     done = subprocess.run([str(python), "-c", script], input=json.dumps(job), capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=3600)
     results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode < 0:
+        raise EngineCrashed(python, done.returncode, done.stderr)
     if done.returncode != 0 or not results:
         raise RuntimeError(f"{python} exited {done.returncode}:\n{done.stderr[-4000:]}")
     return json.loads(results[-1].removeprefix("RESULT "))
@@ -122,6 +132,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="16 short requests")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/peer_vllm.json")
     parser.add_argument("--rounds", type=int, default=1, help="alternate the three runs this many times")
+    # float32 by default: vLLM's own default, bfloat16, is slow on a CPU without AVX-512 BF16
+    # (3-4 tokens/s on an AVX2 EPYC), which would flatter kvfleet; with AMX it is the fair peer.
+    parser.add_argument("--vllm-dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "benchmarks"))
     from offline_throughput import agreement, peer_workload
@@ -134,7 +147,7 @@ def main() -> None:
            "VLLM_CPU_KVCACHE_SPACE": "4", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
     useful = sum(length for _, length in workload)
     engines = (
-        ("vllm_cpu", VENV_PYTHON, _VLLM_RUN, {"model": str(HF_DIR)}),
+        ("vllm_cpu", VENV_PYTHON, _VLLM_RUN, {"model": str(HF_DIR), "dtype": args.vllm_dtype}),
         ("kvfleet", Path(sys.executable), _KVFLEET_RUN, {"quantization": "none"}),
         ("kvfleet_q4", Path(sys.executable), _KVFLEET_RUN, {"quantization": "gguf"}),
     )
@@ -154,7 +167,8 @@ def main() -> None:
     reference = runs["vllm_cpu"]["tokens"]
     summary = {
         "workload": {"quick": args.quick, "num_requests": n, "prompt_len_range": prompts, "output_len_range": outputs,
-                     "output_tokens": useful, "seed": 0, "dtype": "float32", "threads": THREADS,
+                     "output_tokens": useful, "seed": 0, "dtype": "float32", "vllm_dtype": args.vllm_dtype,
+                     "threads": THREADS,
                      "vllm_cpu": VLLM_VERSION},
         **{name: {k: v for k, v in run.items() if k != "tokens"} for name, run in runs.items()},
         "ratio_kvfleet_vs_vllm": ratio(runs, "kvfleet"),

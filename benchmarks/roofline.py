@@ -19,8 +19,8 @@ request's whole KV cache, so bytes per token / read bandwidth bounds its tokens/
   and keeps every round's rate (the headline is the best).
 - **TTFT**: a 512-token prompt's time from `add_request` to its first token, median of 3
   (prefix caching off, so each prefills in full).
-- **The 1-row 4-bit GEMM per layer shape** (the kernel a 1-row step takes: on AVX2 without
-  VNNI the int16 one, else the float32 one): every projection of all 30 layers in
+- **The 1-row 4-bit GEMM per layer shape** (the kernel a 1-row step takes: the AVX-512
+  VNNI one where it runs, else the AVX2 int16 one, else the float32 one): every projection of all 30 layers in
   decode's order (so the 66 MB of codes stream from DRAM, as in a step, not from L3),
   each call timed, on one thread (as a 1-token step runs) and two (the kernels' pool
   polling, as in a larger step); bytes read / time per shape, and the LM head's 8-bit
@@ -107,6 +107,30 @@ def drive(engine: Any, prompt: list[int], new_tokens: int, tag: str) -> dict[str
     return result
 
 
+def _one_row_call(layer: torch.nn.Module, name: str) -> tuple[str, int, Any]:
+    """(name, bytes read, call(threads)) of the kernel a 1-row step of `layer` (a Q4Linear or
+    the Q8Linear head) takes: the AVX-512 VNNI one over its panels where it runs, else the
+    AVX2 int16 one where it built, else the float32 one."""
+    x, out = torch.randn(1, layer.in_features), torch.empty(1, layer.out_features)
+    k, n = layer.in_features, layer.out_features
+    if layer.panels is not None:
+        weights, function = layer.panels, layer.vnni._functions[type(layer.panels)]
+        return name, weights.panels.nbytes, lambda t: function(
+            x.data_ptr(), k, weights.panels.data_ptr(), None, out.data_ptr(), 1, k, n, t, 1)
+    projection = hasattr(layer, "packed")  # a 4-bit projection, else the 8-bit head; only the former takes a bias
+    if projection:
+        codes, scales, kernel16 = layer.packed.codes, layer.packed.scale_offsets, layer.int16 and layer.int16.q4_function
+    else:
+        codes, scales, kernel16 = layer.blocks.codes, layer.blocks.scales, layer.int16 and layer.int16.q8_function
+    bias = [None] if projection else []
+    nbytes = codes.nbytes + scales.nbytes
+    if kernel16:
+        return name, nbytes, lambda t: kernel16(x.data_ptr(), k, codes.data_ptr(), scales.data_ptr(), *bias,
+                                                out.data_ptr(), 1, k, n, t)
+    return name, nbytes, lambda t: layer.kernel._function(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), *bias,
+                                                          out.data_ptr(), 1, k, n, t)
+
+
 def gemm_bandwidth(model: torch.nn.Module, passes: int = 5) -> dict[str, Any]:
     """The 1-row kernels' bytes read per second, per layer shape, on one and two threads."""
     from worker_svc.kernels.cpu.threads import step_threads
@@ -115,33 +139,9 @@ def gemm_bandwidth(model: torch.nn.Module, passes: int = 5) -> dict[str, Any]:
 
     q4 = [m for m in model.modules() if isinstance(m, Q4Linear)]
     head = next(m for m in model.modules() if isinstance(m, Q8Linear))
-    calls = []  # (shape name, bytes read, call)
-    for layer in q4:
-        packed = layer.packed
-        x, out = torch.randn(1, packed.in_features), torch.empty(1, packed.out_features)
-        name = SHAPE_NAMES.get((packed.out_features, packed.in_features),
-                               f"{packed.out_features}x{packed.in_features}")
-        # The kernel a 1-row step takes: the AVX2 int16 one where it built, else the float32 one.
-        if layer.int16 is not None:
-            call = (lambda t, p=packed, f=layer.int16.q4_function, x=x, out=out: f(
-                x.data_ptr(), p.in_features, p.codes.data_ptr(), p.scale_offsets.data_ptr(), None, out.data_ptr(),
-                1, p.in_features, p.out_features, t))
-        else:
-            call = (lambda t, p=packed, f=layer.kernel._function, x=x, out=out: f(
-                x.data_ptr(), p.codes.data_ptr(), p.scale_offsets.data_ptr(), None, out.data_ptr(),
-                1, p.in_features, p.out_features, t))
-        calls.append((name, packed.codes.nbytes + packed.scale_offsets.nbytes, call))
-    blocks = head.blocks
-    hx, hout = torch.randn(1, head.in_features), torch.empty(1, head.out_features)
-    if head.int16 is not None:
-        head_call = (lambda t, f=head.int16.q8_function: f(
-            hx.data_ptr(), head.in_features, blocks.codes.data_ptr(), blocks.scales.data_ptr(), hout.data_ptr(), 1,
-            head.in_features, head.out_features, t))
-    else:
-        head_call = (lambda t, f=head.kernel._function: f(
-            hx.data_ptr(), blocks.codes.data_ptr(), blocks.scales.data_ptr(), hout.data_ptr(), 1, head.in_features,
-            head.out_features, t))
-    calls.append(("lm_head_q8", blocks.nbytes, head_call))
+    calls = [_one_row_call(layer, SHAPE_NAMES.get((layer.out_features, layer.in_features),
+                                                  f"{layer.out_features}x{layer.in_features}")) for layer in q4]
+    calls.append(_one_row_call(head, "lm_head_q8"))
     result: dict[str, Any] = {}
     for threads in (1, NUM_THREADS):
         # Two threads as a larger step runs them: the pool's helpers polling between calls.

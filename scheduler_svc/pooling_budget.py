@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from scheduler_svc.request import Request
 
-# The issue's bound on the chat streams' inter-token latency beside embeddings is +25%;
-# the cap aims below it, as the costs it is computed from are estimates.
-POOLING_STEP_RISE = 0.2
+# The issue's bound on the chat streams' inter-token latency beside embeddings is +25%.
+# The account aims 10 points under it: aimed at +20%, runs on one quiet machine landed
+# anywhere from +18.6% to +23.4% (benchmarks/pooling.py --itl), as step times vary.
+POOLING_STEP_RISE = 0.15
 # Until both costs have been measured: one block's worth.
 INITIAL_CAP = 16
 # A step with fewer prompt tokens tells too little of their cost over the step's noise.

@@ -241,10 +241,11 @@ class Scheduler:
         return budget
 
     def _caps_pooling(self) -> bool:
-        """Whether this step's pooling tokens are capped: while generation requests run, and
-        prompts can be chunked (scheduler_svc/pooling_budget.py)."""
+        """Whether this step's pooling tokens are capped: while generation requests run or
+        wait (one admitted in this very step streams from its end), and prompts can be
+        chunked (scheduler_svc/pooling_budget.py)."""
         return (self.config.pooler is not None and self.config.enable_chunked_prefill
-                and any(r.sampling_params.pooling is None for r in self.running))
+                and any(r.sampling_params.pooling is None for queue in (self.running, self.waiting) for r in queue))
 
     def record_step_time(self, plan: StepPlan, seconds: float) -> None:
         """How long the worker took for `plan`: what the drafts that pay are computed from."""

@@ -11,7 +11,7 @@ from services.registry import Lease, Member, Registry
 
 from servers import redis_url  # noqa: F401  (fixture)
 
-TTL_S = 0.8
+TTL_S = 1.2
 
 
 def test_a_gateway_whose_lease_lapsed_is_gone_and_a_live_one_is_not(redis_url) -> None:
@@ -36,14 +36,15 @@ def test_a_gateway_whose_lease_lapsed_is_gone_and_a_live_one_is_not(redis_url) -
 def test_a_redis_that_lost_its_keyspace_makes_no_live_gateway_gone(redis_url) -> None:
     registry = Registry(redis_url)
     member = Member("gateway", "g", "127.0.0.1:1")
-    # Beats a TTL apart (a lease of three), so its key stays lost across several of the watch's reads.
-    lease = Lease(registry, member, 3 * TTL_S).start()
+    # Beats 0.5 s apart: its key stays lost across at least one of the watch's reads (0.3 s
+    # apart), and is back well within the watch's grace (a TTL, 1.2 s) however late a beat is.
+    lease = Lease(registry, member, 1.25 * TTL_S).start()
     watch = GatewayWatch(Registry(redis_url), TTL_S)
     keyspace = redis.Redis.from_url(redis_url)
     try:
         time.sleep(2 * TTL_S)
         epoch = registry.epoch()
-        while keyspace.pttl(member.key) < 3 * TTL_S * 1000 - 100:  # just after a beat
+        while keyspace.pttl(member.key) < 1.25 * TTL_S * 1000 - 50:  # just after a beat
             time.sleep(0.005)
         keyspace.flushall()  # what a Redis restarted without persistence holds
         flushed = time.monotonic()

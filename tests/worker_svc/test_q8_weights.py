@@ -73,8 +73,9 @@ def test_the_model_keeps_its_embedding_and_head_8_bit(gguf_llm):
     model = gguf_llm.engine.worker.model
     assert model.embed_tokens.q8 is not None and model.embed_tokens.weight is None
     assert isinstance(model.lm_head, Q8Linear) and model.lm_head.blocks is model.embed_tokens.q8  # tied: one copy
-    # Its small steps' GEMMs take every thread where the AVX2 int16 kernel runs them (test_int16_kernel.py).
-    assert gguf_llm.engine.worker.decode_gemms == (model.lm_head.int16 is not None)
+    # Its small steps' GEMMs take every thread where the AVX2 int16 or the AVX-512 VNNI kernel runs them
+    # (test_int16_kernel.py, test_vnni_kernel.py).
+    assert gguf_llm.engine.worker.decode_gemms == (model.lm_head.int16 is not None or model.lm_head.panels is not None)
     # Big steps take the head's packed float32 copy, or the int16 kernel (which needs none); nothing else
     # holds the vocabulary in float32.
     assert (model.lm_head.panels is None) == (model.lm_head.dense is not None)

@@ -194,3 +194,26 @@ def test_a_cpu_without_vnni_keeps_the_float32_kernels(monkeypatch, tmp_path, cap
     assert layer.panels is None and (layer.packed is not None or layer.int4_weight is not None)
     assert "the AVX-512 VNNI int16 GEMM kernel for GGUF blocks" in caplog.text and "avx512_vnni" in caplog.text
     assert not list(tmp_path.rglob("vnni_gemm-*.so"))
+
+
+@needs_kernel
+def test_a_decode_step_gives_it_every_thread(monkeypatch):
+    """As the AVX2 int16 kernel (test_int16_kernel.py): in a step of few tokens of a model
+    whose decode GEMMs take every thread, each call takes them, with the same bits."""
+    from worker_svc.kernels.cpu.threads import decode_threads, step_threads
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # kvfleet's default: a small step runs torch on one thread
+    panels = Q4Panels.from_blocks(random_blocks(GGMLQuantizationType.Q4_1, 48, 7 * 32))
+    x = torch.randn(1, 7 * 32)
+    alone = kernel.linear(panels, x, None)  # a call this small takes one thread outside a step
+    function, threads_taken = kernel._functions[Q4Panels], []
+    monkeypatch.setitem(kernel._functions, Q4Panels, lambda *args: (threads_taken.append(args[-2]), function(*args))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with step_threads(torch.device("cpu"), 1, decode_gemms=True):
+            assert torch.get_num_threads() == 1 and decode_threads() == 2
+            in_step = kernel.linear(panels, x, None)
+    finally:
+        torch.set_num_threads(before)
+    assert threads_taken == [2] and torch.equal(in_step, alone)  # each output panel on one thread: the same bits

@@ -75,8 +75,10 @@ class Worker:
         else:
             self._load_decoder(config, group)
         self.load_seconds = time.perf_counter() - started
-        # Whether its small steps' GEMMs take every thread (the AVX2 int16 kernel: threads.decode_threads).
-        self.decode_gemms = any(getattr(module, "int16", None) is not None for module in self.model.modules())
+        # Whether its small steps' GEMMs take every thread (the AVX2 int16 and AVX-512 VNNI kernels:
+        # threads.decode_threads).
+        self.decode_gemms = any(getattr(module, "int16", None) is not None or getattr(module, "panels", None) is not None
+                                for module in self.model.modules())
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()  # CompileGrammar calls come on several threads
         self.block_size = config.block_size

@@ -67,11 +67,13 @@ _small_step = _SmallStep()
 
 def decode_threads() -> int:
     """In a step of few tokens (step_threads), the threads kvfleet's decode GEMMs take (the
-    AVX2 int16 kernel, int16_gemm.py): all of the engine's, the pool's helpers polling,
-    while torch's ops run on one. One token's 4-bit projections and 8-bit LM head took
-    6.8 ms on two threads against 11.6 on one (benchmarks/roofline.py, 2-core AVX2 EPYC):
-    the weights' read is what a decode step waits for, and one core alone does not
-    saturate memory. 0 outside such a step: callers then choose from torch's count."""
+    AVX2 int16 kernel, int16_gemm.py, and the AVX-512 VNNI one, vnni_gemm.py): all of the
+    engine's, the pool's helpers polling, while torch's ops run on one. One token's 4-bit
+    projections and 8-bit LM head took 6.8 ms on two threads against 11.6 on one on a
+    2-core AVX2 EPYC, 2.7 against 4.7 on a 2-core Sapphire Rapids-class Xeon
+    (benchmarks/roofline.py): the weights' read is what a decode step waits for, and one
+    core alone does not saturate memory. 0 outside such a step: callers then choose from
+    torch's count."""
     return _small_step.threads
 
 

@@ -61,11 +61,10 @@ class PoolingBudget:
         elif prompt_tokens >= MIN_MEASURED_TOKENS and self._step_s is not None:
             self._token_s = _averaged(self._token_s, max(seconds - self._step_s, 0.0) / prompt_tokens)
         if decode_rows and self._step_s is not None:
-            alone = self._alone_s or self._step_s
             # Earned only while pooling waits: a quiet spell's credit spent at once would be
             # a burst the streams' mean over a short answer does not absorb.
-            most = MAX_CREDIT_STEPS * self.max_rise * alone if pooling else 0.0
-            self._credit = min(self._credit + (1 + self.max_rise) * alone - seconds, most)
+            most = MAX_CREDIT_STEPS * self.max_rise * self._baseline_s if pooling else 0.0
+            self._credit = min(self._credit + self._allowed_turn_s - seconds, most)
 
     def cap(self) -> int:
         """Pooling tokens the next step beside generation may take: none while the streams
@@ -74,12 +73,22 @@ class PoolingBudget:
             return INITIAL_CAP
         if self._credit < 0:
             return 0
-        allowance = (1 + self.max_rise) * (self._alone_s or self._step_s) - self._step_s
-        return max(1, int((self._credit + allowance) / self._token_s))
+        return max(1, int((self._credit + self._allowed_turn_s - self._step_s) / self._token_s))
+
+    @property
+    def _baseline_s(self) -> float:
+        """A turn without pooling work; any decode-only turn until one is measured (callers
+        check that _step_s is)."""
+        return self._alone_s or self._step_s
+
+    @property
+    def _allowed_turn_s(self) -> float:
+        """The turn the streams may take on average beside pooling."""
+        return (1 + self.max_rise) * self._baseline_s
 
     def start_step(self, capped: bool) -> None:
         """A step is planned: its pooling tokens are capped (while generation requests
-        run and prompts can be chunked), else they may take the whole budget."""
+        run or wait, and prompts can be chunked), else they may take the whole budget."""
         self._left = self.cap() if capped else None
 
     def room(self, request: Request, budget: int) -> int:

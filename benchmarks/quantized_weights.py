@@ -7,7 +7,8 @@ weights (--quantization none), side by side in one run.
   float32 GEMM over weights dequantized into a scratch buffer per layer (by kvfleet's
   kernel where it built, else by torch), (d) kvfleet's float32 4-bit kernel
   (worker_svc/kernels/cpu/csrc/q4_gemm.cpp) and (e), where AVX-512 VNNI runs, kvfleet's int16 x 4-bit
-  kernel (csrc/vnni_gemm.cpp), which then takes every step. Without it, the rows where
+  kernel (csrc/vnni_gemm.cpp), which then takes every step; where it has AMX tiles
+  (steps of 16 rows or more), beside it (f) its build without them. Without it, the rows where
   (d) stops beating (c) set worker_svc/model/q4_linear.py's KERNEL_MAX_ROWS, where (b)
   does its INT4_MAX_ROWS.
 - Single-request decode (--decode): tokens/s of one 128-token request decoding 128
@@ -29,6 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 NUM_THREADS = 2
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -115,6 +117,12 @@ def run_dequantized(layers: list[Q4Linear], inputs: dict[int, torch.Tensor]) -> 
 def kernel_table(blocks: list[Q4Blocks], rows_list: tuple[int, ...]) -> list[dict[str, Any]]:
     scratch = DequantScratch(torch.float32)
     int16 = [Q4Linear(b, None, scratch) for b in blocks]
+    vnni_only = []
+    if int16[0].vnni is not None and int16[0].vnni.amx:  # the same panels through the build without AMX
+        plain = vnni_gemm.VnniKernel(vnni_gemm.plain_library(), amx=False)
+        vnni_only = [copy.copy(layer) for layer in int16]
+        for layer in vnni_only:
+            layer.vnni = plain
     with without(vnni_gemm):
         quantized = [Q4Linear(b, None, scratch) for b in blocks]
     dense = []
@@ -135,6 +143,8 @@ def kernel_table(blocks: list[Q4Blocks], rows_list: tuple[int, ...]) -> list[dic
             row["q4_kernel_float32_ms"] = median_ms(partial(run_kernel, quantized, inputs), repeats)
         if int16[0].panels is not None:
             row["q4_kernel_int16_ms"] = median_ms(partial(run_kernel, int16, inputs), repeats)
+        if vnni_only:
+            row["q4_kernel_int16_without_amx_ms"] = median_ms(partial(run_kernel, vnni_only, inputs), repeats)
         table.append(row)
         log(f"{rows:5d} rows: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "rows"))
     return table

@@ -67,7 +67,7 @@ def test_the_head_sends_every_step_to_it_and_keeps_no_float32_copy(rows):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [33, 350])  # 350: widened runs, in passes of 168 rows and a last one of 14
+@pytest.mark.parametrize("rows", [33, 350])  # 350: widened runs, in passes of 168 rows and a last of 14 (160 and 30 on AMX)
 def test_model_sized_layers_and_strided_inputs(rows):
     blocks = random_blocks(GGMLQuantizationType.Q4_1, 576, 1536)
     x = torch.randn(rows, 3072)[:, ::2]  # not contiguous
@@ -93,6 +93,28 @@ def test_threads_split_panels_without_changing_a_bit(rows):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(alone, together)
+
+
+needs_amx = pytest.mark.skipif(kernel is None or not kernel.amx, reason="no AMX-INT8 CPU, or Linux refused it")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [48, 49, 63, 64, 350])  # 350: passes of 160 rows and a last one of 30
+@pytest.mark.parametrize("head", [False, True], ids=["q4", "q8_head"])
+def test_amx_tiles_give_the_vnni_kernels_output_to_the_bit(rows, head):
+    plain = vnni_gemm.VnniKernel(vnni_gemm.plain_library(), amx=False)
+    panels = (Q8Panels.from_blocks(random_q8(96, 1536, seed=rows)) if head
+              else Q4Panels.from_blocks(random_blocks(GGMLQuantizationType.Q4_1, 96, 1536)))
+    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows)) * 3
+    bias = torch.randn(96)
+    assert torch.equal(kernel.linear(panels, x, bias), plain.linear(panels, x, bias))
+    if not head:
+        norm_weight = torch.rand(1536) + 0.5
+        assert all(torch.equal(a, b) for a, b in zip(kernel.add_norm_linear(panels, x, x * 0.5, norm_weight, 1e-5, None),
+                                                     plain.add_norm_linear(panels, x, x * 0.5, norm_weight, 1e-5, None)))
+        gate_up = torch.randn(rows, 2 * 1536)
+        assert torch.equal(kernel.silu_and_mul_linear(panels, gate_up, None),
+                           plain.silu_and_mul_linear(panels, gate_up, None))
 
 
 @needs_kernel

@@ -162,9 +162,10 @@ class Worker:
         """The start-up summary's lines on the model and its KV cache."""
         model, dtype = self.model_config, str(self.dtype).removeprefix("torch.")
         if self.runs_q4:
-            int16 = any(isinstance(module, (Q4Linear, Q8Linear)) and module.panels is not None
-                        for module in self.model.modules())
-            activations = " against int16 activations (AVX-512 VNNI)" if int16 else ""
+            int16 = [module.vnni for module in self.model.modules()
+                     if isinstance(module, (Q4Linear, Q8Linear)) and module.panels is not None]
+            isa = "AVX-512 VNNI, AMX from 48 rows" if int16 and int16[0].amx else "AVX-512 VNNI"
+            activations = f" against int16 activations ({isa})" if int16 else ""
             stored = (f"{model.quantization}, its 4-bit projections and 8-bit embedding run as stored{activations}, "
                       f"the rest in {dtype}")
         else:

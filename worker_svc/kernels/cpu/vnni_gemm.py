@@ -7,17 +7,29 @@ on the batch: each row is quantized and summed on its own, in one order.
 
 Built once per machine with the system C++ compiler and called through ctypes
 (library.py). Without a compiler or AVX-512 VNNI, `load()` returns None with a logged
-warning and both layers keep their float32 kernels."""
+warning and both layers keep their float32 kernels. On a CPU with AMX-INT8 it is built a
+second way, whose steps of 48 rows or more take the same integer dots on AMX tiles, scaled
+in the same order: the same output to the bit. All 120 projections of SmolLM2-135M, 2
+threads, a 2-core Sapphire Rapids-class Xeon (benchmarks/quantized_weights.py):
+
+  rows                      32    48    64   256  1024
+  with AMX tiles, ms      20.9  28.1  33.7   104   363
+  AVX-512 VNNI alone, ms  20.3  30.8  37.2   126   425
+
+(widening the 4-bit runs for the tiles cost what they saved at 16 and 32 rows); the
+block-by-block scaling, in AVX-512 registers, is what the tiles wait for."""
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from pathlib import Path
 
 import torch
 
 from worker_svc.formats.q4_weights import GROUP_SIZE, Q4Blocks
 from worker_svc.formats.q8_weights import Q8Blocks
+from worker_svc.kernels.cpu import library as kernel_library
 from worker_svc.kernels.cpu.library import bind, load_library, pointer
 from worker_svc.kernels.cpu.q4_gemm import PASSIVE_PARALLEL_MIN_MACS, checked_call
 from worker_svc.kernels.cpu.threads import decode_threads, idle_threads_sleep
@@ -27,11 +39,15 @@ SOURCE = Path(__file__).parent / "csrc" / "vnni_gemm.cpp"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-ffp-contract=off", "-shared",
          "-fPIC"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
+AMX_FLAGS = [*FLAGS, "-mamx-tile", "-mamx-int8", "-DKVFLEET_AMX"]
+AMX_CPU_FLAGS = (*CPU_FLAGS, "amx_tile", "amx_int8")
 PANEL_ROWS = 16  # output rows per panel: one per 32-bit lane of an AVX-512 register
 # Quantizing x is a pass over it alone, a tenth of the products' time at most: it takes the
 # call's threads only where that pays for waking them. Measured (1 thread / 2): 2048 x 576,
 # 203 / 102 us; 2048 x 1536, 553 / 312 us; 256 x 576, 26 / 15 us (a wake-up costs ~40 us).
 QUANTIZE_PARALLEL_MIN_ELEMENTS = 1 << 19
+
+logger = logging.getLogger(__name__)
 
 
 def _halves(values: torch.Tensor, panels: int, groups: int) -> torch.Tensor:
@@ -109,7 +125,8 @@ class Q8Panels(Panels):
 
 
 class VnniKernel:
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, amx: bool) -> None:
+        self.amx = amx  # whether steps of 16 rows or more take AMX tiles
         _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         # x (or what it is made from) and its row stride, panels, bias, y, M, K, N, threads, quantize threads.
         gemm = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int]
@@ -124,9 +141,9 @@ class VnniKernel:
         """x [rows, in] float32 (rows may lie apart) -> x @ W.T + bias [rows, out] float32, x quantized
         to int16 per block (into the kernel's buffer: one call, one allocation, the output)."""
         x, threads = self._checked(x, bias, weights, rows_apart=True)
-        out, quantize_threads = self._output(x, weights, threads)
+        out = torch.empty(x.shape[0], weights.out_features)
         self._functions[type(weights)](x.data_ptr(), x.stride(0), weights.panels.data_ptr(), pointer(bias),
-                                       out.data_ptr(), *x.shape, weights.out_features, threads, quantize_threads)
+                                       out.data_ptr(), *x.shape, weights.out_features, *threads)
         return out
 
     def silu_and_mul_linear(self, weights: Q4Panels, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -134,9 +151,9 @@ class VnniKernel:
         apart), the activation computed as it is quantized, never stored."""
         assert gate_up.dim() == 2 and gate_up.shape[1] == 2 * weights.in_features and gate_up.stride(1) == 1
         x, threads = self._checked(gate_up[:, : weights.in_features], bias, weights, rows_apart=True)
-        out, quantize_threads = self._output(x, weights, threads)
+        out = torch.empty(x.shape[0], weights.out_features)
         self._silu_and_mul(x.data_ptr(), x.stride(0), weights.panels.data_ptr(), pointer(bias), out.data_ptr(),
-                           *x.shape, weights.out_features, threads, quantize_threads)
+                           *x.shape, weights.out_features, *threads)
         return out
 
     def add_norm_linear(self, weights: Q4Panels, x: torch.Tensor, residual: torch.Tensor | None,
@@ -147,34 +164,61 @@ class VnniKernel:
         x, threads = self._checked(x, bias, weights)
         assert norm_weight.dtype == torch.float32 and norm_weight.is_contiguous()
         assert norm_weight.numel() == weights.in_features
-        out, quantize_threads = self._output(x, weights, threads)
+        out = torch.empty(x.shape[0], weights.out_features)
         summed = x
         if residual is not None:
             assert residual.dtype == torch.float32 and residual.shape == x.shape
             residual, summed = residual.contiguous(), torch.empty_like(x)
         self._add_norm(x.data_ptr(), pointer(residual), norm_weight.data_ptr(), eps, summed.data_ptr(),
                        weights.panels.data_ptr(), pointer(bias), out.data_ptr(), *x.shape, weights.out_features,
-                       threads, quantize_threads)
+                       *threads)
         return out, summed
 
-    def _checked(self, x: torch.Tensor, bias: torch.Tensor | None, weights: Panels,
-                 rows_apart: bool = False) -> tuple[torch.Tensor, int]:
-        """checked_call's x and threads; in a decode step, every thread (decode_threads): one
-        token's projections took 4.7 ms on one thread and 2.7 on two (benchmarks/roofline.py,
-        a 2-core Sapphire Rapids-class Xeon), single-stream decode 98 against 144 tokens/s."""
-        x, threads = checked_call(x, bias, weights.in_features, weights.out_features, self.min_parallel_macs,
-                                  rows_apart=rows_apart)
-        return x, decode_threads() or threads
+    def threads(self, rows: int, in_features: int, out_features: int) -> tuple[int, int]:
+        """The threads a call of this size takes, and those of them that quantize its
+        activations. In a decode step, every thread (decode_threads): one token's projections
+        took 4.7 ms on one thread and 2.7 on two (benchmarks/roofline.py, a 2-core Sapphire
+        Rapids-class Xeon), single-stream decode 98 against 144 tokens/s."""
+        macs = rows * in_features * out_features
+        threads = decode_threads() or (torch.get_num_threads() if macs >= self.min_parallel_macs else 1)
+        return threads, threads if rows * in_features >= QUANTIZE_PARALLEL_MIN_ELEMENTS else 1
 
-    @staticmethod
-    def _output(x: torch.Tensor, weights: Panels, threads: int) -> tuple[torch.Tensor, int]:
-        """The call's output, and the threads of its `threads` that quantize its activations."""
-        quantize_threads = threads if x.numel() >= QUANTIZE_PARALLEL_MIN_ELEMENTS else 1
-        return torch.empty(x.shape[0], weights.out_features), quantize_threads
+    def functions(self) -> dict[str, ctypes._CFuncPtr]:
+        """The 4-bit entry points, by what they compute (for kernels/cpu/decode_layers.py)."""
+        return {"add_norm_linear": self._add_norm, "linear": self._functions[Q4Panels],
+                "silu_and_mul_linear": self._silu_and_mul}
+
+    def _checked(self, x: torch.Tensor, bias: torch.Tensor | None, weights: Panels,
+                 rows_apart: bool = False) -> tuple[torch.Tensor, tuple[int, int]]:
+        """checked_call's x, and threads()."""
+        x, _ = checked_call(x, bias, weights.in_features, weights.out_features, self.min_parallel_macs,
+                            rows_apart=rows_apart)
+        return x, self.threads(x.shape[0], weights.in_features, weights.out_features)
 
 
 @functools.cache
 def load() -> VnniKernel | None:
-    """The kernel, built if this machine has not built it yet; None where it cannot run (warned once)."""
-    library = load_library(SOURCE, FLAGS, "the AVX-512 VNNI int16 GEMM kernel for GGUF blocks", needs=CPU_FLAGS)
-    return None if library is None else VnniKernel(library)
+    """The kernel, built if this machine has not built it yet: with AMX where the CPU has it
+    and Linux grants it; None where it cannot run (warned once)."""
+    amx = _amx_library()
+    if amx is not None:
+        return VnniKernel(amx, amx=True)
+    library = plain_library()
+    return None if library is None else VnniKernel(library, amx=False)
+
+
+def plain_library() -> ctypes.CDLL | None:
+    """The kernel built without AMX (what load() gives where the CPU lacks it)."""
+    return load_library(SOURCE, FLAGS, "the AVX-512 VNNI int16 GEMM kernel for GGUF blocks", needs=CPU_FLAGS)
+
+
+def _amx_library() -> ctypes.CDLL | None:
+    if not set(AMX_CPU_FLAGS) <= kernel_library.cpu_flags():
+        return None
+    library = load_library(SOURCE, AMX_FLAGS, "the AMX int16 GEMM kernel for GGUF blocks", needs=AMX_CPU_FLAGS)
+    if library is None:
+        return None
+    if bind(library.vnni_amx_request, [], ctypes.c_int)() != 0:  # a kernel too old, or a signal stack too small
+        logger.warning("Linux refused this process the AMX tiles; GGUF blocks take AVX-512 VNNI alone")
+        return None
+    return library

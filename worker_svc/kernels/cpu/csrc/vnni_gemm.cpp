@@ -26,6 +26,10 @@
 // 4-bit panels it takes into a thread's buffer, a code a byte (Q4Bytes): a tile then reads
 // its codes as it reads 8-bit ones, where unpacking them a tile at a time was an eighth of
 // the instructions.
+//
+// Built with KVFLEET_AMX (a second build, for CPUs with AMX-INT8), steps of kWidenRows rows
+// or more take the same dots on AMX tiles, 16 rows at a time: the same integers, scaled in
+// the same order, so the output is the VNNI kernel's to the bit.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -33,6 +37,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+
+#ifdef KVFLEET_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "parallel.h"
 #include "quantized_rows.h"
@@ -108,6 +117,32 @@ struct Call {
   int64_t M, K, N;
 };
 
+// A weight block's 16 scales and offsets (zero where its format has none), in float32.
+template <class Format>
+struct BlockScales {
+  __m512 d, offset;
+  explicit BlockScales(const uint8_t* block)
+      : d(_mm512_cvtph_ps(load_chunk(block + Layout<Format>::kScales))),
+        offset(Format::kOffsets ? _mm512_cvtph_ps(load_chunk(block + Layout<Format>::kOffsets)) : _mm512_setzero_ps()) {}
+};
+
+// acc plus a block's dots (lo, hi as tile() sums them) times its scales, for x's row and block
+// `at`: the scales' products in float32, in one order whatever the tile or the instructions
+// that summed the dots.
+template <class Format>
+inline __m512 scaled(const BlockScales<Format>& w, const Call& c, int64_t at, __m512i lo, __m512i hi, __m512 acc) {
+  const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w.d, _mm512_set1_ps(c.scales[at])), acc);
+  if constexpr (Format::kOffsets) acc = _mm512_fmadd_ps(w.offset, _mm512_set1_ps(c.offset_terms[at]), acc);
+  return acc;
+}
+
+// y[m, n0 .. n0 + 16] = acc + bias.
+inline void store(const Call& c, int64_t m, int64_t n0, __m512 acc) {
+  const __m512 add = c.bias ? _mm512_loadu_ps(c.bias + n0) : _mm512_setzero_ps();
+  _mm512_storeu_ps(c.y + m * c.N + n0, _mm512_add_ps(acc, add));
+}
+
 // The next tile of panels, requested into L2 a few cache lines a block while this one's rows
 // are computed: a decode step's weights come from memory, read once, where the hardware's
 // prefetcher, following two panels' streams, left the tiles waiting for them.
@@ -155,26 +190,101 @@ void tile(const uint8_t* panel, int64_t panel_bytes, const Call& c, int64_t n0, 
         }
       }
     }
-    // The scales' products in float32, in one order whatever the tile.
     for (int n = 0; n < NR; ++n) {
-      const uint8_t* block = panel + n * panel_bytes;
-      const __m512 d = _mm512_cvtph_ps(load_chunk(block + L::kScales));
-      for (int m = 0; m < MR; ++m) {
-        const int64_t at = (m0 + m) * blocks + b;
-        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(hi[m][n], 8), lo[m][n]);
-        acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(c.scales[at])), acc[m][n]);
-        if constexpr (Format::kOffsets) {
-          const __m512 offset = _mm512_cvtph_ps(load_chunk(block + L::kOffsets));
-          acc[m][n] = _mm512_fmadd_ps(offset, _mm512_set1_ps(c.offset_terms[at]), acc[m][n]);
-        }
-      }
+      const BlockScales<Format> w(panel + n * panel_bytes);
+      for (int m = 0; m < MR; ++m) acc[m][n] = scaled(w, c, (m0 + m) * blocks + b, lo[m][n], hi[m][n], acc[m][n]);
     }
   }
-  for (int n = 0; n < NR; ++n) {
-    const __m512 add = c.bias ? _mm512_loadu_ps(c.bias + n0 + kPanel * n) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) _mm512_storeu_ps(c.y + (m0 + m) * c.N + n0 + kPanel * n, _mm512_add_ps(acc[m][n], add));
-  }
+  for (int n = 0; n < NR; ++n)
+    for (int m = 0; m < MR; ++m) store(c, m0 + m, n0 + kPanel * n, acc[m][n]);
 }
+
+#ifdef KVFLEET_AMX
+constexpr bool kAmx = true;
+constexpr int64_t kAmxRows = 16;  // rows of x a tile multiplies: an AMX tile's 16 rows
+
+// The AMX tiles, configured on the calling thread for the object's life and released after it
+// (a thread holding none is not saved and restored with them): tmm0 and tmm1 16 rows' lo and
+// hi bytes of a block, tmm2 a panel's codes of it (8 quads of 64 bytes, the layout AMX
+// reads), tmm3 and tmm4 their dots for even blocks, tmm5 and tmm6 for odd ones.
+class AmxTiles {
+ public:
+  AmxTiles() {
+    struct {
+      uint8_t palette = 1, start_row = 0, reserved[14] = {};
+      uint16_t bytes_a_row[16] = {};
+      uint8_t rows[16] = {};
+    } config;
+    for (int t : {0, 1}) config.rows[t] = kAmxRows, config.bytes_a_row[t] = kGroup;
+    config.rows[2] = kGroup / 4, config.bytes_a_row[2] = 64;
+    for (int t : {3, 4, 5, 6}) config.rows[t] = kAmxRows, config.bytes_a_row[t] = 64;
+    _tile_loadconfig(&config);
+  }
+  ~AmxTiles() { _tile_release(); }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+};
+
+using AmxDots = int32_t[2][kAmxRows][kPanel];  // a block's lo and hi dots, a row of 16 outputs each
+
+// Block b's dots into `dots` on the tiles LO and HI: x's rows m0 .. m0 + 16 by one panel. A
+// macro: the intrinsics take the tiles' numbers as literals.
+#define KVFLEET_AMX_DOTS(LO, HI, panel, c, m0, b, dots)                                       \
+  do {                                                                                        \
+    const uint8_t* x_ = (c).x + (m0) * 2 * (c).K + (b) * 2 * kGroup;                          \
+    _tile_zero(LO);                                                                           \
+    _tile_zero(HI);                                                                           \
+    _tile_loadd(0, x_, 2 * (c).K);                                                            \
+    _tile_loadd(1, x_ + kGroup, 2 * (c).K);                                                   \
+    _tile_loadd(2, (panel) + (b) * Layout<Format>::kBlockBytes, 64);                          \
+    _tile_dpbusd(LO, 0, 2);                                                                   \
+    _tile_dpbusd(HI, 1, 2);                                                                   \
+    _tile_stored(LO, (dots)[0], 4 * kPanel);                                                  \
+    _tile_stored(HI, (dots)[1], 4 * kPanel);                                                  \
+  } while (false)
+
+// Rows m0 .. m0 + 16 of x against one panel (codes a byte: Q8's layout): y[m, n0 .. n0 + 16],
+// each block's dots on the tiles while the last block's are scaled, as tile()'s are.
+template <class Format>
+void amx_tile(const uint8_t* panel, const Call& c, int64_t n0, int64_t m0) {
+  using L = Layout<Format>;
+  const int64_t blocks = c.K / kGroup;
+  alignas(64) AmxDots dots[2];
+  __m512 acc[kAmxRows];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const auto scale = [&](int64_t b) {
+    const uint8_t* block = panel + b * L::kBlockBytes;
+    const __m512i hi_start = Format::hi_start(block + L::kCodeSums);
+    const BlockScales<Format> w(block);
+    const AmxDots& d = dots[b & 1];
+    for (int m = 0; m < kAmxRows; ++m)
+      acc[m] = scaled(w, c, (m0 + m) * blocks + b, _mm512_load_si512(d[0][m]),
+                      _mm512_add_epi32(hi_start, _mm512_load_si512(d[1][m])), acc[m]);
+  };
+  KVFLEET_AMX_DOTS(3, 4, panel, c, m0, 0, dots[0]);
+  for (int64_t b = 0; b < blocks; b += 2) {
+    if (b + 1 < blocks) KVFLEET_AMX_DOTS(5, 6, panel, c, m0, b + 1, dots[1]);
+    scale(b);
+    if (b + 1 >= blocks) break;
+    if (b + 2 < blocks) KVFLEET_AMX_DOTS(3, 4, panel, c, m0, b + 2, dots[0]);
+    scale(b + 1);
+  }
+  for (int m = 0; m < kAmxRows; ++m) store(c, m0 + m, n0, acc[m]);
+}
+
+// Rows m_first .. m_first + 16 k of x over a run of `count` panels: 16 rows' blocks stay in L1
+// while the run's panels, in L2, pass.
+template <class Format>
+void amx_rows_over_panels(const uint8_t* panels, int64_t panel_bytes, int64_t first, int64_t count, const Call& c,
+                          int64_t m_first, int64_t m_last) {
+  const AmxTiles tiles;
+  for (int64_t m0 = m_first; m0 + kAmxRows <= m_last; m0 += kAmxRows)
+    for (int64_t p = 0; p < count; ++p) amx_tile<Format>(panels + p * panel_bytes, c, (first + p) * kPanel, m0);
+}
+#else
+constexpr bool kAmx = false;
+constexpr int64_t kAmxRows = 1;
+#endif
 
 // NR panels from `panels` (the layer's panel `first` on) over rows m_first .. m_last, kTileRows
 // at a time, then the rows left in one smaller tile: the panels stay in L1 while rows pass.
@@ -190,9 +300,19 @@ void panels_over_rows(const uint8_t* panels, int64_t panel_bytes, int64_t first,
 // Rows m_first .. m_last of x over a run of `count` panels from `panels` (the layer's panel
 // `first` on), kTilePanels at a time, then one at a time; with `prefetch`, each tile of
 // panels requests the next while its rows are computed.
+// With `amx`, the rows' whole tiles of 16 go to AMX (a Format of a code a byte only).
 template <class Format>
 void rows_over_panels(const uint8_t* panels, int64_t panel_bytes, int64_t first, int64_t count, const Call& c,
-                      int64_t m_first, int64_t m_last, bool prefetch) {
+                      int64_t m_first, int64_t m_last, bool prefetch, bool amx) {
+#ifdef KVFLEET_AMX
+  if constexpr (Format::kCodeBytes == Q8::kCodeBytes)
+    if (amx) {
+      const int64_t whole = m_first + (m_last - m_first) / kAmxRows * kAmxRows;
+      amx_rows_over_panels<Format>(panels, panel_bytes, first, count, c, m_first, whole);
+      m_first = whole;
+      if (m_first == m_last) return;
+    }
+#endif
   const int64_t tile_bytes = kTilePanels * panel_bytes;
   const int64_t steps = (m_last - m_first + kTileRows - 1) / kTileRows * (c.K / kGroup);
   const char* run_end = reinterpret_cast<const char*>(panels + count * panel_bytes);
@@ -252,12 +372,17 @@ void linear(const uint8_t* panels, const Call& c, int threads) {
   const int64_t blocks = c.K / kGroup;
   const int64_t panel_bytes = blocks * Layout<Format>::kBlockBytes;
   const int64_t count = c.N / kPanel;
-  const int64_t pass_rows = std::max<int64_t>(kTileRows, kPassBytes / (2 * c.K) / kTileRows * kTileRows);
+  // Passes of whole tiles: of 16 rows where AMX takes them.
+  const int64_t unit = std::max<int64_t>(kTileRows, kAmxRows);
+  const int64_t pass_rows = std::max<int64_t>(unit, kPassBytes / (2 * c.K) / unit * unit);
   // Runs of whole tiles of panels and at most about kRunPanels, as many for every thread.
   const int64_t fewest = (count + threads * kRunPanels - 1) / (threads * kRunPanels);
   const int64_t wanted = threads * (c.M <= pass_rows ? std::max(kRunsAThread, fewest) : fewest);
   const int64_t runs = std::max<int64_t>(1, std::min(count / kTilePanels, wanted));
   const int64_t run = ((count + runs - 1) / runs + kTilePanels - 1) / kTilePanels * kTilePanels;
+  // AMX reads codes a byte, as widened runs hold them: at 16 and 32 rows, widening for it cost
+  // what its tiles saved.
+  const bool amx = kAmx && c.M >= kWidenRows;
   const bool widen = std::is_same_v<Format, Q4> && c.M >= kWidenRows;
   const int64_t wide_panel_bytes = blocks * Layout<Q4Bytes>::kBlockBytes;
   parallel::for_each_claimed(threads, (count + run - 1) / run, [&](int64_t run_index) {
@@ -268,9 +393,10 @@ void linear(const uint8_t* panels, const Call& c, int threads) {
       const int64_t m_last = std::min(c.M, m_first + pass_rows);
       // The widened run is in L2 already; the layer's panels are not.
       if (widen)
-        rows_over_panels<Q4Bytes>(wide, wide_panel_bytes, first, n, c, m_first, m_last, false);
+        rows_over_panels<Q4Bytes>(wide, wide_panel_bytes, first, n, c, m_first, m_last, false, amx);
       else
-        rows_over_panels<Format>(panels + first * panel_bytes, panel_bytes, first, n, c, m_first, m_last, true);
+        rows_over_panels<Format>(panels + first * panel_bytes, panel_bytes, first, n, c, m_first, m_last, !amx,
+                                 amx);
     }
   });
 }
@@ -321,3 +447,11 @@ extern "C" void q4_vnni_linear_add_norm(const float* x, const float* residual, c
   quantized_linear<Q4>(quantized_rows::AddNorm{x, residual, norm_weight, sum, eps, K}, panels, bias, y, M, K, N,
                        threads, quantize_threads);
 }
+
+#ifdef KVFLEET_AMX
+// Asks Linux for the AMX tile state, which it grants a process only on request: 0 if granted.
+extern "C" int vnni_amx_request() {
+  constexpr int kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  return static_cast<int>(syscall(SYS_arch_prctl, kRequestPermission, kTileData));
+}
+#endif

@@ -20,6 +20,7 @@ from worker_svc.formats.model_config import ModelConfig
 from worker_svc.formats.q4_weights import Q4Blocks
 from worker_svc.formats.q8_weights import Q8Blocks
 from worker_svc.group.rank_group import RankGroup
+from worker_svc.model.decode_layers import DecodeLayers
 from worker_svc.model.layers import Linear, RMSNorm, RotaryEmbedding
 from worker_svc.model.lora import LoraContext
 from worker_svc.model.ops import Ops, Rope, TorchOps
@@ -146,6 +147,7 @@ class LlamaForCausalLM(nn.Module):
     # forward keeps in aux_hidden_states, for the head to draft from.
     aux_hidden_state_layers: tuple[int, ...] = ()
     aux_hidden_states: list[torch.Tensor] = []
+    decode_layers: DecodeLayers | None = None  # decode steps' layers in one C++ call, where they can be
 
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend, max_positions: int, device: torch.device,
@@ -191,18 +193,27 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = self.group.receive_hidden(len(input_ids), self.config.hidden_size, self.dtype, positions.device)
         rope = self.ops.rope(self.rotary, positions, hidden.dtype)
-        residual = None
         self.aux_hidden_states = []
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            if index in self.aux_hidden_state_layers:
-                self.aux_hidden_states.append(hidden.clone() if residual is None else residual + hidden)
-            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
+        if self.decode_layers is not None and self.decode_layers.takes(metadata):
+            hidden, residual = self.decode_layers(hidden, rope, kv_caches, metadata)
+        else:
+            hidden, residual = self._run_layers(rope, hidden, kv_caches, metadata)
         # The last MLP's output joins the stream here, not in a fused final norm: compute_logits
         # norms only the rows that sample, and the next stage expects the whole hidden state.
         hidden = residual + hidden
         if not shard.is_last_stage:
             self.group.send_hidden(hidden)
         return hidden
+
+    def _run_layers(self, rope: Rope, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
+                    metadata: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last MLP's output, the residual stream it joins), keeping aux_hidden_states."""
+        residual = None
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if index in self.aux_hidden_state_layers:
+                self.aux_hidden_states.append(hidden.clone() if residual is None else residual + hidden)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
+        return hidden, residual
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -257,6 +268,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
+        self.decode_layers = DecodeLayers.for_model(self)
 
     def _install_quantized(self, fused: Weights) -> None:
         """Replace each Linear whose weight is 4-bit blocks, and the LM head given as 8-bit

@@ -33,8 +33,13 @@ class DecoderKernel:
                           for dtype, name in CACHE_DTYPES.items()}
         self.parallel_min_elements = PARALLEL_MIN_ELEMENTS if idle_threads_sleep() else 0
 
-    def _threads(self, elements: int) -> int:
+    def threads(self, elements: int) -> int:
+        """The threads a pass over this many elements takes."""
         return torch.get_num_threads() if elements >= self.parallel_min_elements else 1
+
+    def functions(self, cache_dtype: torch.dtype) -> dict[str, ctypes._CFuncPtr]:
+        """The rotary and KV cache write entry points (for kernels/cpu/decode_layers.py)."""
+        return {"rotary": self._rotary, "write_kv": self._write_kv[cache_dtype]}
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +50,7 @@ class DecoderKernel:
         summed = x if residual is None else torch.empty_like(x)
         self._add_rms_norm(x.data_ptr(), None if residual is None else _rows(residual).data_ptr(),
                            weight.data_ptr(), summed.data_ptr(), out.data_ptr(), rows, hidden, eps,
-                           self._threads(x.numel()))
+                           self.threads(x.numel()))
         return out, summed
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -54,7 +59,7 @@ class DecoderKernel:
         faulted in a fifth of the 4-bit workload's page faults (12 MB at a 2048-token step)."""
         gate_up = _rows(gate_up)
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-        self._silu_and_mul(gate_up.data_ptr(), rows, width, self._threads(gate_up.numel()))
+        self._silu_and_mul(gate_up.data_ptr(), rows, width, self.threads(gate_up.numel()))
         return gate_up[:, :width]
 
     def rotary_(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -67,7 +72,7 @@ class DecoderKernel:
         positions = positions.contiguous()
         self._rotary(query.data_ptr(), key.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                      tokens, heads, key.shape[1], dim, query.stride(0), key.stride(0),
-                     self._threads(query.numel() + key.numel()))
+                     self.threads(query.numel() + key.numel()))
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
         """key and value [T, KH, D] float32 (views with any token stride) to `slots` [T] of
@@ -79,7 +84,7 @@ class DecoderKernel:
         width = heads * dim
         outside = self._write_kv[kv_cache.dtype](
             key.data_ptr(), value.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slots.data_ptr(), tokens,
-            width, key.stride(0), value.stride(0), kv_cache[0].numel() // width, self._threads(2 * tokens * width))
+            width, key.stride(0), value.stride(0), kv_cache[0].numel() // width, self.threads(2 * tokens * width))
         if outside:
             raise IndexError(f"{outside} of {tokens} KV slots are outside the cache")
 

@@ -32,6 +32,10 @@ class PagedKernel:
         """A float32 model's attention (over a cache of any of the KV cache dtypes)."""
         return dtype == torch.float32 and device.type == "cpu" and head_dim % cls.head_dim_multiple == 0
 
+    def function(self, cache_dtype: torch.dtype) -> ctypes._CFuncPtr:
+        """The entry point for a cache of `cache_dtype` (for kernels/cpu/decode_layers.py)."""
+        return self._functions[cache_dtype]
+
     def _run(self, query: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
              work: Sequence[torch.Tensor], bounds: torch.Tensor, scale: float) -> None:
         """`query` [T, H, D] float32 may have rows at any stride (a view of the fused QKV

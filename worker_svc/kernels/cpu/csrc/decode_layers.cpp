@@ -1,0 +1,112 @@
+// A decode step's decoder layers in one call, for a Llama-family model whose projections run
+// on the VNNI GEMM over GGUF blocks (vnni_gemm.cpp): the same kernels' entry points, called
+// in the order and with the arguments that llama.py's layers give them, so the output is
+// theirs to the bit. One token's Python between those calls took 3 ms of its 8 (a 2-core
+// Sapphire Rapids-class Xeon): more than every kernel but the GEMMs.
+//
+// The kernels live in their own libraries; the caller passes their addresses.
+#include <cstdint>
+
+namespace {
+
+using AddNormLinear = void (*)(const float* x, const float* residual, const float* norm_weight, float eps, float* sum,
+                               const uint8_t* panels, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+                               int threads, int quantize_threads);
+using Linear = void (*)(const float* x, int64_t x_stride, const uint8_t* panels, const float* bias, float* y, int64_t M,
+                        int64_t K, int64_t N, int threads, int quantize_threads);
+using Rotary = void (*)(float* q, float* k, const int64_t* positions, const float* cos, const float* sin, int64_t tokens,
+                        int64_t q_heads, int64_t k_heads, int64_t dim, int64_t q_stride, int64_t k_stride, int threads);
+using WriteKv = int64_t (*)(const float* key, const float* value, void* key_cache, void* value_cache,
+                            const int64_t* slots, int64_t tokens, int64_t width, int64_t key_stride,
+                            int64_t value_stride, int64_t num_slots, int threads);
+using Attention = void (*)(const float* query, float* out, const void* key_cache, const void* value_cache,
+                           const int64_t* block_tables, int64_t table_stride, int64_t query_stride, const int64_t* rows,
+                           const int64_t* seqs, const int64_t* seq_lens, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, float scale, const int64_t* bounds, int64_t threads);
+
+}  // namespace
+
+extern "C" {
+
+struct DecodeKernels {
+  AddNormLinear add_norm_linear;
+  Linear linear;
+  Linear silu_and_mul_linear;
+  Rotary rotary;
+  WriteKv write_kv;
+  Attention attention;
+};
+
+struct DecodeModel {  // sizes of one layer
+  int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, cache_slots;
+  float eps, scale;
+};
+
+struct DecodeLayer {  // one layer's weights (VNNI panels; biases may be null) and KV cache
+  const float* input_norm;
+  const uint8_t* qkv;
+  const float* qkv_bias;
+  const uint8_t* o;
+  const float* o_bias;
+  const float* post_norm;
+  const uint8_t* gate_up;
+  const float* gate_up_bias;
+  const uint8_t* down;
+  const float* down_bias;
+  void* key_cache;
+  void* value_cache;
+};
+
+struct GemmThreads {
+  int32_t threads, quantize;
+};
+
+struct DecodeStep {
+  int64_t tokens;
+  const float* embeddings;  // the first layer's input [tokens, hidden]
+  // Buffers: [tokens, qkv width], [tokens, heads * head_dim], [tokens, hidden], [tokens, 2 intermediate],
+  // and the outputs, [tokens, hidden] each: the last layer's MLP output and the residual stream.
+  float *qkv, *attention, *o, *gate_up, *hidden, *residual;
+  const int64_t* positions;
+  const float *cos, *sin;
+  const int64_t* slots;
+  const int64_t *block_tables, *rows, *seqs, *seq_lens, *bounds;
+  int64_t table_stride, attention_threads;
+  GemmThreads qkv_threads, o_threads, gate_up_threads, down_threads;
+  int32_t rotary_threads, write_threads;
+};
+
+// Runs `count` layers; returns 0, or 1 + the layer whose KV slots were outside its cache (the
+// layers after it not run).
+int64_t decode_layers(const DecodeKernels* k, const DecodeModel* m, const DecodeLayer* layers, int64_t count,
+                      const DecodeStep* s) {
+  const int64_t T = s->tokens, q_size = m->heads * m->head_dim, kv_size = m->kv_heads * m->head_dim;
+  const int64_t qkv_width = q_size + 2 * kv_size, gate_up_width = 2 * m->intermediate;
+  const float* residual = nullptr;  // the first layer's is its input
+  for (int64_t i = 0; i < count; ++i) {
+    const DecodeLayer& l = layers[i];
+    const float* x = i == 0 ? s->embeddings : s->hidden;
+    k->add_norm_linear(x, residual, l.input_norm, m->eps, residual ? s->residual : const_cast<float*>(x), l.qkv,
+                       l.qkv_bias, s->qkv, T, m->hidden, qkv_width, s->qkv_threads.threads, s->qkv_threads.quantize);
+    residual = residual ? s->residual : x;
+    float *q = s->qkv, *key = q + q_size, *value = key + kv_size;
+    k->rotary(q, key, s->positions, s->cos, s->sin, T, m->heads, m->kv_heads, m->head_dim, qkv_width, qkv_width,
+              s->rotary_threads);
+    if (k->write_kv(key, value, l.key_cache, l.value_cache, s->slots, T, kv_size, qkv_width, qkv_width,
+                    m->cache_slots, s->write_threads) != 0)
+      return 1 + i;
+    k->attention(q, s->attention, l.key_cache, l.value_cache, s->block_tables, s->table_stride, qkv_width, s->rows,
+                 s->seqs, s->seq_lens, m->heads, m->kv_heads, m->head_dim, m->block_size, m->scale, s->bounds,
+                 s->attention_threads);
+    k->linear(s->attention, q_size, l.o, l.o_bias, s->o, T, q_size, m->hidden, s->o_threads.threads,
+              s->o_threads.quantize);
+    k->add_norm_linear(s->o, residual, l.post_norm, m->eps, s->residual, l.gate_up, l.gate_up_bias, s->gate_up, T,
+                       m->hidden, gate_up_width, s->gate_up_threads.threads, s->gate_up_threads.quantize);
+    residual = s->residual;
+    k->silu_and_mul_linear(s->gate_up, gate_up_width, l.down, l.down_bias, s->hidden, T, m->intermediate, m->hidden,
+                           s->down_threads.threads, s->down_threads.quantize);
+  }
+  return 0;
+}
+
+}  // extern "C"

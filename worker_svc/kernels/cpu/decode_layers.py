@@ -1,0 +1,69 @@
+"""A decode step's decoder layers in one call to csrc/decode_layers.cpp, which calls the
+GGUF VNNI GEMMs, the decoder kernels and the paged decode attention in the order
+llama.py's layers do, with the same arguments: the same output to the bit, without the
+Python between the calls (worker_svc/model/decode_layers.py builds its arguments).
+
+Built once per machine (library.py); without a compiler `load()` is None, warned, and the
+layers run one by one from Python."""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+from worker_svc.kernels.cpu.library import bind, load_library
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_layers.cpp"
+FLAGS = ["-O2", "-shared", "-fPIC"]
+
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+
+class Kernels(ctypes.Structure):
+    """The addresses of the kernels' entry points it calls."""
+
+    _fields_ = [(name, _ptr) for name in
+                ("add_norm_linear", "linear", "silu_and_mul_linear", "rotary", "write_kv", "attention")]
+
+
+class ModelSizes(ctypes.Structure):
+    _fields_ = [(name, _i64) for name in
+                ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size", "cache_slots")] + [
+        ("eps", _f32), ("scale", _f32)]
+
+
+class Layer(ctypes.Structure):
+    """One layer's weights (norms' float32 weights, projections' VNNI panels, biases or NULL) and KV cache."""
+
+    _fields_ = [(name, _ptr) for name in
+                ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
+                 "down_bias", "key_cache", "value_cache")]
+
+
+class GemmThreads(ctypes.Structure):
+    _fields_ = [("threads", _i32), ("quantize", _i32)]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [("tokens", _i64)] + [(name, _ptr) for name in (
+        "embeddings", "qkv", "attention", "o", "gate_up", "hidden", "residual", "positions", "cos", "sin", "slots",
+        "block_tables", "rows", "seqs", "seq_lens", "bounds")] + [
+        ("table_stride", _i64), ("attention_threads", _i64)] + [
+        (name, GemmThreads) for name in ("qkv_threads", "o_threads", "gate_up_threads", "down_threads")] + [
+        ("rotary_threads", _i32), ("write_threads", _i32)]
+
+
+def address(function: ctypes._CFuncPtr) -> int:
+    """A loaded kernel function's address, for Kernels."""
+    return ctypes.cast(function, _ptr).value
+
+
+@functools.cache
+def load() -> ctypes._CFuncPtr | None:
+    """decode_layers(kernels, sizes, layers, count, step) -> 0, or 1 + the layer whose KV
+    slots lay outside its cache; None where it cannot be built (warned once)."""
+    library = load_library(SOURCE, FLAGS, "the decode step's layer loop")
+    if library is None:
+        return None
+    return bind(library.decode_layers, [ctypes.POINTER(Kernels), ctypes.POINTER(ModelSizes), ctypes.POINTER(Layer),
+                                        _i64, ctypes.POINTER(Step)], _i64)

@@ -20,7 +20,7 @@ from worker_svc.formats.model_config import ModelConfig
 from worker_svc.formats.q4_weights import Q4Blocks
 from worker_svc.formats.q8_weights import Q8Blocks
 from worker_svc.group.rank_group import RankGroup
-from worker_svc.model.decode_layers import DecodeLayers
+from worker_svc.model.layer_loop import LayerLoop
 from worker_svc.model.layers import Linear, RMSNorm, RotaryEmbedding
 from worker_svc.model.lora import LoraContext
 from worker_svc.model.ops import Ops, Rope, TorchOps
@@ -147,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
     # forward keeps in aux_hidden_states, for the head to draft from.
     aux_hidden_state_layers: tuple[int, ...] = ()
     aux_hidden_states: list[torch.Tensor] = []
-    decode_layers: DecodeLayers | None = None  # decode steps' layers in one C++ call, where they can be
+    layer_loop: LayerLoop | None = None  # a step's layers in one C++ call, where they can be
 
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend, max_positions: int, device: torch.device,
@@ -194,8 +194,8 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.group.receive_hidden(len(input_ids), self.config.hidden_size, self.dtype, positions.device)
         rope = self.ops.rope(self.rotary, positions, hidden.dtype)
         self.aux_hidden_states = []
-        if self.decode_layers is not None and self.decode_layers.takes(metadata):
-            hidden, residual = self.decode_layers(hidden, rope, kv_caches, metadata)
+        if self.layer_loop is not None and self.layer_loop.takes(metadata):
+            hidden, residual = self.layer_loop(hidden, rope, kv_caches, metadata)
         else:
             hidden, residual = self._run_layers(rope, hidden, kv_caches, metadata)
         # The last MLP's output joins the stream here, not in a fused final norm: compute_logits
@@ -268,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
-        self.decode_layers = DecodeLayers.for_model(self)
+        self.layer_loop = LayerLoop.for_model(self)
 
     def _install_quantized(self, fused: Weights) -> None:
         """Replace each Linear whose weight is 4-bit blocks, and the LM head given as 8-bit

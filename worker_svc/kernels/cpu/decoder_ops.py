@@ -38,7 +38,7 @@ class DecoderKernel:
         return torch.get_num_threads() if elements >= self.parallel_min_elements else 1
 
     def functions(self, cache_dtype: torch.dtype) -> dict[str, ctypes._CFuncPtr]:
-        """The rotary and KV cache write entry points (for kernels/cpu/decode_layers.py)."""
+        """The rotary and KV cache write entry points (for kernels/cpu/layer_loop.py)."""
         return {"rotary": self._rotary, "write_kv": self._write_kv[cache_dtype]}
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -33,7 +33,7 @@ class PagedKernel:
         return dtype == torch.float32 and device.type == "cpu" and head_dim % cls.head_dim_multiple == 0
 
     def function(self, cache_dtype: torch.dtype) -> ctypes._CFuncPtr:
-        """The entry point for a cache of `cache_dtype` (for kernels/cpu/decode_layers.py)."""
+        """The entry point for a cache of `cache_dtype` (for kernels/cpu/layer_loop.py)."""
         return self._functions[cache_dtype]
 
     def _run(self, query: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -184,7 +184,7 @@ class VnniKernel:
         return threads, threads if rows * in_features >= QUANTIZE_PARALLEL_MIN_ELEMENTS else 1
 
     def functions(self) -> dict[str, ctypes._CFuncPtr]:
-        """The 4-bit entry points, by what they compute (for kernels/cpu/decode_layers.py)."""
+        """The 4-bit entry points, by what they compute (for kernels/cpu/layer_loop.py)."""
         return {"add_norm_linear": self._add_norm, "linear": self._functions[Q4Panels],
                 "silu_and_mul_linear": self._silu_and_mul}
 

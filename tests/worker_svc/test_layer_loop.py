@@ -1,7 +1,7 @@
-"""A decode step's layers in one C++ call (worker_svc/model/decode_layers.py): where the GGUF
-model runs on the VNNI kernel, decode steps take it, and their tokens and logprobs are the
-layer-by-layer loop's to the bit, over float16 and bfloat16 KV caches, alone and beside
-prompt chunks (steps it leaves to the loop)."""
+"""A step's layers in one C++ call (worker_svc/model/layer_loop.py): where the GGUF model runs
+on the VNNI kernel, every step takes it, decodes alone, prompt chunks alone and both
+together, and the tokens and logprobs are the layer-by-layer loop's to the bit, over
+float16 and bfloat16 KV caches."""
 from __future__ import annotations
 
 import pytest
@@ -23,20 +23,20 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[d
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])  # auto: float16 for GGUF weights
-def test_decode_steps_in_one_call_give_the_loops_tokens_and_logprobs_to_the_bit(kv_cache_dtype, monkeypatch):
+def test_steps_in_one_call_give_the_python_loops_tokens_and_logprobs_to_the_bit(kv_cache_dtype, monkeypatch):
     # Prompt chunks of 64 beside the others' decodes; no prefix caching, whose hits turn a prompt's last
     # token into a decode row (another kernel) in the runs after the first.
     llm = LLM("smollm2", dtype="float32", quantization="gguf", kv_cache_dtype=kv_cache_dtype, max_model_len=512,
               max_num_batched_tokens=64, enable_prefix_caching=False)
     try:
         model = llm.engine.worker.model
-        assert model.decode_layers is not None
-        calls = []
-        run = model.decode_layers.run
-        monkeypatch.setattr(model.decode_layers, "run", lambda *args: calls.append(1) or run(*args))
+        assert model.layer_loop is not None
+        steps = []
+        run = model.layer_loop.run
+        monkeypatch.setattr(model.layer_loop, "run", lambda *args: steps.append(args[4]._obj.tokens) or run(*args))
         together, alone = generate(llm, PROMPTS), generate(llm, PROMPTS[:1])
-        assert len(calls) > 24 + 8 * 3  # every decode-only step
-        model.decode_layers = None  # every step layer by layer
+        assert len(steps) >= 24 + 8 * 3 + 1 and max(steps) == 64 and 1 in steps  # chunks of 64, decodes of 1
+        model.layer_loop = None  # every step layer by layer
         assert generate(llm, PROMPTS) == together and generate(llm, PROMPTS[:1]) == alone
         assert together[0] == alone[0]
     finally:

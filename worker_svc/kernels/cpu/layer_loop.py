@@ -1,7 +1,7 @@
-"""A decode step's decoder layers in one call to csrc/decode_layers.cpp, which calls the
-GGUF VNNI GEMMs, the decoder kernels and the paged decode attention in the order
-llama.py's layers do, with the same arguments: the same output to the bit, without the
-Python between the calls (worker_svc/model/decode_layers.py builds its arguments).
+"""A step's decoder layers in one call to csrc/layer_loop.cpp, which calls the GGUF VNNI
+GEMMs, the decoder kernels and the paged attention kernels in the order llama.py's layers
+do, with the same arguments: the same output to the bit, without the Python between the
+calls (worker_svc/model/layer_loop.py builds its arguments).
 
 Built once per machine (library.py); without a compiler `load()` is None, warned, and the
 layers run one by one from Python."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from worker_svc.kernels.cpu.library import bind, load_library
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_layers.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "layer_loop.cpp"
 FLAGS = ["-O2", "-shared", "-fPIC"]
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
@@ -22,8 +22,8 @@ _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.
 class Kernels(ctypes.Structure):
     """The addresses of the kernels' entry points it calls."""
 
-    _fields_ = [(name, _ptr) for name in
-                ("add_norm_linear", "linear", "silu_and_mul_linear", "rotary", "write_kv", "attention")]
+    _fields_ = [(name, _ptr) for name in ("add_norm_linear", "linear", "silu_and_mul_linear", "rotary", "write_kv",
+                                          "decode_attention", "prefill_attention")]
 
 
 class ModelSizes(ctypes.Structure):
@@ -40,15 +40,22 @@ class Layer(ctypes.Structure):
                  "down_bias", "key_cache", "value_cache")]
 
 
+class Attention(ctypes.Structure):
+    """A step's attention call over its decodes or over its prompt chunks (threads 0: none):
+    the block tables, the kernel's work arrays and each thread's bounds."""
+
+    _fields_ = [("block_tables", _ptr), ("table_stride", _i64), ("work", _ptr * 3), ("bounds", _ptr),
+                ("threads", _i64)]
+
+
 class GemmThreads(ctypes.Structure):
     _fields_ = [("threads", _i32), ("quantize", _i32)]
 
 
 class Step(ctypes.Structure):
     _fields_ = [("tokens", _i64)] + [(name, _ptr) for name in (
-        "embeddings", "qkv", "attention", "o", "gate_up", "hidden", "residual", "positions", "cos", "sin", "slots",
-        "block_tables", "rows", "seqs", "seq_lens", "bounds")] + [
-        ("table_stride", _i64), ("attention_threads", _i64)] + [
+        "embeddings", "qkv", "attention", "o", "gate_up", "hidden", "residual", "positions", "cos", "sin", "slots")] + [
+        ("decodes", Attention), ("chunks", Attention)] + [
         (name, GemmThreads) for name in ("qkv_threads", "o_threads", "gate_up_threads", "down_threads")] + [
         ("rotary_threads", _i32), ("write_threads", _i32)]
 
@@ -60,10 +67,10 @@ def address(function: ctypes._CFuncPtr) -> int:
 
 @functools.cache
 def load() -> ctypes._CFuncPtr | None:
-    """decode_layers(kernels, sizes, layers, count, step) -> 0, or 1 + the layer whose KV
-    slots lay outside its cache; None where it cannot be built (warned once)."""
-    library = load_library(SOURCE, FLAGS, "the decode step's layer loop")
+    """layer_loop(kernels, sizes, layers, count, step) -> 0, or 1 + the layer whose KV slots
+    lay outside its cache; None where it cannot be built (warned once)."""
+    library = load_library(SOURCE, FLAGS, "the step's layer loop")
     if library is None:
         return None
-    return bind(library.decode_layers, [ctypes.POINTER(Kernels), ctypes.POINTER(ModelSizes), ctypes.POINTER(Layer),
-                                        _i64, ctypes.POINTER(Step)], _i64)
+    return bind(library.layer_loop, [ctypes.POINTER(Kernels), ctypes.POINTER(ModelSizes), ctypes.POINTER(Layer),
+                                     _i64, ctypes.POINTER(Step)], _i64)

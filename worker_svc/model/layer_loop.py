@@ -1,13 +1,13 @@
-"""A Llama-family model's decode steps with its layers run in one C++ call
-(kernels/cpu/decode_layers.py): where every projection is a 4-bit GGUF layer on the VNNI
-kernel, the norms, rotary embedding and KV cache write are the C++ decoder kernels, and
-the attention is the paged decode kernel, which is what `--quantization gguf` runs on an
-AVX-512 VNNI CPU. The same kernels with the same arguments as llama.py's layers give them,
-so the same output to the bit, without the Python between them: one token's 3 of 8 ms on
-a 2-core Sapphire Rapids-class Xeon.
+"""A Llama-family model's steps with its layers run in one C++ call (kernels/cpu/layer_loop.py):
+where every projection is a 4-bit GGUF layer on the VNNI kernel, the norms, rotary
+embedding and KV cache write are the C++ decoder kernels, and the attention is the paged
+decode and prefill kernels, which is what `--quantization gguf` runs on an AVX-512 VNNI
+CPU. The same kernels with the same arguments as llama.py's layers give them, so the same
+output to the bit, without the Python between them: one token's 3 of 8 ms on a 2-core
+Sapphire Rapids-class Xeon, and as much for a speculative verification step's few rows.
 
-A step it does not take (a prompt chunk in it, adapters, EAGLE's hidden states) runs
-layer by layer as before."""
+A step it does not take (adapters in it, EAGLE's hidden states kept) runs layer by layer
+as before."""
 from __future__ import annotations
 
 import ctypes
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker_svc.attention.cpu import TorchAttentionBackend, TorchAttentionMetadata
-from worker_svc.kernels.cpu import decode_layers
-from worker_svc.kernels.cpu.decode_layers import GemmThreads, Kernels, Layer, ModelSizes, Step, address
+from worker_svc.kernels.cpu import layer_loop
+from worker_svc.kernels.cpu.layer_loop import Attention, GemmThreads, Kernels, Layer, ModelSizes, Step, address
 from worker_svc.kernels.cpu.library import pointer
 from worker_svc.model.ops import CpuOps, Rope
 from worker_svc.model.q4_linear import Q4Linear
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from worker_svc.model.llama import LlamaForCausalLM
 
 
-class DecodeLayers:
+class LayerLoop:
     def __init__(self, model: LlamaForCausalLM, run: ctypes._CFuncPtr, ops: CpuOps,
                  backend: TorchAttentionBackend) -> None:
         self.model, self.run, self.ops, self.backend = model, run, ops, backend
@@ -41,7 +41,7 @@ class DecodeLayers:
         self._layers: tuple[tuple[int, ...], ctypes.Array[Layer]] | None = None
 
     @classmethod
-    def for_model(cls, model: LlamaForCausalLM) -> DecodeLayers | None:
+    def for_model(cls, model: LlamaForCausalLM) -> LayerLoop | None:
         """None unless every layer runs on the kernels it calls, in one process (no tensor or
         pipeline parallel group), or where its loop did not build."""
         shard, ops = model.group.shard, model.ops
@@ -49,21 +49,20 @@ class DecodeLayers:
             return None
         backend = model.layers[0].self_attn.backend
         if (not isinstance(backend, TorchAttentionBackend) or backend.decode_kernel is None
-                or backend.cache_writer is None or backend.cache_writer is not ops.kernel):
+                or backend.prefill_kernel is None or backend.cache_writer is not ops.kernel):
             return None
         projections = [p for layer in model.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if not projections or not all(isinstance(p, Q4Linear) and p.quantizes_activations for p in projections):
             return None
         eps = {norm.eps for layer in model.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)}
-        run = decode_layers.load()
+        run = layer_loop.load()
         return None if run is None or len(eps) != 1 else cls(model, run, ops, backend)
 
     def takes(self, metadata: object) -> bool:
-        """Whether a step is one it runs: decodes alone, no adapters, no hidden states kept."""
+        """Whether a step is one it runs: attention on the kernels, no adapters, no hidden states kept."""
         layer = self.model.layers[0]
-        return (isinstance(metadata, TorchAttentionMetadata) and metadata.decode_batch is not None
-                and metadata.prefill_batch is None and not metadata.decode_groups and not metadata.prefills
+        return (isinstance(metadata, TorchAttentionMetadata) and not metadata.decode_groups and not metadata.prefills
                 and (layer.lora is None or layer.lora.step is None) and not self.model.aux_hidden_state_layers)
 
     def __call__(self, hidden: torch.Tensor, rope: Rope, kv_caches: list[torch.Tensor],
@@ -74,15 +73,12 @@ class DecodeLayers:
         positions, cos, sin = rope
         positions, slots = positions.contiguous(), metadata.slot_mapping.contiguous()
         assert positions.dtype == slots.dtype == torch.int64 and cos.is_contiguous() and sin.is_contiguous()
-        batch = metadata.decode_batch
         buffers = {name: torch.empty(tokens, width) for name, width in (
             ("qkv", self.q_size + 2 * self.kv_size), ("attention", self.q_size), ("o", self.hidden_size),
             ("gate_up", 2 * self.intermediate), ("hidden", self.hidden_size), ("residual", self.hidden_size))}
         step = Step(tokens, hidden.data_ptr(), *(buffer.data_ptr() for buffer in buffers.values()),
                     positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                    batch.block_tables.data_ptr(), batch.rows.data_ptr(), batch.seqs.data_ptr(),
-                    batch.seq_lens.data_ptr(), batch.bounds.data_ptr(), batch.block_tables.shape[1],
-                    len(batch.bounds) - 1,
+                    self._decodes(metadata), self._chunks(metadata, kv_caches[0]),
                     *(GemmThreads(*self.vnni.threads(tokens, *shape)) for shape in (
                         (self.hidden_size, self.q_size + 2 * self.kv_size), (self.q_size, self.hidden_size),
                         (self.hidden_size, 2 * self.intermediate), (self.intermediate, self.hidden_size))),
@@ -98,13 +94,28 @@ class DecodeLayers:
             raise IndexError(f"layer {failed - 1}: KV slots outside the cache")
         return buffers["hidden"], buffers["residual"]
 
+    @staticmethod
+    def _decodes(metadata: TorchAttentionMetadata) -> Attention:
+        batch = metadata.decode_batch
+        if batch is None:
+            return Attention()
+        return _attention(batch.block_tables, (batch.rows, batch.seqs, batch.seq_lens), batch.bounds)
+
+    def _chunks(self, metadata: TorchAttentionMetadata, cache: torch.Tensor) -> Attention:
+        batch = metadata.prefill_batch
+        if batch is None:
+            return Attention()
+        tiles, bounds = batch.tiles(self.heads, cache.shape[3])
+        return _attention(batch.block_tables, (batch.chunk_table, tiles), bounds)
+
     def _kernels_for(self, cache_dtype: torch.dtype) -> Kernels:
         if cache_dtype not in self._kernels:
             gemms, decoder = self.vnni.functions(), self.ops.kernel.functions(cache_dtype)
             self._kernels[cache_dtype] = Kernels(
                 *(address(gemms[name]) for name in ("add_norm_linear", "linear", "silu_and_mul_linear")),
                 address(decoder["rotary"]), address(decoder["write_kv"]),
-                address(self.backend.decode_kernel.function(cache_dtype)))
+                address(self.backend.decode_kernel.function(cache_dtype)),
+                address(self.backend.prefill_kernel.function(cache_dtype)))
         return self._kernels[cache_dtype]
 
     def _layer_array(self, kv_caches: list[torch.Tensor]) -> ctypes.Array[Layer]:
@@ -125,3 +136,9 @@ class DecodeLayers:
                                   down_bias, cache[0].data_ptr(), cache[1].data_ptr()))
             self._layers = (key, (Layer * len(rows))(*rows))
         return self._layers[1]
+
+
+def _attention(block_tables: torch.Tensor, work: tuple[torch.Tensor, ...], bounds: torch.Tensor) -> Attention:
+    assert all(array.dtype == torch.int64 and array.is_contiguous() for array in (block_tables, *work, bounds))
+    pointers = (ctypes.c_void_p * 3)(*(array.data_ptr() for array in work))
+    return Attention(block_tables.data_ptr(), block_tables.shape[1], pointers, bounds.data_ptr(), len(bounds) - 1)

@@ -1,8 +1,8 @@
-// A decode step's decoder layers in one call, for a Llama-family model whose projections run
-// on the VNNI GEMM over GGUF blocks (vnni_gemm.cpp): the same kernels' entry points, called
-// in the order and with the arguments that llama.py's layers give them, so the output is
-// theirs to the bit. One token's Python between those calls took 3 ms of its 8 (a 2-core
-// Sapphire Rapids-class Xeon): more than every kernel but the GEMMs.
+// A step's decoder layers in one call, for a Llama-family model whose projections run on the
+// VNNI GEMM over GGUF blocks (vnni_gemm.cpp): the same kernels' entry points, called in the
+// order and with the arguments that llama.py's layers give them, so the output is theirs to
+// the bit. One token's Python between those calls took 3 ms of its 8 (a 2-core Sapphire
+// Rapids-class Xeon): more than every kernel but the GEMMs.
 //
 // The kernels live in their own libraries; the caller passes their addresses.
 #include <cstdint>
@@ -19,30 +19,38 @@ using Rotary = void (*)(float* q, float* k, const int64_t* positions, const floa
 using WriteKv = int64_t (*)(const float* key, const float* value, void* key_cache, void* value_cache,
                             const int64_t* slots, int64_t tokens, int64_t width, int64_t key_stride,
                             int64_t value_stride, int64_t num_slots, int threads);
-using Attention = void (*)(const float* query, float* out, const void* key_cache, const void* value_cache,
-                           const int64_t* block_tables, int64_t table_stride, int64_t query_stride, const int64_t* rows,
-                           const int64_t* seqs, const int64_t* seq_lens, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, float scale, const int64_t* bounds, int64_t threads);
+// The paged attention kernels (paged_kernel.py): the decode kernel's three work arrays, the prefill kernel's two.
+using DecodeAttention = void (*)(const float* query, float* out, const void* key_cache, const void* value_cache,
+                                 const int64_t* block_tables, int64_t table_stride, int64_t query_stride,
+                                 const int64_t* rows, const int64_t* seqs, const int64_t* seq_lens, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                 const int64_t* bounds, int64_t threads);
+using PrefillAttention = void (*)(const float* query, float* out, const void* key_cache, const void* value_cache,
+                                  const int64_t* block_tables, int64_t table_stride, int64_t query_stride,
+                                  const int64_t* chunks, const int64_t* tiles, int64_t num_heads, int64_t num_kv_heads,
+                                  int64_t head_dim, int64_t block_size, float scale, const int64_t* bounds,
+                                  int64_t threads);
 
 }  // namespace
 
 extern "C" {
 
-struct DecodeKernels {
+struct LoopKernels {
   AddNormLinear add_norm_linear;
   Linear linear;
   Linear silu_and_mul_linear;
   Rotary rotary;
   WriteKv write_kv;
-  Attention attention;
+  DecodeAttention decode_attention;
+  PrefillAttention prefill_attention;
 };
 
-struct DecodeModel {  // sizes of one layer
+struct LoopModel {  // sizes of one layer
   int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, cache_slots;
   float eps, scale;
 };
 
-struct DecodeLayer {  // one layer's weights (VNNI panels; biases may be null) and KV cache
+struct LoopLayer {  // one layer's weights (VNNI panels; biases may be null) and KV cache
   const float* input_norm;
   const uint8_t* qkv;
   const float* qkv_bias;
@@ -61,7 +69,17 @@ struct GemmThreads {
   int32_t threads, quantize;
 };
 
-struct DecodeStep {
+// One of a step's attention calls, over its decodes or its prompt chunks: `work` the
+// kernel's arrays (decodes: rows, seqs, seq_lens; chunks: the chunk table, the tiles).
+struct LoopAttention {
+  const int64_t* block_tables;
+  int64_t table_stride;
+  const int64_t* work[3];
+  const int64_t* bounds;
+  int64_t threads;  // 0: the step has none
+};
+
+struct LoopStep {
   int64_t tokens;
   const float* embeddings;  // the first layer's input [tokens, hidden]
   // Buffers: [tokens, qkv width], [tokens, heads * head_dim], [tokens, hidden], [tokens, 2 intermediate],
@@ -70,21 +88,20 @@ struct DecodeStep {
   const int64_t* positions;
   const float *cos, *sin;
   const int64_t* slots;
-  const int64_t *block_tables, *rows, *seqs, *seq_lens, *bounds;
-  int64_t table_stride, attention_threads;
+  LoopAttention decodes, chunks;
   GemmThreads qkv_threads, o_threads, gate_up_threads, down_threads;
   int32_t rotary_threads, write_threads;
 };
 
 // Runs `count` layers; returns 0, or 1 + the layer whose KV slots were outside its cache (the
 // layers after it not run).
-int64_t decode_layers(const DecodeKernels* k, const DecodeModel* m, const DecodeLayer* layers, int64_t count,
-                      const DecodeStep* s) {
+int64_t layer_loop(const LoopKernels* k, const LoopModel* m, const LoopLayer* layers, int64_t count,
+                   const LoopStep* s) {
   const int64_t T = s->tokens, q_size = m->heads * m->head_dim, kv_size = m->kv_heads * m->head_dim;
   const int64_t qkv_width = q_size + 2 * kv_size, gate_up_width = 2 * m->intermediate;
   const float* residual = nullptr;  // the first layer's is its input
   for (int64_t i = 0; i < count; ++i) {
-    const DecodeLayer& l = layers[i];
+    const LoopLayer& l = layers[i];
     const float* x = i == 0 ? s->embeddings : s->hidden;
     k->add_norm_linear(x, residual, l.input_norm, m->eps, residual ? s->residual : const_cast<float*>(x), l.qkv,
                        l.qkv_bias, s->qkv, T, m->hidden, qkv_width, s->qkv_threads.threads, s->qkv_threads.quantize);
@@ -95,9 +112,14 @@ int64_t decode_layers(const DecodeKernels* k, const DecodeModel* m, const Decode
     if (k->write_kv(key, value, l.key_cache, l.value_cache, s->slots, T, kv_size, qkv_width, qkv_width,
                     m->cache_slots, s->write_threads) != 0)
       return 1 + i;
-    k->attention(q, s->attention, l.key_cache, l.value_cache, s->block_tables, s->table_stride, qkv_width, s->rows,
-                 s->seqs, s->seq_lens, m->heads, m->kv_heads, m->head_dim, m->block_size, m->scale, s->bounds,
-                 s->attention_threads);
+    if (const LoopAttention& a = s->decodes; a.threads > 0)
+      k->decode_attention(q, s->attention, l.key_cache, l.value_cache, a.block_tables, a.table_stride, qkv_width,
+                          a.work[0], a.work[1], a.work[2], m->heads, m->kv_heads, m->head_dim, m->block_size, m->scale,
+                          a.bounds, a.threads);
+    if (const LoopAttention& a = s->chunks; a.threads > 0)
+      k->prefill_attention(q, s->attention, l.key_cache, l.value_cache, a.block_tables, a.table_stride, qkv_width,
+                           a.work[0], a.work[1], m->heads, m->kv_heads, m->head_dim, m->block_size, m->scale,
+                           a.bounds, a.threads);
     k->linear(s->attention, q_size, l.o, l.o_bias, s->o, T, q_size, m->hidden, s->o_threads.threads,
               s->o_threads.quantize);
     k->add_norm_linear(s->o, residual, l.post_norm, m->eps, s->residual, l.gate_up, l.gate_up_bias, s->gate_up, T,

@@ -1,13 +1,15 @@
-"""A Llama-family model's steps with its layers run in one C++ call (kernels/cpu/layer_loop.py):
-where every projection is a 4-bit GGUF layer on the VNNI kernel, the norms, rotary
-embedding and KV cache write are the C++ decoder kernels, and the attention is the paged
-decode and prefill kernels, which is what `--quantization gguf` runs on an AVX-512 VNNI
-CPU. The same kernels with the same arguments as llama.py's layers give them, so the same
-output to the bit, without the Python between them: one token's 3 of 8 ms on a 2-core
-Sapphire Rapids-class Xeon, and as much for a speculative verification step's few rows.
+"""A Llama-family model's steps with its layers run in one C++ call (kernels/cpu/layer_loop.py),
+where every projection is a 4-bit GGUF layer on one of kvfleet's int16 GEMMs, the norms,
+rotary embedding and KV cache write are the C++ decoder kernels, and the attention is the
+paged decode and prefill kernels: what `--quantization gguf` runs on a CPU with AVX-512
+VNNI (every step), or with AVX2 (steps of up to INT16_MAX_ROWS rows, which the AVX2 int16
+kernel takes). The same kernels with the same arguments as llama.py's layers give them, so
+the same output to the bit, without the Python between them: one token's 3 of 8 ms on a
+2-core Sapphire Rapids-class Xeon, and as much for a speculative verification step's few
+rows.
 
-A step it does not take (adapters in it, EAGLE's hidden states kept) runs layer by layer
-as before."""
+A step it does not take (adapters in it, EAGLE's hidden states kept, or more rows than
+the AVX2 kernel takes) runs layer by layer as before."""
 from __future__ import annotations
 
 import ctypes
@@ -17,21 +19,23 @@ import torch
 
 from worker_svc.attention.cpu import TorchAttentionBackend, TorchAttentionMetadata
 from worker_svc.kernels.cpu import layer_loop
-from worker_svc.kernels.cpu.layer_loop import Attention, GemmThreads, Kernels, Layer, ModelSizes, Step, address
+from worker_svc.kernels.cpu.int16_gemm import Int16Kernel
+from worker_svc.kernels.cpu.layer_loop import Attention, GemmThreads, Kernels, Layer, ModelSizes, Projection, Step, address
 from worker_svc.kernels.cpu.library import pointer
+from worker_svc.kernels.cpu.vnni_gemm import VnniKernel
 from worker_svc.model.ops import CpuOps, Rope
-from worker_svc.model.q4_linear import Q4Linear
+from worker_svc.model.q4_linear import INT16_MAX_ROWS, Q4Linear
 
 if TYPE_CHECKING:
     from worker_svc.model.llama import LlamaForCausalLM
 
 
 class LayerLoop:
-    def __init__(self, model: LlamaForCausalLM, run: ctypes._CFuncPtr, ops: CpuOps,
-                 backend: TorchAttentionBackend) -> None:
-        self.model, self.run, self.ops, self.backend = model, run, ops, backend
+    def __init__(self, model: LlamaForCausalLM, run: ctypes._CFuncPtr, ops: CpuOps, backend: TorchAttentionBackend,
+                 gemm: VnniKernel | Int16Kernel) -> None:
+        self.model, self.run, self.ops, self.backend, self.gemm = model, run, ops, backend, gemm
+        self.max_rows = None if isinstance(gemm, VnniKernel) else INT16_MAX_ROWS  # as Q4Linear.forward sends them
         attention = model.layers[0].self_attn
-        self.vnni = attention.qkv_proj.vnni
         self.heads, self.kv_heads, self.head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         self.q_size, self.kv_size = attention.q_size, attention.kv_size
         self.hidden_size = model.layers[0].mlp.gate_up_proj.in_features
@@ -53,16 +57,25 @@ class LayerLoop:
             return None
         projections = [p for layer in model.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if not projections or not all(isinstance(p, Q4Linear) and p.quantizes_activations for p in projections):
+        if not projections or not all(isinstance(p, Q4Linear) and (p.bias is None or p.bias.dtype == torch.float32)
+                                      for p in projections):
+            return None
+        if all(p.quantizes_activations for p in projections):
+            gemm = projections[0].vnni
+        elif all(p.int16 is not None for p in projections):
+            gemm = projections[0].int16
+        else:
             return None
         eps = {norm.eps for layer in model.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)}
         run = layer_loop.load()
-        return None if run is None or len(eps) != 1 else cls(model, run, ops, backend)
+        return None if run is None or len(eps) != 1 else cls(model, run, ops, backend, gemm)
 
     def takes(self, metadata: object) -> bool:
-        """Whether a step is one it runs: attention on the kernels, no adapters, no hidden states kept."""
+        """Whether a step is one it runs: attention on the kernels, no adapters, no hidden states
+        kept, and rows its GEMM kernel takes."""
         layer = self.model.layers[0]
         return (isinstance(metadata, TorchAttentionMetadata) and not metadata.decode_groups and not metadata.prefills
+                and (self.max_rows is None or len(metadata.slot_mapping) <= self.max_rows)
                 and (layer.lora is None or layer.lora.step is None) and not self.model.aux_hidden_state_layers)
 
     def __call__(self, hidden: torch.Tensor, rope: Rope, kv_caches: list[torch.Tensor],
@@ -75,15 +88,18 @@ class LayerLoop:
         assert positions.dtype == slots.dtype == torch.int64 and cos.is_contiguous() and sin.is_contiguous()
         buffers = {name: torch.empty(tokens, width) for name, width in (
             ("qkv", self.q_size + 2 * self.kv_size), ("attention", self.q_size), ("o", self.hidden_size),
-            ("gate_up", 2 * self.intermediate), ("hidden", self.hidden_size), ("residual", self.hidden_size))}
+            ("gate_up", 2 * self.intermediate), ("normed", self.hidden_size if self.max_rows else 0),
+            ("hidden", self.hidden_size), ("residual", self.hidden_size))}
+        decoder = self.ops.kernel
         step = Step(tokens, hidden.data_ptr(), *(buffer.data_ptr() for buffer in buffers.values()),
                     positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                     self._decodes(metadata), self._chunks(metadata, kv_caches[0]),
-                    *(GemmThreads(*self.vnni.threads(tokens, *shape)) for shape in (
+                    *(self._gemm_threads(tokens, *shape) for shape in (
                         (self.hidden_size, self.q_size + 2 * self.kv_size), (self.q_size, self.hidden_size),
                         (self.hidden_size, 2 * self.intermediate), (self.intermediate, self.hidden_size))),
-                    self.ops.kernel.threads(tokens * (self.heads + self.kv_heads) * self.head_dim),
-                    self.ops.kernel.threads(2 * tokens * self.kv_size))
+                    decoder.threads(tokens * self.hidden_size), decoder.threads(tokens * 2 * self.intermediate),
+                    decoder.threads(tokens * (self.heads + self.kv_heads) * self.head_dim),
+                    decoder.threads(2 * tokens * self.kv_size))
         cache = kv_caches[0]
         sizes = ModelSizes(self.hidden_size, self.heads, self.kv_heads, self.head_dim, self.intermediate,
                            cache.shape[2], cache[0].numel() // self.kv_size, self.eps, self.scale)
@@ -93,6 +109,11 @@ class LayerLoop:
         if failed:
             raise IndexError(f"layer {failed - 1}: KV slots outside the cache")
         return buffers["hidden"], buffers["residual"]
+
+    def _gemm_threads(self, rows: int, in_features: int, out_features: int) -> GemmThreads:
+        if isinstance(self.gemm, VnniKernel):
+            return GemmThreads(*self.gemm.threads(rows, in_features, out_features))
+        return GemmThreads(self.gemm.threads(rows, in_features, out_features), 0)
 
     @staticmethod
     def _decodes(metadata: TorchAttentionMetadata) -> Attention:
@@ -110,10 +131,16 @@ class LayerLoop:
 
     def _kernels_for(self, cache_dtype: torch.dtype) -> Kernels:
         if cache_dtype not in self._kernels:
-            gemms, decoder = self.vnni.functions(), self.ops.kernel.functions(cache_dtype)
+            decoder = self.ops.kernel.functions(cache_dtype)
+            if isinstance(self.gemm, VnniKernel):
+                gemms = self.gemm.functions()
+                projections = [address(gemms[name]) for name in ("add_norm_linear", "linear", "silu_and_mul_linear")]
+                projections += [None] * 3
+            else:
+                projections = [None] * 3 + [address(self.gemm.q4_function), address(decoder["add_rms_norm"]),
+                                            address(decoder["silu_and_mul"])]
             self._kernels[cache_dtype] = Kernels(
-                *(address(gemms[name]) for name in ("add_norm_linear", "linear", "silu_and_mul_linear")),
-                address(decoder["rotary"]), address(decoder["write_kv"]),
+                *projections, address(decoder["rotary"]), address(decoder["write_kv"]),
                 address(self.backend.decode_kernel.function(cache_dtype)),
                 address(self.backend.prefill_kernel.function(cache_dtype)))
         return self._kernels[cache_dtype]
@@ -128,14 +155,19 @@ class LayerLoop:
             rows = []
             for layer, cache in zip(self.model.layers, kv_caches):
                 attention, mlp = layer.self_attn, layer.mlp
-                projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-                (qkv, qkv_bias), (o, o_bias), (gate_up, gate_up_bias), (down, down_bias) = (
-                    (p.panels.panels.data_ptr(), pointer(p.bias)) for p in projections)
-                rows.append(Layer(layer.input_layernorm.weight.data_ptr(), qkv, qkv_bias, o, o_bias,
-                                  layer.post_attention_layernorm.weight.data_ptr(), gate_up, gate_up_bias, down,
-                                  down_bias, cache[0].data_ptr(), cache[1].data_ptr()))
+                qkv, o, gate_up, down = (_projection(p) for p in (attention.qkv_proj, attention.o_proj,
+                                                                   mlp.gate_up_proj, mlp.down_proj))
+                rows.append(Layer(layer.input_layernorm.weight.data_ptr(), qkv, o,
+                                  layer.post_attention_layernorm.weight.data_ptr(), gate_up, down,
+                                  cache[0].data_ptr(), cache[1].data_ptr()))
             self._layers = (key, (Layer * len(rows))(*rows))
         return self._layers[1]
+
+
+def _projection(layer: Q4Linear) -> Projection:
+    if layer.panels is not None:
+        return Projection(layer.panels.panels.data_ptr(), None, pointer(layer.bias))
+    return Projection(layer.packed.codes.data_ptr(), layer.packed.scale_offsets.data_ptr(), pointer(layer.bias))
 
 
 def _attention(block_tables: torch.Tensor, work: tuple[torch.Tensor, ...], bounds: torch.Tensor) -> Attention:

@@ -38,8 +38,9 @@ class DecoderKernel:
         return torch.get_num_threads() if elements >= self.parallel_min_elements else 1
 
     def functions(self, cache_dtype: torch.dtype) -> dict[str, ctypes._CFuncPtr]:
-        """The rotary and KV cache write entry points (for kernels/cpu/layer_loop.py)."""
-        return {"rotary": self._rotary, "write_kv": self._write_kv[cache_dtype]}
+        """The entry points, by what they compute (for kernels/cpu/layer_loop.py)."""
+        return {"add_rms_norm": self._add_rms_norm, "silu_and_mul": self._silu_and_mul, "rotary": self._rotary,
+                "write_kv": self._write_kv[cache_dtype]}
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

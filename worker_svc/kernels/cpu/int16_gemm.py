@@ -37,11 +37,15 @@ class Int16Kernel:
         # in a decode step the pool's helpers poll, and every call takes decode_threads()).
         self.min_parallel_macs = PASSIVE_PARALLEL_MIN_MACS if idle_threads_sleep() else 0
 
+    def threads(self, rows: int, in_features: int, out_features: int) -> int:
+        """The threads a call of this size takes; in a decode step, every thread (decode_threads)."""
+        macs = rows * in_features * out_features
+        return decode_threads() or (torch.get_num_threads() if macs >= self.min_parallel_macs else 1)
+
     def q4_linear(self, packed: PackedQ4, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] float32 (rows may lie apart) -> x @ W.T + bias [rows, out] float32."""
-        x, threads = checked_call(x, bias, packed.in_features, packed.out_features, self.min_parallel_macs,
-                                  rows_apart=True)
-        threads = decode_threads() or threads
+        x, _ = checked_call(x, bias, packed.in_features, packed.out_features, self.min_parallel_macs, rows_apart=True)
+        threads = self.threads(x.shape[0], packed.in_features, packed.out_features)
         out = torch.empty(x.shape[0], packed.out_features)
         self.q4_function(x.data_ptr(), x.stride(0), packed.codes.data_ptr(), packed.scale_offsets.data_ptr(),
                          pointer(bias), out.data_ptr(), *x.shape, packed.out_features, threads)
@@ -50,8 +54,8 @@ class Int16Kernel:
     def q8_linear(self, blocks: Q8Blocks, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] float32 (rows may lie apart) -> x @ W.T [rows, out] float32."""
         rows, cols = blocks.shape
-        x, threads = checked_call(x, None, cols, rows, self.min_parallel_macs, rows_apart=True)
-        threads = decode_threads() or threads
+        x, _ = checked_call(x, None, cols, rows, self.min_parallel_macs, rows_apart=True)
+        threads = self.threads(x.shape[0], cols, rows)
         out = torch.empty(x.shape[0], rows)
         self.q8_function(x.data_ptr(), x.stride(0), blocks.codes.data_ptr(), blocks.scales.data_ptr(),
                          out.data_ptr(), *x.shape, rows, threads)

@@ -1,7 +1,8 @@
-"""A step's decoder layers in one call to csrc/layer_loop.cpp, which calls the GGUF VNNI
-GEMMs, the decoder kernels and the paged attention kernels in the order llama.py's layers
-do, with the same arguments: the same output to the bit, without the Python between the
-calls (worker_svc/model/layer_loop.py builds its arguments).
+"""A step's decoder layers in one call to csrc/layer_loop.cpp, which calls the GGUF int16
+GEMMs (the AVX-512 VNNI kernel, or the AVX2 one), the decoder kernels and the paged
+attention kernels in the order llama.py's layers do, with the same arguments: the same
+output to the bit, without the Python between the calls (worker_svc/model/layer_loop.py
+builds its arguments).
 
 Built once per machine (library.py); without a compiler `load()` is None, warned, and the
 layers run one by one from Python."""
@@ -20,10 +21,12 @@ _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.
 
 
 class Kernels(ctypes.Structure):
-    """The addresses of the kernels' entry points it calls."""
+    """The addresses of the kernels' entry points it calls: the VNNI kernel's three, or the AVX2
+    int16 kernel's and the decoder kernels' norm and activation (the others' NULL)."""
 
-    _fields_ = [(name, _ptr) for name in ("add_norm_linear", "linear", "silu_and_mul_linear", "rotary", "write_kv",
-                                          "decode_attention", "prefill_attention")]
+    _fields_ = [(name, _ptr) for name in ("add_norm_linear", "linear", "silu_and_mul_linear", "int16_linear",
+                                          "add_rms_norm", "silu_and_mul", "rotary", "write_kv", "decode_attention",
+                                          "prefill_attention")]
 
 
 class ModelSizes(ctypes.Structure):
@@ -32,12 +35,18 @@ class ModelSizes(ctypes.Structure):
         ("eps", _f32), ("scale", _f32)]
 
 
-class Layer(ctypes.Structure):
-    """One layer's weights (norms' float32 weights, projections' VNNI panels, biases or NULL) and KV cache."""
+class Projection(ctypes.Structure):
+    """A projection's weights (VNNI panels, scales NULL; or the AVX2 kernel's codes and scale
+    pairs) and its bias or NULL."""
 
-    _fields_ = [(name, _ptr) for name in
-                ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
-                 "down_bias", "key_cache", "value_cache")]
+    _fields_ = [("weights", _ptr), ("scales", _ptr), ("bias", _ptr)]
+
+
+class Layer(ctypes.Structure):
+    """One layer's weights (norms' float32 weights, projections) and KV cache."""
+
+    _fields_ = [("input_norm", _ptr), ("qkv", Projection), ("o", Projection), ("post_norm", _ptr),
+                ("gate_up", Projection), ("down", Projection), ("key_cache", _ptr), ("value_cache", _ptr)]
 
 
 class Attention(ctypes.Structure):
@@ -54,10 +63,11 @@ class GemmThreads(ctypes.Structure):
 
 class Step(ctypes.Structure):
     _fields_ = [("tokens", _i64)] + [(name, _ptr) for name in (
-        "embeddings", "qkv", "attention", "o", "gate_up", "hidden", "residual", "positions", "cos", "sin", "slots")] + [
+        "embeddings", "qkv", "attention", "o", "gate_up", "normed", "hidden", "residual", "positions", "cos", "sin",
+        "slots")] + [
         ("decodes", Attention), ("chunks", Attention)] + [
         (name, GemmThreads) for name in ("qkv_threads", "o_threads", "gate_up_threads", "down_threads")] + [
-        ("rotary_threads", _i32), ("write_threads", _i32)]
+        (name, _i32) for name in ("norm_threads", "activation_threads", "rotary_threads", "write_threads")]
 
 
 def address(function: ctypes._CFuncPtr) -> int:

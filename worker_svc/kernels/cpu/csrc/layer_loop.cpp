@@ -1,8 +1,11 @@
-// A step's decoder layers in one call, for a Llama-family model whose projections run on the
-// VNNI GEMM over GGUF blocks (vnni_gemm.cpp): the same kernels' entry points, called in the
-// order and with the arguments that llama.py's layers give them, so the output is theirs to
-// the bit. One token's Python between those calls took 3 ms of its 8 (a 2-core Sapphire
-// Rapids-class Xeon): more than every kernel but the GEMMs.
+// A step's decoder layers in one call, for a Llama-family model whose 4-bit GGUF projections
+// run on kvfleet's int16 GEMMs: the VNNI kernel (vnni_gemm.cpp), which computes the norm and
+// the activation before a projection as it quantizes its input, or the AVX2 one
+// (int16_gemm.cpp, decode steps of a few rows), after the decoder kernels' norm and
+// activation passes. The same kernels' entry points, called in the order and with the
+// arguments that llama.py's layers give them, so the output is theirs to the bit. One
+// token's Python between those calls took 3 ms of its 8 (a 2-core Sapphire Rapids-class
+// Xeon): more than every kernel but the GEMMs.
 //
 // The kernels live in their own libraries; the caller passes their addresses.
 #include <cstdint>
@@ -14,6 +17,11 @@ using AddNormLinear = void (*)(const float* x, const float* residual, const floa
                                int threads, int quantize_threads);
 using Linear = void (*)(const float* x, int64_t x_stride, const uint8_t* panels, const float* bias, float* y, int64_t M,
                         int64_t K, int64_t N, int threads, int quantize_threads);
+using Int16Linear = void (*)(const float* x, int64_t x_stride, const uint8_t* codes, const uint16_t* scale_offsets,
+                             const float* bias, float* y, int64_t M, int64_t K, int64_t N, int threads);
+using AddRmsNorm = void (*)(const float* x, const float* residual, const float* weight, float* sum, float* out,
+                            int64_t rows, int64_t hidden, float eps, int threads);
+using SiluAndMul = void (*)(float* gate_up, int64_t rows, int64_t width, int threads);
 using Rotary = void (*)(float* q, float* k, const int64_t* positions, const float* cos, const float* sin, int64_t tokens,
                         int64_t q_heads, int64_t k_heads, int64_t dim, int64_t q_stride, int64_t k_stride, int threads);
 using WriteKv = int64_t (*)(const float* key, const float* value, void* key_cache, void* value_cache,
@@ -36,9 +44,14 @@ using PrefillAttention = void (*)(const float* query, float* out, const void* ke
 extern "C" {
 
 struct LoopKernels {
+  // The VNNI kernel's entry points, the norm and activation computed as it quantizes, or null...
   AddNormLinear add_norm_linear;
   Linear linear;
   Linear silu_and_mul_linear;
+  // ... and the AVX2 int16 kernel's, with the decoder kernels' norm and activation passes.
+  Int16Linear int16_linear;
+  AddRmsNorm add_rms_norm;
+  SiluAndMul silu_and_mul;
   Rotary rotary;
   WriteKv write_kv;
   DecodeAttention decode_attention;
@@ -50,17 +63,19 @@ struct LoopModel {  // sizes of one layer
   float eps, scale;
 };
 
-struct LoopLayer {  // one layer's weights (VNNI panels; biases may be null) and KV cache
+// A projection's weights: the VNNI kernel's panels (scales null), or the AVX2 kernel's codes
+// and (scale, offset) pairs; its bias or null.
+struct Projection {
+  const uint8_t* weights;
+  const uint16_t* scales;
+  const float* bias;
+};
+
+struct LoopLayer {  // one layer's weights and KV cache
   const float* input_norm;
-  const uint8_t* qkv;
-  const float* qkv_bias;
-  const uint8_t* o;
-  const float* o_bias;
+  Projection qkv, o;
   const float* post_norm;
-  const uint8_t* gate_up;
-  const float* gate_up_bias;
-  const uint8_t* down;
-  const float* down_bias;
+  Projection gate_up, down;
   void* key_cache;
   void* value_cache;
 };
@@ -83,14 +98,15 @@ struct LoopStep {
   int64_t tokens;
   const float* embeddings;  // the first layer's input [tokens, hidden]
   // Buffers: [tokens, qkv width], [tokens, heads * head_dim], [tokens, hidden], [tokens, 2 intermediate],
-  // and the outputs, [tokens, hidden] each: the last layer's MLP output and the residual stream.
-  float *qkv, *attention, *o, *gate_up, *hidden, *residual;
+  // [tokens, hidden] (a norm's output, for the AVX2 kernel), and the outputs, [tokens, hidden] each:
+  // the last layer's MLP output and the residual stream.
+  float *qkv, *attention, *o, *gate_up, *normed, *hidden, *residual;
   const int64_t* positions;
   const float *cos, *sin;
   const int64_t* slots;
   LoopAttention decodes, chunks;
   GemmThreads qkv_threads, o_threads, gate_up_threads, down_threads;
-  int32_t rotary_threads, write_threads;
+  int32_t norm_threads, activation_threads, rotary_threads, write_threads;
 };
 
 // Runs `count` layers; returns 0, or 1 + the layer whose KV slots were outside its cache (the
@@ -99,12 +115,30 @@ int64_t layer_loop(const LoopKernels* k, const LoopModel* m, const LoopLayer* la
                    const LoopStep* s) {
   const int64_t T = s->tokens, q_size = m->heads * m->head_dim, kv_size = m->kv_heads * m->head_dim;
   const int64_t qkv_width = q_size + 2 * kv_size, gate_up_width = 2 * m->intermediate;
+  const auto linear = [&](const float* x, int64_t x_stride, const Projection& p, float* y, int64_t K, int64_t N,
+                          GemmThreads t) {
+    if (k->linear != nullptr)
+      k->linear(x, x_stride, p.weights, p.bias, y, T, K, N, t.threads, t.quantize);
+    else
+      k->int16_linear(x, x_stride, p.weights, p.scales, p.bias, y, T, K, N, t.threads);
+  };
+  // linear(norm(h)) for h = x + residual, written to sum, or h = x without a residual.
+  const auto norm_linear = [&](const float* x, const float* residual, const float* weight, float* sum,
+                               const Projection& p, float* y, int64_t N, GemmThreads t) {
+    if (k->add_norm_linear != nullptr) {
+      k->add_norm_linear(x, residual, weight, m->eps, sum, p.weights, p.bias, y, T, m->hidden, N, t.threads,
+                         t.quantize);
+    } else {
+      k->add_rms_norm(x, residual, weight, sum, s->normed, T, m->hidden, m->eps, s->norm_threads);
+      linear(s->normed, m->hidden, p, y, m->hidden, N, t);
+    }
+  };
   const float* residual = nullptr;  // the first layer's is its input
   for (int64_t i = 0; i < count; ++i) {
     const LoopLayer& l = layers[i];
     const float* x = i == 0 ? s->embeddings : s->hidden;
-    k->add_norm_linear(x, residual, l.input_norm, m->eps, residual ? s->residual : const_cast<float*>(x), l.qkv,
-                       l.qkv_bias, s->qkv, T, m->hidden, qkv_width, s->qkv_threads.threads, s->qkv_threads.quantize);
+    norm_linear(x, residual, l.input_norm, residual ? s->residual : const_cast<float*>(x), l.qkv, s->qkv, qkv_width,
+                s->qkv_threads);
     residual = residual ? s->residual : x;
     float *q = s->qkv, *key = q + q_size, *value = key + kv_size;
     k->rotary(q, key, s->positions, s->cos, s->sin, T, m->heads, m->kv_heads, m->head_dim, qkv_width, qkv_width,
@@ -120,13 +154,16 @@ int64_t layer_loop(const LoopKernels* k, const LoopModel* m, const LoopLayer* la
       k->prefill_attention(q, s->attention, l.key_cache, l.value_cache, a.block_tables, a.table_stride, qkv_width,
                            a.work[0], a.work[1], m->heads, m->kv_heads, m->head_dim, m->block_size, m->scale,
                            a.bounds, a.threads);
-    k->linear(s->attention, q_size, l.o, l.o_bias, s->o, T, q_size, m->hidden, s->o_threads.threads,
-              s->o_threads.quantize);
-    k->add_norm_linear(s->o, residual, l.post_norm, m->eps, s->residual, l.gate_up, l.gate_up_bias, s->gate_up, T,
-                       m->hidden, gate_up_width, s->gate_up_threads.threads, s->gate_up_threads.quantize);
+    linear(s->attention, q_size, l.o, s->o, q_size, m->hidden, s->o_threads);
+    norm_linear(s->o, residual, l.post_norm, s->residual, l.gate_up, s->gate_up, gate_up_width, s->gate_up_threads);
     residual = s->residual;
-    k->silu_and_mul_linear(s->gate_up, gate_up_width, l.down, l.down_bias, s->hidden, T, m->intermediate, m->hidden,
-                           s->down_threads.threads, s->down_threads.quantize);
+    if (k->silu_and_mul_linear != nullptr) {
+      k->silu_and_mul_linear(s->gate_up, gate_up_width, l.down.weights, l.down.bias, s->hidden, T, m->intermediate,
+                             m->hidden, s->down_threads.threads, s->down_threads.quantize);
+    } else {
+      k->silu_and_mul(s->gate_up, T, m->intermediate, s->activation_threads);
+      linear(s->gate_up, gate_up_width, l.down, s->hidden, m->intermediate, m->hidden, s->down_threads);
+    }
   }
   return 0;
 }

@@ -34,7 +34,7 @@ from worker_svc.runtime import kernel_choice
 from worker_svc.runtime.batch import InputBatch, RequestState, StepInputs
 from worker_svc.runtime.device import runs_q4_as_stored
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block
-from worker_svc.runtime.sampling.sampler import SamplingBatch, probabilities
+from worker_svc.runtime.sampling.sampler import SamplingBatch, draw, probabilities
 
 
 class DraftModel:
@@ -121,7 +121,7 @@ def draw_drafts(logits: torch.Tensor, states: list[RequestState], rows: list[int
                                     (batch.temperature[index], batch.top_p[index], batch.top_k[index],
                                      batch.min_p[index]))
         probs = probabilities(logits[sampled], settings)
-        tokens[sampled] = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+        tokens[sampled] = draw(probs)
         for j, row in zip(sampled, probs):
             q[j] = row
     return tokens.tolist(), q

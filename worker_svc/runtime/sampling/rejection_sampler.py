@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from services.sampling_params import SamplingParams
-from worker_svc.runtime.sampling.sampler import SamplingBatch, probabilities
+from worker_svc.runtime.sampling.sampler import SamplingBatch, draw, probabilities
 
 # One request's rows in the verification logits: its sampling params and its drafts.
 Verified = tuple[SamplingParams, list[int]]
@@ -100,7 +100,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], drafts_per_
         proposal_probs[rows] = q.gather(-1, column[rows]).squeeze(-1)
         residual[rows] = (probs[rows] - q).clamp(min=0)
     accepted = has_draft & (torch.rand(len(params), device=device) * proposal_probs < draft_probs)
-    recovered = (residual / torch.empty_like(residual).exponential_()).argmax(dim=-1)
+    recovered = draw(residual)
     target = torch.where(greedy, greedy_tokens, recovered)
     accepted = torch.where(greedy, greedy_tokens == drafts, accepted)
     return target.tolist(), accepted.tolist()

@@ -1,8 +1,8 @@
 """Batched sampling: one set of tensor ops over the whole batch's logits.
 
 Greedy rows take the argmax; the others are tempered, filtered by top-k / top-p /
-min-p, and drawn with the exponential-race trick (argmax of p / Exp(1) noise), which
-lets seeded rows draw their noise from their own generator.
+min-p, and drawn by inverse transform (`draw`): one uniform number a row, which seeded
+rows draw from their own generator.
 """
 from __future__ import annotations
 
@@ -42,13 +42,24 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.all_greedy:
         return greedy_tokens
     greedy = batch.temperature == 0
-    probs = probabilities(logits, batch)
-    noise = torch.empty_like(probs).exponential_()
-    for row, generator in enumerate(batch.generators):
-        if generator is not None:
-            noise[row].exponential_(generator=generator)
-    random_tokens = (probs / noise).argmax(dim=-1)
+    random_tokens = draw(probabilities(logits, batch), batch.generators)
     return torch.where(greedy, greedy_tokens, random_tokens)
+
+
+def draw(weights: torch.Tensor, generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
+    """A token per row [S] drawn in proportion to `weights` [S, V] (not negative, not all
+    zero; they need not sum to 1): the first whose running sum passes a uniform draw of the
+    row's total, that running sum in float64 so that a float32 probability keeps its share
+    to the last bit. One random number a row, each seeded row's from its own generator: the
+    exponential race (argmax of p / Exp(1) noise) drew one a token, which took 50 ms a step
+    for 64 rows of a 49,152-token vocabulary on one core, against 8 ms."""
+    running = weights.cumsum(dim=-1, dtype=torch.float64)
+    uniform = torch.rand(weights.shape[0], 1, dtype=torch.float64, device=weights.device)
+    for row, generator in enumerate(generators or ()):
+        if generator is not None:
+            uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator, device=weights.device)
+    tokens = torch.searchsorted(running, uniform * running[:, -1:], right=True)
+    return tokens.squeeze(-1).clamp_(max=weights.shape[-1] - 1)  # a draw of exactly the total (1 in 2^53)
 
 
 def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

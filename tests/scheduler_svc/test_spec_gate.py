@@ -1,7 +1,7 @@
 """When not to speculate (scheduler_svc/spec_gate.py): a request whose first drafts keep
 being rejected stops getting drafts, its held-back drafts still judged against the tokens
-it produces, and speculates again once they would have been accepted; no drafts while
-disable_by_batch_size requests run."""
+it produces, and speculates again once they would have been accepted; a new request starts
+from what the requests before it saw; no drafts while disable_by_batch_size requests run."""
 from __future__ import annotations
 
 from scheduler_svc.spec_gate import MIN_ACCEPTANCE, SpecGate
@@ -23,7 +23,21 @@ def test_rejected_drafts_stop_speculation_until_held_back_ones_would_pass() -> N
     # Each request has its own estimate; a finished one is forgotten.
     assert gate.admit("other", [3], 1) == [3]
     gate.finish("r")
-    assert gate.acceptance("r") == 1.0
+    assert gate.acceptance("r") == gate.prior
+
+
+def test_a_new_request_starts_from_the_acceptance_requests_before_it_saw() -> None:
+    gate = SpecGate(disable_by_batch_size=None)
+    for request in range(4):  # 20 steps each, every first draft missing, verified or held back
+        for step in range(20):
+            gate.observe(f"r{request}", len(gate.admit(f"r{request}", [5], 1)), [7])
+        gate.finish(f"r{request}")
+    assert gate.prior < MIN_ACCEPTANCE
+    assert gate.admit("next", [5], 1) == []  # held back from its first step, its drafts still judged
+    gate.observe("next", 0, [5])
+    for step in range(40):  # drafts that pass raise the prior again: later requests speculate at once
+        gate.observe("next", 1, [5, 6])
+    assert gate.admit("later", [5], 1) == [5]
 
 
 def test_no_drafts_while_the_batch_is_at_disable_by_batch_size() -> None:

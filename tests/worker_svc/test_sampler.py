@@ -1,6 +1,6 @@
-"""Drawing sampled tokens (worker_svc/runtime/sampling/sampler.py's `draw`): tokens follow the
-weights (chi-square on a small vocabulary, zero weights never drawn, weights need not sum
-to 1), and a seeded row draws from its own generator alone."""
+"""Drawing sampled tokens (worker_svc/runtime/sampling/sampler.py's `draw`, the exponential
+race): tokens follow the weights (chi-square on a small vocabulary, zero weights never
+drawn, weights need not sum to 1), and a seeded row draws from its own generator alone."""
 from __future__ import annotations
 
 import torch

@@ -1,8 +1,8 @@
 """Batched sampling: one set of tensor ops over the whole batch's logits.
 
 Greedy rows take the argmax; the others are tempered, filtered by top-k / top-p /
-min-p, and drawn by inverse transform (`draw`): one uniform number a row, which seeded
-rows draw from their own generator.
+min-p, and drawn by the exponential race (`draw`), whose noise seeded rows draw from their
+own generator.
 """
 from __future__ import annotations
 
@@ -48,18 +48,19 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def draw(weights: torch.Tensor, generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
     """A token per row [S] drawn in proportion to `weights` [S, V] (not negative, not all
-    zero; they need not sum to 1): the first whose running sum passes a uniform draw of the
-    row's total, that running sum in float64 so that a float32 probability keeps its share
-    to the last bit. One random number a row, each seeded row's from its own generator: the
-    exponential race (argmax of p / Exp(1) noise) drew one a token, which took 50 ms a step
-    for 64 rows of a 49,152-token vocabulary on one core, against 8 ms."""
-    running = weights.cumsum(dim=-1, dtype=torch.float64)
-    uniform = torch.rand(weights.shape[0], 1, dtype=torch.float64, device=weights.device)
+    zero; they need not sum to 1), by the exponential race: the argmax of w / E with E =
+    -log(U) ~ Exp(1) for each token, U uniform from the row's own generator where it is
+    seeded. A token's draw depends on its own weight and noise alone, so a weight's last
+    bits, which a batch's make-up may move, rarely change it: inverse transform sampling over
+    the running sum, one uniform a row, let a seeded request's tokens differ between a
+    synchronous and an asynchronous schedule. -log(U) from torch.rand is what
+    Tensor.exponential_ computes, 6x faster here: 0.14 against 0.8 ms for one row of a
+    49,152-token vocabulary on one core, 13 against 78 ms for 64."""
+    noise = torch.rand(weights.shape, device=weights.device)
     for row, generator in enumerate(generators or ()):
         if generator is not None:
-            uniform[row] = torch.rand(1, dtype=torch.float64, generator=generator, device=weights.device)
-    tokens = torch.searchsorted(running, uniform * running[:, -1:], right=True)
-    return tokens.squeeze(-1).clamp_(max=weights.shape[-1] - 1)  # a draw of exactly the total (1 in 2^53)
+            noise[row] = torch.rand(weights.shape[-1], generator=generator, device=weights.device)
+    return (weights / noise.log_().neg_()).argmax(dim=-1)
 
 
 def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -4,11 +4,7 @@ whose drafts keep being rejected (docs/speculative.md, "Knowing when not to").
 A verification step of 1 + k tokens costs more than a decode step (on the CPU here, 1.35x
 with 3 drafts, 1.77x with 4), and with acceptance a per draft (the chance each next draft
 is accepted) it yields (1 - a^(k+1)) / (1 - a) tokens: 3 drafts pay from a ~ 0.27, 4 from
-a ~ 0.45. In a batch every draft costs its share: with B requests running, the gate
-compares those tokens with the measured time of a step of B (1 + k) decode rows against
-one of B (scheduler_svc/spec_step_cost.py), as if each request drafted alike: without it,
-ngram's 4 drafts at eight requests lost 9% of the tokens/s on a 2-core Xeon even with a =
-0.87 (benchmarks/speculative.py). Each request's a is estimated as a moving average (weight ALPHA per
+a ~ 0.45. Each request's a is estimated as a moving average (weight ALPHA per
 observation) of whether its first draft was accepted, starting from the gate's prior: the
 same average over every request's observations (weight PRIOR_ALPHA), itself starting
 optimistic at 1. Starting each request at 1 cost a workload whose drafts all miss (output
@@ -25,8 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_svc.spec_step_cost import SpecStepCosts
-
 MIN_ACCEPTANCE = 0.3
 ALPHA = 0.2
 PRIOR_ALPHA = 0.05
@@ -39,9 +33,8 @@ class _Estimate:
 
 
 class SpecGate:
-    def __init__(self, disable_by_batch_size: int | None, step_costs: SpecStepCosts | None = None) -> None:
+    def __init__(self, disable_by_batch_size: int | None) -> None:
         self.disable_by_batch_size = disable_by_batch_size
-        self.step_costs = step_costs
         self._estimates: dict[str, _Estimate] = {}
         self.prior = 1.0  # where a new request's estimate starts
 
@@ -52,23 +45,10 @@ class SpecGate:
         estimate = self._estimates.get(request_id)
         if estimate is None:
             estimate = self._estimates[request_id] = _Estimate(self.prior)
-        if estimate.acceptance >= MIN_ACCEPTANCE and self._pays(estimate.acceptance, len(drafts), num_running):
+        if estimate.acceptance >= MIN_ACCEPTANCE:
             return drafts
         estimate.held_back = drafts[0]
         return []
-
-    def _pays(self, acceptance: float, k: int, num_running: int) -> bool:
-        """Whether a step of `num_running` requests each verifying k drafts, accepted with chance
-        `acceptance` each, yields more tokens a second than one that decodes them plainly, at
-        the measured step costs (yes before they are measured)."""
-        if self.step_costs is None:
-            return True
-        batch = max(1, num_running)
-        plain, verified = self.step_costs.price(batch), self.step_costs.price(batch * (1 + k))
-        if plain is None or verified is None:
-            return True
-        expected = sum(acceptance**i for i in range(k + 1))
-        return expected / verified >= 1 / plain
 
     def observe(self, request_id: str, num_drafts: int, emitted: list[int]) -> None:
         """A step's outcome for a request: `num_drafts` verified, `emitted` the tokens it produced."""

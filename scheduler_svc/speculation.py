@@ -18,7 +18,7 @@ class Speculation:
         self.max_model_len = config.max_model_len
         self.step_costs = SpecStepCosts()
         self.proposer = make_proposer(self.spec, self.step_costs)
-        self.gate = SpecGate(self.spec.disable_by_batch_size, self.step_costs)
+        self.gate = SpecGate(self.spec.disable_by_batch_size)
 
     def propose(self, request: Request, computed: int, num_tokens: int, budget: int, num_running: int) -> list[int]:
         """Draft tokens for a decoding request to verify in this step. A request whose

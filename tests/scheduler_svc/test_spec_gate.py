@@ -5,8 +5,6 @@ from what the requests before it saw; no drafts while disable_by_batch_size requ
 from __future__ import annotations
 
 from scheduler_svc.spec_gate import MIN_ACCEPTANCE, SpecGate
-from scheduler_svc.spec_step_cost import SpecStepCosts
-from services.messages import StepPlan
 
 
 def test_rejected_drafts_stop_speculation_until_held_back_ones_would_pass() -> None:
@@ -46,22 +44,3 @@ def test_no_drafts_while_the_batch_is_at_disable_by_batch_size() -> None:
     gate = SpecGate(disable_by_batch_size=4)
     assert gate.admit("r", [5], 3) == [5]
     assert gate.admit("r", [5], 4) == []
-
-
-def _costs(seconds_by_rows: dict[int, float]) -> SpecStepCosts:
-    costs = SpecStepCosts()
-    for rows, seconds in seconds_by_rows.items():  # one request decoding `rows` tokens: its last and drafts
-        costs.record(StepPlan(step_id=1, num_scheduled_tokens={"r": rows},
-                              scheduled_spec_decode_tokens={"r": [0] * (rows - 1)} if rows > 1 else {}), seconds)
-    return costs
-
-
-def test_drafts_wait_while_the_batchs_verification_step_costs_more_than_they_yield() -> None:
-    # A 5-row step 1.7x a 1-row one; a 40-row step (8 requests, 4 drafts each) 4x an 8-row one.
-    gate = SpecGate(disable_by_batch_size=None, step_costs=_costs({1: 0.004, 5: 0.0068, 8: 0.012, 40: 0.048}))
-    drafts = [1, 2, 3, 4]
-    assert gate.admit("r", drafts, 1) == drafts and gate.admit("r", drafts, 8) == drafts  # a = 1: 5 tokens
-    for _ in range(3):
-        gate.observe("r", 4, [9])  # the first draft rejected: a = 0.512
-    assert gate.admit("r", drafts, 1) == drafts  # ~2 tokens for 1.7x the time
-    assert gate.admit("r", drafts, 8) == []  # ~2 tokens for 4x the time

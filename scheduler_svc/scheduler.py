@@ -193,6 +193,8 @@ class Scheduler:
             self.block_pool.free(self.handoff.expire())
         budget = self.config.max_num_batched_tokens
         self.pooling_budget.start_step(self._caps_pooling())
+        if self.speculation is not None:
+            self.speculation.start_step(len(self.running))
         preemptions_before = self.num_preemptions
         budget = self._schedule_running(plan, budget, max_requests)
         # After a preemption memory is short: admitting new work would only thrash.

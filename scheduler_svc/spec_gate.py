@@ -16,14 +16,27 @@ proposer still proposes (free for ngram and suffix; the worker drafts anyway for
 draft_model) and each held-back first draft is compared with the token the step then
 produces, so the estimate keeps moving; once it is back at MIN_ACCEPTANCE the request
 speculates again. Held-back drafts are never verified and count in no metric.
+
+A batch: with B requests running, every draft costs its share of a compute-bound step. At
+the start of each step (`start_step`) the gate compares what speculating steps have
+yielded, tokens a verifying request emitted (a moving average, with the drafts it
+verified), against the measured cost of a step of that many rows, B (1 + drafts), over one
+of B rows (scheduler_svc/spec_step_cost.py); where the tokens do not pay for the time, the
+step's drafts are held back as a request's are. One step in EXPLORE_EVERY speculates all
+the same, so the yield and the cost are measured again as the batch changes. Without it,
+ngram's 4 drafts at eight requests lost 9-13% of the tokens/s on a 2-core Xeon, with a
+yield of 3.6 tokens against a 40-row step ~3.9x an 8-row one (benchmarks/speculative.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler_svc.spec_step_cost import SpecStepCosts
+
 MIN_ACCEPTANCE = 0.3
 ALPHA = 0.2
 PRIOR_ALPHA = 0.05
+EXPLORE_EVERY = 16
 
 
 @dataclass
@@ -33,10 +46,27 @@ class _Estimate:
 
 
 class SpecGate:
-    def __init__(self, disable_by_batch_size: int | None) -> None:
+    def __init__(self, disable_by_batch_size: int | None, step_costs: SpecStepCosts | None = None) -> None:
         self.disable_by_batch_size = disable_by_batch_size
+        self.step_costs = step_costs
         self._estimates: dict[str, _Estimate] = {}
         self.prior = 1.0  # where a new request's estimate starts
+        # Per verifying request and step, moving averages: tokens emitted and drafts verified.
+        self._yield: tuple[float, float] | None = None
+        self._batch_holds = False  # this step's drafts are held back: the batch would not gain
+        self._steps_held = 0
+
+    def start_step(self, num_running: int) -> None:
+        """Whether this step's batch of `num_running` requests speculates (see above)."""
+        self._batch_holds = not self._batch_pays(num_running) and self._steps_held + 1 < EXPLORE_EVERY
+        self._steps_held = self._steps_held + 1 if self._batch_holds else 0
+
+    def _batch_pays(self, batch: int) -> bool:
+        if self.step_costs is None or self._yield is None or batch < 1:
+            return True
+        tokens, drafts = self._yield
+        plain, verified = self.step_costs.price(batch), self.step_costs.price(round(batch * (1 + drafts)))
+        return plain is None or verified is None or tokens / verified >= 1 / plain
 
     def admit(self, request_id: str, drafts: list[int], num_running: int) -> list[int]:
         """The drafts to verify this step: all of them, or none."""
@@ -45,7 +75,7 @@ class SpecGate:
         estimate = self._estimates.get(request_id)
         if estimate is None:
             estimate = self._estimates[request_id] = _Estimate(self.prior)
-        if estimate.acceptance >= MIN_ACCEPTANCE:
+        if estimate.acceptance >= MIN_ACCEPTANCE and not self._batch_holds:
             return drafts
         estimate.held_back = drafts[0]
         return []
@@ -57,6 +87,9 @@ class SpecGate:
             return
         if num_drafts:
             hit = len(emitted) > 1
+            step = (len(emitted), num_drafts)
+            self._yield = step if self._yield is None else tuple(
+                mean + ALPHA * (value - mean) for mean, value in zip(self._yield, step))
         elif estimate.held_back is not None:
             hit = emitted[0] == estimate.held_back
         else:

@@ -18,7 +18,7 @@ class Speculation:
         self.max_model_len = config.max_model_len
         self.step_costs = SpecStepCosts()
         self.proposer = make_proposer(self.spec, self.step_costs)
-        self.gate = SpecGate(self.spec.disable_by_batch_size)
+        self.gate = SpecGate(self.spec.disable_by_batch_size, self.step_costs)
 
     def propose(self, request: Request, computed: int, num_tokens: int, budget: int, num_running: int) -> list[int]:
         """Draft tokens for a decoding request to verify in this step. A request whose
@@ -37,6 +37,10 @@ class Speculation:
         if k <= 0:
             return []
         return self.gate.admit(request.request_id, self.proposer.propose(request, k), num_running)
+
+    def start_step(self, num_running: int) -> None:
+        """A step is being planned for `num_running` requests: whether its batch speculates."""
+        self.gate.start_step(num_running)
 
     def finish(self, request: Request) -> None:
         """The request ended: the proposer and the gate forget it."""

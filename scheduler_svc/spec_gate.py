@@ -17,7 +17,7 @@ draft_model) and each held-back first draft is compared with the token the step 
 produces, so the estimate keeps moving; once it is back at MIN_ACCEPTANCE the request
 speculates again. Held-back drafts are never verified and count in no metric.
 
-A batch: with B requests running, every draft costs its share of a compute-bound step. At
+A batch: with B > 1 requests running, every draft costs its share of a compute-bound step. At
 the start of each step (`start_step`) the gate compares what speculating steps have
 yielded, tokens a verifying request emitted (a moving average, with the drafts it
 verified), against the measured cost of a step of that many rows, B (1 + drafts), over one
@@ -62,8 +62,8 @@ class SpecGate:
         self._steps_held = self._steps_held + 1 if self._batch_holds else 0
 
     def _batch_pays(self, batch: int) -> bool:
-        if self.step_costs is None or self._yield is None or batch < 1:
-            return True
+        if self.step_costs is None or self._yield is None or batch < 2:
+            return True  # one request: its own acceptance decides (and suffix's cut, its drafts' length)
         tokens, drafts = self._yield
         plain, verified = self.step_costs.price(batch), self.step_costs.price(round(batch * (1 + drafts)))
         return plain is None or verified is None or tokens / verified >= 1 / plain

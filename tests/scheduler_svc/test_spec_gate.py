@@ -68,7 +68,7 @@ def test_a_batch_holds_its_drafts_back_while_its_verification_step_costs_more_th
     for _ in range(10):
         gate.observe("r", 4, [1, 2, 3, 0])  # 4 tokens a verification (the first draft always accepted)
     gate.start_step(1)
-    assert gate.admit("r", drafts, 1) == drafts  # alone: 4 tokens for 1.7x the time
+    assert gate.admit("r", drafts, 1) == drafts  # alone: its own acceptance decides (4 tokens for 1.7x the time)
     gate.start_step(8)
     assert gate.admit("r", drafts, 8) == []  # among eight: 4 tokens for 4.5x the time
     held = 1

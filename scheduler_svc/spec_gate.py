@@ -23,9 +23,10 @@ yielded, tokens a verifying request emitted (a moving average, with the drafts i
 verified), against the measured cost of a step of that many rows, B (1 + drafts), over one
 of B rows (scheduler_svc/spec_step_cost.py); where the tokens do not pay for the time, the
 step's drafts are held back as a request's are. One step in EXPLORE_EVERY speculates all
-the same, so the yield and the cost are measured again as the batch changes. Without it,
-ngram's 4 drafts at eight requests lost 9-13% of the tokens/s on a 2-core Xeon, with a
-yield of 3.6 tokens against a 40-row step ~3.9x an 8-row one (benchmarks/speculative.py).
+the same, so the yield and the cost are measured again as the batch changes. On a 2-core
+Xeon (benchmarks/speculative.py) it took ngram's 4 drafts at eight copy-heavy requests from
+0.85-0.90x of plain decoding's tokens/s to 0.97-1.01x; at eight random-token requests,
+3.6 tokens a verification, it still reads the drafts as paying, and they lose 10-16%.
 """
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ import torch
 
 from worker_svc.formats.q8_weights import Q8Blocks
 from worker_svc.kernels.cpu.library import AVX2_CPU_FLAGS, AVX2_FLAGS, bind, load_library, pointer
-from worker_svc.kernels.cpu.q4_gemm import PASSIVE_PARALLEL_MIN_MACS, PackedQ4, checked_call
-from worker_svc.kernels.cpu.threads import decode_threads, idle_threads_sleep
+from worker_svc.kernels.cpu.q4_gemm import PASSIVE_PARALLEL_MIN_MACS, PackedQ4, call_threads, checked_call
+from worker_svc.kernels.cpu.threads import idle_threads_sleep
 
 SOURCE = Path(__file__).parent / "csrc" / "int16_gemm.cpp"
 
@@ -39,8 +39,7 @@ class Int16Kernel:
 
     def threads(self, rows: int, in_features: int, out_features: int) -> int:
         """The threads a call of this size takes; in a decode step, every thread (decode_threads)."""
-        macs = rows * in_features * out_features
-        return decode_threads() or (torch.get_num_threads() if macs >= self.min_parallel_macs else 1)
+        return call_threads(rows * in_features * out_features, self.min_parallel_macs, decode_gemm=True)
 
     def q4_linear(self, packed: PackedQ4, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] float32 (rows may lie apart) -> x @ W.T + bias [rows, out] float32."""

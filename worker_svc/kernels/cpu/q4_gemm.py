@@ -15,7 +15,7 @@ import torch
 
 from worker_svc.formats.q4_weights import GROUP_SIZE, Q4Blocks
 from worker_svc.kernels.cpu.library import AVX2_CPU_FLAGS, AVX2_FLAGS, bind, load_library, pointer
-from worker_svc.kernels.cpu.threads import idle_threads_sleep
+from worker_svc.kernels.cpu.threads import decode_threads, idle_threads_sleep
 
 SOURCE = Path(__file__).parent / "csrc" / "q4_gemm.cpp"
 # kvfleet's idle threads sleep (OMP_WAIT_POLICY=PASSIVE; the pool's between steps), and
@@ -35,7 +35,16 @@ def checked_call(x: torch.Tensor, bias: torch.Tensor | None, in_features: int, o
     assert x.dtype == torch.float32 and cols == in_features
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == out_features)
     x = x if rows_apart and x.stride(1) == 1 and x.stride(0) >= cols else x.contiguous()
-    return x, torch.get_num_threads() if rows * cols * out_features >= min_parallel_macs else 1
+    return x, call_threads(rows * cols * out_features, min_parallel_macs)
+
+
+def call_threads(macs: int, min_parallel_macs: int, decode_gemm: bool = False) -> int:
+    """The threads a kernel call of `macs` multiply-adds takes: torch's count from
+    `min_parallel_macs` on, else the calling thread alone; for a decode GEMM (the int16
+    kernels') in a decode step, every thread (decode_threads)."""
+    if decode_gemm and decode_threads():
+        return decode_threads()
+    return torch.get_num_threads() if macs >= min_parallel_macs else 1
 
 
 class Q4Kernel:

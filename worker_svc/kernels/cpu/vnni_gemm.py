@@ -31,8 +31,8 @@ from worker_svc.formats.q4_weights import GROUP_SIZE, Q4Blocks
 from worker_svc.formats.q8_weights import Q8Blocks
 from worker_svc.kernels.cpu import library as kernel_library
 from worker_svc.kernels.cpu.library import bind, load_library, pointer
-from worker_svc.kernels.cpu.q4_gemm import PASSIVE_PARALLEL_MIN_MACS, checked_call
-from worker_svc.kernels.cpu.threads import decode_threads, idle_threads_sleep
+from worker_svc.kernels.cpu.q4_gemm import PASSIVE_PARALLEL_MIN_MACS, call_threads, checked_call
+from worker_svc.kernels.cpu.threads import idle_threads_sleep
 
 SOURCE = Path(__file__).parent / "csrc" / "vnni_gemm.cpp"
 # -ffp-contract=off: the fused norm and activation (csrc/quantized_rows.h) round as decoder_ops.cpp's do.
@@ -126,7 +126,7 @@ class Q8Panels(Panels):
 
 class VnniKernel:
     def __init__(self, library: ctypes.CDLL, amx: bool) -> None:
-        self.amx = amx  # whether steps of 16 rows or more take AMX tiles
+        self.amx = amx  # whether its big steps take AMX tiles (vnni_gemm.cpp: kWidenRows rows or more)
         _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         # x (or what it is made from) and its row stride, panels, bias, y, M, K, N, threads, quantize threads.
         gemm = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int]
@@ -179,8 +179,7 @@ class VnniKernel:
         activations. In a decode step, every thread (decode_threads): one token's projections
         took 4.7 ms on one thread and 2.7 on two (benchmarks/roofline.py, a 2-core Sapphire
         Rapids-class Xeon), single-stream decode 98 against 144 tokens/s."""
-        macs = rows * in_features * out_features
-        threads = decode_threads() or (torch.get_num_threads() if macs >= self.min_parallel_macs else 1)
+        threads = call_threads(rows * in_features * out_features, self.min_parallel_macs, decode_gemm=True)
         return threads, threads if rows * in_features >= QUANTIZE_PARALLEL_MIN_ELEMENTS else 1
 
     def functions(self) -> dict[str, ctypes._CFuncPtr]:

@@ -44,16 +44,21 @@ class SpecStepCosts:
         before any 1-row step is measured."""
         if 1 not in self._seconds:
             return None
-        return [self.price(rows) for rows in range(1, max_rows + 1)]
+        measured = sorted(self._seconds)
+        envelope = {}  # rows -> the least time measured at these rows or more
+        least = float("inf")
+        for rows in reversed(measured):
+            least = envelope[rows] = min(least, self._seconds[rows])
+        prices, last = [], envelope[1]
+        for rows in range(1, max_rows + 1):
+            last = envelope.get(rows, last)  # unmeasured: the next smaller measured count's
+            prices.append(last)
+        return prices
 
     def price(self, rows: int) -> float | None:
-        """The expected seconds of a step of `rows` decode rows: the least time measured at the
-        largest measured row count up to it, or at more rows; None before any 1-row step is
-        measured."""
-        if 1 not in self._seconds:
-            return None
-        nearest = max(measured for measured in self._seconds if measured <= rows)
-        return min(seconds for measured, seconds in self._seconds.items() if measured >= nearest)
+        """prices()'s for a step of `rows` decode rows."""
+        prices = self.prices(rows)
+        return None if prices is None else prices[-1]
 
     def best_length(self, probabilities: list[float]) -> int:
         """How many of the drafts to verify: the length with the most expected tokens per

@@ -3,7 +3,10 @@ prompt and over the outputs of running and recent requests, no model.
 
 Each request gets a tree of its prompt when it first speculates; its output tokens join
 the global tree as they come, so both its own repetitions and the outputs of other
-requests (agentic loops, repeated answers) propose. When it ends, its output stays in the
+requests (agentic loops, repeated answers) propose. Its last token joins one step late:
+until the next one follows it, it predicts nothing, and in the tree it would match every
+pattern (which ends with it) at full length, making each proposal walk every length and
+counting an occurrence with no continuation into the probabilities. When it ends, its output stays in the
 global tree for the next requests; past `max_cached_requests` the oldest output is
 removed (0: outputs are kept only while their request runs). The pattern is the
 request's last `max_tree_depth` tokens; of the prompt tree's and the global tree's
@@ -57,7 +60,7 @@ class SuffixProposer:
         request_id = request.request_id
         if request_id not in self._active:
             return
-        self._sync(request)
+        self._sync(request, ended=True)
         del self._active[request_id]
         if request_id not in self.global_tree:
             return
@@ -66,10 +69,11 @@ class SuffixProposer:
             oldest, _ = self._cached.popitem(last=False)
             self.global_tree.remove(oldest)
 
-    def _sync(self, request: Request) -> SuffixTree:
-        """Adds the request's output tokens the global tree lacks; its prompt tree."""
+    def _sync(self, request: Request, ended: bool = False) -> SuffixTree:
+        """Adds the request's output tokens the global tree lacks, but for the last one while it
+        runs; its prompt tree."""
         prompt_tree, num_added = self._active[request.request_id]
-        new = request.output_token_ids[num_added:]
+        new = request.output_token_ids[num_added:None if ended else -1]
         if new:
             self.global_tree.extend(request.request_id, new)
             self._active[request.request_id] = (prompt_tree, num_added + len(new))

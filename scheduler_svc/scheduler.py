@@ -194,7 +194,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self.pooling_budget.start_step(self._caps_pooling())
         if self.speculation is not None:
-            self.speculation.start_step(len(self.running))
+            self.speculation.start_step(self.running)
         preemptions_before = self.num_preemptions
         budget = self._schedule_running(plan, budget, max_requests)
         # After a preemption memory is short: admitting new work would only thrash.
@@ -221,8 +221,7 @@ class Scheduler:
                              self.pooling_budget.room(request, budget))
             if num_tokens == 0:  # a pooling request, past this step's pooling tokens
                 continue
-            drafts = self.speculation.propose(request, computed, num_tokens, budget, len(self.running)) if (
-                self.speculation is not None) else []
+            drafts = self.speculation.drafts(request, budget) if self.speculation is not None else []
             new_blocks = allocate_slots(request, computed + num_tokens + len(drafts)) if drafts else None
             if new_blocks is None:  # no drafts, or no free blocks for them (no preempting for drafts)
                 drafts = []

@@ -1,43 +1,54 @@
-"""When not to speculate: whole batches past vLLM's `disable_by_batch_size`, and requests
-whose drafts keep being rejected (docs/speculative.md, "Knowing when not to").
+"""When not to speculate, and how many drafts to verify: whole batches past vLLM's
+`disable_by_batch_size`, requests whose drafts keep being rejected, and drafts whose
+expected tokens do not pay for their rows in the step being planned (docs/speculative.md,
+"Knowing when not to").
 
-A verification step of 1 + k tokens costs more than a decode step (on the CPU here, 1.35x
-with 3 drafts, 1.77x with 4), and with acceptance a per draft (the chance each next draft
-is accepted) it yields (1 - a^(k+1)) / (1 - a) tokens: 3 drafts pay from a ~ 0.27, 4 from
-a ~ 0.45. Each request's a is estimated as a moving average (weight ALPHA per
-observation) of whether its first draft was accepted, starting from the gate's prior: the
-same average over every request's observations (weight PRIOR_ALPHA), itself starting
-optimistic at 1. Starting each request at 1 cost a workload whose drafts all miss (output
-sampled at temperature 1) about six rejected verification steps a request before it was
-held back, 14-20% of its tokens/s; from the prior, such a request starts held back, and a
-request of a workload whose drafts pass starts speculating. Below
-MIN_ACCEPTANCE its drafts are held back: it decodes one token per step, while the
-proposer still proposes (free for ngram and suffix; the worker drafts anyway for
-draft_model) and each held-back first draft is compared with the token the step then
-produces, so the estimate keeps moving; once it is back at MIN_ACCEPTANCE the request
+Requests: each request's acceptance a (the chance its first draft is accepted) is
+estimated as a moving average (weight ALPHA per observation) of whether its first draft
+was, starting from the gate's prior: the same average over every request's observations
+(weight PRIOR_ALPHA), itself starting optimistic at 1. Starting each request at 1 cost a
+workload whose drafts all miss (output sampled at temperature 1) about six rejected
+verification steps a request before it was held back, 14-20% of its tokens/s; from the
+prior, such a request starts held back, and a request of a workload whose drafts pass
+starts speculating. Below MIN_ACCEPTANCE its drafts are held back: it decodes one token
+per step, while the proposer still proposes (free for ngram and suffix; the worker drafts
+anyway for draft_model) and each held-back first draft is compared with the token the step
+then produces, so the estimate keeps moving; once it is back at MIN_ACCEPTANCE the request
 speculates again. Held-back drafts are never verified and count in no metric.
 
-A batch: with B > 1 requests running, every draft costs its share of a compute-bound step. At
-the start of each step (`start_step`) the gate compares what speculating steps have
-yielded, tokens a verifying request emitted (a moving average, with the drafts it
-verified), against the measured cost of a step of that many rows, B (1 + drafts), over one
-of B rows (scheduler_svc/spec_step_cost.py); where the tokens do not pay for the time, the
-step's drafts are held back as a request's are. One step in EXPLORE_EVERY speculates all
-the same, so the yield and the cost are measured again as the batch changes. On a 2-core
-Xeon (benchmarks/speculative.py) it took ngram's 4 drafts at eight copy-heavy requests from
-0.85-0.90x of plain decoding's tokens/s to 0.97-1.01x; at eight random-token requests,
-3.6 tokens a verification, it still reads the drafts as paying, and they lose 10-16%.
+Drafts: a verification row is not free where the weights' kernels are compute-bound (on a
+2-core Xeon a step of 8 decode rows took 12 ms, of 12 rows 18), and every request in the
+step waits for it. Each draft comes with the estimated chance p_j that it and the drafts
+before it are all accepted (suffix decoding's from its trees' counts, the others' a^j).
+For each step (`choose`, with every request's proposal) the gate chooses how many of each
+request's drafts to verify for the most of the sum, over the step's B requests, of the log
+of each one's expected speed-up: (1 + E_i) time(B) / time(R) for a request verifying drafts
+of which E_i are expected accepted, time(B) / time(R) for one without, R the step's rows,
+at the measured cost of a step's rows (scheduler_svc/spec_step_cost.py). Alone (B = 1)
+that is the request's own tokens per second; in a batch a draft pays for the time it adds
+to every request's step, so no request is slowed for another's tokens, while drafts that
+most requests of the batch would see accepted still pay together. (At eight random-token
+requests, where some loop and their drafts pass, speculating those alone made the others'
+steps up to twice as long: the batch, which ends with its slowest request, finished 10-16%
+later than without drafts.) The sum grows less with each next draft of a request (its p_j
+do not grow), so adding drafts one at a time, each to the request it helps most, finds the
+best split of each total; the best total is then taken, whatever the shape of the costs.
 """
 from __future__ import annotations
 
+import heapq
+import math
+import operator
+from collections import Counter
 from dataclasses import dataclass
+from itertools import accumulate
 
+from scheduler_svc.spec_proposer import Proposal
 from scheduler_svc.spec_step_cost import SpecStepCosts
 
 MIN_ACCEPTANCE = 0.3
 ALPHA = 0.2
 PRIOR_ALPHA = 0.05
-EXPLORE_EVERY = 16
 
 
 @dataclass
@@ -52,34 +63,54 @@ class SpecGate:
         self.step_costs = step_costs
         self._estimates: dict[str, _Estimate] = {}
         self.prior = 1.0  # where a new request's estimate starts
-        # Per verifying request and step, moving averages: tokens emitted and drafts verified.
-        self._yield: tuple[float, float] | None = None
-        self._batch_holds = False  # this step's drafts are held back: the batch would not gain
-        self._steps_held = 0
 
-    def start_step(self, num_running: int) -> None:
-        """Whether this step's batch of `num_running` requests speculates (see above)."""
-        self._batch_holds = not self._batch_pays(num_running) and self._steps_held + 1 < EXPLORE_EVERY
-        self._steps_held = self._steps_held + 1 if self._batch_holds else 0
+    def choose(self, proposals: dict[str, Proposal], num_running: int) -> dict[str, list[int]]:
+        """The drafts each request verifies in a step of `num_running` requests, from its
+        proposal: a prefix, or none (held back, still judged)."""
+        if self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size:
+            return {}
+        candidates = {}
+        for request_id, (drafts, probabilities) in proposals.items():
+            estimate = self._estimates.get(request_id)
+            if estimate is None:
+                estimate = self._estimates[request_id] = _Estimate(self.prior)
+            estimate.held_back = drafts[0]
+            if estimate.acceptance >= MIN_ACCEPTANCE:
+                candidates[request_id] = probabilities or list(
+                    accumulate([estimate.acceptance] * len(drafts), operator.mul))
+        lengths = self._lengths(candidates, max(1, num_running))
+        chosen = {}
+        for request_id, length in lengths.items():
+            if length:
+                chosen[request_id] = proposals[request_id][0][:length]
+                self._estimates[request_id].held_back = None
+        return chosen
 
-    def _batch_pays(self, batch: int) -> bool:
-        if self.step_costs is None or self._yield is None or batch < 2:
-            return True  # one request: its own acceptance decides (and suffix's cut, its drafts' length)
-        tokens, drafts = self._yield
-        plain, verified = self.step_costs.price(batch), self.step_costs.price(round(batch * (1 + drafts)))
-        return plain is None or verified is None or tokens / verified >= 1 / plain
-
-    def admit(self, request_id: str, drafts: list[int], num_running: int) -> list[int]:
-        """The drafts to verify this step: all of them, or none."""
-        if not drafts or (self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size):
-            return []
-        estimate = self._estimates.get(request_id)
-        if estimate is None:
-            estimate = self._estimates[request_id] = _Estimate(self.prior)
-        if estimate.acceptance >= MIN_ACCEPTANCE and not self._batch_holds:
-            return drafts
-        estimate.held_back = drafts[0]
-        return []
+    def _lengths(self, candidates: dict[str, list[float]], requests: int) -> dict[str, int]:
+        """How many drafts of each candidate to verify (see the module's docstring): all of
+        them before any step is measured."""
+        most = sum(map(len, candidates.values()))
+        prices = None if self.step_costs is None else self.step_costs.prices(requests + most)
+        if prices is None:
+            return {request_id: len(probabilities) for request_id, probabilities in candidates.items()}
+        lengths = dict.fromkeys(candidates, 0)
+        expected = dict.fromkeys(candidates, 1.0)  # 1 + E_i
+        # The next draft of each request, by what it adds to the log of the request's speed-up.
+        gains = [(-math.log1p(p[0]), request_id) for request_id, p in candidates.items()]
+        heapq.heapify(gains)
+        base, tokens_gain, best_gain, best_total, order = math.log(prices[requests - 1]), 0.0, 0.0, 0, []
+        while gains:
+            minus_gain, request_id = heapq.heappop(gains)
+            tokens_gain -= minus_gain
+            order.append(request_id)
+            length = lengths[request_id] = lengths[request_id] + 1
+            expected[request_id] += candidates[request_id][length - 1]
+            gain = tokens_gain - requests * (math.log(prices[requests + len(order) - 1]) - base)
+            if gain > best_gain:
+                best_gain, best_total = gain, len(order)
+            if length < len(candidates[request_id]):
+                heapq.heappush(gains, (-math.log1p(candidates[request_id][length] / expected[request_id]), request_id))
+        return Counter(order[:best_total])
 
     def observe(self, request_id: str, num_drafts: int, emitted: list[int]) -> None:
         """A step's outcome for a request: `num_drafts` verified, `emitted` the tokens it produced."""
@@ -88,9 +119,6 @@ class SpecGate:
             return
         if num_drafts:
             hit = len(emitted) > 1
-            step = (len(emitted), num_drafts)
-            self._yield = step if self._yield is None else tuple(
-                mean + ALPHA * (value - mean) for mean, value in zip(self._yield, step))
         elif estimate.held_back is not None:
             hit = emitted[0] == estimate.held_back
         else:

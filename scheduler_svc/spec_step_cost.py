@@ -1,21 +1,17 @@
 """What a draft costs on this machine: the worker's measured time of decode steps by their
 rows (docs/speculative.md, "How many drafts pay").
 
-A verification step of 1 + k rows is not free where the weights' kernel is compute-bound:
-on the 2-core AVX2 CPU here a step of 4 rows cost ~1.3x a 1-row step, of 8 rows ~1.9x, of
-13 rows ~3.2x. Suffix decoding estimates each draft's probability (from its trees'
-counts) and may propose up to 24 drafts; its draft is cut to the length j that maximizes
-the request's expected tokens per second, (1 + p_1 + ... + p_j) / time(1 + j rows), where
-p_i is the estimated probability that the first i drafts are all accepted, and to none
-when no length beats a plain decode step.
+A verification step of 1 + k rows is not free where the weights' kernels are
+compute-bound: on the 2-core AVX2 CPU here a step of 4 rows cost ~1.3x a 1-row step, of 8
+rows ~1.9x, of 13 rows ~3.2x. The gate (scheduler_svc/spec_gate.py) cuts each request's
+drafts to the length that pays at these prices.
 
 Times come from the steps the scheduler's plans take (`record`, every step that only
 decodes: each request's last token plus its drafts), a moving average per row count. A
 row count never measured is priced as the next smaller one measured (optimistic, so it is
-tried and then measured); since a step of more rows never costs less, a measurement above
-a larger row count's (a step slowed by the machine's other load) is read as that one.
-The pricing is per request, as if it were alone in the step; in a batch, where every
-draft costs its share, `disable_by_batch_size` is the rule.
+tried and then measured; one below every measured count as the smallest); since a step of
+more rows never costs less, a measurement above a larger row count's (a step slowed by the
+machine's other load) is read as that one.
 """
 from __future__ import annotations
 
@@ -41,35 +37,16 @@ class SpecStepCosts:
 
     def prices(self, max_rows: int) -> list[float] | None:
         """The expected seconds of a step of 1..max_rows decode rows (index rows - 1); None
-        before any 1-row step is measured."""
-        if 1 not in self._seconds:
+        before any step is measured."""
+        if not self._seconds:
             return None
         measured = sorted(self._seconds)
         envelope = {}  # rows -> the least time measured at these rows or more
         least = float("inf")
         for rows in reversed(measured):
             least = envelope[rows] = min(least, self._seconds[rows])
-        prices, last = [], envelope[1]
+        prices, last = [], envelope[measured[0]]  # fewer rows than any measured: priced as those
         for rows in range(1, max_rows + 1):
             last = envelope.get(rows, last)  # unmeasured: the next smaller measured count's
             prices.append(last)
         return prices
-
-    def price(self, rows: int) -> float | None:
-        """prices()'s for a step of `rows` decode rows."""
-        prices = self.prices(rows)
-        return None if prices is None else prices[-1]
-
-    def best_length(self, probabilities: list[float]) -> int:
-        """How many of the drafts to verify: the length with the most expected tokens per
-        second, 0 if none beats decoding; all of them before anything is measured.
-        `probabilities[i]`: the estimated chance that drafts 0..i are all accepted."""
-        prices = self.prices(1 + len(probabilities))
-        if prices is None:
-            return len(probabilities)
-        best, best_rate, expected = 0, 1 / prices[0], 1.0
-        for length, probability in enumerate(probabilities, 1):
-            expected += probability
-            if expected / prices[length] > best_rate:
-                best, best_rate = length, expected / prices[length]
-        return best

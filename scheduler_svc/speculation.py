@@ -1,8 +1,10 @@
 """Speculative decoding's side of planning (docs/speculative.md): the drafts a decoding
 request verifies in its step, from the method's proposer, held back by the gate while
-they would not pay; and what decode steps cost on this machine, from which suffix
-decoding cuts its drafts."""
+they would not pay; and what decode steps cost on this machine, from which the gate cuts
+drafts."""
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler_config import SchedulerConfig
@@ -17,30 +19,41 @@ class Speculation:
         self.spec = config.speculative
         self.max_model_len = config.max_model_len
         self.step_costs = SpecStepCosts()
-        self.proposer = make_proposer(self.spec, self.step_costs)
+        self.proposer = make_proposer(self.spec)
         self.gate = SpecGate(self.spec.disable_by_batch_size, self.step_costs)
+        self._drafts: dict[str, list[int]] = {}  # the step being planned's, by request
 
-    def propose(self, request: Request, computed: int, num_tokens: int, budget: int, num_running: int) -> list[int]:
-        """Draft tokens for a decoding request to verify in this step. A request whose
-        next token depends on more than its logits (processors, a grammar, a seed's
-        per-position noise) decodes one token at a time, as without speculation."""
-        if (num_tokens != 1 or computed + 1 != request.num_tokens or request.in_flight
-                or request.sampling_params.pooling is not None):
-            return []
+    def start_step(self, running: Iterable[Request]) -> None:
+        """A step is being planned for the `running` requests: each that decodes one token in
+        it is proposed drafts, and the gate chooses, for the step as a whole, how many of them
+        each verifies."""
+        running = list(running)
+        proposals = {}
+        for request in running:
+            if (k := self._max_drafts(request)) > 0:
+                drafts, probabilities = self.proposer.propose(request, k)
+                if drafts:
+                    proposals[request.request_id] = drafts, probabilities
+        self._drafts = self.gate.choose(proposals, len(running))
+
+    def drafts(self, request: Request, budget: int) -> list[int]:
+        """The drafts the request verifies in the step being planned, within its token budget."""
+        return self._drafts.get(request.request_id, [])[:budget - 1]
+
+    def _max_drafts(self, request: Request) -> int:
+        """How many drafts the request may verify in this step: none unless it decodes one
+        token. A request whose next token depends on more than its logits (processors, a
+        seed's per-position noise) decodes one token at a time, as without speculation."""
+        computed = request.num_computed_tokens + request.num_in_flight_tokens
         params = request.sampling_params
-        if not can_speculate(params):
-            return []
+        if (computed + 1 != request.num_tokens or request.num_ahead_samples or request.in_flight
+                or params.pooling is not None or not can_speculate(params)):
+            return 0
         # Never past max_tokens or the context: the drafts' positions must exist.
-        k = min(self.spec.num_speculative_tokens, budget - 1, self.max_model_len - request.num_tokens)
+        k = min(self.spec.num_speculative_tokens, self.max_model_len - request.num_tokens)
         if params.max_tokens is not None:
             k = min(k, params.max_tokens - len(request.output_token_ids) - 1)
-        if k <= 0:
-            return []
-        return self.gate.admit(request.request_id, self.proposer.propose(request, k), num_running)
-
-    def start_step(self, num_running: int) -> None:
-        """A step is being planned for `num_running` requests: whether its batch speculates."""
-        self.gate.start_step(num_running)
+        return k
 
     def finish(self, request: Request) -> None:
         """The request ended: the proposer and the gate forget it."""

@@ -10,9 +10,9 @@ counting an occurrence with no continuation into the probabilities. When it ends
 global tree for the next requests; past `max_cached_requests` the oldest output is
 removed (0: outputs are kept only while their request runs). The pattern is the
 request's last `max_tree_depth` tokens; of the prompt tree's and the global tree's
-drafts, the one with the higher score (expected accepted tokens) is proposed, cut to the
-length that pays on this machine given the measured cost of a step's rows
-(scheduler_svc/spec_step_cost.py).
+drafts, the one with the higher score (expected accepted tokens) is proposed, with its
+tokens' estimated probabilities, from which the gate cuts it to the length that pays in
+its step (scheduler_svc/spec_gate.py).
 
 It runs in the scheduler, beside the ngram proposer and for the same reason (it holds the
 tokens; drafts travel in the step plan).
@@ -22,21 +22,19 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from scheduler_svc.request import Request
-from scheduler_svc.spec_step_cost import SpecStepCosts
 from scheduler_svc.suffix_tree import SuffixTree
 from services.speculative_config import SpeculativeConfig
 
 
 class SuffixProposer:
-    def __init__(self, spec: SpeculativeConfig, step_costs: SpecStepCosts | None = None) -> None:
+    def __init__(self, spec: SpeculativeConfig) -> None:
         self.spec = spec
-        self.step_costs = step_costs
         self.global_tree = SuffixTree(spec.suffix_decoding_max_tree_depth)
         # Running requests: the tree of their prompt, and how many output tokens the global tree has.
         self._active: dict[str, tuple[SuffixTree, int]] = {}
         self._cached: OrderedDict[str, None] = OrderedDict()  # ended requests in the global tree, oldest first
 
-    def propose(self, request: Request, k: int) -> list[int]:
+    def propose(self, request: Request, k: int) -> tuple[list[int], list[float]]:
         request_id = request.request_id
         if request_id not in self._active:
             if request_id in self._cached:  # an id used again: its old output goes
@@ -51,9 +49,7 @@ class SuffixProposer:
         args = (k, self.spec.suffix_decoding_max_spec_factor, self.spec.suffix_decoding_min_token_prob)
         drafts = max(prompt_tree.speculate(pattern, *args), self.global_tree.speculate(pattern, *args),
                      key=lambda draft: draft.score)
-        if self.step_costs is None:
-            return drafts.token_ids
-        return drafts.token_ids[:self.step_costs.best_length(drafts.probabilities)]
+        return drafts.token_ids, drafts.probabilities
 
     def finish(self, request: Request) -> None:
         """The request ended: its whole output stays in the global tree (FIFO-bounded)."""

@@ -297,7 +297,8 @@ def test_suffix_drafts_from_past_outputs(llm, suffix_llm):
 
 def test_no_drafts_while_disable_by_batch_size_requests_run(suffix_llm):
     """vLLM's disable_by_batch_size: no step with 6 requests running verifies drafts; with
-    fewer, the same answers draft from one another's outputs."""
+    fewer, the same answers draft from one another's outputs (in how many steps depends on
+    the step costs measured as they run: the gate prices each step's drafts)."""
     engine, scheduler = suffix_llm.engine, suffix_llm.engine.scheduler
     prompt = suffix_llm.get_tokenizer().encode("Name three colours of the sea.")
     for i, max_tokens in enumerate([6, 6, 6, 6, 12, 24, 32]):
@@ -308,7 +309,7 @@ def test_no_drafts_while_disable_by_batch_size_requests_run(suffix_llm):
         running, before = len(scheduler.running), scheduler.spec_decoding.num_drafts
         engine.step()
         drafted_when["at 6 or more" if running >= 6 else "fewer"] += scheduler.spec_decoding.num_drafts - before
-    assert drafted_when["at 6 or more"] == 0 and drafted_when["fewer"] >= 3, drafted_when
+    assert drafted_when["at 6 or more"] == 0 and drafted_when["fewer"] >= 1, drafted_when
 
 
 def test_logprobs_of_accepted_tokens_are_the_plain_ones(llm, spec_llm):

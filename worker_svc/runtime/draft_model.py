@@ -34,7 +34,7 @@ from worker_svc.runtime import kernel_choice
 from worker_svc.runtime.batch import InputBatch, RequestState, StepInputs
 from worker_svc.runtime.device import runs_q4_as_stored
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block
-from worker_svc.runtime.sampling.sampler import SamplingBatch, draw, probabilities
+from worker_svc.runtime.sampling.sampler import SamplingBatch, argmax, draw, probabilities
 
 
 class DraftModel:
@@ -112,7 +112,7 @@ def draw_drafts(logits: torch.Tensor, states: list[RequestState], rows: list[int
                 batch: InputBatch) -> tuple[list[int], list[torch.Tensor | None]]:
     """Each request's draft: the argmax when it is greedy, else a draw from q (its
     sampling settings over the draft's logits), with q."""
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax(logits)
     sampled = [j for j, state in enumerate(states) if not state.sampling_params.greedy]
     q: list[torch.Tensor | None] = [None] * len(states)
     if sampled:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from services.sampling_params import SamplingParams
-from worker_svc.runtime.sampling.sampler import SamplingBatch, draw, probabilities
+from worker_svc.runtime.sampling.sampler import SamplingBatch, argmax, draw, probabilities
 
 # One request's rows in the verification logits: its sampling params and its drafts.
 Verified = tuple[SamplingParams, list[int]]
@@ -32,7 +32,7 @@ def verify(logits: torch.Tensor, requests: list[Verified],
     for _, drafts in requests:
         drafts_per_row += [*drafts, -1]
     params = [p for p, drafts in requests for _ in range(len(drafts) + 1)]
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = argmax(logits)
     if all(p.greedy for p in params):
         target = greedy_tokens.tolist()
         accepted = [t == d for t, d in zip(target, drafts_per_row)]

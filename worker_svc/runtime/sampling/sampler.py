@@ -22,6 +22,7 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     # Known on the host, so that sampling asks the device nothing before it has its tokens.
     all_greedy: bool
+    any_greedy: bool
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
@@ -31,19 +32,25 @@ class SamplingBatch:
            columns: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> SamplingBatch:
         """The rows' temperature, top_p, top_k and min_p `columns`, already on the device;
         their `params` give the host's flags."""
-        return cls(*columns, generators=generators, all_greedy=all(p.greedy for p in params),
+        greedy = [p.greedy for p in params]
+        return cls(*columns, generators=generators, all_greedy=all(greedy), any_greedy=any(greedy),
                    any_top_k=any(p.top_k > 0 for p in params), any_top_p=any(p.top_p < 1 for p in params),
                    any_min_p=any(p.min_p > 0 for p in params))
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Token ids [S] from float32 logits [S, V], already adjusted by the logits processors."""
-    greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
-        return greedy_tokens
-    greedy = batch.temperature == 0
+        return argmax(logits)
     random_tokens = draw(probabilities(logits, batch), batch.generators)
-    return torch.where(greedy, greedy_tokens, random_tokens)
+    return torch.where(batch.temperature == 0, argmax(logits), random_tokens) if batch.any_greedy else random_tokens
+
+
+def argmax(values: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value [S] (the first, on a tie) of `values` [S, V]:
+    max's indices, the same as argmax's and 3x as fast on a CPU (0.16 against 0.51 ms for 8
+    rows of a 49,152-token vocabulary on one core)."""
+    return values.max(dim=-1).indices
 
 
 def draw(weights: torch.Tensor, generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
@@ -60,7 +67,7 @@ def draw(weights: torch.Tensor, generators: list[torch.Generator | None] | None 
     for row, generator in enumerate(generators or ()):
         if generator is not None:
             noise[row] = torch.rand(weights.shape[-1], generator=generator, device=weights.device)
-    return (weights / noise.log_().neg_()).argmax(dim=-1)
+    return argmax(weights / noise.log_().neg_())
 
 
 def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -19,7 +19,9 @@ speculates again. Held-back drafts are never verified and count in no metric.
 Drafts: a verification row is not free where the weights' kernels are compute-bound (on a
 2-core Xeon a step of 8 decode rows took 12 ms, of 12 rows 18), and every request in the
 step waits for it. Each draft comes with the estimated chance p_j that it and the drafts
-before it are all accepted (suffix decoding's from its trees' counts, the others' a^j).
+before it are all accepted: a^j from the request's acceptance a, or less where the
+proposer estimates less (suffix decoding, from its trees' counts: a tree of greedy answers
+is sure of continuations that a request sampling at temperature 1 follows half the time).
 For each step (`choose`, with every request's proposal) the gate chooses how many of each
 request's drafts to verify for the most of the sum, over the step's B requests, of the log
 of each one's expected speed-up: (1 + E_i) time(B) / time(R) for a request verifying drafts
@@ -76,8 +78,8 @@ class SpecGate:
                 estimate = self._estimates[request_id] = _Estimate(self.prior)
             estimate.held_back = drafts[0]
             if estimate.acceptance >= MIN_ACCEPTANCE:
-                candidates[request_id] = probabilities or list(
-                    accumulate([estimate.acceptance] * len(drafts), operator.mul))
+                record = accumulate([estimate.acceptance] * len(drafts), operator.mul)
+                candidates[request_id] = list(record if probabilities is None else map(min, probabilities, record))
         lengths = self._lengths(candidates, max(1, num_running))
         chosen = {}
         for request_id, length in lengths.items():

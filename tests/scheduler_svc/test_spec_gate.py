@@ -120,3 +120,13 @@ def test_drafts_go_where_they_add_the_most() -> None:
     chosen = gate.choose({"sure": (list(range(6)), sure), "likely": (list(range(6)), likely),
                           "unlikely": (list(range(6)), unlikely)}, 3)
     assert {request_id: len(drafts) for request_id, drafts in chosen.items()} == {"sure": 3, "likely": 2}
+
+
+def test_a_proposer_s_estimate_counts_no_more_than_the_request_s_record() -> None:
+    # A tree of greedy answers is sure of its drafts; a request that has seen half its first drafts
+    # accepted gets them priced at 0.5, 0.25, ...: among eight, not worth their rows.
+    gate = SpecGate(disable_by_batch_size=None, step_costs=_linear_costs())
+    sure = {f"r{i}": ([1, 2, 3, 4], [1.0] * 4) for i in range(8)}
+    assert gate.choose(sure, 8) == {f"r{i}": [1, 2, 3, 4] for i in range(8)}
+    gate.prior = 0.5
+    assert gate.choose({f"s{i}": ([1, 2, 3, 4], [1.0] * 4) for i in range(8)}, 8) == {}

@@ -23,23 +23,24 @@ before it are all accepted: a^j from the request's acceptance a, or less where t
 proposer estimates less (suffix decoding, from its trees' counts: a tree of greedy answers
 is sure of continuations that a request sampling at temperature 1 follows half the time).
 For each step (`choose`, with every request's proposal) the gate chooses how many of each
-request's drafts to verify for the most of the sum, over the step's B requests, of the log
-of each one's expected speed-up: (1 + E_i) time(B) / time(R) for a request verifying drafts
-of which E_i are expected accepted, time(B) / time(R) for one without, R the step's rows,
-at the measured cost of a step's rows (scheduler_svc/spec_step_cost.py). Alone (B = 1)
-that is the request's own tokens per second; in a batch a draft pays for the time it adds
-to every request's step, so no request is slowed for another's tokens, while drafts that
-most requests of the batch would see accepted still pay together. (At eight random-token
-requests, where some loop and their drafts pass, speculating those alone made the others'
-steps up to twice as long: the batch, which ends with its slowest request, finished 10-16%
-later than without drafts.) The sum grows less with each next draft of a request (its p_j
-do not grow), so adding drafts one at a time, each to the request it helps most, finds the
-best split of each total; the best total is then taken, whatever the shape of the costs.
+request's drafts to verify for the least mean time a token over the step's B requests,
+time(R) / (1 + E_i) for a request verifying drafts of which E_i are expected accepted
+(E_i = 0 without), R the step's rows, at the measured cost of a step's rows
+(scheduler_svc/spec_step_cost.py): the mean inter-token latency its requests see. Alone
+(B = 1) that is the request's own tokens per second; in a batch a draft pays for the time
+it adds to every request's step, so a few requests' drafts do not slow the others', while
+drafts that most of the batch would see accepted pay together. (At eight random-token
+requests, where six loop and their drafts pass, speculating those six made the other two's
+steps 2.3x as long: the batch, which ends with its slowest request, finished 10-16% later
+than without drafts, under a rule that counted tokens a second, and 5-11% later under one
+that counted the product of the requests' speed-ups.) Each next draft of a request cuts
+its time a token less than the one before (its p_j do not grow), so adding drafts one at a
+time, each where it cuts the most, finds the best split of each total; the best total is
+then taken, whatever the shape of the costs.
 """
 from __future__ import annotations
 
 import heapq
-import math
 import operator
 from collections import Counter
 from dataclasses import dataclass
@@ -97,21 +98,22 @@ class SpecGate:
             return {request_id: len(probabilities) for request_id, probabilities in candidates.items()}
         lengths = dict.fromkeys(candidates, 0)
         expected = dict.fromkeys(candidates, 1.0)  # 1 + E_i
-        # The next draft of each request, by what it adds to the log of the request's speed-up.
-        gains = [(-math.log1p(p[0]), request_id) for request_id, p in candidates.items()]
-        heapq.heapify(gains)
-        base, tokens_gain, best_gain, best_total, order = math.log(prices[requests - 1]), 0.0, 0.0, 0, []
-        while gains:
-            minus_gain, request_id = heapq.heappop(gains)
-            tokens_gain -= minus_gain
+        # The next draft of each request, by how much it cuts the request's time a token (in steps).
+        cuts = [(-(1 - 1 / (1 + p[0])), request_id) for request_id, p in candidates.items()]
+        heapq.heapify(cuts)
+        steps_a_token = float(requests)  # the sum over the step's requests of 1 / (1 + E_i)
+        best_time, best_total, order = prices[requests - 1] * steps_a_token, 0, []
+        while cuts:
+            minus_cut, request_id = heapq.heappop(cuts)
+            steps_a_token += minus_cut
             order.append(request_id)
             length = lengths[request_id] = lengths[request_id] + 1
             expected[request_id] += candidates[request_id][length - 1]
-            gain = tokens_gain - requests * (math.log(prices[requests + len(order) - 1]) - base)
-            if gain > best_gain:
-                best_gain, best_total = gain, len(order)
+            if prices[requests + len(order) - 1] * steps_a_token < best_time:
+                best_time, best_total = prices[requests + len(order) - 1] * steps_a_token, len(order)
             if length < len(candidates[request_id]):
-                heapq.heappush(gains, (-math.log1p(candidates[request_id][length] / expected[request_id]), request_id))
+                now = expected[request_id]
+                heapq.heappush(cuts, (-(1 / now - 1 / (now + candidates[request_id][length])), request_id))
         return Counter(order[:best_total])
 
     def observe(self, request_id: str, num_drafts: int, emitted: list[int]) -> None:

@@ -99,7 +99,7 @@ class SpecGate:
         lengths = dict.fromkeys(candidates, 0)
         expected = dict.fromkeys(candidates, 1.0)  # 1 + E_i
         # The next draft of each request, by how much it cuts the request's time a token (in steps).
-        cuts = [(-(1 - 1 / (1 + p[0])), request_id) for request_id, p in candidates.items()]
+        cuts = [(-_cut(1.0, p[0]), request_id) for request_id, p in candidates.items()]
         heapq.heapify(cuts)
         steps_a_token = float(requests)  # the sum over the step's requests of 1 / (1 + E_i)
         best_time, best_total, order = prices[requests - 1] * steps_a_token, 0, []
@@ -109,11 +109,11 @@ class SpecGate:
             order.append(request_id)
             length = lengths[request_id] = lengths[request_id] + 1
             expected[request_id] += candidates[request_id][length - 1]
-            if prices[requests + len(order) - 1] * steps_a_token < best_time:
-                best_time, best_total = prices[requests + len(order) - 1] * steps_a_token, len(order)
+            time = prices[requests + len(order) - 1] * steps_a_token
+            if time < best_time:
+                best_time, best_total = time, len(order)
             if length < len(candidates[request_id]):
-                now = expected[request_id]
-                heapq.heappush(cuts, (-(1 / now - 1 / (now + candidates[request_id][length])), request_id))
+                heapq.heappush(cuts, (-_cut(expected[request_id], candidates[request_id][length]), request_id))
         return Counter(order[:best_total])
 
     def observe(self, request_id: str, num_drafts: int, emitted: list[int]) -> None:
@@ -137,3 +137,9 @@ class SpecGate:
 
     def finish(self, request_id: str) -> None:
         self._estimates.pop(request_id, None)
+
+
+def _cut(expected: float, probability: float) -> float:
+    """How much a draft accepted with `probability` cuts a request's steps a token, 1 / (1 + E),
+    from `expected` = 1 + E."""
+    return 1 / expected - 1 / (expected + probability)

@@ -5,8 +5,8 @@ copy-heavy prompts have been generated plainly (one request at a time), any prop
 can be replayed exactly without the model: at each position the proposer drafts from the
 tokens known then, the drafts are accepted up to the first that differs from the output,
 and the step emits the accepted drafts plus one token. The replay uses the scheduler's own
-proposers (ngram, suffix with and without its step-cost cut) and the per-request gate
-(scheduler_svc/spec_gate.py). A step's time is priced by its rows with --step-costs (each row
+proposers (ngram, suffix) and gate (scheduler_svc/spec_gate.py), which cuts the drafts at
+the step costs (and, for suffix, also without that cut). A step's time is priced by its rows with --step-costs (each row
 count's worker time relative to a 1-row decode step, measured on the machine: the default is
 the 2-core AVX2 EPYC's, docs/speculative.md), so the machine's load does not change the counts.
 
@@ -28,7 +28,6 @@ os.environ["KVFLEET_NUM_THREADS"] = "2"
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-from collections.abc import Callable  # noqa: E402
 
 from benchmarks.speculative import SPECULATIVE_CONFIGS, copy_heavy_prompts  # noqa: E402
 from kvfleet import LLM, SamplingParams  # noqa: E402
@@ -56,16 +55,19 @@ def parse_costs(text: str) -> list[float]:
     return costs
 
 
-def replay(sequences: list[tuple[list[int], list[int]]], propose: Callable[[Request, int], list[int]],
-           finish: Callable[[Request], None], num_speculative_tokens: int, costs: list[float]) -> dict:
-    gate = SpecGate(None)
+def replay(sequences: list[tuple[list[int], list[int]]], proposer: Proposer, num_speculative_tokens: int,
+           costs: list[float], gate_costs: SpecStepCosts | None) -> dict:
+    """The proposer's steps over the outputs, its drafts cut by the gate at `gate_costs`
+    (None: not cut), each step priced at `costs`."""
+    gate = SpecGate(None, gate_costs)
     steps, spec_steps, zero, drafted, accepted, units = 0, 0, 0, 0, 0, 0.0
     for index, (prompt, output) in enumerate(sequences):
         request = Request(f"r{index}", prompt, SamplingParams(temperature=0.0), (0,))
         done = 0
         while done < len(output):
             k = min(num_speculative_tokens, MAX_TOKENS - done - 1)  # as the scheduler asks: never past max_tokens
-            drafts = gate.admit(request.request_id, propose(request, k) if k > 0 else [], 1)
+            proposal = proposer.propose(request, k) if k > 0 else ([], None)
+            drafts = gate.choose({request.request_id: proposal}, 1).get(request.request_id, []) if proposal[0] else []
             hits = 0
             while hits < len(drafts) and done + hits < len(output) and drafts[hits] == output[done + hits]:
                 hits += 1
@@ -78,7 +80,7 @@ def replay(sequences: list[tuple[list[int], list[int]]], propose: Callable[[Requ
                 drafted, accepted = drafted + len(drafts), accepted + hits
             request.output_token_ids += emitted
             done += len(emitted)
-        finish(request)
+        proposer.finish(request)
         gate.finish(request.request_id)
     tokens = sum(len(output) for _, output in sequences)
     return {"decode_steps": steps, "steps_with_drafts": spec_steps,
@@ -89,15 +91,13 @@ def replay(sequences: list[tuple[list[int], list[int]]], propose: Callable[[Requ
             "speedup": round(tokens / units, 3), "speedup_free_verification": round(tokens / steps, 3)}
 
 
-def proposer_for(config: dict, costs: list[float] | None) -> Proposer:
-    """The scheduler's proposer; with `costs`, suffix's cut priced at them."""
-    step_costs = None
-    if costs is not None:
-        step_costs = SpecStepCosts()
-        for rows, cost in enumerate(costs, 1):
-            step_costs.record(StepPlan(0, num_scheduled_tokens={"r": rows},
-                                       scheduled_spec_decode_tokens={"r": [0] * (rows - 1)} if rows > 1 else {}), cost)
-    return make_proposer(parse_speculative_config(config), step_costs)
+def measured(costs: list[float]) -> SpecStepCosts:
+    """Step costs as the scheduler keeps them, with every row count measured at `costs`."""
+    step_costs = SpecStepCosts()
+    for rows, cost in enumerate(costs, 1):
+        step_costs.record(StepPlan(0, num_scheduled_tokens={"r": rows},
+                                   scheduled_spec_decode_tokens={"r": [0] * (rows - 1)} if rows > 1 else {}), cost)
+    return step_costs
 
 
 def copy_oracle(sequences: list[tuple[list[int], list[int]]], costs: list[float], min_match: int, max_drafts: int,
@@ -147,9 +147,9 @@ def main() -> None:
     report: dict = {"step_costs": args.step_costs, "output_tokens": sum(len(o) for _, o in sequences)}
     configs = {**SPECULATIVE_CONFIGS, "suffix_uncut": SPECULATIVE_CONFIGS["suffix"]}
     for name, config in configs.items():
-        proposer = proposer_for(config, None if name == "suffix_uncut" else costs)
-        num_speculative_tokens = parse_speculative_config(config).num_speculative_tokens
-        report[name] = replay(sequences, proposer.propose, proposer.finish, num_speculative_tokens, costs)
+        spec = parse_speculative_config(config)
+        report[name] = replay(sequences, make_proposer(spec), spec.num_speculative_tokens, costs,
+                              None if name == "suffix_uncut" else measured(costs))
     for k in (3, 7):
         report[f"perfect_{k}_drafts"] = round(report["output_tokens"] / sum(
             -(-len(o) // (k + 1)) * costs[k] for _, o in sequences), 3)

@@ -41,7 +41,7 @@ def checked_call(x: torch.Tensor, bias: torch.Tensor | None, in_features: int, o
 def call_threads(macs: int, min_parallel_macs: int, decode_gemm: bool = False) -> int:
     """The threads a kernel call of `macs` multiply-adds takes: torch's count from
     `min_parallel_macs` on, else the calling thread alone; for a decode GEMM (the int16
-    kernels') in a decode step, every thread (decode_threads)."""
+    kernels') in a step whose pool helpers poll, every thread (decode_threads)."""
     if decode_gemm and decode_threads():
         return decode_threads()
     return torch.get_num_threads() if macs >= min_parallel_macs else 1

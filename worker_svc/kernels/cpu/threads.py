@@ -58,23 +58,25 @@ def configure_torch_threads(ranks_sharing_cores: int = 1) -> int:
 SINGLE_THREAD_MAX_TOKENS = 8
 
 
-class _SmallStep(threading.local):
-    threads = 0  # the threads decode_threads() gives in this thread's small step; 0 outside one
+class _PolledStep(threading.local):
+    threads = 0  # the threads decode_threads() gives in this thread's step while its pool polls; 0 outside one
 
 
-_small_step = _SmallStep()
+_polled_step = _PolledStep()
 
 
 def decode_threads() -> int:
-    """In a step of few tokens (step_threads), the threads kvfleet's decode GEMMs take (the
-    AVX2 int16 kernel, int16_gemm.py, and the AVX-512 VNNI one, vnni_gemm.py): all of the
-    engine's, the pool's helpers polling, while torch's ops run on one. One token's 4-bit
-    projections and 8-bit LM head took 6.8 ms on two threads against 11.6 on one on a
-    2-core AVX2 EPYC, 2.7 against 4.7 on a 2-core Sapphire Rapids-class Xeon
-    (benchmarks/roofline.py): the weights' read is what a decode step waits for, and one
-    core alone does not saturate memory. 0 outside such a step: callers then choose from
-    torch's count."""
-    return _small_step.threads
+    """In a step whose pool helpers poll (step_threads), the threads kvfleet's int16 GEMMs take
+    (the AVX2 kernel, int16_gemm.py, and the AVX-512 VNNI one, vnni_gemm.py), whatever their
+    size: all of the engine's, while in a step of few tokens torch's ops run on one. Waking
+    no thread, a call gains from every one: one token's 4-bit projections and 8-bit LM head
+    took 6.8 ms on two threads against 11.6 on one on a 2-core AVX2 EPYC, 2.7 against 4.7 on
+    a 2-core Sapphire Rapids-class Xeon (benchmarks/roofline.py: the weights' read is what a
+    decode step waits for, and one core alone does not saturate memory), and the 120
+    projections of a 12-row step 7.3 ms against 12.3 there (those under PASSIVE's 16M
+    multiply-adds had taken one thread in steps of more than 8 tokens). 0 outside such a
+    step: callers then choose from torch's count."""
+    return _polled_step.threads
 
 
 @contextmanager
@@ -93,16 +95,16 @@ def step_threads(device: torch.device, num_tokens: int, decode_gemms: bool = Fal
     polled = pool is not None and (decode_gemms or not small)
     if small:
         torch.set_num_threads(1)
-        _small_step.threads = threads if polled else 0
     if polled:
+        _polled_step.threads = threads
         pool.kvfleet_pool_steps(1)
     try:
         yield
     finally:
         if small:
             torch.set_num_threads(threads)
-            _small_step.threads = 0
         if polled:
+            _polled_step.threads = 0
             pool.kvfleet_pool_steps(-1)
 
 

@@ -4,8 +4,6 @@ they would not pay; and what decode steps cost on this machine, from which the g
 drafts."""
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler_config import SchedulerConfig
 from scheduler_svc.spec_gate import SpecGate
@@ -23,11 +21,10 @@ class Speculation:
         self.gate = SpecGate(self.spec.disable_by_batch_size, self.step_costs)
         self._drafts: dict[str, list[int]] = {}  # the step being planned's, by request
 
-    def start_step(self, running: Iterable[Request]) -> None:
+    def start_step(self, running: list[Request]) -> None:
         """A step is being planned for the `running` requests: each that decodes one token in
         it is proposed drafts, and the gate chooses, for the step as a whole, how many of them
         each verifies."""
-        running = list(running)
         proposals = {}
         for request in running:
             if (k := self._max_drafts(request)) > 0:

@@ -6,9 +6,9 @@ the global tree as they come, so both its own repetitions and the outputs of oth
 requests (agentic loops, repeated answers) propose. Its last token joins one step late:
 until the next one follows it, it predicts nothing, and in the tree it would match every
 pattern (which ends with it) at full length, making each proposal walk every length and
-counting an occurrence with no continuation into the probabilities. When it ends, its output stays in the
-global tree for the next requests; past `max_cached_requests` the oldest output is
-removed (0: outputs are kept only while their request runs). The pattern is the
+counting an occurrence with no continuation into the probabilities. When it ends, its
+output stays in the global tree for the next requests; past `max_cached_requests` the
+oldest output is removed (0: outputs are kept only while their request runs). The pattern is the
 request's last `max_tree_depth` tokens; of the prompt tree's and the global tree's
 drafts, the one with the higher score (expected accepted tokens) is proposed, with its
 tokens' estimated probabilities, from which the gate cuts it to the length that pays in

@@ -32,12 +32,11 @@ def verify(logits: torch.Tensor, requests: list[Verified],
     for _, drafts in requests:
         drafts_per_row += [*drafts, -1]
     params = [p for p, drafts in requests for _ in range(len(drafts) + 1)]
-    greedy_tokens = argmax(logits)
     if all(p.greedy for p in params):
-        target = greedy_tokens.tolist()
+        target = argmax(logits).tolist()
         accepted = [t == d for t, d in zip(target, drafts_per_row)]
     else:
-        target, accepted = _sample_rows(logits, params, drafts_per_row, greedy_tokens,
+        target, accepted = _sample_rows(logits, params, drafts_per_row,
                                         _proposal_rows(requests, draft_probs or [None] * len(requests)))
     return emitted_runs(requests, accepted, target)
 
@@ -76,7 +75,6 @@ def _proposal_rows(requests: list[Verified],
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], drafts_per_row: list[int],
-                 greedy_tokens: torch.Tensor,
                  proposals: tuple[list[int], torch.Tensor] | None) -> tuple[list[int], list[bool]]:
     """Per row: the token it emits if it is the first rejected (or the bonus row), and
     whether its draft is accepted. All rows at once: a uniform and a residual draw each."""
@@ -84,8 +82,8 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], drafts_per_
     columns = [torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
                for name, dtype in (("temperature", torch.float32), ("top_p", torch.float32),
                                    ("top_k", torch.long), ("min_p", torch.float32))]
-    probs = probabilities(logits, SamplingBatch.of(params, [None] * len(params), tuple(columns)))
-    greedy = columns[0] == 0
+    batch = SamplingBatch.of(params, [None] * len(params), tuple(columns))
+    probs = probabilities(logits, batch)
     drafts = torch.tensor(drafts_per_row, device=device)
     has_draft = drafts >= 0
     column = drafts.clamp(min=0)[:, None]
@@ -100,7 +98,9 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], drafts_per_
         proposal_probs[rows] = q.gather(-1, column[rows]).squeeze(-1)
         residual[rows] = (probs[rows] - q).clamp(min=0)
     accepted = has_draft & (torch.rand(len(params), device=device) * proposal_probs < draft_probs)
-    recovered = draw(residual)
-    target = torch.where(greedy, greedy_tokens, recovered)
-    accepted = torch.where(greedy, greedy_tokens == drafts, accepted)
+    target = draw(residual)
+    if batch.any_greedy:  # as sample(): an argmax only where a row takes it
+        greedy, greedy_tokens = batch.temperature == 0, argmax(logits)
+        target = torch.where(greedy, greedy_tokens, target)
+        accepted = torch.where(greedy, greedy_tokens == drafts, accepted)
     return target.tolist(), accepted.tolist()

@@ -191,6 +191,7 @@ class KvHandoff:
         self.failed_blocks += num_wanted - num_blocks
 
     def stats(self) -> KvTransferStats:
-        return KvTransferStats(self.bytes_per_request.snapshot(),
-                               self.transfer_seconds.snapshot(), self.expired_requests, self.failed_blocks,
-                               sum(len(held.block_ids) for held in self.held.values()))
+        # Held: the blocks of ended prefills, and those a running prefill has published so far.
+        held = sum(len(h.block_ids) for h in self.held.values()) + sum(n for _, n in self.publishing.values())
+        return KvTransferStats(self.bytes_per_request.snapshot(), self.transfer_seconds.snapshot(),
+                               self.expired_requests, self.failed_blocks, held)

@@ -20,12 +20,11 @@ from services.transport.role_services import WORKER
 from services.transport.server import RoleServer
 from worker_svc.runtime.kv_transfer import MAX_SERVED_FETCHES
 from worker_svc.runtime.plan_check import InvalidPlan, WrongWorkerInstance
-from worker_svc.runtime.worker import Worker
+from worker_svc.runtime.worker import SCHEDULER_GONE_S, Worker
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = WORKER.name
-SCHEDULER_GONE_S = 1.0
 TURN_TIMEOUT_S = 2.0
 
 
@@ -148,7 +147,7 @@ def _wait_until_released(worker: Worker, steps: threading.Lock, timeout_s: float
     logged = False
     while held := worker.num_requests:
         with steps:  # no step runs meanwhile
-            if time.monotonic() - worker.last_step_at > SCHEDULER_GONE_S:
+            if worker.scheduler_gone():
                 worker.drop_scheduler_state(f"its scheduler sent no step for {SCHEDULER_GONE_S} s")
                 break
         if time.monotonic() >= deadline:

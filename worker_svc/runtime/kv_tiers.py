@@ -49,4 +49,4 @@ def build_kv_transfer(worker: TieredWorker) -> tuple[KvTransfer, int, str]:
         files = file_tiers(config, key)
     transfer = config.kv_transfer
     peer = GrpcKvBlocks(worker.kv_caches, transfer.fetch_timeout_s if transfer is not None else DEFAULT_FETCH_TIMEOUT_S)
-    return KvTransfer(worker.kv_caches, host_caches, files, peer), num_host_blocks, key
+    return KvTransfer(worker.kv_caches, host_caches, files, peer, worker.scheduler_gone), num_host_blocks, key

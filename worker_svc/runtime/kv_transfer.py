@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -41,6 +41,8 @@ _HOLD_WAIT_S = 2.0
 # A streamed fetch's wait for the producer's prefill to publish its next block: a bound on a
 # thread a consumer that left would hold (the consumer's own fetch timeout ends it sooner).
 _PUBLISH_WAIT_S = 60.0
+# How often that wait asks whether the producer's scheduler is gone.
+_GONE_POLL_S = 0.25
 # Fetches served at once, each on a server thread of its own (a streamed one for as long as
 # the prefill runs): the worker's server has this many threads besides those the steps
 # need, and refuses more (their consumers recompute) rather than starve its steps.
@@ -49,8 +51,10 @@ MAX_SERVED_FETCHES = 16
 
 class KvTransfer:
     def __init__(self, kv_caches: list[torch.Tensor], host_caches: list[torch.Tensor],
-                 files: Sequence[BlockFiles], peer: KvBlockSource | None = None) -> None:
-        """`peer`: the worker-to-worker transport (docs/disaggregation.md)."""
+                 files: Sequence[BlockFiles], peer: KvBlockSource | None = None,
+                 scheduler_gone: Callable[[], bool] = lambda: False) -> None:
+        """`peer`: the worker-to-worker transport (docs/disaggregation.md); `scheduler_gone`:
+        whether this worker's scheduler is gone (its prefills will publish no more blocks)."""
         self.kv_caches = kv_caches
         self.host_caches = host_caches
         self._host = HostCopies(kv_caches, host_caches)
@@ -68,6 +72,7 @@ class KvTransfer:
         self._num_loading = 0
         self._load_finished = threading.Condition(self._lock)
         self.peer = peer
+        self._scheduler_gone = scheduler_gone
         self._sent: list[str] = []  # held requests a consumer fetched, for the next result
         self._num_serving = 0
         # Per request, the blocks its scheduler holds for a consumer, in the prompt's order;
@@ -134,8 +139,7 @@ class KvTransfer:
             by_position its place in the prompt, waited for until the prefill publishes it."""
             with self._load_finished:
                 if request.by_position:
-                    self._load_finished.wait_for(lambda: request.request_id not in self._holds
-                                                 or len(self._holds[request.request_id]) > entry, _PUBLISH_WAIT_S)
+                    self._wait_for_publish(request.request_id, entry)
                     blocks = self._holds.get(request.request_id, [])
                     block = blocks[entry] if entry < len(blocks) else -1
                 else:
@@ -152,6 +156,21 @@ class KvTransfer:
                 self._num_serving -= 1
                 self._sent.append(request.request_id)
                 self._load_finished.notify_all()
+
+    def _wait_for_publish(self, request_id: str, entry: int) -> None:
+        """Until the prefill has published block `entry` of the prompt, its hold ended, or
+        the scheduler that runs it is gone (then the consumer recomputes at once rather
+        than after its fetch timeout). Called with the lock held."""
+        deadline = time.monotonic() + _PUBLISH_WAIT_S
+        while (request_id in self._holds and len(self._holds[request_id]) <= entry
+               and time.monotonic() < deadline and not self._scheduler_gone()):
+            self._load_finished.wait(_GONE_POLL_S)
+
+    def end_holds(self) -> None:
+        """Its scheduler is gone: no block is served for its requests any more."""
+        with self._load_finished:
+            self._holds.clear()
+            self._load_finished.notify_all()
 
     def _change_holds(self, plan: StepPlan) -> None:
         """Before the plan's forward pass, which may write into blocks whose hold ended."""

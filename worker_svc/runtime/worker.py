@@ -42,6 +42,9 @@ if TYPE_CHECKING:
     from worker_svc.runtime.sampling.grammar import Grammars
 
 logger = logging.getLogger(__name__)
+# A scheduler with requests on a worker steps without pause: silent this long, it is gone.
+SCHEDULER_GONE_S = 1.0
+
 
 class Worker:
     def __init__(self, config: EngineConfig, group: RankGroup | None = None) -> None:
@@ -92,6 +95,7 @@ class Worker:
         self.pooler = Pooler(self.pooler_config, final_norm, head) if self.pooler_config is not None else None
         self.scheduler_instance_id = ""  # whose requests those are
         self.last_step_at = time.monotonic()  # when a step last began or ended
+        self._stepping = False
         self.drafter = self._drafter(config)
         if self.encoder:
             self._no_kv_cache()
@@ -304,17 +308,27 @@ class Worker:
             if plan.scheduler_instance_id != self.scheduler_instance_id:
                 self.drop_scheduler_state(f"scheduler instance {plan.scheduler_instance_id} took over")
                 self.scheduler_instance_id = plan.scheduler_instance_id
+            self._stepping = True
             try:
                 return self._execute(plan)
             finally:
-                self.last_step_at = time.monotonic()
+                self._stepping, self.last_step_at = False, time.monotonic()
+
+    def scheduler_gone(self) -> bool:
+        """No step runs and none came for SCHEDULER_GONE_S: a scheduler with requests here
+        steps without pause, so it is gone (killed, or cut off)."""
+        return not self._stepping and time.monotonic() - self.last_step_at > SCHEDULER_GONE_S
 
     def drop_scheduler_state(self, reason: str) -> None:
-        """Forgets the requests of a scheduler that is gone: nobody will ever end them."""
+        """Forgets the requests of a scheduler that is gone: nobody will ever end them.
+        Its KV holds end too: its successor plans those blocks anew, and a consumer still
+        reading them would take another request's KV for its own."""
         with self._state_lock:
             if self.requests:
                 logger.warning("dropping the state of %d requests: %s", len(self.requests), reason)
                 self._drop_requests()
+            if self.kv_transfer is not None:
+                self.kv_transfer.end_holds()
 
     def _execute(self, plan: StepPlan) -> StepResult | None:
         self._apply_deltas(plan)

@@ -1,0 +1,69 @@
+"""A prefill replica's worker serving the blocks its scheduler holds for decode replicas
+(worker_svc/runtime/kv_transfer.py): a fetch by position waits for the prefill to publish
+each next block, and stops at once (the consumer recomputes the rest) when the hold ends
+or the scheduler running that prefill is gone, rather than after the consumer's timeout."""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from services.kv_transfer_messages import KvFetchRequest
+from services.messages import StepPlan
+from worker_svc.runtime.kv_peer import GrpcKvBlocks
+from worker_svc.runtime.kv_transfer import KvTransfer
+
+NUM_BLOCKS = 8
+
+
+def producer(gone: threading.Event) -> tuple[KvTransfer, str]:
+    caches = [torch.arange(2 * NUM_BLOCKS * 4 * 2 * 3, dtype=torch.float32).view(2, NUM_BLOCKS, 4, 2, 3)]
+    peer = GrpcKvBlocks(caches, timeout_s=30.0)
+    return KvTransfer(caches, [], [], peer, scheduler_gone=gone.is_set), peer.layout
+
+
+def serve_all(transfer: KvTransfer, request: KvFetchRequest) -> tuple[list[int], BaseException | None, float]:
+    """The indexes served, how the stream ended, and when (seconds after it began)."""
+    served, started = [], time.monotonic()
+    try:
+        for block in transfer.serve(request):
+            served.append(block.index)
+    except ValueError as exc:
+        return served, exc, time.monotonic() - started
+    return served, None, time.monotonic() - started
+
+
+def test_a_fetch_by_position_follows_the_published_blocks_and_ends_with_the_hold() -> None:
+    gone = threading.Event()
+    transfer, layout = producer(gone)
+    transfer.apply(StepPlan(step_id=1, kv_holds={"r": [5, 2]}))
+    result: list = []
+    fetch = threading.Thread(target=lambda: result.append(serve_all(
+        transfer, KvFetchRequest("r", [0, 1, 2, 3], layout, by_position=True))))
+    fetch.start()
+    time.sleep(0.3)
+    transfer.apply(StepPlan(step_id=2, kv_holds={"r": [5, 2, 7]}))  # the next chunk published a block
+    time.sleep(0.3)
+    transfer.apply(StepPlan(step_id=3, kv_hold_ends=["r"]))  # preempted: its blocks are its own no more
+    fetch.join(5)
+    served, error, _ = result[0]
+    assert served == [0, 1, 2] and "hold ended" in str(error)
+
+
+def test_a_fetch_waiting_on_a_gone_scheduler_ends_at_once() -> None:
+    gone = threading.Event()
+    transfer, layout = producer(gone)
+    transfer.apply(StepPlan(step_id=1, kv_holds={"r": [1]}))
+    threading.Timer(0.3, gone.set).start()
+    served, error, seconds = serve_all(transfer, KvFetchRequest("r", [0, 1, 2], layout, by_position=True))
+    assert served == [0] and error is not None and seconds < 2.0
+
+
+def test_a_gone_schedulers_holds_end_for_its_successor() -> None:
+    """Blocks held for a dead scheduler's requests are its successor's to reuse: none is served."""
+    transfer, layout = producer(threading.Event())
+    transfer.apply(StepPlan(step_id=1, kv_holds={"r": [3, 4]}))
+    transfer.end_holds()
+    served, error, _ = serve_all(transfer, KvFetchRequest("r", [3, 4], layout))
+    assert served == [] and "hold ended" in str(error)

@@ -1,0 +1,219 @@
+"""Prefill/decode disaggregation as an operator starts it (real processes: nats-server,
+Redis, a tokenizer, one prefill replica and two decode replicas, each a `kvfleet worker`
+and a `kvfleet scheduler` given `--kv-transfer-config`, and two gateways), and its
+faults as kill -9 leaves them (docs/disaggregation.md):
+
+- every parity prompt gives, split, the text the decode replicas give it computed
+  there (the `local` gateway never splits: a combined replica's answer), and the decode
+  replicas' own metrics say they computed at most the last partial block of a split
+  prompt, the rest arriving from the prefill replica;
+- the prefill replica's worker, then its scheduler, killed while the prompt's blocks
+  stream to the decode side: the decode side recomputes what did not arrive at once (not
+  after its fetch timeout), the client gets the undisturbed text, and no block stays held
+  or taken on either side;
+- a decode replica's worker killed while split streams decode there: they migrate and
+  finish with the undisturbed text.
+They run in this order on one cluster; each killed role is started again after it.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from kvfleet.processes import free_port
+from services.model_source import resolve_model
+from services.registry import ClusterView, Registry
+from tokenizer_svc.tokenizer import Tokenizer
+
+from corpus import TEXT, parity_prompts
+from servers import HOST, RoleProcess, nats, redis_url  # noqa: F401  (fixtures)
+from test_worker_failover import health, wait_for
+
+BLOCK = 16
+LEASE_TTL_S = 3.0
+# Long: a fetch from a dead prefill replica must end at once, not when the consumer gives up.
+FETCH_TIMEOUT_S = 30.0
+# Dense float32: a request whose blocks did not all arrive computes the rest as one
+# prefill, and only the dense path computes those tokens as its decode steps would
+# whatever the batch (as in test_migration.py). The prefill replica computes 16 tokens a
+# step, so a long prompt's blocks stream to the decode side over many steps.
+ENGINE_FLAGS = ["--dtype", "float32", "--quantization", "none", "--max-model-len", "512",
+                "--kv-cache-memory", str(256 * 2**20)]
+PREFILL_STEP_TOKENS = 16
+REPLICAS = {"prefill": "kv_producer", "decode-a": "kv_consumer", "decode-b": "kv_consumer"}
+
+
+def transfer_config(kv_role: str) -> str:
+    return json.dumps({"kv_connector": "KvfleetConnector", "kv_role": kv_role,
+                       "kv_connector_extra_config": {"fetch_timeout_s": FETCH_TIMEOUT_S}})
+
+
+class Cluster:
+    def __init__(self, nats_url: str, redis_url: str) -> None:
+        self.registry = Registry(redis_url)
+        registry = ["--redis-url", redis_url, "--lease-ttl", str(LEASE_TTL_S)]
+        self.roles = {"tokenizer": RoleProcess("tokenizer", "--port", "0", *registry)}
+        self.metrics: dict[str, str] = {}  # each scheduler's /metrics
+        for name, kv_role in REPLICAS.items():
+            worker_port, metrics_port = free_port(), free_port()
+            self.metrics[name] = f"http://{HOST}:{metrics_port}/metrics"
+            config = ["--kv-transfer-config", transfer_config(kv_role)]
+            self.roles[f"worker-{name}"] = RoleProcess("worker", *ENGINE_FLAGS, *config, "--port", str(worker_port),
+                                                       *registry)
+            chunks = ["--max-num-batched-tokens", str(PREFILL_STEP_TOKENS)] if kv_role == "kv_producer" else []
+            self.roles[f"scheduler-{name}"] = RoleProcess(
+                "scheduler", *ENGINE_FLAGS, *config, *chunks, "--port", str(free_port()),
+                "--worker-address", f"{HOST}:{worker_port}", "--metrics-port", str(metrics_port),
+                "--nats-url", nats_url, *registry)
+        self.urls = {}
+        # `local` never splits: the decode replica computes the prompt, as a combined replica does.
+        for name, flags in (("split", []), ("local", ["--pd-min-prefill-tokens", str(10**6)])):
+            port = free_port()
+            self.roles[name] = RoleProcess("gateway", "--port", str(port), "--nats-url", nats_url, *registry, *flags)
+            self.urls[name] = f"http://{HOST}:{port}"
+
+    def logs(self) -> str:
+        return "\n".join(role.log_tail() for role in self.roles.values())
+
+    def wait_for_replicas(self) -> None:
+        def ready() -> bool:
+            every = len(ClusterView.read(self.registry).ready_schedulers) == len(REPLICAS)
+            return every and all(health(url) == 200 for url in self.urls.values())
+
+        wait_for(ready, 240, "the replicas did not come up", list(self.roles.values()))
+        time.sleep(2.0)  # the gateways' pollers have seen them all (every 0.5 s)
+
+    def restart(self, role: str) -> None:
+        fresh = self.roles[role] = self.roles[role].restarted()
+        wait_for(lambda: any(" serving on " in line for line in fresh.log), 120, f"the restarted {role} did not serve",
+                 [fresh])
+        self.wait_for_replicas()
+
+    def metric(self, replica: str, metric: str, **labels: str) -> float:
+        """A replica's metric from its scheduler's own /metrics, summed over the lines with `labels`."""
+        total = 0.0
+        for line in httpx.get(self.metrics[replica], timeout=5).text.splitlines():
+            if line.startswith(metric + "{") and all(f'{key}="{value}"' in line for key, value in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def prompt_tokens(self, replica: str) -> dict[str, float]:
+        """vllm:prompt_tokens_by_source_total on `replica`, by source."""
+        return {source: self.metric(replica, "vllm:prompt_tokens_by_source_total", source=source)
+                for source in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+
+    def decode_tokens(self) -> dict[str, float]:
+        """The same, summed over both decode replicas."""
+        by_replica = [self.prompt_tokens(name) for name in REPLICAS if name.startswith("decode")]
+        return {source: sum(tokens[source] for tokens in by_replica) for source in by_replica[0]}
+
+    def settled(self) -> bool:
+        """No request running or waiting, no block taken or held, on any replica."""
+        return all(self.metric(name, metric) == 0 for name in REPLICAS for metric in (
+            "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+            "kvfleet:kv_transfer_held_blocks"))
+
+
+@pytest.fixture(scope="module")
+def cluster(nats, redis_url) -> Iterator[Cluster]:
+    running = Cluster(nats.url, redis_url)
+    try:
+        running.wait_for_replicas()
+        yield running
+    finally:
+        for role in running.roles.values():
+            role.kill()
+        running.registry.close()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return parity_prompts(Tokenizer.load(resolve_model("smollm2")).encode(TEXT))
+
+
+def complete(url: str, prompt: list[int], salt: str, max_tokens: int = 8) -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+    # The salt keeps each run's blocks apart: the split run must not find the local run's cached.
+    return client.completions.create(model="smollm2", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                     extra_body={"ignore_eos": True, "cache_salt": salt}).choices[0].text
+
+
+def moved_tokens(length: int) -> int:
+    """A split prompt's tokens that arrive from the prefill replica: its full blocks but the
+    one of its last token (whose logits the decode replica computes)."""
+    return BLOCK * ((length - 1) // BLOCK)
+
+
+def test_split_prompts_give_the_combined_text_computing_at_most_a_partial_block(cluster: Cluster,
+                                                                                 prompts: list[list[int]]) -> None:
+    local = [complete(cluster.urls["local"], prompt, "local") for prompt in prompts]
+    before = cluster.decode_tokens()
+    split = [complete(cluster.urls["split"], prompt, "split") for prompt in prompts]
+    after = cluster.decode_tokens()
+    assert split == local, cluster.logs()
+    # Prompts of at most a block are computed on the decode side (a split would move nothing).
+    arriving = sum(moved_tokens(len(p)) for p in prompts if len(p) > BLOCK)
+    assert after["external_kv_transfer"] - before["external_kv_transfer"] == arriving
+    assert after["local_compute"] - before["local_compute"] == sum(len(p) for p in prompts) - arriving
+    assert after["local_cache_hit"] == before["local_cache_hit"]
+    wait_for(cluster.settled, 30, "a block stayed taken or held", list(cluster.roles.values()))
+
+
+@pytest.mark.parametrize("killed", ["worker-prefill", "scheduler-prefill"])
+def test_a_prefill_replica_killed_mid_transfer_changes_no_token(cluster: Cluster, prompts: list[list[int]],
+                                                                killed: str) -> None:
+    prompt = prompts[-1]  # 400 tokens: 25 prefill steps, 24 blocks to move
+    salt = f"killed-{killed}"
+    local = complete(cluster.urls["local"], prompt, f"local-{salt}", max_tokens=16)
+    before = cluster.decode_tokens()
+    result: list[str] = []
+    split = threading.Thread(target=lambda: result.append(complete(cluster.urls["split"], prompt, salt, 16)))
+    split.start()
+    # Half the prompt's blocks computed and held for the decode side, which fetches them as they come.
+    wait_for(lambda: cluster.metric("prefill", "kvfleet:kv_transfer_held_blocks") >= 12, 60,
+             "the prefill replica never held the prompt's blocks", list(cluster.roles.values()))
+    cluster.roles[killed].process.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    split.join(120)
+    ended = time.monotonic() - killed_at
+    # A dead worker's stream breaks; a dead scheduler's worker ends its holds a second on.
+    assert ended < FETCH_TIMEOUT_S / 3
+    assert result == [local], cluster.logs()
+    after = cluster.decode_tokens()
+    arrived = after["external_kv_transfer"] - before["external_kv_transfer"]
+    # Some blocks arrived before the kill, not all: the rest were computed on the decode side.
+    assert 0 < arrived < moved_tokens(len(prompt)), (arrived, cluster.logs())
+    assert after["local_compute"] - before["local_compute"] == len(prompt) - arrived
+    cluster.restart(killed)
+    wait_for(cluster.settled, 30, "a block stayed taken or held", list(cluster.roles.values()))
+
+
+def test_a_decode_replica_killed_mid_stream_migrates_its_split_streams(cluster: Cluster,
+                                                                       prompts: list[list[int]]) -> None:
+    long_prompts = [p for p in prompts if len(p) > 4 * BLOCK]
+    local = [complete(cluster.urls["local"], prompt, "local-decode-death", max_tokens=48) for prompt in long_prompts]
+    migrated = sum("migrating it with" in line for line in cluster.roles["split"].log)
+    results: dict[int, str] = {}
+
+    def run(index: int) -> None:
+        results[index] = complete(cluster.urls["split"], long_prompts[index], "decode-death", 48)
+
+    streams = [threading.Thread(target=run, args=(index,)) for index in range(len(long_prompts))]
+    for stream in streams:
+        stream.start()
+    # Both decode replicas decoding split requests.
+    wait_for(lambda: all(cluster.metric(name, "vllm:num_requests_running") > 0 for name in ("decode-a", "decode-b")),
+             120, "the split requests did not decode on both decode replicas", list(cluster.roles.values()))
+    cluster.roles["worker-decode-a"].process.send_signal(signal.SIGKILL)
+    for stream in streams:
+        stream.join(300)
+    assert [results.get(index) for index in range(len(long_prompts))] == local, cluster.logs()
+    assert sum("migrating it with" in line for line in cluster.roles["split"].log) > migrated
+    cluster.restart("worker-decode-a")

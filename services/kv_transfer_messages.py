@@ -6,7 +6,9 @@ output carries back `do_remote_prefill` with where the blocks are (`remote_host`
 `remote_port`: its worker; `remote_block_ids`; `remote_engine_id`: its scheduler;
 `remote_request_id`: whose blocks they are), which the request then carries to a
 consumer. The consumer's worker fetches the blocks from the producer's worker with
-`FetchKvBlocks` (a gRPC stream of `KvBlock`s), never through a scheduler or gateway.
+`FetchKvBlocks` (a gRPC stream of `KvBlock`s), never through a scheduler or gateway: the
+blocks' bytes in the stream, or, with vLLM's NixlConnector named, the stream naming the
+producer's blocks and the consumer reading them over NIXL.
 """
 from __future__ import annotations
 
@@ -54,10 +56,26 @@ class KvFetchRequest(msgspec.Struct, omit_defaults=True):
     # block_ids are places in the request's prompt (its 0th full block, ...), served as the
     # producer's prefill publishes them (remote_streamed)
     by_position: bool = False
+    # The consumer reads the blocks over NIXL: the stream says which block holds each, no bytes.
+    nixl: bool = False
 
 
 class KvBlock(msgspec.Struct, array_like=True):
-    """One block's KV, every layer's keys and values: [layer][k|v][token][head][dim]."""
+    """One block's KV, every layer's keys and values: [layer][k|v][token][head][dim]. Over
+    NIXL only its place: the consumer reads the bytes from the producer's memory itself."""
 
-    index: int  # its position in KvFetchRequest.block_ids
-    payload: bytes
+    index: int  # its position in KvFetchRequest.block_ids; -1: the NixlAgentInfo, in the payload
+    payload: bytes  # the block's bytes (empty over NIXL)
+    block: int = -1  # over NIXL: the producer's block that holds it, to read
+
+
+class NixlAgentInfo(msgspec.Struct, array_like=True):
+    """A producer worker's NIXL agent, first in a fetch over NIXL: what the consumer needs
+    to read its blocks (each layer's cache is [k|v][block][token][head][dim], contiguous)."""
+
+    name: str
+    metadata: bytes  # the agent's, for the consumer's add_remote_agent
+    mem_type: str  # DRAM or VRAM
+    device_id: int
+    num_blocks: int
+    layer_addresses: list[int]  # each layer's cache, where it starts

@@ -2,6 +2,8 @@
 checked before anything loads (docs/disaggregation.md)."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from services.config import ConfigError, EngineConfig
@@ -26,7 +28,8 @@ def test_vllm_configs_are_taken_and_kept_as_canonical_json() -> None:
     ("{", {}, "not JSON"),
     ('{"kv_connector": "KvfleetConnector", "kv_role": "kv_decoder"}', {},
      "kv_role 'kv_decoder': choose one of kv_producer, kv_consumer, kv_both"),
-    ('{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}', {}, "kvfleet's connector is KvfleetConnector"),
+    ('{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}', {},
+     "choose KvfleetConnector (blocks over gRPC) or NixlConnector"),
     ('{"kv_connector": "KvfleetConnector", "kv_role": "kv_both", "kv_lookup": 1}', {}, "kv_lookup: not supported"),
     ('{"kv_connector": "KvfleetConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"abort_timeout_s": 0}}',
      {}, "abort_timeout_s 0: give a positive number of seconds"),
@@ -38,3 +41,13 @@ def test_a_config_that_cannot_work_is_refused_naming_the_flag(value, engine, mes
     with pytest.raises(ConfigError, match="--kv-transfer-config") as refused:
         config(value, **engine)
     assert message in str(refused.value)
+
+
+def test_nixl_is_named_by_vllms_connector_and_refused_where_it_is_not_installed(monkeypatch) -> None:
+    reads = config('{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}').kv_transfer
+    assert reads.reads_over_nixl and not config('{"kv_connector": "KvfleetConnector", "kv_role": "kv_consumer"}'
+                                                ).kv_transfer.reads_over_nixl
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nixl" else real_find_spec(name, *a))
+    with pytest.raises(ConfigError, match="NixlConnector: NIXL is not installed"):
+        config('{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}')

@@ -1,16 +1,20 @@
 """A prefill replica's worker serving the blocks its scheduler holds for decode replicas
 (worker_svc/runtime/kv_transfer.py): a fetch by position waits for the prefill to publish
 each next block, and stops at once (the consumer recomputes the rest) when the hold ends
-or the scheduler running that prefill is gone, rather than after the consumer's timeout."""
+or the scheduler running that prefill is gone, rather than after the consumer's timeout.
+Over NIXL (kv_nixl.py) the consumer reads the named blocks itself, and a hold ends only
+once they are read."""
 from __future__ import annotations
 
 import threading
 import time
 
+import msgspec
 import torch
 
-from services.kv_transfer_messages import KvFetchRequest
+from services.kv_transfer_messages import KvFetchRequest, NixlAgentInfo
 from services.messages import StepPlan
+from worker_svc.runtime.kv_nixl import NixlBlocks
 from worker_svc.runtime.kv_peer import GrpcKvBlocks
 from worker_svc.runtime.kv_transfer import KvTransfer
 
@@ -67,3 +71,35 @@ def test_a_gone_schedulers_holds_end_for_its_successor() -> None:
     transfer.end_holds()
     served, error, _ = serve_all(transfer, KvFetchRequest("r", [3, 4], layout))
     assert served == [] and "hold ended" in str(error)
+
+
+def test_blocks_read_over_nixl_are_the_producers_and_a_hold_ends_once_they_are_read() -> None:
+    """The consumer reads the blocks the stream names straight from the producer's cache
+    into its own (two NIXL agents, UCX over this host); the producer's hold ends only
+    once the reads are done (their notifications came), and a block named but never
+    read holds it at most _SETTLE_S."""
+    caches = [torch.randn(2, NUM_BLOCKS, 4, 2, 3) for _ in range(3)]
+    nixl = NixlBlocks(caches)
+    transfer = KvTransfer(caches, [], [], GrpcKvBlocks(caches, 30.0, nixl))
+    transfer.apply(StepPlan(step_id=1, kv_holds={"r": [6, 1, 4]}))
+    layout = GrpcKvBlocks(caches, 30.0).layout
+    header, *named = transfer.serve(KvFetchRequest("r", [6, 1, 4], layout, nixl=True))
+    assert header.index == -1 and [(b.index, b.payload, b.block) for b in named] == [(0, b"", 6), (1, b"", 1),
+                                                                                      (2, b"", 4)]
+    producer = msgspec.msgpack.decode(header.payload, type=NixlAgentInfo)
+    mine = [torch.zeros_like(cache) for cache in caches]
+    consumer = NixlBlocks(mine)
+    reads = consumer.reads(producer, timeout_s=5.0)
+    for block, target in zip(named[:2], (0, 5)):
+        reads.post(block.block, target, f"r:{block.index}")
+    assert reads.finish() == 2 and reads.failed is None
+    for cache, copy in zip(caches, mine):
+        assert torch.equal(copy[:, 0], cache[:, 6]) and torch.equal(copy[:, 5], cache[:, 1])
+        assert not copy[:, 1:5].any()  # nothing else written
+    started = time.monotonic()
+    transfer.apply(StepPlan(step_id=2, kv_hold_ends=["r"]))  # the third block was named, never read
+    assert 1.5 < time.monotonic() - started < 5.0
+    transfer.apply(StepPlan(step_id=3, kv_holds={"s": [2]}))  # nothing named: nothing to wait for
+    started = time.monotonic()
+    transfer.apply(StepPlan(step_id=4, kv_hold_ends=["s"]))
+    assert time.monotonic() - started < 0.5

@@ -2,46 +2,50 @@
 transport behind the KV connector's remote loads.
 
 A producer's worker serves `FetchKvBlocks`: the blocks its scheduler holds for a
-consumer, one gRPC message per block ([layer][k|v][token][head][dim], the same bytes
-the file tiers store), in the order asked. A consumer's worker, told by a KvLoad whose
-`remote` is set, fetches them on a loader thread and copies each into its own device
-block as it arrives, so the copy overlaps the network. Which blocks and where they go
-is the schedulers' business; this moves bytes and says how many arrived whole.
-
-`KvBlockSource` is the seam for another transport (NIXL on GPU clusters, reading the
-producer's registered KV memory over RDMA or NVLink instead of a gRPC stream): the
-connector calls only `fetch` and `serve`.
+consumer, in the order asked, one gRPC message per block: its bytes
+([layer][k|v][token][head][dim], the same bytes the file tiers store), or, when the
+consumer reads over NIXL (kv_nixl.py: vLLM's NixlConnector named in its config), only
+which of the producer's blocks holds it, the first message saying where the producer's
+KV memory is. A consumer's worker, told by a KvLoad whose `remote` is set, fetches them
+on a loader thread and lands each in its own block as it arrives (copies the bytes in,
+or reads them over NIXL), so landing overlaps the stream. Which blocks and where they
+go is the schedulers' business; this moves bytes and says how many arrived whole.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol
 
 import grpc
+import msgspec
 import torch
 
-from services.kv_transfer_messages import KvBlock, KvFetchRequest, RemoteBlocks
+from services.kv_transfer_messages import KvBlock, KvFetchRequest, NixlAgentInfo, RemoteBlocks
 from services.transport.channel import open_channel
 from services.transport.role_services import WORKER
 from services.transport.rpc import Stub
+from worker_svc.runtime.kv_nixl import NixlBlocks, NixlReads
 
 logger = logging.getLogger(__name__)
 
 
 class KvBlockSource(Protocol):
-    def fetch(self, remote: RemoteBlocks, block_ids: list[int], land: Callable[[int, torch.Tensor], None]) -> int:
-        """Fetches the producer's `block_ids` in order, handing each to `land(index, block)`
-        as it arrives; returns how many leading blocks arrived whole."""
+    def fetch(self, remote: RemoteBlocks, sources: list[int], targets: list[int]) -> int:
+        """Fetches the producer's `sources` in order into this worker's blocks `targets`,
+        each as it arrives; returns how many leading blocks arrived whole."""
 
     def serve(self, request: KvFetchRequest, held: Callable[[int], AbstractContextManager[int]]
               ) -> Iterator[KvBlock]:
-        """The blocks a consumer asked of this worker, in its order; each read inside
-        `held(entry)`, which gives the block to read (`entry` is one, or its place in the
-        prompt) and raises (ValueError) unless it is held for the request: a block that is
-        not may be rewritten meanwhile."""
+        """The blocks a consumer asked of this worker, in its order; each read (or lent)
+        inside `held(entry)`, which gives the block to read (`entry` is one, or its place
+        in the prompt) and raises (ValueError) unless it is held for the request: a block
+        that is not may be rewritten meanwhile."""
+
+    def settle(self, request_ids: Iterable[str]) -> None:
+        """Their holds ended: returns once no consumer still reads their blocks."""
 
 
 def _armed(blocks: Iterator[KvBlock], arm: Callable[[], None] | None) -> Iterator[KvBlock]:
@@ -56,12 +60,17 @@ def _armed(blocks: Iterator[KvBlock], arm: Callable[[], None] | None) -> Iterato
 
 
 class GrpcKvBlocks:
-    def __init__(self, kv_caches: list[torch.Tensor], timeout_s: float) -> None:
+    def __init__(self, kv_caches: list[torch.Tensor], timeout_s: float, nixl: NixlBlocks | None = None,
+                 read_over_nixl: bool = False) -> None:
+        """`nixl`: this worker's NIXL agent, where NIXL is installed (it serves consumers
+        that read over NIXL); `read_over_nixl`: this worker's own fetches do."""
         self.kv_caches = kv_caches
         cache = kv_caches[0]
         self._block_shape = (len(kv_caches), 2, *cache.shape[2:])  # [layer][k|v][token][head][dim]
         self.layout = f"{str(cache.dtype).removeprefix('torch.')}:{'x'.join(map(str, self._block_shape))}"
         self._timeout_s = timeout_s
+        self._nixl = nixl
+        self._read_over_nixl = read_over_nixl and nixl is not None
         self._stubs: dict[str, Stub] = {}
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
@@ -70,20 +79,33 @@ class GrpcKvBlocks:
               ) -> Iterator[KvBlock]:
         if request.layout != self.layout:
             raise ValueError(f"the consumer's KV layout {request.layout} is not this worker's {self.layout}")
+        if request.nixl:
+            if self._nixl is None:
+                raise ValueError("this worker has no NIXL (pip install nixl) to serve a read over it")
+            yield KvBlock(-1, self._nixl.info())
         for index, entry in enumerate(request.block_ids):
-            with held(entry) as block:  # a copy (stack), taken while nothing can write the block
-                stacked = torch.stack([cache[:, block] for cache in self.kv_caches]).cpu()
-            yield KvBlock(index, stacked.contiguous().view(torch.uint8).numpy().tobytes())
+            with held(entry) as block:
+                if request.nixl:  # named, not copied: lent until the consumer has read it
+                    self._nixl.lend(request.request_id, index)
+                    named = KvBlock(index, b"", block)
+                else:  # a copy (stack), taken while nothing can write the block
+                    stacked = torch.stack([cache[:, block] for cache in self.kv_caches]).cpu()
+            yield named if request.nixl else KvBlock(index, stacked.contiguous().view(torch.uint8).numpy().tobytes())
 
-    def fetch(self, remote: RemoteBlocks, block_ids: list[int], land: Callable[[int, torch.Tensor], None]) -> int:
+    def settle(self, request_ids: Iterable[str]) -> None:
+        if self._nixl is not None:
+            self._nixl.settle(request_ids)
+
+    def fetch(self, remote: RemoteBlocks, sources: list[int], targets: list[int]) -> int:
         """The timeout bounds the whole fetch of held blocks; a streamed fetch (by position,
         beside the producer's prefill) lasts as long as that prefill, so there it bounds the
         wait for each next block instead."""
         count = 0
         blocks = self._stub(remote.address).FetchKvBlocks(
-            KvFetchRequest(remote.request_id, block_ids, self.layout, remote.by_position),
+            KvFetchRequest(remote.request_id, sources, self.layout, remote.by_position, self._read_over_nixl),
             timeout=None if remote.by_position else self._timeout_s)
         watchdog: threading.Timer | None = None
+        reads: NixlReads | None = None  # over NIXL, once the producer said where its blocks are
 
         def arm() -> None:
             nonlocal watchdog
@@ -95,19 +117,34 @@ class GrpcKvBlocks:
 
         try:
             for block in _armed(blocks, arm if remote.by_position else None):
+                if block.index < 0 and self._read_over_nixl:
+                    reads = self._nixl.reads(msgspec.msgpack.decode(block.payload, type=NixlAgentInfo),
+                                             self._timeout_s)
+                    continue
                 if block.index != count:
                     raise ValueError(f"block {block.index} came where block {count} was due")
-                payload = torch.frombuffer(bytearray(block.payload), dtype=torch.uint8)
-                land(count, payload.view(self.kv_caches[0].dtype).view(self._block_shape))
+                if reads is not None:
+                    reads.post(block.block, targets[count], f"{remote.request_id}:{count}")
+                    if reads.failed:
+                        raise ValueError(reads.failed)
+                else:
+                    self._land(block.payload, targets[count])
                 count += 1
         except (grpc.RpcError, ValueError) as exc:  # whatever arrived whole counts; the rest is recomputed
             details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             logger.warning("KV fetch of %s from %s stopped after %d of %d blocks: %s", remote.request_id,
-                           remote.address, count, len(block_ids), details)
+                           remote.address, count, len(sources), details)
         finally:
             if watchdog is not None:
                 watchdog.cancel()
-        return count
+        # Over NIXL the blocks named are whole once their READs are: none may land after this returns.
+        return reads.finish() if reads is not None else count
+
+    def _land(self, payload: bytes, target: int) -> None:
+        block = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv_caches[0].dtype)
+        block = block.view(self._block_shape).to(self.kv_caches[0].device)
+        for layer, cache in enumerate(self.kv_caches):
+            cache[:, target] = block[layer]
 
     def _stub(self, address: str) -> Stub:
         with self._lock:

@@ -3,6 +3,7 @@ beside the device pool, then the local and the shared directory, in the order a 
 tries them."""
 from __future__ import annotations
 
+import importlib.util
 from typing import Protocol
 
 import torch
@@ -14,6 +15,7 @@ from services.model_source import ModelSource
 from worker_svc.formats.model_config import ModelConfig
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block
 from worker_svc.runtime.kv_layout_key import layout_key
+from worker_svc.runtime.kv_nixl import NixlBlocks
 from worker_svc.runtime.kv_peer import GrpcKvBlocks
 from worker_svc.runtime.kv_transfer import KvTransfer
 
@@ -48,5 +50,9 @@ def build_kv_transfer(worker: TieredWorker) -> tuple[KvTransfer, int, str]:
                          runs_q4=worker.runs_q4, device=worker.device, block_size=worker.block_size)
         files = file_tiers(config, key)
     transfer = config.kv_transfer
-    peer = GrpcKvBlocks(worker.kv_caches, transfer.fetch_timeout_s if transfer is not None else DEFAULT_FETCH_TIMEOUT_S)
+    # Any worker serves consumers that read over NIXL where NIXL is installed (its agent is
+    # made at the first such fetch); its own fetches read over NIXL when its config says so.
+    nixl = NixlBlocks(worker.kv_caches) if importlib.util.find_spec("nixl") is not None else None
+    peer = GrpcKvBlocks(worker.kv_caches, transfer.fetch_timeout_s if transfer is not None else DEFAULT_FETCH_TIMEOUT_S,
+                        nixl, transfer is not None and transfer.reads_over_nixl)
     return KvTransfer(worker.kv_caches, host_caches, files, peer, worker.scheduler_gone), num_host_blocks, key

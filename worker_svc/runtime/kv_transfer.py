@@ -169,17 +169,23 @@ class KvTransfer:
     def end_holds(self) -> None:
         """Its scheduler is gone: no block is served for its requests any more."""
         with self._load_finished:
+            ended = list(self._holds)
             self._holds.clear()
             self._load_finished.notify_all()
+        self.peer.settle(ended)
 
     def _change_holds(self, plan: StepPlan) -> None:
-        """Before the plan's forward pass, which may write into blocks whose hold ended."""
+        """Before the plan's forward pass, which may write into blocks whose hold ended:
+        once they end no block of theirs is named to a consumer any more, and those named
+        already have been read (over NIXL the consumer reads them after)."""
         with self._load_finished:
             for request_id in plan.kv_hold_ends:
                 self._holds.pop(request_id, None)
             for request_id, blocks in plan.kv_holds.items():
                 self._holds[request_id] = list(blocks)
             self._load_finished.notify_all()
+        if plan.kv_hold_ends:
+            self.peer.settle(plan.kv_hold_ends)
 
     def take_sent_done(self) -> list[str]:
         with self._lock:
@@ -245,17 +251,11 @@ class KvTransfer:
                 self._load_finished.notify_all()
 
     def _fetch(self, load: KvLoad) -> None:
-        """A producer's blocks, each copied into its device block as it arrives."""
+        """A producer's blocks, each landed in its device block as it arrives."""
         count = 0
-
-        def land(index: int, block: torch.Tensor) -> None:
-            device_block = load.blocks[index][0]
-            block = block.to(self._device)
-            for layer, cache in enumerate(self.kv_caches):
-                cache[:, device_block] = block[layer]
-
         try:
-            count = self.peer.fetch(load.remote, [source for _, _, source in load.blocks], land)
+            count = self.peer.fetch(load.remote, [source for _, _, source in load.blocks],
+                                    [target for target, _, _ in load.blocks])
             if self._device.type == "cuda":
                 torch.cuda.current_stream(self._device).synchronize()  # whole before the scheduler hears of it
         except Exception:  # whatever went wrong, a miss: the blocks are recomputed

@@ -1,0 +1,204 @@
+"""KV blocks read over NIXL (NVIDIA's transfer library: what vLLM's NixlConnector, Dynamo
+and llm-d move KV with), one agent per worker, made at its first use.
+
+The consumer reads each block straight from the producer's memory into its own KV cache
+(one-sided READs: RDMA or NVLink between GPUs, UCX's shared memory or TCP between hosts);
+the gRPC fetch stream (kv_peer.py) only tells it which block holds each place, once
+the producer holds it. A READ is not seen by the producer, so the producer lends each
+block it names until the consumer's READ of it completes (the READ's notification
+says so), and a hold that ends waits for its lent blocks (`settle`) before the step that
+may write them again: a block is never rewritten while a consumer reads it.
+
+The agents run without NIXL's progress thread, which spins a core: on a 2-core host it
+halved the prefill replica's step rate. The consumer progresses its own READs as it
+waits for them; the producer, whose part of a READ (over TCP) and its notification need
+progress too, runs a thread of its own that does, only while it has blocks lent.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+
+import msgspec
+import torch
+
+from services.kv_transfer_messages import NixlAgentInfo
+
+logger = logging.getLogger(__name__)
+
+# How long a hold that ends waits for its consumer's READs to complete: a READ of a block
+# takes about a millisecond; one still running after this is a consumer that died.
+_SETTLE_S = 2.0
+_POLL_S = 0.0005  # how often a READ's state, and the producer's notifications, are looked at
+
+
+class NixlBlocks:
+    def __init__(self, kv_caches: list[torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+        cache = kv_caches[0]  # [k|v][block][token][head][dim] per layer, contiguous
+        self._num_blocks = cache.shape[1]
+        self._region_bytes = cache[0, 0].nbytes  # one block's keys (or values) of one layer
+        self._mem_type = "VRAM" if cache.is_cuda else "DRAM"
+        self._device_id = cache.device.index or 0
+        self._agent = None
+        self._made = threading.Lock()
+        self._peers: set[str] = set()  # producers' agents added
+        self._lent: dict[str, set[int]] = {}  # per held request, the places a consumer still reads
+        self._lent_changed = threading.Condition()
+        self._progressing = False
+
+    def _nixl(self):
+        with self._made:
+            if self._agent is None:
+                from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+                # Thread-safe: the loader threads read, the serving threads name blocks, the
+                # progress thread takes notifications.
+                config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                           sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+                agent = nixl_agent(f"kvfleet-{uuid.uuid4().hex}", config)
+                agent.register_memory(self.kv_caches)
+                self._agent = agent
+                logger.info("NIXL agent %s: %d KV caches registered (%s)", agent.name, len(self.kv_caches),
+                            self._mem_type)
+            return self._agent
+
+    # -- producer ------------------------------------------------------------------------
+
+    def info(self) -> bytes:
+        """What a consumer needs to read this worker's blocks, encoded."""
+        agent = self._nixl()
+        return msgspec.msgpack.encode(NixlAgentInfo(
+            agent.name, agent.get_agent_metadata(), self._mem_type, self._device_id, self._num_blocks,
+            [cache.data_ptr() for cache in self.kv_caches]))
+
+    def lend(self, request_id: str, index: int) -> None:
+        """The block at `index` of the request's fetch is named to its consumer: lent until read."""
+        with self._lent_changed:
+            self._lent.setdefault(request_id, set()).add(index)
+            if not self._progressing:
+                self._progressing = True
+                threading.Thread(target=self._progress, name="kvfleet-nixl-progress", daemon=True).start()
+
+    def _progress(self) -> None:
+        """While blocks are lent: progresses the agent, so that consumers' READs complete,
+        and returns each block whose READ's notification came."""
+        agent = self._nixl()
+        while True:
+            notifications = agent.get_new_notifs()
+            with self._lent_changed:
+                for messages in notifications.values():
+                    for message in messages:
+                        request_id, _, index = message.decode().rpartition(":")
+                        self._lent.get(request_id, set()).discard(int(index))
+                self._lent_changed.notify_all()
+                if not any(self._lent.values()):
+                    self._progressing = False
+                    return
+            time.sleep(_POLL_S)
+
+    def settle(self, request_ids: Iterable[str]) -> None:
+        """Returns once no consumer reads a block of these requests (their holds ended, so
+        their blocks may be written again), or after _SETTLE_S."""
+        request_ids = list(request_ids)
+        deadline = time.monotonic() + _SETTLE_S
+        with self._lent_changed:
+            while reading := [request_id for request_id in request_ids if self._lent.get(request_id)]:
+                if time.monotonic() >= deadline:
+                    logger.warning("NIXL: reads of the blocks of %s did not complete in %.0f s; their holds end",
+                                   reading, _SETTLE_S)
+                    break
+                self._lent_changed.wait(deadline - time.monotonic())
+            for request_id in request_ids:
+                self._lent.pop(request_id, None)
+
+    # -- consumer ------------------------------------------------------------------------
+
+    def reads(self, producer: NixlAgentInfo, timeout_s: float) -> NixlReads:
+        """One fetch's READs from `producer`."""
+        agent = self._nixl()
+        with self._made:
+            if producer.name not in self._peers:
+                agent.add_remote_agent(producer.metadata)
+                self._peers.add(producer.name)
+        return NixlReads(self, agent, producer, timeout_s)
+
+    def regions(self, layer_addresses: list[int], num_blocks: int, block: int, device_id: int
+                ) -> list[tuple[int, int, int]]:
+        """Each layer's keys, then values, of `block`: (address, bytes, device)."""
+        return [(address + (kv * num_blocks + block) * self._region_bytes, self._region_bytes, device_id)
+                for address in layer_addresses for kv in (0, 1)]
+
+    def local_regions(self, block: int) -> list[tuple[int, int, int]]:
+        return self.regions([cache.data_ptr() for cache in self.kv_caches], self._num_blocks, block, self._device_id)
+
+
+class NixlReads:
+    """One fetch's READs, each posted as its block is named and completed in order: the
+    next block's READ runs while the stream brings the one after."""
+
+    def __init__(self, blocks: NixlBlocks, agent, producer: NixlAgentInfo, timeout_s: float) -> None:
+        self._blocks, self._agent, self._producer, self._timeout_s = blocks, agent, producer, timeout_s
+        self._posted: list = []  # handles, in the blocks' order
+        self.num_done = 0  # leading READs completed
+        self.failed: str | None = None
+
+    def post(self, block: int, target: int, tag: str) -> None:
+        """Reads the producer's `block` into this worker's block `target`; `tag`
+        ("request:index") is the notification that tells the producer it was read."""
+        producer = self._producer
+        remote = self._agent.get_xfer_descs(
+            self._blocks.regions(producer.layer_addresses, producer.num_blocks, block, producer.device_id),
+            producer.mem_type)
+        local = self._agent.get_xfer_descs(self._blocks.local_regions(target), self._blocks._mem_type)
+        try:
+            handle = self._agent.initialize_xfer("READ", local, remote, producer.name, tag.encode())
+            self._agent.transfer(handle)
+        except Exception as exc:  # the producer disconnected: this block and those after it are recomputed
+            self._collect(wait=True)
+            self.failed = self.failed or f"the NIXL read of block {len(self._posted)} could not start: {exc}"
+            return
+        self._posted.append(handle)
+        self._collect(wait=False)
+
+    def finish(self) -> int:
+        """Waits for every posted READ (at most the timeout each; those after a failed one
+        too, so that none lands in a block the scheduler has the worker recompute);
+        returns how many leading ones completed. A READ still running then is left to the
+        agent: its handle cannot be released."""
+        self._collect(wait=True)
+        for handle in self._posted[self.num_done + 1:]:
+            if self._wait(handle) != "PROC":
+                self._agent.release_xfer_handle(handle)
+        return self.num_done
+
+    def _state(self, handle) -> str:
+        """DONE, PROC or ERR; ERR too where the agent raises (the producer disconnected)."""
+        try:
+            return self._agent.check_xfer_state(handle)
+        except Exception as exc:  # the bindings' errors (nixlRemoteDisconnectError, ...) share no base of their own
+            logger.warning("NIXL read from %s: %s", self._producer.name, exc)
+            return "ERR"
+
+    def _wait(self, handle) -> str:
+        deadline = time.monotonic() + self._timeout_s
+        while (state := self._state(handle)) == "PROC" and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        return state
+
+    def _collect(self, wait: bool) -> None:
+        """Counts the leading READs completed; with `wait`, waits for each in turn."""
+        while self.num_done < len(self._posted) and self.failed is None:
+            handle = self._posted[self.num_done]
+            state = self._wait(handle) if wait else self._state(handle)
+            if state == "PROC" and not wait:
+                return
+            if state == "DONE":
+                self._agent.release_xfer_handle(handle)
+                self.num_done += 1
+            else:
+                self.failed = f"the NIXL read of block {self.num_done} {'failed' if state == 'ERR' else 'timed out'}"
+                logger.warning("%s from %s", self.failed, self._producer.name)

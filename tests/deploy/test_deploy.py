@@ -606,7 +606,7 @@ def allowed_paths(rendered: Rendered) -> dict[str, set[tuple[str, str]]]:
             for peer in rule.get("from", []):
                 components = peer_components(peer)
                 whos.append("+".join(sorted(components)) if components is not None else json.dumps(peer, sort_keys=True))
-            for port in rule["ports"]:
+            for port in rule.get("ports", [{"port": "any"}]):  # a rule without ports opens them all
                 assert set(port) == {"port"}  # TCP, the default
                 for who in whos or ["anyone"]:
                     paths.setdefault(component, set()).add((port["port"], who))
@@ -695,6 +695,13 @@ def test_disaggregation_runs_a_prefill_and_a_decode_pool():
     assert "--pd-min-prefill-tokens=16" in gateway["args"]
     default = render("default")
     assert not default.find("Deployment", f"{RELEASE}-prefill") and "kv-transfer-config" not in str(default.manifests)
+    # Over NIXL: vLLM's connector named, and replica pods reach each other on UCX's ports, any of them.
+    nixl = render_values({"disaggregation": {"enabled": True, "connector": "NixlConnector"}})
+    scheduler = next(c for c in containers(nixl.one("Deployment", f"{RELEASE}-prefill")["spec"]["template"]["spec"])
+                     if c["name"] == "scheduler")
+    assert '"kv_connector":"NixlConnector"' in str(scheduler["args"])
+    assert ("any", "replica") in allowed_paths(nixl)["replica"]
+    assert not any(port == "worker-grpc" for port, _ in allowed_paths(nixl)["replica"])
 
 
 def test_an_extra_model_gets_its_own_replicas_tokenizers_and_flags_and_the_gateway_serves_it():

@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation as an operator starts it (real processes: nats-server,
 Redis, a tokenizer, one prefill replica and two decode replicas, each a `kvfleet worker`
-and a `kvfleet scheduler` given `--kv-transfer-config`, and two gateways), and its
-faults as kill -9 leaves them (docs/disaggregation.md):
+and a `kvfleet scheduler` given `--kv-transfer-config` with vLLM's NixlConnector, so the
+decode workers read the blocks over NIXL, and two gateways), and its faults as kill -9
+leaves them (docs/disaggregation.md):
 
 - every parity prompt gives, split, the text the decode replicas give it computed
   there (the `local` gateway never splits: a combined replica's answer), and the decode
@@ -51,7 +52,9 @@ REPLICAS = {"prefill": "kv_producer", "decode-a": "kv_consumer", "decode-b": "kv
 
 
 def transfer_config(kv_role: str) -> str:
-    return json.dumps({"kv_connector": "KvfleetConnector", "kv_role": kv_role,
+    # The decode replicas read the blocks over NIXL (tests/system/test_disaggregation.py's
+    # pair moves them in the gRPC stream): vLLM's connector, as its users name it.
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role,
                        "kv_connector_extra_config": {"fetch_timeout_s": FETCH_TIMEOUT_S}})
 
 
@@ -163,6 +166,8 @@ def test_split_prompts_give_the_combined_text_computing_at_most_a_partial_block(
     assert after["external_kv_transfer"] - before["external_kv_transfer"] == arriving
     assert after["local_compute"] - before["local_compute"] == sum(len(p) for p in prompts) - arriving
     assert after["local_cache_hit"] == before["local_cache_hit"]
+    # The bytes moved over NIXL: the prefill worker made its agent when a decode worker asked to read.
+    assert any("NIXL agent" in line for line in cluster.roles["worker-prefill"].log)
     wait_for(cluster.settled, 30, "a block stayed taken or held", list(cluster.roles.values()))
 
 
@@ -181,17 +186,19 @@ def test_a_prefill_replica_killed_mid_transfer_changes_no_token(cluster: Cluster
              "the prefill replica never held the prompt's blocks", list(cluster.roles.values()))
     cluster.roles[killed].process.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
-    split.join(120)
-    ended = time.monotonic() - killed_at
-    # A dead worker's stream breaks; a dead scheduler's worker ends its holds a second on.
-    assert ended < FETCH_TIMEOUT_S / 3
-    assert result == [local], cluster.logs()
-    after = cluster.decode_tokens()
-    arrived = after["external_kv_transfer"] - before["external_kv_transfer"]
-    # Some blocks arrived before the kill, not all: the rest were computed on the decode side.
-    assert 0 < arrived < moved_tokens(len(prompt)), (arrived, cluster.logs())
-    assert after["local_compute"] - before["local_compute"] == len(prompt) - arrived
-    cluster.restart(killed)
+    try:
+        split.join(120)
+        ended = time.monotonic() - killed_at
+        # A dead worker's stream breaks; a dead scheduler's worker ends its holds a second on.
+        assert ended < FETCH_TIMEOUT_S / 3
+        assert result == [local], cluster.logs()
+        after = cluster.decode_tokens()
+        arrived = after["external_kv_transfer"] - before["external_kv_transfer"]
+        # Some blocks arrived before the kill, not all: the rest were computed on the decode side.
+        assert 0 < arrived < moved_tokens(len(prompt)), (arrived, cluster.logs())
+        assert after["local_compute"] - before["local_compute"] == len(prompt) - arrived
+    finally:
+        cluster.restart(killed)
     wait_for(cluster.settled, 30, "a block stayed taken or held", list(cluster.roles.values()))
 
 
@@ -212,8 +219,10 @@ def test_a_decode_replica_killed_mid_stream_migrates_its_split_streams(cluster: 
     wait_for(lambda: all(cluster.metric(name, "vllm:num_requests_running") > 0 for name in ("decode-a", "decode-b")),
              120, "the split requests did not decode on both decode replicas", list(cluster.roles.values()))
     cluster.roles["worker-decode-a"].process.send_signal(signal.SIGKILL)
-    for stream in streams:
-        stream.join(300)
-    assert [results.get(index) for index in range(len(long_prompts))] == local, cluster.logs()
-    assert sum("migrating it with" in line for line in cluster.roles["split"].log) > migrated
-    cluster.restart("worker-decode-a")
+    try:
+        for stream in streams:
+            stream.join(300)
+        assert [results.get(index) for index in range(len(long_prompts))] == local, cluster.logs()
+        assert sum("migrating it with" in line for line in cluster.roles["split"].log) > migrated
+    finally:
+        cluster.restart("worker-decode-a")

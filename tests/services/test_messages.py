@@ -8,7 +8,7 @@ import pytest
 
 from services.histogram_counts import HistogramCounts
 from services.invalid_parameter import InvalidParameter
-from services.kv_transfer_messages import KvBlock, KvFetchRequest, KvTransferParams, RemoteBlocks
+from services.kv_transfer_messages import KvBlock, KvFetchRequest, KvTransferParams, NixlAgentInfo, RemoteBlocks
 from services.lora_request import LoRARequest
 from services.messages import (
     CacheConfigInfo,
@@ -134,7 +134,8 @@ MESSAGES = [
     TokenizeBatchResponse([TokenizeResult(TOKENIZED, "messages: must not be empty")]), TOKENIZED,
     DetokenizeRequest([1, 2], False, False), DetokenizeResponse("hi"), TokenizerDescription("m", 49152, 2, 1, True),
     TokenizerChunk(b"zip", "0" * 64),
-    KvFetchRequest("p1", [3, 4], "float32:30x2x16x3x64", True), KvBlock(1, b"\x09" * 8),
+    KvFetchRequest("p1", [3, 4], "float32:30x2x16x3x64", True, True), KvBlock(1, b"\x09" * 8, 7),
+    NixlAgentInfo("kvfleet-a", b"\x0a" * 8, "DRAM", 0, 512, [2**40, 2**40 + 2**20]),
 ]
 
 

@@ -23,19 +23,19 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
 
 from kvfleet.processes import free_port
 from services.model_source import resolve_model
-from services.registry import ClusterView, Registry
 from tokenizer_svc.tokenizer import Tokenizer
 
 from corpus import TEXT, parity_prompts
+from role_cluster import RoleCluster, serving
 from servers import HOST, RoleProcess, nats, redis_url  # noqa: F401  (fixtures)
-from test_worker_failover import health, wait_for
+from test_worker_failover import wait_for
 
 BLOCK = 16
 LEASE_TTL_S = 3.0
@@ -43,11 +43,11 @@ LEASE_TTL_S = 3.0
 FETCH_TIMEOUT_S = 30.0
 # Dense float32: a request whose blocks did not all arrive computes the rest as one
 # prefill, and only the dense path computes those tokens as its decode steps would
-# whatever the batch (as in test_migration.py). The prefill replica computes 16 tokens a
+# whatever the batch (as in test_migration.py). The prefill replica computes 32 tokens a
 # step, so a long prompt's blocks stream to the decode side over many steps.
 ENGINE_FLAGS = ["--dtype", "float32", "--quantization", "none", "--max-model-len", "512",
                 "--kv-cache-memory", str(256 * 2**20)]
-PREFILL_STEP_TOKENS = 16
+PREFILL_STEP_TOKENS = 32
 REPLICAS = {"prefill": "kv_producer", "decode-a": "kv_consumer", "decode-b": "kv_consumer"}
 
 
@@ -58,12 +58,11 @@ def transfer_config(kv_role: str) -> str:
                        "kv_connector_extra_config": {"fetch_timeout_s": FETCH_TIMEOUT_S}})
 
 
-class Cluster:
+class Cluster(RoleCluster):
     def __init__(self, nats_url: str, redis_url: str) -> None:
-        self.registry = Registry(redis_url)
+        super().__init__(redis_url, num_replicas=len(REPLICAS))
         registry = ["--redis-url", redis_url, "--lease-ttl", str(LEASE_TTL_S)]
-        self.roles = {"tokenizer": RoleProcess("tokenizer", "--port", "0", *registry)}
-        self.metrics: dict[str, str] = {}  # each scheduler's /metrics
+        self.roles["tokenizer"] = RoleProcess("tokenizer", "--port", "0", *registry)
         for name, kv_role in REPLICAS.items():
             worker_port, metrics_port = free_port(), free_port()
             self.metrics[name] = f"http://{HOST}:{metrics_port}/metrics"
@@ -75,37 +74,11 @@ class Cluster:
                 "scheduler", *ENGINE_FLAGS, *config, *chunks, "--port", str(free_port()),
                 "--worker-address", f"{HOST}:{worker_port}", "--metrics-port", str(metrics_port),
                 "--nats-url", nats_url, *registry)
-        self.urls = {}
         # `local` never splits: the decode replica computes the prompt, as a combined replica does.
         for name, flags in (("split", []), ("local", ["--pd-min-prefill-tokens", str(10**6)])):
             port = free_port()
             self.roles[name] = RoleProcess("gateway", "--port", str(port), "--nats-url", nats_url, *registry, *flags)
             self.urls[name] = f"http://{HOST}:{port}"
-
-    def logs(self) -> str:
-        return "\n".join(role.log_tail() for role in self.roles.values())
-
-    def wait_for_replicas(self) -> None:
-        def ready() -> bool:
-            every = len(ClusterView.read(self.registry).ready_schedulers) == len(REPLICAS)
-            return every and all(health(url) == 200 for url in self.urls.values())
-
-        wait_for(ready, 240, "the replicas did not come up", list(self.roles.values()))
-        time.sleep(2.0)  # the gateways' pollers have seen them all (every 0.5 s)
-
-    def restart(self, role: str) -> None:
-        fresh = self.roles[role] = self.roles[role].restarted()
-        wait_for(lambda: any(" serving on " in line for line in fresh.log), 120, f"the restarted {role} did not serve",
-                 [fresh])
-        self.wait_for_replicas()
-
-    def metric(self, replica: str, metric: str, **labels: str) -> float:
-        """A replica's metric from its scheduler's own /metrics, summed over the lines with `labels`."""
-        total = 0.0
-        for line in httpx.get(self.metrics[replica], timeout=5).text.splitlines():
-            if line.startswith(metric + "{") and all(f'{key}="{value}"' in line for key, value in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
 
     def prompt_tokens(self, replica: str) -> dict[str, float]:
         """vllm:prompt_tokens_by_source_total on `replica`, by source."""
@@ -126,19 +99,19 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(nats, redis_url) -> Iterator[Cluster]:
-    running = Cluster(nats.url, redis_url)
-    try:
-        running.wait_for_replicas()
-        yield running
-    finally:
-        for role in running.roles.values():
-            role.kill()
-        running.registry.close()
+    with serving(Cluster(nats.url, redis_url)) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     return parity_prompts(Tokenizer.load(resolve_model("smollm2")).encode(TEXT))
+
+
+def complete_all(url: str, prompts: list[list[int]], salt: str, max_tokens: int = 8) -> list[str]:
+    """Each prompt's text, the requests at once."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda prompt: complete(url, prompt, salt, max_tokens), prompts))
 
 
 def complete(url: str, prompt: list[int], salt: str, max_tokens: int = 8) -> str:
@@ -156,9 +129,9 @@ def moved_tokens(length: int) -> int:
 
 def test_split_prompts_give_the_combined_text_computing_at_most_a_partial_block(cluster: Cluster,
                                                                                  prompts: list[list[int]]) -> None:
-    local = [complete(cluster.urls["local"], prompt, "local") for prompt in prompts]
+    local = complete_all(cluster.urls["local"], prompts, "local")
     before = cluster.decode_tokens()
-    split = [complete(cluster.urls["split"], prompt, "split") for prompt in prompts]
+    split = complete_all(cluster.urls["split"], prompts, "split")
     after = cluster.decode_tokens()
     assert split == local, cluster.logs()
     # Prompts of at most a block are computed on the decode side (a split would move nothing).
@@ -174,15 +147,15 @@ def test_split_prompts_give_the_combined_text_computing_at_most_a_partial_block(
 @pytest.mark.parametrize("killed", ["worker-prefill", "scheduler-prefill"])
 def test_a_prefill_replica_killed_mid_transfer_changes_no_token(cluster: Cluster, prompts: list[list[int]],
                                                                 killed: str) -> None:
-    prompt = prompts[-1]  # 400 tokens: 25 prefill steps, 24 blocks to move
+    prompt = prompts[-1]  # 400 tokens: 13 prefill steps, 24 blocks to move
     salt = f"killed-{killed}"
     local = complete(cluster.urls["local"], prompt, f"local-{salt}", max_tokens=16)
     before = cluster.decode_tokens()
     result: list[str] = []
     split = threading.Thread(target=lambda: result.append(complete(cluster.urls["split"], prompt, salt, 16)))
     split.start()
-    # Half the prompt's blocks computed and held for the decode side, which fetches them as they come.
-    wait_for(lambda: cluster.metric("prefill", "kvfleet:kv_transfer_held_blocks") >= 12, 60,
+    # A third of the prompt's blocks computed and held for the decode side, which fetches them as they come.
+    wait_for(lambda: cluster.metric("prefill", "kvfleet:kv_transfer_held_blocks") >= 8, 60,
              "the prefill replica never held the prompt's blocks", list(cluster.roles.values()))
     cluster.roles[killed].process.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
@@ -205,7 +178,7 @@ def test_a_prefill_replica_killed_mid_transfer_changes_no_token(cluster: Cluster
 def test_a_decode_replica_killed_mid_stream_migrates_its_split_streams(cluster: Cluster,
                                                                        prompts: list[list[int]]) -> None:
     long_prompts = [p for p in prompts if len(p) > 4 * BLOCK]
-    local = [complete(cluster.urls["local"], prompt, "local-decode-death", max_tokens=48) for prompt in long_prompts]
+    local = complete_all(cluster.urls["local"], long_prompts, "local-decode-death", max_tokens=48)
     migrated = sum("migrating it with" in line for line in cluster.roles["split"].log)
     results: dict[int, str] = {}
 

@@ -28,9 +28,9 @@ from planner.actuator import Actuator
 from planner.decision import Capacity, Decision
 from planner.fleet import FleetReader
 from planner.kube import Deployments
-from services.registry import ClusterView, Registry
 
 from fake_kube import FakeKubeApi
+from role_cluster import RoleCluster, serving
 from servers import HOST, RoleProcess, nats, redis_url  # noqa: F401  (fixtures)
 from streamed_chat import StreamedChat, in_flight
 from test_worker_failover import health, wait_for
@@ -51,12 +51,11 @@ def request(index: int, max_tokens: int = TOKENS) -> dict:
             "max_tokens": max_tokens, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
-class Cluster:
+class Cluster(RoleCluster):
     def __init__(self, nats_url: str, redis_url: str) -> None:
-        self.registry = Registry(redis_url)
+        super().__init__(redis_url, num_replicas=2)
         registry = ["--redis-url", redis_url, "--lease-ttl", str(LEASE_TTL_S)]
-        self.roles = {"tokenizer": RoleProcess("tokenizer", "--port", "0", *registry)}
-        self.metrics: dict[str, str] = {}  # each scheduler's /metrics
+        self.roles["tokenizer"] = RoleProcess("tokenizer", "--port", "0", *registry)
         for name in ("a", "b"):
             worker_port, metrics_port = free_port(), free_port()
             self.metrics[name] = f"http://{HOST}:{metrics_port}/metrics"
@@ -66,41 +65,16 @@ class Cluster:
                 "--worker-step-timeout", str(STEP_TIMEOUT_S), "--metrics-port", str(metrics_port),
                 "--nats-url", nats_url, *registry)
         self.nats_url, self.registry_flags = nats_url, registry
-        self.urls = {}
         for name, flags in (("gateway", []), ("gateway-no-migration", ["--migration-limit", "0"])):
             port = free_port()
             self.roles[name] = RoleProcess("gateway", "--port", str(port), "--nats-url", nats_url, *registry, *flags)
             self.urls[name] = f"http://{HOST}:{port}"
 
-    def logs(self) -> str:
-        return "\n".join(role.log_tail() for role in self.roles.values())
-
-    def wait_for_both_replicas(self) -> None:
-        def ready() -> bool:
-            both = len(ClusterView.read(self.registry).ready_schedulers) == 2
-            return both and all(health(url) == 200 for url in self.urls.values())
-
-        wait_for(ready, 180, "both replicas did not come up", list(self.roles.values()))
-        time.sleep(2.0)  # the gateways' pollers have seen both (every 0.5 s)
-
-    def restart(self, role: str) -> None:
-        fresh = self.roles[role] = self.roles[role].restarted()
-        # The killed process's lease may stand for a TTL yet: "both ready" means nothing until the new one serves.
-        wait_for(lambda: any(" serving on " in line for line in fresh.log), 120, f"the restarted {role} did not serve",
-                 [fresh])
-        self.wait_for_both_replicas()
-
 
 @pytest.fixture(scope="module")
 def cluster(nats, redis_url) -> Iterator[Cluster]:
-    running = Cluster(nats.url, redis_url)
-    try:
-        running.wait_for_both_replicas()
-        yield running
-    finally:
-        for role in running.roles.values():
-            role.kill()
-        running.registry.close()
+    with serving(Cluster(nats.url, redis_url)) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
@@ -110,15 +84,9 @@ def reference(cluster: Cluster) -> list[str]:
     return [client.chat.completions.create(**request(index)).choices[0].message.content for index in range(STREAMS)]
 
 
-def scheduler_metric(cluster: Cluster, name: str, metric: str) -> float:
-    """A replica's metric (summed over its labels), from its scheduler's own /metrics."""
-    lines = httpx.get(cluster.metrics[name], timeout=5).text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(metric + "{"))
-
-
 def prefix_metrics(cluster: Cluster) -> dict[str, dict[str, float]]:
     metrics = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
-    return {name: {metric: scheduler_metric(cluster, name, metric) for metric in metrics} for name in cluster.metrics}
+    return {name: {metric: cluster.metric(name, metric) for metric in metrics} for name in cluster.metrics}
 
 
 def complete(url: str, prompt: str, max_tokens: int = 2) -> None:
@@ -134,13 +102,13 @@ def routes_by_prefix(cluster: Cluster, url: str, warm: str) -> None:
     meanwhile, must go there too (a least-load router would send them to the other)."""
     blocker = threading.Thread(target=complete, args=(url, PREFIX + " Tell a long story.", 100))
     blocker.start()
-    wait_for(lambda: scheduler_metric(cluster, warm, "vllm:num_requests_running") == 1, 30,
+    wait_for(lambda: cluster.metric(warm, "vllm:num_requests_running") == 1, 30,
              "the long request did not go where its prefix is", list(cluster.roles.values()))
     before = prefix_metrics(cluster)
     for index in range(1, 4):
         complete(url, PREFIX + f" Question {index}: where is book {index}?")
     after = prefix_metrics(cluster)
-    assert scheduler_metric(cluster, warm, "vllm:num_requests_running") == 1  # still the busier one
+    assert cluster.metric(warm, "vllm:num_requests_running") == 1  # still the busier one
     # Each of the three found the prefix there (at least 6 of its blocks), and the other replica got none.
     hits, queries = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
     assert after[warm][hits] - before[warm][hits] >= 3 * 96, (warm, before, after)
@@ -150,7 +118,7 @@ def routes_by_prefix(cluster: Cluster, url: str, warm: str) -> None:
 
 def test_a_shared_prefix_goes_to_the_replica_that_holds_it(cluster: Cluster) -> None:
     def queries() -> dict[str, float]:
-        return {name: scheduler_metric(cluster, name, "vllm:prefix_cache_queries_total") for name in cluster.metrics}
+        return {name: cluster.metric(name, "vllm:prefix_cache_queries_total") for name in cluster.metrics}
 
     before = queries()
     complete(cluster.urls["gateway"], PREFIX + " Question 0: where is the atlas?")
@@ -215,7 +183,7 @@ def test_a_hung_worker_is_declared_lost_and_its_requests_move(cluster: Cluster, 
     assert [(s.error, s.finish_reason, s.tokens) for s in streams] == [(None, "length", TOKENS)] * STREAMS, (
         cluster.logs())
     assert [s.text for s in streams] == reference
-    cluster.wait_for_both_replicas()  # continued, it serves again, from an empty cache
+    cluster.wait_for_replicas()  # continued, it serves again, from an empty cache
     again = greedy_streams(cluster.urls["gateway"])
     for stream in again:
         stream.join(300)

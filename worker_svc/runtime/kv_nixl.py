@@ -50,7 +50,8 @@ class NixlBlocks:
         self._lent_changed = threading.Condition()
         self._progressing = False
 
-    def _nixl(self):
+    def agent(self):
+        """The agent, made and its KV caches registered at the first call (about 0.5 s)."""
         with self._made:
             if self._agent is None:
                 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
@@ -70,7 +71,7 @@ class NixlBlocks:
 
     def info(self) -> bytes:
         """What a consumer needs to read this worker's blocks, encoded."""
-        agent = self._nixl()
+        agent = self.agent()
         return msgspec.msgpack.encode(NixlAgentInfo(
             agent.name, agent.get_agent_metadata(), self._mem_type, self._device_id, self._num_blocks,
             [cache.data_ptr() for cache in self.kv_caches]))
@@ -86,7 +87,7 @@ class NixlBlocks:
     def _progress(self) -> None:
         """While blocks are lent: progresses the agent, so that consumers' READs complete,
         and returns each block whose READ's notification came."""
-        agent = self._nixl()
+        agent = self.agent()
         while True:
             notifications = agent.get_new_notifs()
             with self._lent_changed:
@@ -119,7 +120,7 @@ class NixlBlocks:
 
     def reads(self, producer: NixlAgentInfo, timeout_s: float) -> NixlReads:
         """One fetch's READs from `producer`."""
-        agent = self._nixl()
+        agent = self.agent()
         with self._made:
             if producer.name not in self._peers:
                 agent.add_remote_agent(producer.metadata)

@@ -41,7 +41,7 @@ class NixlBlocks:
         cache = kv_caches[0]  # [k|v][block][token][head][dim] per layer, contiguous
         self._num_blocks = cache.shape[1]
         self._region_bytes = cache[0, 0].nbytes  # one block's keys (or values) of one layer
-        self._mem_type = "VRAM" if cache.is_cuda else "DRAM"
+        self.mem_type = "VRAM" if cache.is_cuda else "DRAM"
         self._device_id = cache.device.index or 0
         self._agent = None
         self._made = threading.Lock()
@@ -64,7 +64,7 @@ class NixlBlocks:
                 agent.register_memory(self.kv_caches)
                 self._agent = agent
                 logger.info("NIXL agent %s: %d KV caches registered (%s)", agent.name, len(self.kv_caches),
-                            self._mem_type)
+                            self.mem_type)
             return self._agent
 
     # -- producer ------------------------------------------------------------------------
@@ -73,7 +73,7 @@ class NixlBlocks:
         """What a consumer needs to read this worker's blocks, encoded."""
         agent = self.agent()
         return msgspec.msgpack.encode(NixlAgentInfo(
-            agent.name, agent.get_agent_metadata(), self._mem_type, self._device_id, self._num_blocks,
+            agent.name, agent.get_agent_metadata(), self.mem_type, self._device_id, self._num_blocks,
             [cache.data_ptr() for cache in self.kv_caches]))
 
     def lend(self, request_id: str, index: int) -> None:
@@ -154,7 +154,7 @@ class NixlReads:
         remote = self._agent.get_xfer_descs(
             self._blocks.regions(producer.layer_addresses, producer.num_blocks, block, producer.device_id),
             producer.mem_type)
-        local = self._agent.get_xfer_descs(self._blocks.local_regions(target), self._blocks._mem_type)
+        local = self._agent.get_xfer_descs(self._blocks.local_regions(target), self._blocks.mem_type)
         try:
             handle = self._agent.initialize_xfer("READ", local, remote, producer.name, tag.encode())
             self._agent.transfer(handle)

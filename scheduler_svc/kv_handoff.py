@@ -174,7 +174,7 @@ class KvHandoff:
         request.num_computed_tokens = len(hits) * block_size
         request.num_cached_blocks = len(hits)
         remote = RemoteBlocks(f"{params.remote_host}:{params.remote_port}", params.remote_request_id or "",
-                              params.remote_streamed)
+                              params.remote_streamed, self.config.reads_over_nixl)
         return connector.start_load(request, len(hits), sources, remote)
 
     def awaits_blocks(self, request: Request) -> bool:

@@ -47,6 +47,7 @@ class RemoteBlocks(msgspec.Struct, array_like=True, omit_defaults=True):
     address: str  # host:port of the producer's worker
     request_id: str  # the producer's request, whose blocks they are
     by_position: bool = False  # the third items are places in the prompt, not block ids (remote_streamed)
+    nixl: bool = False  # read them over NIXL (the consumer's scheduler names NixlConnector)
 
 
 class KvFetchRequest(msgspec.Struct, omit_defaults=True):

@@ -60,17 +60,15 @@ def _armed(blocks: Iterator[KvBlock], arm: Callable[[], None] | None) -> Iterato
 
 
 class GrpcKvBlocks:
-    def __init__(self, kv_caches: list[torch.Tensor], timeout_s: float, nixl: NixlBlocks | None = None,
-                 read_over_nixl: bool = False) -> None:
-        """`nixl`: this worker's NIXL agent, where NIXL is installed (it serves consumers
-        that read over NIXL); `read_over_nixl`: this worker's own fetches do."""
+    def __init__(self, kv_caches: list[torch.Tensor], timeout_s: float, nixl: NixlBlocks | None = None) -> None:
+        """`nixl`: this worker's NIXL agent, where NIXL is installed: it serves consumers
+        that read over NIXL, and reads when its scheduler's plan says so (RemoteBlocks.nixl)."""
         self.kv_caches = kv_caches
         cache = kv_caches[0]
         self._block_shape = (len(kv_caches), 2, *cache.shape[2:])  # [layer][k|v][token][head][dim]
         self.layout = f"{str(cache.dtype).removeprefix('torch.')}:{'x'.join(map(str, self._block_shape))}"
         self._timeout_s = timeout_s
         self._nixl = nixl
-        self._read_over_nixl = read_over_nixl and nixl is not None
         self._stubs: dict[str, Stub] = {}
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
@@ -101,8 +99,9 @@ class GrpcKvBlocks:
         beside the producer's prefill) lasts as long as that prefill, so there it bounds the
         wait for each next block instead."""
         count = 0
+        over_nixl = remote.nixl and self._nixl is not None  # else the bytes in the stream: NIXL is not installed here
         blocks = self._stub(remote.address).FetchKvBlocks(
-            KvFetchRequest(remote.request_id, sources, self.layout, remote.by_position, self._read_over_nixl),
+            KvFetchRequest(remote.request_id, sources, self.layout, remote.by_position, over_nixl),
             timeout=None if remote.by_position else self._timeout_s)
         watchdog: threading.Timer | None = None
         reads: NixlReads | None = None  # over NIXL, once the producer said where its blocks are
@@ -117,7 +116,7 @@ class GrpcKvBlocks:
 
         try:
             for block in _armed(blocks, arm if remote.by_position else None):
-                if block.index < 0 and self._read_over_nixl:
+                if block.index < 0 and over_nixl:
                     reads = self._nixl.reads(msgspec.msgpack.decode(block.payload, type=NixlAgentInfo),
                                              self._timeout_s)
                     continue

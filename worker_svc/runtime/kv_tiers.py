@@ -50,13 +50,13 @@ def build_kv_transfer(worker: TieredWorker) -> tuple[KvTransfer, int, str]:
                          runs_q4=worker.runs_q4, device=worker.device, block_size=worker.block_size)
         files = file_tiers(config, key)
     transfer = config.kv_transfer
-    # Any worker serves consumers that read over NIXL where NIXL is installed; its own
-    # fetches read over NIXL when its config says so. Its agent is made now where its
-    # config names a side of P/D (else at the first such fetch): the half second it takes
-    # would otherwise hold up the first transfer.
+    # Where NIXL is installed, any worker serves consumers that read over it, and reads
+    # over it when its scheduler's plan says so. Its agent is made now where its config
+    # names a side of P/D (else at the first NIXL fetch): the half second it takes would
+    # otherwise hold up the first transfer.
     nixl = NixlBlocks(worker.kv_caches) if importlib.util.find_spec("nixl") is not None else None
     if nixl is not None and transfer is not None:
         nixl.agent()
     peer = GrpcKvBlocks(worker.kv_caches, transfer.fetch_timeout_s if transfer is not None else DEFAULT_FETCH_TIMEOUT_S,
-                        nixl, transfer is not None and transfer.reads_over_nixl)
+                        nixl)
     return KvTransfer(worker.kv_caches, host_caches, files, peer, worker.scheduler_gone), num_host_blocks, key

@@ -31,6 +31,11 @@ DEFAULT_ABORT_TIMEOUT_S = 60.0
 DEFAULT_FETCH_TIMEOUT_S = 30.0
 
 
+def nixl_installed() -> bool:
+    """Whether NIXL can be imported here (NixlConnector needs it; the worker serves it where it can)."""
+    return importlib.util.find_spec("nixl") is not None
+
+
 class KvTransferConfigError(ValueError):
     """What is wrong with a kv transfer config, in one line (services.config wraps it)."""
 
@@ -72,7 +77,7 @@ def parse_kv_transfer_config(value: str | dict) -> KvTransferConfig:
     if connector not in CONNECTORS:
         raise KvTransferConfigError(f"kv_connector {connector!r}: choose KvfleetConnector (blocks over gRPC) or "
                                     "NixlConnector (blocks over NIXL)")
-    if connector == "NixlConnector" and importlib.util.find_spec("nixl") is None:
+    if connector == "NixlConnector" and not nixl_installed():
         raise KvTransferConfigError("kv_connector NixlConnector: NIXL is not installed (pip install --no-deps "
                                     "nixl==1.5.1 nixl-cu12==1.5.1, or cu13 for CUDA 13; KvfleetConnector moves "
                                     "the blocks without it)")

@@ -43,6 +43,7 @@ class NixlBlocks:
         self._region_bytes = cache[0, 0].nbytes  # one block's keys (or values) of one layer
         self.mem_type = "VRAM" if cache.is_cuda else "DRAM"
         self._device_id = cache.device.index or 0
+        self._layer_addresses = [cache.data_ptr() for cache in kv_caches]  # the caches never move
         self._agent = None
         self._made = threading.Lock()
         self._peers: set[str] = set()  # producers' agents added
@@ -74,7 +75,7 @@ class NixlBlocks:
         agent = self.agent()
         return msgspec.msgpack.encode(NixlAgentInfo(
             agent.name, agent.get_agent_metadata(), self.mem_type, self._device_id, self._num_blocks,
-            [cache.data_ptr() for cache in self.kv_caches]))
+            self._layer_addresses))
 
     def lend(self, request_id: str, index: int) -> None:
         """The block at `index` of the request's fetch is named to its consumer: lent until read."""
@@ -134,7 +135,7 @@ class NixlBlocks:
                 for address in layer_addresses for kv in (0, 1)]
 
     def local_regions(self, block: int) -> list[tuple[int, int, int]]:
-        return self.regions([cache.data_ptr() for cache in self.kv_caches], self._num_blocks, block, self._device_id)
+        return self.regions(self._layer_addresses, self._num_blocks, block, self._device_id)
 
 
 class NixlReads:

@@ -3,14 +3,13 @@ beside the device pool, then the local and the shared directory, in the order a 
 tries them."""
 from __future__ import annotations
 
-import importlib.util
 from typing import Protocol
 
 import torch
 
 from services.config import EngineConfig
 from services.kv_block_files import file_tiers
-from services.kv_transfer_config import DEFAULT_FETCH_TIMEOUT_S
+from services.kv_transfer_config import DEFAULT_FETCH_TIMEOUT_S, nixl_installed
 from services.model_source import ModelSource
 from worker_svc.formats.model_config import ModelConfig
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block
@@ -54,7 +53,7 @@ def build_kv_transfer(worker: TieredWorker) -> tuple[KvTransfer, int, str]:
     # over it when its scheduler's plan says so. Its agent is made now where its config
     # names a side of P/D (else at the first NIXL fetch): the half second it takes would
     # otherwise hold up the first transfer.
-    nixl = NixlBlocks(worker.kv_caches) if importlib.util.find_spec("nixl") is not None else None
+    nixl = NixlBlocks(worker.kv_caches) if nixl_installed() else None
     if nixl is not None and transfer is not None:
         nixl.agent()
     peer = GrpcKvBlocks(worker.kv_caches, transfer.fetch_timeout_s if transfer is not None else DEFAULT_FETCH_TIMEOUT_S,

@@ -6,7 +6,9 @@ and runs one masked SDPA call. Small groups keep the gathered K and V in the CPU
 cache between the copy and the attention, which made decode attention about 5x
 faster here than one gather over the whole batch. With the paged decode kernel
 (float32, a C compiler at hand) decodes read K and V in place instead, with no
-gather: decode attention was about half of a batched step's time, mostly copying.
+gather: decode attention was about half of a batched step's time, mostly copying. It
+also takes chunks of up to SHORT_CHUNK_TOKENS tokens, a row a token: a speculative
+step's drafts then attend as the tokens they stand for would be decoded, to the bit.
 With the paged prefill kernel, prompt chunks (whole prompts and chunks that continue
 cached context alike) read the cache in place too, all in one call a layer; without it
 each runs one SDPA call, a chunk with context over a gathered copy and a mask. Index
@@ -25,6 +27,16 @@ from worker_svc.kernels.cpu.paged_decode import DecodeBatch, PagedDecodeKernel
 from worker_svc.kernels.cpu.paged_prefill import PagedPrefillKernel, PrefillBatch, PrefillChunk
 
 DECODE_GROUP_TOKENS = 4096
+# With the decode kernel, a chunk of up to this many tokens (a speculative step's token and
+# its drafts, a prompt's short uncached tail) runs as decode rows, each seeing the keys up
+# to its own position: the prefill kernel's tile computes all its 48 lanes (16 tokens of
+# SmolLM2's 3-head groups) however few rows it holds. Measured, one chunk against a float16
+# cache, 2 threads, us a layer, decode rows / prefill tile:
+#   context     2 tokens    4 tokens    8 tokens    10 tokens
+#   128          25 / 62     34 / 63     47 / 60     56 / 41
+#   512          72 / 181   105 / 182   174 / 174   193 / 170
+#   2048        270 / 721   396 / 696   615 / 653   731 / 431
+SHORT_CHUNK_TOKENS = 8
 
 
 @dataclass
@@ -84,11 +96,11 @@ def _gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_lens: list
     return ContextGather(block_tables[:, :num_blocks].reshape(-1), len(query_lens), num_slots, mask[:, None])
 
 
-def _prefill_spans(layout: BatchLayout, query_lens: list[int], seq_lens: list[int], starts: list[int]) -> list[PrefillSpan]:
+def _prefill_spans(layout: BatchLayout, chunks: list[int], query_lens: list[int], seq_lens: list[int],
+                   starts: list[int]) -> list[PrefillSpan]:
     spans = []
-    for i, n in enumerate(query_lens):
-        if n == 1:
-            continue
+    for i in chunks:
+        n = query_lens[i]
         context = None
         if seq_lens[i] != n:
             context = _gather(layout.block_tables[i : i + 1], layout.seq_lens[i : i + 1], [n], layout.block_size)
@@ -112,17 +124,20 @@ class TorchAttentionBackend(AttentionBackend):
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
+        longest_decode = SHORT_CHUNK_TOKENS if self.decode_kernel is not None else 1
+        chunks = [i for i, n in enumerate(query_lens) if n > longest_decode]
         prefills, prefill_batch = [], None
         if self.prefill_kernel is not None:
-            chunks = [PrefillChunk(starts[i], n, seq_lens[i], i) for i, n in enumerate(query_lens) if n > 1]
-            prefill_batch = self.prefill_kernel.batch(chunks, layout.block_tables) if chunks else None
+            prefill_batch = self.prefill_kernel.batch(
+                [PrefillChunk(starts[i], query_lens[i], seq_lens[i], i) for i in chunks], layout.block_tables,
+            ) if chunks else None
         else:
-            prefills = _prefill_spans(layout, query_lens, seq_lens, starts)
+            prefills = _prefill_spans(layout, chunks, query_lens, seq_lens, starts)
         if self.decode_kernel is not None:
-            decodes = [i for i, n in enumerate(query_lens) if n == 1]
-            batch = self.decode_kernel.batch(
-                [starts[i] for i in decodes], decodes, [seq_lens[i] for i in decodes], layout.block_tables,
-            ) if decodes else None
+            # (row, sequence, keys it sees): token j of n sees the context up to its own position.
+            rows = [(starts[i] + j, i, seq_lens[i] - n + j + 1)
+                    for i, n in enumerate(query_lens) if n <= longest_decode for j in range(n)]
+            batch = self.decode_kernel.batch(*map(list, zip(*rows)), layout.block_tables) if rows else None
             return TorchAttentionMetadata(layout.slot_mapping, [], prefills, batch, prefill_batch)
         decodes = sorted((seq_lens[i], i) for i, n in enumerate(query_lens) if n == 1)
         groups = []

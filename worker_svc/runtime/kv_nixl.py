@@ -174,7 +174,7 @@ class NixlReads:
         self._collect(wait=True)
         for handle in self._posted[self.num_done + 1:]:
             if self._wait(handle) != "PROC":
-                self._agent.release_xfer_handle(handle)
+                self._release(handle)
         return self.num_done
 
     def _state(self, handle) -> str:
@@ -198,9 +198,16 @@ class NixlReads:
             state = self._wait(handle) if wait else self._state(handle)
             if state == "PROC" and not wait:
                 return
+            if state != "PROC":  # ended: its handle goes back (one still running cannot)
+                self._release(handle)
             if state == "DONE":
-                self._agent.release_xfer_handle(handle)
                 self.num_done += 1
             else:
                 self.failed = f"the NIXL read of block {self.num_done} {'failed' if state == 'ERR' else 'timed out'}"
                 logger.warning("%s from %s", self.failed, self._producer.name)
+
+    def _release(self, handle) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:  # a failed READ's handle, its producer gone: nothing more to free
+            logger.warning("NIXL: a read's handle could not be released: %s", exc)

@@ -188,9 +188,11 @@ class EngineConfig:
         # The verification step samples several tokens per request: these would need that too.
         if self.async_scheduling:
             raise ConfigError("--speculative-config with --async-scheduling is not supported yet: drop one of them")
-        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ConfigError("--speculative-config serves one-rank workers for now: drop --tensor-parallel-size and "
-                              "--pipeline-parallel-size, or the speculative config")
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and self.speculative.method not in (
+                "ngram", "suffix"):
+            raise ConfigError(f"--speculative-config method {self.speculative.method!r} drafts on one-rank workers "
+                              "for now: drop --tensor-parallel-size and --pipeline-parallel-size, or use ngram or "
+                              "suffix, which draft in the scheduler")
 
     def _check_kv_transfer(self) -> None:
         self.kv_transfer: KvTransferConfig | None = None

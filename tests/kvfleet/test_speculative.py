@@ -417,7 +417,8 @@ def test_sampled_requests_run_and_counters_are_vllms(spec_llm):
     ({"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2}, {},
      "model '/no/such/draft': model '/no/such/draft' is not a known alias"),
     (NGRAM, {"async_scheduling": True}, "with --async-scheduling is not supported yet"),
-    (NGRAM, {"tensor_parallel_size": 2}, "serves one-rank workers for now"),
+    ({"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2},
+     {"tensor_parallel_size": 2}, "method 'draft_model' drafts on one-rank workers for now"),
 ])
 def test_a_config_that_cannot_work_is_refused_before_loading(config, engine_args, message):
     with pytest.raises(ConfigError, match="--speculative-config") as refused:

@@ -23,6 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PRESSURE = dict(dtype="float32", block_size=16, num_gpu_blocks_override=48, max_model_len=512,
                 max_num_batched_tokens=96, enable_prefix_caching=True, enable_chunked_prefill=True)
 LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2)}
+SUFFIX = {"method": "suffix"}  # drafts proposed by the scheduler, verified on the sampling rank
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
@@ -80,6 +81,19 @@ def _stderr_to(path: Path) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
+def speculating(tmp_path_factory) -> Iterator[dict[str, LLM]]:
+    """TP=2 and PP=2 with suffix decoding."""
+    built = {}
+    for name, layout in LAYOUTS.items():
+        with _stderr_to(tmp_path_factory.mktemp("logs") / f"{name}-suffix.log"):
+            built[name] = LLM("smollm2", **PRESSURE, **layout, speculative_config=SUFFIX)
+    yield built
+    for llm in built.values():
+        assert_no_leaks(llm)
+        llm.engine.worker.close()
+
+
+@pytest.fixture(scope="module")
 def default_expected(engines) -> list[list[int]]:
     single = engines["tp1"][0].engine.scheduler
     preemptions, hits = single.num_preemptions, single.prefix_cache_hits
@@ -106,6 +120,19 @@ def test_default_model_split_gives_the_tokens_of_one_rank(layout, engines, defau
     else:
         assert (layers, kv_heads) == (15, 3)
         assert _logged(log, "rank 1 of 1 TP x 2 PP: 15 layers, 9 heads, 3 KV heads")
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_speculation_split_gives_the_tokens_of_one_rank(layout, speculating, default_expected):
+    """The sampling rank verifies the drafts; the other ranks count them computed until the
+    next plan says how many were accepted. Twice: the second time suffix decoding's global
+    tree holds the first time's answers, so most drafts pass."""
+    llm = speculating[layout]
+    scheduler, counts = llm.engine.scheduler, llm.engine.scheduler.spec_decoding
+    for _ in range(2):
+        assert _generate(llm, _prompts(49152)) == default_expected
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens  # drafts accepted, and some rejected
+    assert scheduler.num_preemptions > 0 and scheduler.prefix_cache_hits > 0
 
 
 def _logged(log: Path, line: str, timeout_s: float = 10.0) -> bool:

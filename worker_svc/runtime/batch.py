@@ -48,6 +48,9 @@ class RequestState:
     # they were drawn from: its verification accepts with min(1, p/q) (speculative decoding).
     draft_token_ids: list[int] | None = None
     draft_probs: torch.Tensor | None = None
+    # On a rank that does not sample (a worker group's): drafts verified in its last step,
+    # counted as computed until the next plan says how many were accepted.
+    unverified_drafts: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:

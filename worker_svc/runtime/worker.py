@@ -390,11 +390,15 @@ class Worker:
             outcome.draft_token_ids = self.drafter.propose(outcome.sampled_token_ids, self.requests, self.batch)
         emitted = outcome.sampled_token_ids if isinstance(outcome, StepResult) else {}
         for request_id, count in plan.num_scheduled_tokens.items():
-            if request_id in plan.scheduled_spec_decode_tokens and request_id in emitted:
-                # Only the last token and the accepted drafts are computed: the rejected
-                # drafts' KV is overwritten by the next step's tokens.
-                count = len(emitted[request_id])
-            self.requests[request_id].num_computed_tokens += count
+            state = self.requests[request_id]
+            if drafts := plan.scheduled_spec_decode_tokens.get(request_id):
+                if request_id in emitted:
+                    # Only the last token and the accepted drafts are computed: the rejected
+                    # drafts' KV is overwritten by the next step's tokens.
+                    count = len(emitted[request_id])
+                elif not shard.samples:  # the sampling rank verified them: the next plan says
+                    state.unverified_drafts = len(drafts)
+            state.num_computed_tokens += count
         return outcome
 
     def _apply_deltas(self, plan: StepPlan) -> None:
@@ -430,6 +434,10 @@ class Worker:
             self._add_request(new.request_id, state, list(new.block_ids))
         for cached in plan.cached_requests:
             state = self.requests[cached.request_id]
+            rejected = state.num_computed_tokens - cached.num_computed_tokens
+            if 0 < rejected <= state.unverified_drafts:  # drafts the sampling rank rejected
+                state.num_computed_tokens = cached.num_computed_tokens
+            state.unverified_drafts = 0
             if state.num_computed_tokens != cached.num_computed_tokens:
                 raise RuntimeError(
                     f"worker out of sync on {cached.request_id}: has {state.num_computed_tokens} "

@@ -5,6 +5,8 @@ kv head), token rows that end mid cache line, mixed with prompt
 chunks in one batch, split across threads; over float32 and 16-bit caches."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -25,11 +27,11 @@ def test_kernel_equals_the_gather_path(num_heads: int, num_kv_heads: int, head_d
     torch.manual_seed(0)
     block_size = 16
     # Decodes of 1, 16, 17, 64, 65 and 300 keys, a prompt chunk with earlier context between
-    # them, and chunks short enough to run as decodes (a token and its drafts).
+    # them, and two speculative steps (a token and its drafts), which run as decodes.
     query_lens = [1, 1, 20, 1, 1, 1, 1, 3, SHORT_CHUNK_TOKENS]
     seq_lens = [1, 16, 50, 17, 64, 65, 300, 40, 100]
     num_blocks = 200  # more than the 9 x 19 the tables take: some blocks belong to nobody
-    layout = random_layout(query_lens, seq_lens, block_size, num_blocks)
+    layout = replace(random_layout(query_lens, seq_lens, block_size, num_blocks), verifying=(7, 8))
     num_tokens = sum(query_lens)
     query = torch.randn(num_tokens, num_heads, head_dim)
     key, value = torch.randn(num_tokens, num_kv_heads, head_dim), torch.randn(num_tokens, num_kv_heads, head_dim)
@@ -54,13 +56,16 @@ def test_16_bit_caches(num_heads: int, num_kv_heads: int, head_dim: int, cache_d
     test_kernel_equals_the_gather_path(num_heads, num_kv_heads, head_dim, 2, cache_dtype)
 
 
-def test_a_short_chunk_gets_the_bits_of_its_tokens_decoded_one_by_one() -> None:
+def test_a_speculative_step_gets_the_bits_of_its_tokens_decoded_one_by_one() -> None:
     """A speculative step's token and drafts attend as decodes, each over the keys up to its
-    own position: what each row gets is what decoding that token alone gets, to the bit."""
+    own position: what each row gets is what decoding that token alone gets, to the bit. A
+    prompt's chunk as short keeps the prompt path (a cached prefix changes no bits)."""
     torch.manual_seed(0)
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 40
     chunk, context = 5, 70
-    layout = random_layout([chunk], [context], block_size, num_blocks)
+    prompt_chunk = random_layout([chunk], [context], block_size, num_blocks)
+    assert TorchAttentionBackend(kernel).build_metadata(prompt_chunk).prefills
+    layout = replace(prompt_chunk, verifying=(0,))
     query = torch.randn(chunk, num_heads, head_dim)
     key, value = torch.randn(chunk, num_kv_heads, head_dim), torch.randn(chunk, num_kv_heads, head_dim)
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)

@@ -22,6 +22,8 @@ class BatchLayout:
     slot_mapping: torch.Tensor  # [T] where each new token's K and V are written
     block_size: int
     max_query_len: int  # known on the host, so no backend syncs with the device to learn it
+    # The requests (their indices) whose tokens are a decode and its speculative drafts.
+    verifying: tuple[int, ...] = ()
 
 
 class AttentionBackend(ABC):

@@ -7,8 +7,8 @@ cache between the copy and the attention, which made decode attention about 5x
 faster here than one gather over the whole batch. With the paged decode kernel
 (float32, a C compiler at hand) decodes read K and V in place instead, with no
 gather: decode attention was about half of a batched step's time, mostly copying. It
-also takes chunks of up to SHORT_CHUNK_TOKENS tokens, a row a token: a speculative
-step's drafts then attend as the tokens they stand for would be decoded, to the bit.
+also takes a speculative step's token and drafts (up to SHORT_CHUNK_TOKENS), a row a
+token: each draft then attends as the token it stands for would be decoded, to the bit.
 With the paged prefill kernel, prompt chunks (whole prompts and chunks that continue
 cached context alike) read the cache in place too, all in one call a layer; without it
 each runs one SDPA call, a chunk with context over a gathered copy and a mask. Index
@@ -27,11 +27,13 @@ from worker_svc.kernels.cpu.paged_decode import DecodeBatch, PagedDecodeKernel
 from worker_svc.kernels.cpu.paged_prefill import PagedPrefillKernel, PrefillBatch, PrefillChunk
 
 DECODE_GROUP_TOKENS = 4096
-# With the decode kernel, a chunk of up to this many tokens (a speculative step's token and
-# its drafts, a prompt's short uncached tail) runs as decode rows, each seeing the keys up
-# to its own position: the prefill kernel's tile computes all its 48 lanes (16 tokens of
-# SmolLM2's 3-head groups) however few rows it holds. Measured, one chunk against a float16
-# cache, 2 threads, us a layer, decode rows / prefill tile:
+# With the decode kernel, a speculative step's token and up to this many tokens of drafts
+# in all run as decode rows, each seeing the keys up to its own position, as each would be
+# decoded alone: the prefill kernel's tile computes all its 48 lanes (16 tokens of
+# SmolLM2's 3-head groups) however few rows it holds. (A prompt's chunk keeps the prefill
+# kernel however short: a prompt whose prefix was cached gets the bits of one that was
+# not.) Measured, one chunk against a float16 cache, 2 threads, us a layer, decode rows /
+# prefill tile:
 #   context     2 tokens    4 tokens    8 tokens    10 tokens
 #   128          25 / 62     34 / 63     47 / 60     56 / 41
 #   512          72 / 181   105 / 182   174 / 174   193 / 170
@@ -124,8 +126,9 @@ class TorchAttentionBackend(AttentionBackend):
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
-        longest_decode = SHORT_CHUNK_TOKENS if self.decode_kernel is not None else 1
-        chunks = [i for i, n in enumerate(query_lens) if n > longest_decode]
+        verifying = set(layout.verifying) if self.decode_kernel is not None else set()
+        as_decodes = [n == 1 or (i in verifying and n <= SHORT_CHUNK_TOKENS) for i, n in enumerate(query_lens)]
+        chunks = [i for i, decodes in enumerate(as_decodes) if not decodes]
         prefills, prefill_batch = [], None
         if self.prefill_kernel is not None:
             prefill_batch = self.prefill_kernel.batch(
@@ -136,7 +139,7 @@ class TorchAttentionBackend(AttentionBackend):
         if self.decode_kernel is not None:
             # (row, sequence, keys it sees): token j of n sees the context up to its own position.
             rows = [(starts[i] + j, i, seq_lens[i] - n + j + 1)
-                    for i, n in enumerate(query_lens) if n <= longest_decode for j in range(n)]
+                    for i, n in enumerate(query_lens) if as_decodes[i] for j in range(n)]
             batch = self.decode_kernel.batch(*map(list, zip(*rows)), layout.block_tables) if rows else None
             return TorchAttentionMetadata(layout.slot_mapping, [], prefills, batch, prefill_batch)
         decodes = sorted((seq_lens[i], i) for i, n in enumerate(query_lens) if n == 1)

@@ -144,6 +144,7 @@ class InputBatch:
         pending_rows: list[int] = []
         spec_rows: list[int] = []
         spec_requests: list[tuple[str, list[int]]] = []
+        verifying: list[int] = []
         for index, ((request_id, state), count) in enumerate(zip(zip(plan.num_scheduled_tokens, states), counts)):
             start = state.num_computed_tokens
             row_starts.append(len(input_ids))
@@ -155,6 +156,7 @@ class InputBatch:
                                        f"{count - len(drafts)} tokens from {start}, it knows {len(state.token_ids)}")
                 spec_rows += range(len(input_ids), len(input_ids) + count)
                 spec_requests.append((request_id, drafts))
+                verifying.append(index)
                 input_ids += known + drafts
                 positions += range(start, start + count)
                 request_of_token += [index] * count
@@ -191,7 +193,8 @@ class InputBatch:
         return StepInputs(
             input_ids=tokens,
             positions=token_positions,
-            layout=BatchLayout(query_lens, seq_lens, block_tables, slot_mapping, self.block_size, max(counts)),
+            layout=BatchLayout(query_lens, seq_lens, block_tables, slot_mapping, self.block_size, max(counts),
+                               tuple(verifying)),
             sample_rows=sample_index,
             sample_request_ids=[request_id for request_id, _ in sampled],
             sample_batch_rows=sample_batch_rows,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Protocol
@@ -17,6 +16,7 @@ import msgspec
 
 from scheduler_svc.kv_connector import KvConnector
 from scheduler_svc.kv_handoff import KvHandoff
+from scheduler_svc.plans_in_flight import PlansInFlight
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from services.config import EngineConfig
@@ -87,8 +87,7 @@ class EngineCore:
         self._depth = 2 if self.runs_ahead else described.max_plans_in_flight
         self._worker_lost = False
         self._streams_waiting_since: float | None = None  # the last step's end, while requests run
-        # Plans handed to a pipelined group whose results are still to come, oldest first.
-        self._in_flight: deque[tuple[StepPlan, Future[StepResult]]] = deque()
+        self._in_flight = PlansInFlight(timed=self.runs_ahead)
         self.max_model_len = described.max_model_len
         self.eos_token_ids = described.eos_token_ids
         self.scheduler = Scheduler(
@@ -226,12 +225,14 @@ class EngineCore:
             self.scheduler.record_turn_time(plan, ended - (self._streams_waiting_since or started))
             self._streams_waiting_since = ended if self.scheduler.running else None
             return deltas
-        while len(self._in_flight) < depth and (self.scheduler.num_schedulable or self.scheduler.has_drops):
+        while (len(self._in_flight) < depth and not (self.runs_ahead and self._in_flight and
+                                                      not self.scheduler.plans_ahead)
+               and (self.scheduler.num_schedulable or self.scheduler.has_drops)):
             # A pipeline gives each plan it has room for an even share; a plan ahead takes all.
             share = None if self.runs_ahead else -(-self.scheduler.num_schedulable // (depth - len(self._in_flight)))
             plan = self._plan(share)
             try:
-                self._in_flight.append((plan, self.worker.submit(plan)))
+                self._in_flight.add(plan, self.worker.submit(plan))
             except Exception as exc:  # never handed over: fails as an executed plan would
                 failed: Future[StepResult] = Future()
                 failed.set_exception(exc)
@@ -240,14 +241,22 @@ class EngineCore:
                 break  # nothing could be scheduled: wait for a result before trying again
         if not self._in_flight:
             return []
-        plan, result = self._in_flight.popleft()
-        return self._finish(plan, result.result)
+        entry = self._in_flight.take()
+
+        def result_of() -> StepResult:
+            result = entry.result.result()
+            if (seconds := self._in_flight.worker_seconds(entry)) is not None:
+                self.scheduler.record_step_time(entry.plan, seconds)
+            return result
+
+        return self._finish(entry.plan, result_of)
 
     def _execute(self, plan: StepPlan) -> StepResult:
         """Runs one plan on the worker, timed: speculative decoding prices a step's rows by
         it (scheduler_svc/spec_step_cost.py); a whole turn's time caps pooling tokens beside
-        generation (scheduler_svc/pooling_budget.py). Plans in flight together (pipelines,
-        async scheduling) are not timed, and keep the first prices and cap."""
+        generation (scheduler_svc/pooling_budget.py). Plans in flight together are not timed
+        here: async scheduling's are priced as PlansInFlight times them (the worker runs them
+        one after another), a pipeline's keep the first prices; both keep the first cap."""
         started = time.perf_counter()
         result = self.worker.execute(plan)
         self.scheduler.record_step_time(plan, time.perf_counter() - started)

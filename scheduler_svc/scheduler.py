@@ -137,6 +137,13 @@ class Scheduler:
         requests wait for their results."""
         return len(self.waiting) + sum(not r.in_flight or self._runs_ahead(r) for r in self.running)
 
+    @property
+    def plans_ahead(self) -> bool:
+        """Whether a step may be planned while the last one runs (async scheduling): not
+        while a running request may speculate, whose drafts are proposed from its newest
+        token (a request left out of the plan ahead would fall a step behind)."""
+        return self.speculation is None or not any(self.speculation.may_draft(r) for r in self.running)
+
     def _runs_ahead(self, request: Request) -> bool:
         """Whether a request in flight may be planned into the next step too: only one step
         ahead, a decode of the token its step in flight samples, when it will not certainly

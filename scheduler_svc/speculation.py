@@ -37,6 +37,12 @@ class Speculation:
         """The drafts the request verifies in the step being planned, within its token budget."""
         return self._drafts.get(request.request_id, [])[:budget - 1]
 
+    @staticmethod
+    def may_draft(request: Request) -> bool:
+        """Whether the request may ever be given drafts (see _max_drafts)."""
+        params = request.sampling_params
+        return params.pooling is None and can_speculate(params)
+
     def _max_drafts(self, request: Request) -> int:
         """How many drafts the request may verify in this step: none unless it decodes one
         token. A request whose next token depends on more than its logits (processors, a
@@ -44,7 +50,7 @@ class Speculation:
         computed = request.num_computed_tokens + request.num_in_flight_tokens
         params = request.sampling_params
         if (computed + 1 != request.num_tokens or request.num_ahead_samples or request.in_flight
-                or params.pooling is not None or not can_speculate(params)):
+                or not self.may_draft(request)):
             return 0
         # Never past max_tokens or the context: the drafts' positions must exist.
         k = min(self.spec.num_speculative_tokens, self.max_model_len - request.num_tokens)

@@ -185,9 +185,6 @@ class EngineConfig:
         except SpeculativeConfigError as exc:
             raise ConfigError(f"--speculative-config: {exc}") from exc
         self.speculative_config = self.speculative.to_json()
-        # The verification step samples several tokens per request: these would need that too.
-        if self.async_scheduling:
-            raise ConfigError("--speculative-config with --async-scheduling is not supported yet: drop one of them")
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and self.speculative.method not in (
                 "ngram", "suffix"):
             raise ConfigError(f"--speculative-config method {self.speculative.method!r} drafts on one-rank workers "

@@ -199,6 +199,28 @@ def test_greedy_tokens_are_identical_in_a_mixed_batch(engine, mixed_batch, reque
         assert accepted >= 8, accepted
 
 
+def test_async_scheduling_plans_ahead_while_no_request_may_speculate(mixed_batch, make_llm):
+    """A request that may speculate is planned from its last step's result (its drafts
+    come from its newest token): while one runs no step is planned ahead, so it is never
+    left a step behind. Requests that cannot speculate (a seed's, here) run ahead as
+    without speculation, and the steps are timed for the gate either way."""
+    prompts, params, plain = mixed_batch
+    spec = make_llm(dtype="float32", speculative_config=NGRAM, num_gpu_blocks_override=24, max_model_len=384,
+                    async_scheduling=True)
+    engine, counts = spec.engine, spec.engine.scheduler.spec_decoding
+    assert engine.runs_ahead
+    in_flight_at_submit: list[int] = []
+    submit = engine.worker.submit
+    engine.worker.submit = lambda plan: in_flight_at_submit.append(engine.num_plans_in_flight) or submit(plan)
+    assert _tokens(spec, prompts, params) == plain
+    assert counts.num_accepted_tokens >= 8 and engine.scheduler.spec_step_costs.prices(1) is not None
+    assert 1 not in in_flight_at_submit  # a plan ahead only with no request that may speculate
+    in_flight_at_submit.clear()
+    seeded = params[-2]  # its noise is per position: it decodes one token at a time
+    assert _tokens(spec, [prompts[-2]] * 2, seeded) == [plain[-2]] * 2
+    assert in_flight_at_submit.count(1) > len(in_flight_at_submit) / 2, in_flight_at_submit
+
+
 # Greedy output repeats its newest token here, which the test heads draft.
 REPEATS = "Write the letter a forty times: aaaaaaaaaaaaaaaa"
 
@@ -416,7 +438,6 @@ def test_sampled_requests_run_and_counters_are_vllms(spec_llm):
     ({"method": "draft_model", "num_speculative_tokens": 2}, {}, "method 'draft_model' needs \"model\""),
     ({"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2}, {},
      "model '/no/such/draft': model '/no/such/draft' is not a known alias"),
-    (NGRAM, {"async_scheduling": True}, "with --async-scheduling is not supported yet"),
     ({"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2},
      {"tensor_parallel_size": 2}, "method 'draft_model' drafts on one-rank workers for now"),
 ])

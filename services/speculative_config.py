@@ -112,13 +112,12 @@ def _draft_keys(value: dict, method: str) -> tuple[str | None, str | None]:
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    """Whether a request may be given drafts: its next token must depend on the model's
-    logits at that position alone (no logits processors or per-position seed noise), or
-    speculation could change its output. A grammar may: the worker checks each draft
-    against it and masks each verified position (worker_svc/runtime/sampling/spec_grammar.py)."""
-    return not (params.repetition_penalty != 1 or params.frequency_penalty or params.presence_penalty
-                or params.bad_words_token_ids or params.min_tokens or params.logit_bias
-                or params.allowed_token_ids or params.seed is not None)
+    """Whether a request may be given drafts: not with a seed, whose noise is drawn per
+    position by the plain sampler. A grammar may: the worker checks each draft against it
+    and masks each verified position (worker_svc/runtime/sampling/spec_grammar.py); so may
+    penalties, bans, biases and min_tokens, which adjust each verified position as they
+    would its token decoded alone (logits_processors.at_each_position)."""
+    return params.seed is None
 
 
 def _positive(value: dict, key: str, default: int | None) -> int:

@@ -22,6 +22,7 @@ from services.model_source import resolve_model
 from services.telemetry import EngineStatsCollector
 from worker_svc.formats.model_config import ModelConfig
 from worker_svc.model.weights import load_weights
+from worker_svc.runtime.sampling.logits_processors import adjusts
 
 from conftest import assert_no_leaks
 from corpus import TEXT, parity_prompts
@@ -167,8 +168,9 @@ def eagle3_llm(eagle_heads) -> LLM:
 def mixed_batch(llm) -> tuple[list, list[SamplingParams], list[list[int]]]:
     """Prompts, their params and the plain model's tokens: a batch too large for the
     speculative engines' pools (preemption by recompute with drafts in flight and
-    lookahead blocks held), with requests that decode one token at a time beside (a seed's
-    noise is per position, penalties read the output), the seeded one sampled."""
+    lookahead blocks held), with a seeded request beside, which decodes one token at a time
+    (its noise is per position), and a penalized one, whose drafts are verified against
+    each position's penalized logits."""
     prompts = [COPY, *parity_prompts(llm.get_tokenizer().encode(TEXT))[:9:3], COPY, COPY]
     params = [SamplingParams(temperature=0.0, max_tokens=12 + 4 * i, ignore_eos=i % 2 == 0) for i in range(4)]
     params += [SamplingParams(temperature=1.0, seed=7, max_tokens=24), SamplingParams(temperature=0.0,
@@ -230,7 +232,9 @@ def _watching_drafts(spec: LLM, prompts: list,
     """The requests' tokens, stepping the engine; after each step, every running request's
     drafts for the next are checked: the test heads repeat their first draft (their layer's
     output projections are zero). Also: how many requests' steps got drafts, how many of
-    those first drafts were the request's newest token, and every token drafted."""
+    those first drafts were the request's newest token, and every token drafted. (A
+    penalized request's newest token was chosen from adjusted logits, which the head does
+    not see: it is left out of the counts.)"""
     engine, tokenizer = spec.engine, spec.get_tokenizer()
     outputs: dict[str, list[int]] = {f"watched-{i}": [] for i in range(len(prompts))}
     for request_id, prompt, param in zip(outputs, prompts, params):
@@ -243,6 +247,8 @@ def _watching_drafts(spec: LLM, prompts: list,
         for running in engine.scheduler.running:
             drafts = running.draft_token_ids
             assert drafts == drafts[:1] * len(drafts), drafts
+            if adjusts(running.sampling_params):
+                continue
             drafted += bool(drafts)
             newest += drafts[:1] == [running.all_token_ids[-1]]
             tokens.update(drafts)
@@ -318,6 +324,30 @@ def test_suffix_drafts_from_past_outputs(llm, suffix_llm):
     assert rates[0] < 0.5 < 0.9 < rates[1], rates
     prices = suffix_llm.engine.scheduler.spec_step_costs.prices(4)
     assert prices is not None and all(0 < seconds < 10 for seconds in prices), prices
+
+
+def test_penalties_bans_and_biases_adjust_each_verified_position(llm, spec_llm):
+    """Each verified position is adjusted as its token decoded alone would be: the drafts
+    before it count as output (penalties, bad words, min_tokens), so the greedy tokens are
+    the plain ones, alone and together, and drafts pass. (On the repeated letters, a draft
+    counted as output makes the small frequency penalty end the run where plain decoding
+    does: not counted, 25 drafts passed and the run went on.)"""
+    result = llm.get_tokenizer().encode(" result")
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.15),
+        SamplingParams(temperature=0.0, max_tokens=40, frequency_penalty=1.0, presence_penalty=1.0),
+        SamplingParams(temperature=0.0, max_tokens=40, min_tokens=35, logit_bias={result[0]: 2.0}),
+        SamplingParams(temperature=0.0, max_tokens=40, bad_words=[" result + value"]),
+        SamplingParams(temperature=0.0, max_tokens=60, frequency_penalty=0.05, ignore_eos=True),
+    ]
+    prompts = [COPY] * 4 + [REPEATS]
+    plain = _tokens(llm, prompts, params)
+    counts = spec_llm.engine.scheduler.spec_decoding
+    accepted_before = counts.num_accepted_tokens
+    for prompt, one, expected in zip(prompts, params, plain):
+        assert _tokens(spec_llm, [prompt], one) == [expected]
+    assert _tokens(spec_llm, prompts, params) == plain
+    assert counts.num_accepted_tokens - accepted_before >= 8
 
 
 def test_no_drafts_while_disable_by_batch_size_requests_run(suffix_llm):

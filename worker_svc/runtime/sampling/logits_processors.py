@@ -5,10 +5,11 @@ batch uses it, so a plain batch pays nothing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from services.sampling_params import SamplingParams
 from worker_svc.runtime.batch import RequestState
 
 
@@ -65,6 +66,20 @@ class LogitsAdjustments:
             logits = logits - self.frequency * self.output_counts
             logits = logits - self.presence * (self.output_counts > 0).float()
         return logits
+
+
+def adjusts(p: SamplingParams) -> bool:
+    """Whether a request's logits are adjusted before it samples."""
+    return bool(p.allowed_token_ids is not None or p.bad_words_token_ids or p.min_tokens or p.logit_bias
+                or p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty)
+
+
+def at_each_position(states: list[RequestState], drafts: list[list[int]]) -> list[RequestState]:
+    """Per row of a speculative verification (a request's last token, then each draft), its
+    request as one-token-at-a-time decoding sees it there: the drafts before that row taken
+    as output, so penalties, bans and min_tokens adjust each row as they would its token."""
+    return [replace(state, token_ids=state.token_ids + row_drafts[:j])
+            for state, row_drafts in zip(states, drafts) for j in range(len(row_drafts) + 1)]
 
 
 def _token_counts(token_lists: list[list[int]], shape: tuple[int, int], device: torch.device) -> torch.Tensor:

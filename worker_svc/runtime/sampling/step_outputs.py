@@ -13,7 +13,7 @@ from services.messages import StepPlan, StepResult
 from worker_svc.formats.model_config import ModelConfig
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.runtime.batch import InputBatch, RequestState, StepInputs
-from worker_svc.runtime.sampling.logits_processors import LogitsAdjustments
+from worker_svc.runtime.sampling.logits_processors import LogitsAdjustments, adjusts, at_each_position
 from worker_svc.runtime.sampling.rejection_sampler import verify
 from worker_svc.runtime.sampling.sampler import gather_logprobs, position_seed, sample
 from worker_svc.runtime.sampling.spec_grammar import advance, constrain_drafts
@@ -80,13 +80,19 @@ class StepOutputs:
                 requests: dict[str, RequestState], logits: torch.Tensor) -> None:
         states = [requests[request_id] for request_id, _ in spec_requests]
         checked = logits
-        if any(state.grammar is not None for state in states):
+        constrained = any(state.grammar is not None for state in states)
+        if constrained:
             # Drafts the grammars refuse are dropped; the rest verified against masked logits.
             spec_requests, logits, checked = constrain_drafts(spec_requests, states, logits,
                                                               self.model_config.vocab_size)
+        if any(adjusts(state.sampling_params) for state in states):  # after the mask as before: -inf stays -inf
+            positions = at_each_position(states, [drafts for _, drafts in spec_requests])
+            adjustments = LogitsAdjustments.build(positions, self.model_config.vocab_size,
+                                                  self.model_config.eos_token_ids, logits.device)
+            checked = adjustments.apply(checked) if adjustments else checked
         emitted = verify(checked, [(s.sampling_params, drafts) for s, (_, drafts) in zip(states, spec_requests)],
                          [_proposal(state, drafts) for state, (_, drafts) in zip(states, spec_requests)])
-        if checked is not logits:
+        if constrained:
             advance(self.grammars(), states, emitted)
         first_row = 0
         for (request_id, drafts), state, tokens in zip(spec_requests, states, emitted):

@@ -25,9 +25,10 @@ Verified = tuple[SamplingParams, list[int]]
 def verify(logits: torch.Tensor, requests: list[Verified],
            draft_probs: list[torch.Tensor | None] | None = None) -> list[list[int]]:
     """The tokens each request emits: its accepted drafts and one more. `logits` [R, V]
-    (R = sum of drafts + 1 over the requests, in order) are raw, or masked by a
-    grammar (spec_grammar.py): a request with logits processors is never given drafts. `draft_probs`: per request, the
-    distributions [drafts, V] its drafts were sampled from, or None for a point mass."""
+    (R = sum of drafts + 1 over the requests, in order) are adjusted as each position's
+    token decoded alone would be: by the logits processors (logits_processors.
+    at_each_position) and a grammar's mask (spec_grammar.py). `draft_probs`: per request,
+    the distributions [drafts, V] its drafts were sampled from, or None for a point mass."""
     drafts_per_row: list[int] = []  # the draft each row verifies; -1 on a request's bonus row
     for _, drafts in requests:
         drafts_per_row += [*drafts, -1]

@@ -9,7 +9,6 @@ from scheduler_svc.scheduler_config import SchedulerConfig
 from scheduler_svc.spec_gate import SpecGate
 from scheduler_svc.spec_proposer import make_proposer
 from scheduler_svc.spec_step_cost import SpecStepCosts
-from services.speculative_config import can_speculate
 
 
 class Speculation:
@@ -39,14 +38,12 @@ class Speculation:
 
     @staticmethod
     def may_draft(request: Request) -> bool:
-        """Whether the request may ever be given drafts (see _max_drafts)."""
-        params = request.sampling_params
-        return params.pooling is None and can_speculate(params)
+        """Whether the request may ever be given drafts: it generates (see _max_drafts)."""
+        return request.sampling_params.pooling is None
 
     def _max_drafts(self, request: Request) -> int:
         """How many drafts the request may verify in this step: none unless it decodes one
-        token. A request whose next token depends on more than its logits (processors, a
-        seed's per-position noise) decodes one token at a time, as without speculation."""
+        token (a prompt chunk, a step in flight or planned ahead, a pooling request)."""
         computed = request.num_computed_tokens + request.num_in_flight_tokens
         params = request.sampling_params
         if (computed + 1 != request.num_tokens or request.num_ahead_samples or request.in_flight

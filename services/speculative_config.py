@@ -13,7 +13,6 @@ import json
 from dataclasses import dataclass
 
 from services.json_flag import json_object
-from services.sampling_params import SamplingParams
 
 
 class SpeculativeConfigError(ValueError):
@@ -109,15 +108,6 @@ def _draft_keys(value: dict, method: str) -> tuple[str | None, str | None]:
     if value.get("draft_tensor_parallel_size", 1) != 1:
         raise SpeculativeConfigError("draft_tensor_parallel_size: only 1 (one-rank workers)")
     return model, quantization
-
-
-def can_speculate(params: SamplingParams) -> bool:
-    """Whether a request may be given drafts: not with a seed, whose noise is drawn per
-    position by the plain sampler. A grammar may: the worker checks each draft against it
-    and masks each verified position (worker_svc/runtime/sampling/spec_grammar.py); so may
-    penalties, bans, biases and min_tokens, which adjust each verified position as they
-    would its token decoded alone (logits_processors.at_each_position)."""
-    return params.seed is None
 
 
 def _positive(value: dict, key: str, default: int | None) -> int:

@@ -9,6 +9,7 @@ import torch
 
 from services.sampling_params import SamplingParams
 from worker_svc.runtime.sampling.rejection_sampler import emitted_runs, verify
+from worker_svc.runtime.sampling.sampler import SamplingBatch, position_seed, sample
 
 VOCAB = 6
 SAMPLES = 20_000
@@ -111,3 +112,25 @@ def test_drafts_sampled_from_a_proposal_follow_the_target_and_are_accepted_more(
     assert accepted[0] > accepted[1] + 0.2, accepted
     torch.manual_seed(0)
     assert _position_statistics(_residual_ignores_q(logits, requests))[0] > 10 * CRITICAL
+
+
+def test_a_seeded_request_emits_what_plain_sampling_draws_at_each_position() -> None:
+    """A seeded row draws plain sampling's token at its position (that position's noise)
+    and accepts its draft when they are equal: a seeded request emits without speculation's
+    tokens, whatever was drafted, and an unseeded verification would not."""
+    params = SamplingParams(temperature=TEMPERATURE, seed=11, top_k=4)
+    first_position = 5
+
+    def plain(position: int, row: int) -> int:
+        generator = torch.Generator().manual_seed(position_seed(params.seed, position))
+        columns = tuple(torch.tensor([value]) for value in (params.temperature, params.top_p, params.top_k,
+                                                             params.min_p))
+        return int(sample(LOGITS[row : row + 1], SamplingBatch.of([params], [generator], columns))[0])
+
+    expected = [plain(first_position, 0), plain(first_position + 1, 1)]
+    drafts = [expected[0], (expected[1] + 1) % VOCAB]  # the first as plain sampling draws it, the second not
+    for _ in range(3):  # the same, every time
+        generator = torch.Generator()
+        assert verify(LOGITS, [(params, drafts)], seeded=[(generator, first_position)]) == [expected]
+    unseeded = {tuple(verify(LOGITS, [(params, drafts)])[0]) for _ in range(50)}
+    assert len(unseeded) > 1

@@ -24,7 +24,6 @@ import torch
 from services.config import EngineConfig
 from services.messages import StepPlan
 from services.model_source import resolve_model
-from services.speculative_config import can_speculate
 from worker_svc.attention.backend import BatchLayout
 from worker_svc.formats.model_config import read_model_config
 from worker_svc.group.rank_group import RankGroup
@@ -75,8 +74,6 @@ class DraftModel:
         for request_id, sampled in emitted.items():
             state = requests[request_id]
             state.draft_token_ids = state.draft_probs = None
-            if not can_speculate(state.sampling_params):
-                continue
             position = len(state.token_ids) + state.num_sampled_ahead - 1  # of its newest token
             count = draft_count(self.k, state, position, batch)
             if count > 0:

@@ -21,7 +21,6 @@ from safetensors.torch import load_file
 
 from services.config import EngineConfig
 from services.messages import StepPlan
-from services.speculative_config import can_speculate
 from worker_svc.formats.eagle_head import EagleHead, read_eagle_head
 from worker_svc.model.eagle import EagleHeadModel
 from worker_svc.model.llama import LlamaForCausalLM
@@ -86,7 +85,7 @@ class EagleDrafter:
             # Rows past the newest token (rejected drafts) take their own token: written again next step.
             next_ids += following + step_ids[start + len(following) : start + count]
             state.draft_token_ids = state.draft_probs = None
-            if not sampled or not can_speculate(state.sampling_params):
+            if not sampled:
                 continue
             newest = len(tokens) + len(sampled) - 1
             if (drafts := draft_count(self.k, state, newest, batch)) > 0:

@@ -9,26 +9,32 @@ q_i is the distribution the draft was drawn from: a draft model's sampled drafts
 it; n-gram, suffix and greedy draft-model drafts are a point mass (q_i(d) = 1), so that is
 p_i(d). On the first rejection the token is drawn from the residual max(p_i - q_i, 0)
 normalized (for a point mass: p_i without d), and verification stops; every emitted token
-then follows p_i exactly (Leviathan et al., 2023).
+then follows p_i exactly (Leviathan et al., 2023). A seeded row draws the token plain
+sampling draws at its position, with that position's noise (sampler.position_seed), and
+accepts its draft when the two are equal: a seeded request emits the tokens it emits
+without speculation, as greedy ones do.
 """
 from __future__ import annotations
 
 import torch
 
 from services.sampling_params import SamplingParams
-from worker_svc.runtime.sampling.sampler import SamplingBatch, argmax, draw, probabilities
+from worker_svc.runtime.sampling.sampler import SamplingBatch, argmax, draw, position_seed, probabilities
 
 # One request's rows in the verification logits: its sampling params and its drafts.
 Verified = tuple[SamplingParams, list[int]]
+# A seeded request's generator, and the output position its first row samples.
+Seeded = tuple[torch.Generator, int]
 
 
-def verify(logits: torch.Tensor, requests: list[Verified],
-           draft_probs: list[torch.Tensor | None] | None = None) -> list[list[int]]:
+def verify(logits: torch.Tensor, requests: list[Verified], draft_probs: list[torch.Tensor | None] | None = None,
+           seeded: list[Seeded | None] | None = None) -> list[list[int]]:
     """The tokens each request emits: its accepted drafts and one more. `logits` [R, V]
     (R = sum of drafts + 1 over the requests, in order) are adjusted as each position's
     token decoded alone would be: by the logits processors (logits_processors.
     at_each_position) and a grammar's mask (spec_grammar.py). `draft_probs`: per request,
-    the distributions [drafts, V] its drafts were sampled from, or None for a point mass."""
+    the distributions [drafts, V] its drafts were sampled from, or None for a point mass.
+    `seeded`: per request, its generator and first row's output position where it has a seed."""
     drafts_per_row: list[int] = []  # the draft each row verifies; -1 on a request's bonus row
     for _, drafts in requests:
         drafts_per_row += [*drafts, -1]
@@ -38,7 +44,8 @@ def verify(logits: torch.Tensor, requests: list[Verified],
         accepted = [t == d for t, d in zip(target, drafts_per_row)]
     else:
         target, accepted = _sample_rows(logits, params, drafts_per_row,
-                                        _proposal_rows(requests, draft_probs or [None] * len(requests)))
+                                        _proposal_rows(requests, draft_probs or [None] * len(requests)),
+                                        _seeded_rows(requests, seeded or [None] * len(requests)))
     return emitted_runs(requests, accepted, target)
 
 
@@ -61,6 +68,18 @@ def emitted_runs(requests: list[Verified], accepted: list[bool], target: list[in
     return emitted
 
 
+def _seeded_rows(requests: list[Verified], seeded: list[Seeded | None]) -> list[tuple[int, torch.Generator, int]]:
+    """Each sampled seeded row: (row, its request's generator, the seed of the row's position)."""
+    rows = []
+    row = 0
+    for (params, drafts), entry in zip(requests, seeded):
+        if entry is not None and not params.greedy:
+            generator, position = entry
+            rows += [(row + j, generator, position_seed(params.seed, position + j)) for j in range(len(drafts) + 1)]
+        row += len(drafts) + 1
+    return rows
+
+
 def _proposal_rows(requests: list[Verified],
                    draft_probs: list[torch.Tensor | None]) -> tuple[list[int], torch.Tensor] | None:
     """The rows whose draft was sampled from a distribution, and those distributions [rows, V]."""
@@ -76,9 +95,11 @@ def _proposal_rows(requests: list[Verified],
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], drafts_per_row: list[int],
-                 proposals: tuple[list[int], torch.Tensor] | None) -> tuple[list[int], list[bool]]:
+                 proposals: tuple[list[int], torch.Tensor] | None,
+                 seeded: list[tuple[int, torch.Generator, int]]) -> tuple[list[int], list[bool]]:
     """Per row: the token it emits if it is the first rejected (or the bonus row), and
-    whether its draft is accepted. All rows at once: a uniform and a residual draw each."""
+    whether its draft is accepted. All rows at once: a uniform and a residual draw each;
+    a seeded row, plain sampling's token at its position (drawn as sampler.draw draws it)."""
     device = logits.device
     columns = [torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
                for name, dtype in (("temperature", torch.float32), ("top_p", torch.float32),
@@ -104,4 +125,9 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], drafts_per_
         greedy, greedy_tokens = batch.temperature == 0, argmax(logits)
         target = torch.where(greedy, greedy_tokens, target)
         accepted = torch.where(greedy, greedy_tokens == drafts, accepted)
+    for row, generator, seed in seeded:
+        generator.manual_seed(seed)
+        noise = torch.rand(probs.shape[-1], generator=generator, device=device)
+        target[row] = argmax(probs[row : row + 1] / noise.log_().neg_())[0]
+        accepted[row] = has_draft[row] & (target[row] == drafts[row])
     return target.tolist(), accepted.tolist()

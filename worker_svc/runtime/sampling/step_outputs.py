@@ -91,7 +91,8 @@ class StepOutputs:
                                                   self.model_config.eos_token_ids, logits.device)
             checked = adjustments.apply(checked) if adjustments else checked
         emitted = verify(checked, [(s.sampling_params, drafts) for s, (_, drafts) in zip(states, spec_requests)],
-                         [_proposal(state, drafts) for state, (_, drafts) in zip(states, spec_requests)])
+                         [_proposal(state, drafts) for state, (_, drafts) in zip(states, spec_requests)],
+                         [(s.generator, len(s.output_token_ids)) if s.generator is not None else None for s in states])
         if constrained:
             advance(self.grammars(), states, emitted)
         first_row = 0

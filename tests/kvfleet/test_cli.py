@@ -114,8 +114,9 @@ REFUSED = {
                            "layers"),
     "kv-transfer-serve": (["--kv-transfer-config", '{"kv_connector": "KvfleetConnector", "kv_role": "kv_both"}'],
                           "--kv-transfer-config: prefill/decode disaggregation needs replicas of the cluster's roles"),
-    "speculative-async": (["-sc", '{"method": "ngram", "num_speculative_tokens": 2}', "--async-scheduling"],
-                          "--speculative-config with --async-scheduling is not supported yet"),
+    "speculative-tp": (["-sc", '{"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 2}',
+                        "--tensor-parallel-size", "2"],
+                       "--speculative-config method 'draft_model' drafts on one-rank workers for now"),
     "missing-model": (["--model", "/no/such/model"], "'/no/such/model'"),
     "missing-tokenizer": (["--tokenizer", "/no/such/tokenizer"], "'/no/such/tokenizer'"),
 }

@@ -17,7 +17,11 @@ from safetensors.torch import save_file
 
 from gateway.cluster.fleet_stats import total
 from kvfleet import LLM, SamplingParams, StructuredOutputsParams
-from services.config import ConfigError
+from kvfleet.processes import free_port
+from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.worker_client import RemoteWorker
+from services.config import ConfigError, EngineConfig
+from services.messages import StepPlan
 from services.model_source import resolve_model
 from services.telemetry import EngineStatsCollector
 from worker_svc.formats.model_config import ModelConfig
@@ -26,6 +30,7 @@ from worker_svc.runtime.sampling.logits_processors import adjusts
 
 from conftest import assert_no_leaks
 from corpus import TEXT, parity_prompts
+from servers import RoleProcess
 
 # The configuration vLLM users pass (and the issue's check): 4 drafts from 4-gram matches.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
@@ -357,6 +362,36 @@ def test_seeded_requests_speculate_and_emit_their_plain_tokens(llm, spec_llm):
     assert _tokens(spec_llm, [COPY], params[0]) == plain[:1]
     assert _tokens(spec_llm, [COPY] * 2, params) == plain
     assert counts.num_accepted_tokens - accepted_before >= 8
+
+
+def test_a_worker_role_over_grpc_verifies_the_drafts_in_the_step_they_ride_in(llm):
+    """The cluster's path: the scheduler's engine and a worker role over gRPC. The drafts
+    ride in the step plan and come back verified in its result: one ExecuteStep a step,
+    no round trip of their own; the tokens are the plain ones."""
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    prompts = [llm.get_tokenizer().encode(prompt) for prompt in (COPY, REPEATS)]
+    plain = _tokens(llm, [{"prompt_token_ids": p} for p in prompts], params)
+    port = free_port()
+    worker = RoleProcess("worker", "--dtype", "float32", "--max-model-len", "384", "--port", str(port))
+    try:
+        remote = RemoteWorker(f"127.0.0.1:{port}", ready_timeout_s=120)
+        core = EngineCore(EngineConfig(speculative_config=json.dumps(NGRAM), max_model_len=384), remote)
+        plans: list[StepPlan] = []
+        execute = remote.execute
+        remote.execute = lambda plan: plans.append(plan) or execute(plan)
+        for i, prompt in enumerate(prompts):
+            core.add_request(str(i), prompt, params)
+        tokens: dict[str, list[int]] = {"0": [], "1": []}
+        steps = 0
+        while core.has_work:
+            steps += 1
+            for delta in core.step():
+                tokens[delta.request_id] += delta.new_token_ids
+        assert [tokens["0"], tokens["1"]] == plain
+        assert len(plans) == steps and sum(bool(plan.scheduled_spec_decode_tokens) for plan in plans) >= 4
+        assert core.scheduler.spec_decoding.num_accepted_tokens >= 8
+    finally:
+        worker.kill()
 
 
 def test_no_drafts_while_disable_by_batch_size_requests_run(suffix_llm):

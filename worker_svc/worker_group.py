@@ -61,6 +61,14 @@ def start_worker(config: EngineConfig, on_lost: Callable[[str], None] | None = N
     shard = Shard.of_rank(0, config.tensor_parallel_size, config.pipeline_parallel_size)
     worker = Worker(config, RankGroup.join(shard, store, torch_device(config, 0)))
     watch.worker, watch.on_lost = worker, on_lost or worker.lose_group
+
+    def end_group(reason: str) -> None:
+        """The followers killed: the watch then reports the group lost."""
+        logger.error("ending the worker group: %s", reason)
+        for process in followers:
+            process.kill()
+
+    worker.end_group = end_group
     atexit.register(_close, worker, followers)
     return worker
 

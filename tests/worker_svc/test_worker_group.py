@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -133,6 +134,41 @@ def test_speculation_split_gives_the_tokens_of_one_rank(layout, speculating, def
         assert _generate(llm, _prompts(49152)) == default_expected
     assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens  # drafts accepted, and some rejected
     assert scheduler.num_preemptions > 0 and scheduler.prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_leader_step_failing_midway_ends_the_group_instead_of_hanging(layout, make_llm):
+    """The leader's step fails after the plan went to the other ranks and before its
+    collectives (TP) or its hidden states' hand-over (PP): they would wait for it for ever.
+    The group ends instead: the step fails with the leader's error at once, the steps
+    after say the group is down."""
+    llm = make_llm("smollm2", dtype="float32", **LAYOUTS[layout])
+    worker = llm.engine.worker
+    apply_deltas = worker._apply_deltas
+
+    def failing(plan) -> None:
+        apply_deltas(plan)
+        raise RuntimeError("injected: the leader's step failed")
+
+    worker._apply_deltas = failing
+    raised: list[Exception] = []
+
+    def generate() -> None:
+        try:
+            llm.generate([[1, 504, 3458]], GREEDY, use_tqdm=False)
+        except Exception as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=generate, daemon=True)  # a hang fails the test, not the suite
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive() and "injected" in repr(raised)
+    worker._apply_deltas = apply_deltas
+    deadline = time.monotonic() + 10
+    while worker.group_lost is None and time.monotonic() < deadline:  # the watch saw the ranks go
+        time.sleep(0.1)
+    with pytest.raises(Exception, match="the worker group is down"):
+        llm.generate([[1, 504, 3458]], GREEDY, use_tqdm=False)
 
 
 def _logged(log: Path, line: str, timeout_s: float = 10.0) -> bool:

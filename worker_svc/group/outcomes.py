@@ -41,9 +41,11 @@ class Outcomes:
                 except Exception as exc:  # the sampling rank is gone: so is every later outcome
                     logger.error("the worker group's outcomes stopped: %s", exc)
                     self._lost = RuntimeError(f"the worker group is down: {exc!r}")
-            if self._lost is not None:
+            if leader_error is not None:  # the leader's own error first: it says what went wrong
+                future.set_exception(leader_error)
+            elif self._lost is not None:
                 future.set_exception(self._lost)
-            elif leader_error is not None or isinstance(outcome, Exception):
-                future.set_exception(leader_error or outcome)
+            elif isinstance(outcome, Exception):
+                future.set_exception(outcome)
             else:
                 future.set_result(outcome)

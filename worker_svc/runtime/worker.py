@@ -53,6 +53,10 @@ class Worker:
         self.group = group = group or RankGroup()
         self.instance_id = uuid.uuid4().hex
         self.group_lost: str | None = None  # why the group is down, once a rank died
+        # Ends the other ranks of a group (worker_group.py): a leader whose step failed
+        # midway may have left them waiting for it.
+        self.end_group: Callable[[str], None] | None = None
+        self._step_finished = True  # the step's collectives and hand-overs are all done
         self.closed = False
         # With async scheduling a plan is handed over while the one before it runs: a
         # thread of its own runs them in order, so the caller can plan the next meanwhile.
@@ -255,7 +259,7 @@ class Worker:
             return self.submit(plan).result()
         self._check(plan)
         self.group.send_plan(plan)
-        return self.run_plan(plan)
+        return self._lead(plan)
 
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         """Runs a plan as execute() does, but a pipeline's leader returns once its own
@@ -267,10 +271,23 @@ class Worker:
         self._check(plan)
         self.group.send_plan(plan)
         try:
-            self.run_plan(plan)
+            self._lead(plan)
         except Exception as exc:
             return self._outcomes.expect(exc)
         return self._outcomes.expect(None)
+
+    def _lead(self, plan: StepPlan) -> StepResult | None:
+        """run_plan on a group's leader. A step that failed before its collectives and its
+        hidden states' hand-over were done left the other ranks waiting for this one, for
+        ever: the group ends (its ranks killed), so that this step and the later ones fail
+        instead of hanging. A step that failed after them (sampling) fails alone."""
+        try:
+            return self.run_plan(plan)
+        except Exception as exc:
+            if not self._step_finished and self.group.distributed and self.end_group is not None:
+                logger.error("the leader's step failed midway (%r): ending the worker group", exc)
+                self.end_group(f"the leader's step failed midway: {exc!r}")
+            raise
 
     def _check(self, plan: StepPlan) -> None:
         if self.group_lost is not None or self.closed:
@@ -283,8 +300,11 @@ class Worker:
             self.run_plan(plan)
 
     def lose_group(self, reason: str) -> None:
-        """A rank died: every later step fails with `reason`."""
+        """A rank died: every later step fails with `reason`, and no plan will end the
+        requests here (their state goes now)."""
         self.group_lost = reason
+        with self._state_lock:
+            self._drop_requests()
 
     def close(self) -> None:
         """A group's leader tells its followers to exit, once; then it takes no more plans."""
@@ -304,6 +324,7 @@ class Worker:
         """Every rank runs every plan, in the same order: their collectives pair up. The
         sampling rank returns the outcome; the others None."""
         self.last_step_at = time.monotonic()
+        self._step_finished = False
         with self._state_lock:
             if plan.scheduler_instance_id != self.scheduler_instance_id:
                 self.drop_scheduler_state(f"scheduler instance {plan.scheduler_instance_id} took over")
@@ -340,6 +361,7 @@ class Worker:
                 if self.kv_transfer is not None:
                     self.kv_transfer.wait_for_loads(timeout_s=0.05)
                 outcome = StepResult(plan.step_id)
+        self._step_finished = True
         if not shard.samples:
             return None
         if self.kv_transfer is not None and isinstance(outcome, StepResult):

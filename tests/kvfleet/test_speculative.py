@@ -95,11 +95,16 @@ def _smollm2_without_layers(directory: Path, dropped: range) -> Path:
 
 
 @pytest.fixture(scope="module")
-def draft_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
-    draft = _smollm2_without_layers(tmp_path_factory.mktemp("draft"), range(12, 18))
+def draft(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The draft_model config: the default model without 6 of its middle layers, 3 drafts."""
+    path = _smollm2_without_layers(tmp_path_factory.mktemp("draft"), range(12, 18))
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def draft_llm(draft) -> LLM:
     # A smaller pool than spec_llm's: its mixed batch is smaller.
-    return LLM("smollm2", dtype="float32", num_gpu_blocks_override=16, max_model_len=256,
-               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    return LLM("smollm2", dtype="float32", num_gpu_blocks_override=16, max_model_len=256, speculative_config=draft)
 
 
 # The EAGLE-3 test head's draft vocabulary (real heads keep the target's most used tokens).
@@ -394,6 +399,19 @@ def test_a_worker_role_over_grpc_verifies_the_drafts_in_the_step_they_ride_in(ll
         worker.kill()
 
 
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_a_draft_model_drafts_on_a_group_s_sampling_rank(layout, llm, draft, make_llm):
+    """A draft model is a whole model of its own, needing no collective: on a TP/PP group
+    it runs on the rank that samples, over the step's tokens, and the others never see it.
+    The tokens are one rank's; drafts are accepted and rejected."""
+    prompts, params = [COPY, REPEATS], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = _tokens(llm, prompts, params)
+    spec = make_llm(dtype="float32", max_model_len=256, speculative_config=draft, **layout)
+    assert _tokens(spec, prompts, params) == plain
+    counts = spec.engine.scheduler.spec_decoding
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+
+
 def test_no_drafts_while_disable_by_batch_size_requests_run(suffix_llm):
     """vLLM's disable_by_batch_size: no step with 6 requests running verifies drafts; with
     fewer, the same answers draft from one another's outputs (in how many steps depends on
@@ -512,8 +530,8 @@ def test_sampled_requests_run_and_counters_are_vllms(spec_llm):
     ({"method": "draft_model", "num_speculative_tokens": 2}, {}, "method 'draft_model' needs \"model\""),
     ({"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2}, {},
      "model '/no/such/draft': model '/no/such/draft' is not a known alias"),
-    ({"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2},
-     {"tensor_parallel_size": 2}, "method 'draft_model' drafts on one-rank workers for now"),
+    ({"method": "eagle", "model": "/no/such/head", "num_speculative_tokens": 2},
+     {"tensor_parallel_size": 2}, "method 'eagle' reads the target's hidden states"),
 ])
 def test_a_config_that_cannot_work_is_refused_before_loading(config, engine_args, message):
     with pytest.raises(ConfigError, match="--speculative-config") as refused:

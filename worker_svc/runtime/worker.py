@@ -128,8 +128,8 @@ class Worker:
     def _drafter(self, config: EngineConfig) -> DraftModel | EagleDrafter | None:
         """The model that drafts in this worker, for the speculative methods that have one."""
         method = config.speculative.method if config.speculative is not None else None
-        if method == "draft_model":
-            return DraftModel(config, self.device, self.dtype, self.max_model_len)
+        if method == "draft_model":  # a whole model of its own: the rank that samples runs it, alone
+            return DraftModel(config, self.device, self.dtype, self.max_model_len) if self.group.shard.samples else None
         if method in ("eagle", "eagle3"):
             return EagleDrafter(config, self.model, self.device, self.dtype, self.max_model_len)
         return None

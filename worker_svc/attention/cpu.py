@@ -27,8 +27,8 @@ from worker_svc.kernels.cpu.paged_decode import DecodeBatch, PagedDecodeKernel
 from worker_svc.kernels.cpu.paged_prefill import PagedPrefillKernel, PrefillBatch, PrefillChunk
 
 DECODE_GROUP_TOKENS = 4096
-# With the decode kernel, a speculative step's token and up to this many tokens of drafts
-# in all run as decode rows, each seeing the keys up to its own position, as each would be
+# With the decode kernel, a speculative step's token and its drafts, up to this many tokens
+# in all, run as decode rows, each seeing the keys up to its own position, as each would be
 # decoded alone: the prefill kernel's tile computes all its 48 lanes (16 tokens of
 # SmolLM2's 3-head groups) however few rows it holds. (A prompt's chunk keeps the prefill
 # kernel however short: a prompt whose prefix was cached gets the bits of one that was

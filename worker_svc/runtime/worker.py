@@ -285,7 +285,6 @@ class Worker:
             return self.run_plan(plan)
         except Exception as exc:
             if not self._step_finished and self.group.distributed and self.end_group is not None:
-                logger.error("the leader's step failed midway (%r): ending the worker group", exc)
                 self.end_group(f"the leader's step failed midway: {exc!r}")
             raise
 

@@ -99,7 +99,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], drafts_per_
                  seeded: list[tuple[int, torch.Generator, int]]) -> tuple[list[int], list[bool]]:
     """Per row: the token it emits if it is the first rejected (or the bonus row), and
     whether its draft is accepted. All rows at once: a uniform and a residual draw each;
-    a seeded row, plain sampling's token at its position (drawn as sampler.draw draws it)."""
+    a seeded row, plain sampling's token at its position (sampler.draw with its noise)."""
     device = logits.device
     columns = [torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
                for name, dtype in (("temperature", torch.float32), ("top_p", torch.float32),
@@ -125,9 +125,8 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], drafts_per_
         greedy, greedy_tokens = batch.temperature == 0, argmax(logits)
         target = torch.where(greedy, greedy_tokens, target)
         accepted = torch.where(greedy, greedy_tokens == drafts, accepted)
-    for row, generator, seed in seeded:
+    for row, generator, seed in seeded:  # one at a time: each row reseeds its request's generator
         generator.manual_seed(seed)
-        noise = torch.rand(probs.shape[-1], generator=generator, device=device)
-        target[row] = argmax(probs[row : row + 1] / noise.log_().neg_())[0]
+        target[row] = draw(probs[row : row + 1], [generator])[0]
         accepted[row] = has_draft[row] & (target[row] == drafts[row])
     return target.tolist(), accepted.tolist()

@@ -305,8 +305,9 @@ def test_structured_outputs_check_each_draft_against_the_grammar(llm, spec_llm):
     the model's argmax and would be accepted), a sampled request stays inside the regex, and
     the allowed drafts are still accepted."""
     code = r"(def|    )[a-z_ =\(\):\n+]+"  # a bounded repetition ({10,200}) took xgrammar 1.7 s to compile
-    params = [SamplingParams(temperature=temperature, max_tokens=32, structured_outputs=StructuredOutputsParams(regex=code))
-              for temperature in (0.0, 0.8)]
+    # Seeded, so that the sampled request's path, and the drafts it accepts, are the same every run.
+    params = [SamplingParams(temperature=temperature, seed=5, max_tokens=32,
+                             structured_outputs=StructuredOutputsParams(regex=code)) for temperature in (0.0, 0.8)]
     counts = spec_llm.engine.scheduler.spec_decoding
     accepted_before = counts.num_accepted_tokens
     greedy, sampled = spec_llm.generate([COPY, COPY], params, use_tqdm=False)

@@ -8,7 +8,8 @@ sizes. On a GPU the worker captures its graphs itself; on a CPU, where it would 
 they are attached as tests/worker_svc/test_triton_engine.py does, so that the static
 buffers and their padding still run (eagerly). Random weights drawn wide (0.2) make
 the top logit clear, so that float32 rounding differences between two correct engines
-do not flip a greedy choice.
+do not flip a greedy choice. Then the same prompts twice more: through the offload
+tiers, and with speculative drafts verified in graphs of 1 + k rows per request.
 """
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ def run(profile: Profile, workdir: Path) -> dict[str, Any]:
     free_device()
 
     tiers = _offload_tiers(path, profile, prompts, expected, workdir)
+    speculative = _speculative(path, profile, prompts, expected)
     mismatches = [
         {"prompt": index, "first_difference": next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
          if len(mine) == len(theirs) else min(len(mine), len(theirs)), "kvfleet": mine, "transformers": theirs}
@@ -80,17 +82,46 @@ def run(profile: Profile, workdir: Path) -> dict[str, Any]:
     exact = not mismatches
     targets = [target("greedy tokens equal transformers'", exact, "all prompts", exact),
                target("greedy tokens equal with blocks from the offload tiers", tiers["exact"], "all prompts",
-                      tiers["exact"])]
+                      tiers["exact"]),
+               target("greedy tokens equal with drafts verified in CUDA graphs", speculative["exact"],
+                      "all prompts, every draft accepted", speculative["exact"] and speculative["all_accepted"])]
     if device.type == "cuda":
         targets.append(target("decode CUDA graphs captured", captured, "true", captured))
     return {
         "prompt_lens": list(map(len, prompts)), "new_tokens": new_tokens, "exact": exact,
         "matching_prompts": len(prompts) - len(mismatches), "mismatches": mismatches,
         "cuda_graphs_captured": captured, "graphs": "captured" if captured else f"CPU buffers, ladder {CPU_LADDER}",
-        "prefix_cache_hits": prefix_hits, "offload_tiers": tiers, "targets": targets,
+        "prefix_cache_hits": prefix_hits, "offload_tiers": tiers,
+        "speculative": speculative, "targets": targets,
         "notes": [f"{len(prompts) - len(mismatches)}/{len(prompts)} prompts give transformers' {new_tokens} tokens; "
                   f"decode graphs: {'captured' if captured else 'CPU buffers'}"],
     }
+
+
+def _speculative(path: Path, profile: Profile, prompts: list[list[int]], expected: list[list[int]]
+                 ) -> dict[str, Any]:
+    """The same prompts with the model drafting 3 tokens for itself (draft_model), so every
+    draft is accepted unless verifying differs from decoding: decodes with their drafts
+    replay graphs of 4 rows per request (worker_svc/runtime/cuda_graphs.py)."""
+    new_tokens = profile.parity_new_tokens
+    longest = max(map(len, prompts)) + new_tokens
+    llm = LLM(str(path), dtype="float32", device=profile.device.type, attention_backend="triton",
+              max_model_len=longest, block_size=profile.block_size, max_num_seqs=MAX_NUM_SEQS,
+              speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 3})
+    worker = llm.engine.worker
+    if profile.device.type == "cpu":
+        worker.graphs = DecodeGraphs(worker.model, worker.attention_backend, worker.kv_caches, CPU_LADDER,
+                                     worker.batch.max_blocks, worker.block_size, worker.device, spec_tokens=3)
+    widths = worker.graphs.widths if worker.graphs is not None else ()
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    got = [list(output.outputs[0].token_ids) for output in llm.generate(prompts, params, use_tqdm=False)]
+    counts = llm.engine.scheduler.spec_decoding
+    worker.close()
+    del llm, worker
+    free_device()
+    return {"exact": got == expected, "graph_rows_per_request": list(widths),
+            "draft_tokens": counts.num_draft_tokens, "accepted_tokens": counts.num_accepted_tokens,
+            "all_accepted": counts.num_accepted_tokens == counts.num_draft_tokens > 0}
 
 
 def _offload_tiers(path: Path, profile: Profile, prompts: list[list[int]], expected: list[list[int]],

@@ -89,6 +89,12 @@ class Cluster:
         """Submits a payload built by hand: values SubmitRequest would refuse to build."""
         self.channel.unary_unary(f"/{SCHEDULER.name}/Submit")(msgspec.msgpack.encode(fields))
 
+    def settle(self, worker: Worker) -> None:
+        """Idle, and the step that told the worker to drop the last requests has returned:
+        the loop takes a command only between steps, so its answer comes after that step's."""
+        wait_idle(self.loop.core, worker)
+        assert self.loop.check_worker().result(timeout=10)
+
     def close(self) -> None:
         self.channel.close()
         self.server.stop(0)
@@ -388,7 +394,7 @@ def test_a_restarted_worker_is_taken_up_with_an_empty_cache(worker, prompts, ref
         outputs = cluster.open_stream("g")
         cluster.submit("before", prompts[5], max_tokens=NEW_TOKENS)  # 40 tokens: two full blocks enter the prefix cache
         assert tokens_of(read_until_finished(outputs, {"before"})["before"]) == reference[5]
-        wait_idle(cluster.loop.core, worker)
+        cluster.settle(worker)  # stopping the server mid-step would lose the worker before it restarts
         first.stop(0)
         fresh = Worker(EngineConfig(**ENGINE))
         restarted = start_worker_server(fresh, f"127.0.0.1:{first.port}")

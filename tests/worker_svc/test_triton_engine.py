@@ -74,3 +74,37 @@ def test_decode_steps_replayed_through_the_graph_buffers_give_the_same_tokens(
     used = [len(out) for out in replayed if out is not None]
     assert any(size not in LADDER for size in used), used  # padded batches among them
     assert any(out is None for out in replayed)  # the prompt steps ran eagerly
+
+
+def test_verification_steps_replayed_through_the_graph_buffers_give_the_same_tokens(
+    tiny_llama, prompts_and_expected, make_llm
+) -> None:
+    """A step of decodes and their drafts (and short prompt chunks) runs in graphs of 1 + k
+    rows per request, each request's rows padded at their end. The target drafts for itself,
+    so every draft is accepted unless the graphs' verification differs from the eager one."""
+    path, hf_model = tiny_llama
+    prompts = prompts_and_expected[0][:4]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [hf_greedy(hf_model, prompt, params.max_tokens) for prompt in prompts]
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    llm = make_llm(str(path), **PRESSURE, speculative_config=spec)
+    worker = llm.engine.worker
+    worker.graphs = graphs = DecodeGraphs(worker.model, worker.attention_backend, worker.kv_caches, LADDER,
+                                          worker.batch.max_blocks, worker.block_size, worker.device, spec_tokens=3)
+    replayed = []  # (rows per request, rows, requests) of each step that replayed; None: eager
+    forward = graphs.forward
+
+    def recorded(inputs):
+        out = forward(inputs)
+        replayed.append((inputs.layout.max_query_len, len(inputs.input_ids), len(inputs.row_starts))
+                        if out is not None else None)
+        return out
+
+    graphs.forward = recorded
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+    verifying = [step for step in replayed if step is not None and step[0] == 4]
+    assert any(rows < 4 * requests for _, rows, requests in verifying), replayed  # requests padded
+    assert None in replayed  # long prompt chunks ran eagerly
+    counts = llm.engine.scheduler.spec_decoding
+    assert counts.num_accepted_tokens == counts.num_draft_tokens > 0

@@ -1,13 +1,19 @@
-"""Decode steps replayed from CUDA graphs, one captured per batch size of a ladder.
+"""Decode steps replayed from CUDA graphs, one captured per batch size of a ladder, and
+with speculative decoding, verification steps too.
 
 A decode step of a small model is mostly kernel launches from Python: replaying a
 captured graph launches the whole forward at once. Inputs go through static buffers
 the graphs were captured on; a batch runs in the smallest captured size that holds it,
-its padding rows writing no KV (slot -1) and attending to nothing (length 0). Only
-steps where every row decodes one token replay; anything else, or a batch larger than
-the ladder, runs eagerly. Graphs need a backend whose metadata is views of the
-buffers, with shapes that do not depend on the data: the Triton backend with a fixed
-block-table width and split count.
+its padding rows writing no KV (slot -1) and attending to nothing (length 0). A step
+where every row decodes one token replays a graph of one row per request. With
+speculative decoding (k drafts at most) a step where no request computes more than
+1 + k tokens (a decode with its drafts, or a short prompt chunk) replays a graph of
+1 + k rows per request, as vLLM's uniform-decode graphs: each request's rows are
+padded at their end, and its length counts the padding, so its real rows sit at their
+own positions and, attention being causal, never see the padding. Anything else, or
+a batch larger than the ladder, runs eagerly. Graphs need a backend whose metadata is
+views of the buffers, with shapes that do not depend on the data: the Triton backend
+with a fixed block-table width and split count.
 
 Without CUDA the same buffers and padding run eagerly instead of replaying, so the
 static-buffer path is tested on CPU too.
@@ -23,6 +29,7 @@ import torch
 from worker_svc.attention.backend import BatchLayout
 from worker_svc.attention.gpu import TritonAttentionBackend
 from worker_svc.model.llama import LlamaForCausalLM
+from worker_svc.runtime.batch import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -30,49 +37,66 @@ logger = logging.getLogger(__name__)
 class DecodeGraphs:
     def __init__(
         self, model: LlamaForCausalLM, backend: TritonAttentionBackend, kv_caches: list[torch.Tensor],
-        sizes: tuple[int, ...], max_blocks: int, block_size: int, device: torch.device,
+        sizes: tuple[int, ...], max_blocks: int, block_size: int, device: torch.device, spec_tokens: int = 0,
     ) -> None:
+        """`spec_tokens`: the drafts a request verifies at most (0: no speculative decoding)."""
         self.sizes = sorted(sizes)
-        largest = self.sizes[-1]
+        self.widths = (1, 1 + spec_tokens) if spec_tokens else (1,)
+        rows = self.sizes[-1] * self.widths[-1]
+        self.device = device
         with torch.device(device):
-            self.input_ids = torch.zeros(largest, dtype=torch.long)
-            self.positions = torch.zeros(largest, dtype=torch.long)
-            self.slot_mapping = torch.full((largest,), -1, dtype=torch.long)
-            self.seq_lens = torch.zeros(largest, dtype=torch.int32)
-            self.block_tables = torch.zeros((largest, max_blocks), dtype=torch.int32)
-            query_lens = torch.ones(largest, dtype=torch.int32)
-        self.replays: dict[int, Callable[[], torch.Tensor]] = {}
+            self.input_ids = torch.zeros(rows, dtype=torch.long)
+            self.positions = torch.zeros(rows, dtype=torch.long)
+            self.slot_mapping = torch.full((rows,), -1, dtype=torch.long)
+            self.seq_lens = torch.zeros(self.sizes[-1], dtype=torch.int32)
+            # A padding row may attend past a request's last block: its columns exist, and name real blocks.
+            self.block_tables = torch.zeros((self.sizes[-1], max_blocks + -(-spec_tokens // block_size)),
+                                            dtype=torch.int32)
+        self.replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         started = time.perf_counter()
         pool = None
-        for size in reversed(self.sizes):  # largest first: the smaller graphs fit in its memory pool
-            layout = BatchLayout(query_lens[:size], self.seq_lens[:size], self.block_tables[:size],
-                                 self.slot_mapping[:size], block_size, 1)
-            metadata = backend.build_metadata(layout)
-            self.replays[size], pool = _capture(
-                lambda size=size, metadata=metadata: model(
-                    self.input_ids[:size], self.positions[:size], kv_caches, metadata
-                ),
-                device, pool,
-            )
+        for width in reversed(self.widths):  # largest first: the smaller graphs fit in its memory pool
+            query_lens = torch.full((self.sizes[-1],), width, dtype=torch.int32, device=device)
+            for size in reversed(self.sizes):
+                layout = BatchLayout(query_lens[:size], self.seq_lens[:size], self.block_tables[:size],
+                                     self.slot_mapping[:size * width], block_size, width)
+                metadata = backend.build_metadata(layout)
+                self.replays[size, width], pool = _capture(
+                    lambda rows=size * width, metadata=metadata: model(
+                        self.input_ids[:rows], self.positions[:rows], kv_caches, metadata
+                    ),
+                    device, pool,
+                )
         if device.type == "cuda":
-            logger.info("captured decode CUDA graphs for %d batch sizes (%s) in %.1f s", len(self.sizes),
-                        " ".join(map(str, self.sizes)), time.perf_counter() - started)
+            logger.info("captured CUDA graphs for %d batch sizes (%s) of %s rows per request in %.1f s",
+                        len(self.sizes), " ".join(map(str, self.sizes)), " and ".join(map(str, self.widths)),
+                        time.perf_counter() - started)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor | None:
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The step's hidden states from a replayed graph; None for a step graphs do not cover."""
-        count = len(input_ids)
-        if layout.max_query_len != 1 or count > self.sizes[-1]:
+        layout = inputs.layout
+        requests, count = len(inputs.row_starts), len(inputs.input_ids)
+        width = next((width for width in self.widths if width >= layout.max_query_len), None)
+        if width is None or requests > self.sizes[-1]:
             return None
-        size = next(size for size in self.sizes if size >= count)
-        width = layout.block_tables.shape[1]
-        self.input_ids[:count].copy_(input_ids)
-        self.positions[:count].copy_(positions)
-        self.slot_mapping[:count].copy_(layout.slot_mapping)
-        self.slot_mapping[count:size].fill_(-1)
-        self.seq_lens[:count].copy_(layout.seq_lens)
-        self.seq_lens[count:size].fill_(0)
-        self.block_tables[:count, :width].copy_(layout.block_tables)
-        return self.replays[size]()[:count]
+        size = next(size for size in self.sizes if size >= requests)
+        self.seq_lens[:requests].copy_(layout.seq_lens)
+        self.seq_lens[requests:size].fill_(0)
+        self.block_tables[:requests, :layout.block_tables.shape[1]].copy_(layout.block_tables)
+        if width == 1:
+            rows: torch.Tensor | slice = slice(0, count)
+        else:
+            ends = [*inputs.row_starts[1:], count]
+            padded = [request * width + row for request, (start, end) in enumerate(zip(inputs.row_starts, ends))
+                      for row in range(end - start)]
+            rows = torch.tensor(padded, dtype=torch.long).to(self.device, non_blocking=True)
+            # Each request's length counts its padding rows, so its real rows keep their positions.
+            self.seq_lens[:requests].add_(width - layout.query_lens.to(torch.int32))
+        self.slot_mapping[:size * width].fill_(-1)
+        self.input_ids[rows] = inputs.input_ids
+        self.positions[rows] = inputs.positions
+        self.slot_mapping[rows] = layout.slot_mapping
+        return self.replays[size, width]()[rows]
 
 
 def _capture(

@@ -63,7 +63,8 @@ def _enabled(attention: str) -> bool:
 
 def decode_graphs(config: EngineConfig, device: torch.device, group: RankGroup, model: LlamaForCausalLM,
                   backend: AttentionBackend, kv_caches: list[torch.Tensor], batch: InputBatch) -> DecodeGraphs | None:
-    """CUDA graphs for decode steps, on a GPU running the Triton kernels, unless --enforce-eager."""
+    """CUDA graphs for decode steps (and verification steps, with speculative decoding), on a
+    GPU running the Triton kernels, unless --enforce-eager."""
     if device.type != "cuda":
         if config.enforce_eager:
             logger.info("--enforce-eager has no effect on %s: only CUDA steps replay graphs", device)
@@ -74,4 +75,5 @@ def decode_graphs(config: EngineConfig, device: torch.device, group: RankGroup, 
     if group.distributed:
         logger.info("worker groups run eagerly: their collectives are not captured in CUDA graphs yet")
         return None
-    return DecodeGraphs(model, backend, kv_caches, sizes, batch.max_blocks, batch.block_size, device)
+    spec_tokens = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    return DecodeGraphs(model, backend, kv_caches, sizes, batch.max_blocks, batch.block_size, device, spec_tokens)

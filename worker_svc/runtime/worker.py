@@ -383,7 +383,7 @@ class Worker:
             list(plan.num_scheduled_tokens.values()), inputs.token_requests) is not None
         # A captured graph knows no adapter: a step with one runs eagerly.
         graphs = self.graphs if not adapters else None
-        hidden = graphs.forward(inputs.input_ids, inputs.positions, inputs.layout) if graphs else None
+        hidden = graphs.forward(inputs) if graphs else None
         if self.encoder:
             hidden = self.model(inputs.input_ids, inputs.positions, token_type_ids(plan, self.requests, self.device),
                                 list(plan.num_scheduled_tokens.values()))

@@ -185,11 +185,6 @@ class EngineConfig:
         except SpeculativeConfigError as exc:
             raise ConfigError(f"--speculative-config: {exc}") from exc
         self.speculative_config = self.speculative.to_json()
-        if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and self.speculative.method in (
-                "eagle", "eagle3"):
-            raise ConfigError(f"--speculative-config method {self.speculative.method!r} reads the target's hidden "
-                              "states, embedding and LM head, on one-rank workers for now: drop "
-                              "--tensor-parallel-size and --pipeline-parallel-size, or use another method")
 
     def _check_kv_transfer(self) -> None:
         self.kv_transfer: KvTransferConfig | None = None

@@ -114,9 +114,6 @@ REFUSED = {
                            "layers"),
     "kv-transfer-serve": (["--kv-transfer-config", '{"kv_connector": "KvfleetConnector", "kv_role": "kv_both"}'],
                           "--kv-transfer-config: prefill/decode disaggregation needs replicas of the cluster's roles"),
-    "speculative-tp": (["-sc", '{"method": "eagle", "model": "/no/such/head", "num_speculative_tokens": 2}',
-                        "--tensor-parallel-size", "2"],
-                       "--speculative-config method 'eagle' reads the target's hidden states"),
     "missing-model": (["--model", "/no/such/model"], "'/no/such/model'"),
     "missing-tokenizer": (["--tokenizer", "/no/such/tokenizer"], "'/no/such/tokenizer'"),
 }

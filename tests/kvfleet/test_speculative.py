@@ -298,6 +298,27 @@ def test_an_eagle3_head_drafts_from_three_layers_through_its_draft_vocabulary(ll
     assert drafted >= 6 and newest >= 3 and tokens <= set(DRAFT_VOCAB), (drafted, newest, tokens)
 
 
+@pytest.mark.parametrize(("method", "layout"), [("eagle", {"tensor_parallel_size": 2}),
+                                                ("eagle3", {"pipeline_parallel_size": 2})])
+def test_an_eagle_head_drafts_on_a_group_s_sampling_rank(method, layout, llm, eagle_heads, make_llm):
+    """On a TP/PP group the head drafts on the rank that samples, with whole copies of the
+    vocabulary where it shares the target's (TP: the target's are slices; PP: the embedding
+    is on the first stage). EAGLE-3's layers 2, 15 and 29 sit on both stages of PP=2: layer
+    2's input comes over with the first stage's output, in order (the test head reads the
+    last). The drafts are those the single-rank tests check; the tokens are the plain ones."""
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    spec = make_llm(dtype="float32", max_model_len=256, **layout, speculative_config={
+        "method": method, "model": str(eagle_heads[method]), "num_speculative_tokens": 3})
+    outputs, drafted, newest, tokens = _watching_drafts(spec, [REPEATS], [params])
+    assert outputs == _tokens(llm, [REPEATS], params)
+    if method == "eagle":
+        assert drafted >= 6 and newest == drafted, (drafted, newest)
+    else:
+        assert drafted >= 6 and newest >= 3 and tokens <= set(DRAFT_VOCAB), (drafted, newest, tokens)
+    counts = spec.engine.scheduler.spec_decoding
+    assert counts.num_accepted_tokens > 0
+
+
 def test_structured_outputs_check_each_draft_against_the_grammar(llm, spec_llm):
     """Prompt lookup drafts the code the prompt holds, which the regex (no digits) partly
     forbids: each draft is checked against the grammar before it is verified, so the tokens
@@ -531,8 +552,6 @@ def test_sampled_requests_run_and_counters_are_vllms(spec_llm):
     ({"method": "draft_model", "num_speculative_tokens": 2}, {}, "method 'draft_model' needs \"model\""),
     ({"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2}, {},
      "model '/no/such/draft': model '/no/such/draft' is not a known alias"),
-    ({"method": "eagle", "model": "/no/such/head", "num_speculative_tokens": 2},
-     {"tensor_parallel_size": 2}, "method 'eagle' reads the target's hidden states"),
 ])
 def test_a_config_that_cannot_work_is_refused_before_loading(config, engine_args, message):
     with pytest.raises(ConfigError, match="--speculative-config") as refused:

@@ -143,8 +143,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # EAGLE-3 (worker_svc/runtime/eagle_drafter.py): the layers whose input hidden states each
-    # forward keeps in aux_hidden_states, for the head to draft from.
+    # EAGLE-3 (worker_svc/runtime/eagle_drafter.py): the layers (the whole model's indices)
+    # whose input hidden states each forward keeps in aux_hidden_states, for the head to
+    # draft from; a pipeline's stages pass the earlier ones on with their output.
     aux_hidden_state_layers: tuple[int, ...] = ()
     aux_hidden_states: list[torch.Tensor] = []
     layer_loop: LayerLoop | None = None  # a step's layers in one C++ call, where they can be
@@ -188,29 +189,38 @@ class LlamaForCausalLM(nn.Module):
         """The hidden states after this stage's layers; a later stage receives its input
         from the one before, and every stage but the last sends its output on."""
         shard = self.group.shard
+        layers = shard.layers(self.config.num_hidden_layers)
+        # EAGLE-3's layers before this stage: their hidden states come with the stage's input.
+        earlier = sum(layer < layers.start for layer in self.aux_hidden_state_layers)
         if shard.is_first_stage:
             hidden = self.embed_tokens(input_ids)
+            self.aux_hidden_states = []
         else:
-            hidden = self.group.receive_hidden(len(input_ids), self.config.hidden_size, self.dtype, positions.device)
+            width = self.config.hidden_size
+            received = self.group.receive_hidden(len(input_ids), width * (1 + earlier), self.dtype, positions.device)
+            hidden = received[:, :width].contiguous() if earlier else received
+            self.aux_hidden_states = list(received[:, width:].split(width, dim=1))
         rope = self.ops.rope(self.rotary, positions, hidden.dtype)
-        self.aux_hidden_states = []
         if self.layer_loop is not None and self.layer_loop.takes(metadata):
             hidden, residual = self.layer_loop(hidden, rope, kv_caches, metadata)
         else:
-            hidden, residual = self._run_layers(rope, hidden, kv_caches, metadata)
+            kept = [layer - layers.start for layer in self.aux_hidden_state_layers if layer in layers]
+            hidden, residual = self._run_layers(rope, hidden, kv_caches, metadata, kept)
         # The last MLP's output joins the stream here, not in a fused final norm: compute_logits
         # norms only the rows that sample, and the next stage expects the whole hidden state.
         hidden = residual + hidden
         if not shard.is_last_stage:
-            self.group.send_hidden(hidden)
+            self.group.send_hidden(torch.cat([hidden, *self.aux_hidden_states], dim=1)
+                                   if self.aux_hidden_states else hidden)
         return hidden
 
-    def _run_layers(self, rope: Rope, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
-                    metadata: object) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the last MLP's output, the residual stream it joins), keeping aux_hidden_states."""
+    def _run_layers(self, rope: Rope, hidden: torch.Tensor, kv_caches: list[torch.Tensor], metadata: object,
+                    kept: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last MLP's output, the residual stream it joins), appending the inputs of
+        the layers `kept` (this stage's indices) to aux_hidden_states."""
         residual = None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            if index in self.aux_hidden_state_layers:
+            if index in kept:
                 self.aux_hidden_states.append(hidden.clone() if residual is None else residual + hidden)
             hidden, residual = layer(rope, hidden, residual, kv_cache, metadata)
         return hidden, residual

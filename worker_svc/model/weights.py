@@ -94,15 +94,28 @@ def load_weights(
     its slice as it is read (its rows or block-aligned columns, before any dequantizing),
     so no rank ever holds the whole model. Layers are then numbered from the stage's first."""
     config = read_model_config(source)
-    part = _Part(shard, config)
-    if source.format is ModelFormat.GGUF and keep_quantized:
-        tensors = _read_gguf(source.path, config, dtype, part, keep_quantized=True)
-    elif source.format is ModelFormat.GGUF:
-        tensors = _load_gguf(source.path, config, dtype, part)
-    else:
-        tensors = _load_hf_dir(source.path, config, dtype, part)
+    tensors = _read(source, config, dtype, _Part(shard, config), keep_quantized)
     _check_names(config, tensors, source.path, shard)
     return config, {shard.local_name(name, config): tensor for name, tensor in tensors.items()}
+
+
+def load_vocab_weights(source: ModelSource, dtype: torch.dtype) -> Weights:
+    """The whole embedding and, when it is not tied to it, the whole LM head: what an EAGLE
+    head drafting on one rank of a worker group shares with the target, whose own are a
+    slice of the vocabulary there, or on another stage."""
+    config = read_model_config(source)
+    return _read(source, config, dtype, _Part(SINGLE, config, _VOCAB_NAMES), keep_quantized=False)
+
+
+def _read(source: ModelSource, config: ModelConfig, dtype: torch.dtype, part: _Part, keep_quantized: bool) -> Weights:
+    if source.format is ModelFormat.GGUF and keep_quantized:
+        return _read_gguf(source.path, config, dtype, part, keep_quantized=True)
+    if source.format is ModelFormat.GGUF:
+        return _load_gguf(source.path, config, dtype, part)
+    return _load_hf_dir(source.path, config, dtype, part)
+
+
+_VOCAB_NAMES = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
 
 
 @dataclass(frozen=True)
@@ -111,13 +124,14 @@ class _Part:
 
     shard: Shard
     config: ModelConfig
+    names: frozenset[str] | None = None  # only these tensors; None: all the shard holds
 
     @property
     def whole(self) -> bool:
-        return self.shard.world_size == 1
+        return self.shard.world_size == 1 and self.names is None
 
     def wants(self, name: str) -> bool:
-        return self.shard.holds(name, self.config)
+        return name in self.names if self.names is not None else self.shard.holds(name, self.config)
 
     def cut(self, name: str, tensor: Any, block: int = 1, block_bytes: int = 1) -> Any:
         """Its slice of `tensor` (a torch or numpy array, or a safetensors slice). Quantized

@@ -13,30 +13,44 @@ before a request's newest token gives its first draft. Each further draft is one
 forward of the head alone, from its own previous hidden state, at the next position.
 Greedy requests take the argmax; sampled ones draw from q and keep it for the rejection
 sampler, as the draft model's do.
+
+On a TP x PP worker group the head drafts on the rank that samples, alone, as a draft
+model does: the last stage's first TP rank, whose hidden states are whole (TP's
+all-reduces) and where EAGLE-3's layer inputs arrive from earlier stages with each
+stage's output (worker_svc/model/llama.py). Its embedding and LM head, where it shares
+the target's, are whole copies there: the target's hold a slice of the vocabulary.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from services.config import EngineConfig
 from services.messages import StepPlan
-from worker_svc.formats.eagle_head import EagleHead, read_eagle_head
+from services.model_source import ModelSource
+from worker_svc.formats.eagle_head import EagleHead
 from worker_svc.model.eagle import EagleHeadModel
 from worker_svc.model.llama import LlamaForCausalLM
+from worker_svc.model.weights import load_vocab_weights
 from worker_svc.runtime import kernel_choice
 from worker_svc.runtime.batch import InputBatch, RequestState, StepInputs
 from worker_svc.runtime.draft_model import decode_layout, draft_count, draw_drafts, keep_drafts
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block
 
+Vocabulary = Callable[[torch.Tensor], torch.Tensor] | None  # an embedding lookup, or an LM head
+
 
 class EagleDrafter:
-    def __init__(self, config: EngineConfig, target: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int) -> None:
-        spec = config.speculative
-        self.k = spec.num_speculative_tokens
-        self.head: EagleHead = read_eagle_head(spec.model, spec.method, target.config)
+    def __init__(self, config: EngineConfig, head: EagleHead, target: LlamaForCausalLM, source: ModelSource,
+                 device: torch.device, dtype: torch.dtype, max_model_len: int) -> None:
+        self.k = config.speculative.num_speculative_tokens
+        self.head = head
         self.target, self.device = target, device
+        self.embed, self.target_lm_head = self._vocabulary(source, dtype)
         self.backend = kernel_choice.attention_backend(config, device, self.head.config, dtype)
         self.model = EagleHeadModel(self.head, self.backend, target.ops, max_model_len, device)
         weights = {}
@@ -45,10 +59,23 @@ class EagleDrafter:
                             for name, t in load_file(file).items()})
         self.model.load_weights(weights)
         self.model.eval()
-        # EAGLE-3 reads the inputs of three of the target's layers, which its forward keeps.
-        target.aux_hidden_state_layers = self.head.aux_layers
         self.kv_caches: list[torch.Tensor] = []
         self._step: tuple[StepPlan, StepInputs, torch.Tensor] | None = None
+
+    def _vocabulary(self, source: ModelSource, dtype: torch.dtype) -> tuple[Vocabulary, Vocabulary]:
+        """The embedding and LM head the head shares with the target, as vLLM shares them. On
+        one rank of a worker group the target's hold a slice of the vocabulary (or live on
+        another stage), so the head reads whole copies of those it lacks of its own."""
+        target = self.target
+        if not target.group.distributed:
+            return target.embed_tokens, target.lm_head
+        if self.head.has_embedding and self.head.has_lm_head:
+            return None, None
+        weights = {name: tensor.to(self.device) for name, tensor in load_vocab_weights(source, dtype).items()}
+        embedding = weights["model.embed_tokens.weight"]
+        lm_head = weights.get("lm_head.weight", embedding)  # tied: the embedding
+        return (partial(F.embedding, weight=embedding) if not self.head.has_embedding else None,
+                partial(F.linear, weight=lm_head) if not self.head.has_lm_head else None)
 
     def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
         return bytes_per_block(self.head.config, block_size, kv_dtype)
@@ -121,14 +148,14 @@ class EagleDrafter:
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The head's own embedding (some EAGLE-3 heads), else the target's, shared as vLLM does."""
-        return (self.model.embed_tokens if self.head.has_embedding else self.target.embed_tokens)(token_ids)
+        return (self.model.embed_tokens if self.head.has_embedding else self.embed)(token_ids)
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         """float32 logits over the target's vocabulary: EAGLE through the target's LM head;
         EAGLE-3 through its own, over its draft vocabulary, mapped by d2t (the others -inf)."""
         vocab = self.head.config.vocab_size
         if not self.head.has_lm_head:
-            return self.target.lm_head(out)[:, :vocab].float()
+            return self.target_lm_head(out)[:, :vocab].float()
         logits = self.model.lm_head(out).float()
         if self.head.draft_vocab_size == vocab:
             return logits

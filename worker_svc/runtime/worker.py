@@ -15,6 +15,7 @@ from services.config import EngineConfig
 from services.lora_request import LoRARequest
 from services.messages import StepPlan, StepResult, WorkerDescription
 from services.structured_outputs import StructuredOutputsParams
+from worker_svc.formats.eagle_head import read_eagle_head
 from worker_svc.formats.sentence_transformers import pooling_defaults
 from worker_svc.group.outcomes import Outcomes
 from worker_svc.group.rank_group import RankGroup
@@ -131,7 +132,12 @@ class Worker:
         if method == "draft_model":  # a whole model of its own: the rank that samples runs it, alone
             return DraftModel(config, self.device, self.dtype, self.max_model_len) if self.group.shard.samples else None
         if method in ("eagle", "eagle3"):
-            return EagleDrafter(config, self.model, self.device, self.dtype, self.max_model_len)
+            head = read_eagle_head(config.speculative.model, method, self.model_config)
+            # EAGLE-3 reads three layers' inputs: each stage keeps those it runs and passes them on.
+            self.model.aux_hidden_state_layers = head.aux_layers
+            if self.group.shard.samples:  # the head drafts on the rank that samples, alone
+                return EagleDrafter(config, head, self.model, self.source, self.device, self.dtype,
+                                    self.max_model_len)
         return None
 
     def _allocate_kv_cache(self, config: EngineConfig, group: RankGroup) -> None:

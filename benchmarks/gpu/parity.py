@@ -102,24 +102,29 @@ def _speculative(path: Path, profile: Profile, prompts: list[list[int]], expecte
                  ) -> dict[str, Any]:
     """The same prompts with the model drafting 3 tokens for itself (draft_model), so every
     draft is accepted unless verifying differs from decoding: decodes with their drafts
-    replay graphs of 4 rows per request (worker_svc/runtime/cuda_graphs.py)."""
+    replay graphs of 4 rows per request (worker_svc/runtime/cuda_graphs.py), and the draft
+    replays graphs of its own."""
     new_tokens = profile.parity_new_tokens
     longest = max(map(len, prompts)) + new_tokens
     llm = LLM(str(path), dtype="float32", device=profile.device.type, attention_backend="triton",
               max_model_len=longest, block_size=profile.block_size, max_num_seqs=MAX_NUM_SEQS,
               speculative_config={"method": "draft_model", "model": str(path), "num_speculative_tokens": 3})
     worker = llm.engine.worker
+    drafter = worker.drafter
     if profile.device.type == "cpu":
-        worker.graphs = DecodeGraphs(worker.model, worker.attention_backend, worker.kv_caches, CPU_LADDER,
-                                     worker.batch.max_blocks, worker.block_size, worker.device, spec_tokens=3)
+        for owner, model, backend, kv_caches in ((worker, worker.model, worker.attention_backend, worker.kv_caches),
+                                                 (drafter, drafter.model, drafter.backend, drafter.kv_caches)):
+            owner.graphs = DecodeGraphs(model, backend, kv_caches, CPU_LADDER, worker.batch.max_blocks,
+                                        worker.block_size, worker.device, spec_tokens=3)
     widths = worker.graphs.widths if worker.graphs is not None else ()
+    draft_graphs = drafter.graphs is not None
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     got = [list(output.outputs[0].token_ids) for output in llm.generate(prompts, params, use_tqdm=False)]
     counts = llm.engine.scheduler.spec_decoding
     worker.close()
-    del llm, worker
+    del llm, worker, drafter
     free_device()
-    return {"exact": got == expected, "graph_rows_per_request": list(widths),
+    return {"exact": got == expected, "graph_rows_per_request": list(widths), "draft_graphs": draft_graphs,
             "draft_tokens": counts.num_draft_tokens, "accepted_tokens": counts.num_accepted_tokens,
             "all_accepted": counts.num_accepted_tokens == counts.num_draft_tokens > 0}
 

@@ -56,6 +56,7 @@ def test_greedy_parity_is_exact(run) -> None:
     assert not parity["cuda_graphs_captured"]  # a CPU: the graph buffers ran eagerly instead
     speculative = parity["speculative"]
     assert speculative["exact"] and speculative["all_accepted"] and speculative["graph_rows_per_request"] == [1, 4]
+    assert speculative["draft_graphs"]
 
 
 def test_the_speed_sections_measure_everything_they_report(run) -> None:

@@ -80,8 +80,9 @@ def test_verification_steps_replayed_through_the_graph_buffers_give_the_same_tok
     tiny_llama, prompts_and_expected, make_llm
 ) -> None:
     """A step of decodes and their drafts (and short prompt chunks) runs in graphs of 1 + k
-    rows per request, each request's rows padded at their end. The target drafts for itself,
-    so every draft is accepted unless the graphs' verification differs from the eager one."""
+    rows per request, each request's rows padded at their end. The target drafts for itself
+    (draft_model, with graphs of its own), so every draft is accepted unless the graphs'
+    verification, or the draft's replayed decodes, differ from the eager ones."""
     path, hf_model = tiny_llama
     prompts = prompts_and_expected[0][:4]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -91,13 +92,18 @@ def test_verification_steps_replayed_through_the_graph_buffers_give_the_same_tok
     worker = llm.engine.worker
     worker.graphs = graphs = DecodeGraphs(worker.model, worker.attention_backend, worker.kv_caches, LADDER,
                                           worker.batch.max_blocks, worker.block_size, worker.device, spec_tokens=3)
+    drafter = worker.drafter  # its own graphs: its decodes, and its run over the target's steps
+    drafter.graphs = DecodeGraphs(drafter.model, drafter.backend, drafter.kv_caches, LADDER, worker.batch.max_blocks,
+                                  worker.block_size, worker.device, spec_tokens=3)
+    draft_replays = []
+    draft_forward = drafter.graphs.forward
+    drafter.graphs.forward = lambda *args: draft_replays.append(out := draft_forward(*args)) or out
     replayed = []  # (rows per request, rows, requests) of each step that replayed; None: eager
     forward = graphs.forward
 
-    def recorded(inputs):
-        out = forward(inputs)
-        replayed.append((inputs.layout.max_query_len, len(inputs.input_ids), len(inputs.row_starts))
-                        if out is not None else None)
+    def recorded(input_ids, positions, layout, row_starts):
+        out = forward(input_ids, positions, layout, row_starts)
+        replayed.append((layout.max_query_len, len(input_ids), len(row_starts)) if out is not None else None)
         return out
 
     graphs.forward = recorded
@@ -106,5 +112,6 @@ def test_verification_steps_replayed_through_the_graph_buffers_give_the_same_tok
     verifying = [step for step in replayed if step is not None and step[0] == 4]
     assert any(rows < 4 * requests for _, rows, requests in verifying), replayed  # requests padded
     assert None in replayed  # long prompt chunks ran eagerly
+    assert sum(out is not None for out in draft_replays) > len(verifying)  # the draft's decodes replayed too
     counts = llm.engine.scheduler.spec_decoding
     assert counts.num_accepted_tokens == counts.num_draft_tokens > 0

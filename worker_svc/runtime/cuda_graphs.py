@@ -29,7 +29,6 @@ import torch
 from worker_svc.attention.backend import BatchLayout
 from worker_svc.attention.gpu import TritonAttentionBackend
 from worker_svc.model.llama import LlamaForCausalLM
-from worker_svc.runtime.batch import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +71,11 @@ class DecodeGraphs:
                         len(self.sizes), " ".join(map(str, self.sizes)), " and ".join(map(str, self.widths)),
                         time.perf_counter() - started)
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The step's hidden states from a replayed graph; None for a step graphs do not cover."""
-        layout = inputs.layout
-        requests, count = len(inputs.row_starts), len(inputs.input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
+                row_starts: list[int]) -> torch.Tensor | None:
+        """The step's hidden states from a replayed graph; None for a step graphs do not cover.
+        `row_starts`: each request's first row."""
+        requests, count = len(row_starts), len(input_ids)
         width = next((width for width in self.widths if width >= layout.max_query_len), None)
         if width is None or requests > self.sizes[-1]:
             return None
@@ -86,15 +86,15 @@ class DecodeGraphs:
         if width == 1:
             rows: torch.Tensor | slice = slice(0, count)
         else:
-            ends = [*inputs.row_starts[1:], count]
-            padded = [request * width + row for request, (start, end) in enumerate(zip(inputs.row_starts, ends))
+            ends = [*row_starts[1:], count]
+            padded = [request * width + row for request, (start, end) in enumerate(zip(row_starts, ends))
                       for row in range(end - start)]
             rows = torch.tensor(padded, dtype=torch.long).to(self.device, non_blocking=True)
             # Each request's length counts its padding rows, so its real rows keep their positions.
             self.seq_lens[:requests].add_(width - layout.query_lens.to(torch.int32))
         self.slot_mapping[:size * width].fill_(-1)
-        self.input_ids[rows] = inputs.input_ids
-        self.positions[rows] = inputs.positions
+        self.input_ids[rows] = input_ids
+        self.positions[rows] = positions
         self.slot_mapping[rows] = layout.slot_mapping
         return self.replays[size, width]()[rows]
 

@@ -31,6 +31,7 @@ from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.weights import load_weights
 from worker_svc.runtime import kernel_choice
 from worker_svc.runtime.batch import InputBatch, RequestState, StepInputs
+from worker_svc.runtime.cuda_graphs import DecodeGraphs
 from worker_svc.runtime.device import runs_q4_as_stored
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block
 from worker_svc.runtime.sampling.sampler import SamplingBatch, argmax, draw, probabilities
@@ -53,7 +54,9 @@ class DraftModel:
         self.model.load_weights({name: t.to(device) for name, t in weights.items()})
         self.model.eval()
         self.device = device
+        self.draft_config = draft_config
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: DecodeGraphs | None = None
 
     def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
         return bytes_per_block(self.config, block_size, kv_dtype)
@@ -61,10 +64,17 @@ class DraftModel:
     def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         self.kv_caches = allocate_kv_cache(self.config, num_blocks, block_size, kv_dtype, self.device)
 
+    def capture_graphs(self, batch: InputBatch) -> None:
+        """CUDA graphs of the draft's own, as the target's (a GPU, the Triton kernels, not
+        --enforce-eager): its decodes, and its run over a step of decodes with their drafts.
+        Captured on a worker group too: the draft runs on one rank, with no collective."""
+        self.graphs = kernel_choice.decode_graphs(self.draft_config, self.device, RankGroup(), self.model, self.backend,
+                                                  self.kv_caches, batch)
+
     def run(self, plan: StepPlan, inputs: StepInputs, hidden: torch.Tensor) -> None:
         """The step's tokens through the draft: its KV at their slots (a draft model reads
         the tokens only, not the plan's order or the target's hidden states an EAGLE head reads)."""
-        self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.backend.build_metadata(inputs.layout))
+        self._forward(inputs.input_ids, inputs.positions, inputs.layout, inputs.row_starts)
 
     def propose(self, emitted: dict[str, list[int]], requests: dict[str, RequestState],
                 batch: InputBatch) -> dict[str, list[int]]:
@@ -100,9 +110,16 @@ class DraftModel:
     def _decode(self, rows: list[int], tokens: list[int], positions: list[int], batch: InputBatch) -> torch.Tensor:
         """One token per request at `positions` through the draft: the logits of its next tokens."""
         position, layout = decode_layout(rows, positions, batch)
-        hidden = self.model(torch.tensor(tokens, dtype=torch.long, device=self.device), position, self.kv_caches,
-                            self.backend.build_metadata(layout))
+        hidden = self._forward(torch.tensor(tokens, dtype=torch.long, device=self.device), position, layout,
+                               list(range(len(rows))))
         return self.model.compute_logits(hidden)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
+                 row_starts: list[int]) -> torch.Tensor:
+        hidden = self.graphs.forward(input_ids, positions, layout, row_starts) if self.graphs else None
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, self.backend.build_metadata(layout))
+        return hidden
 
 
 def draw_drafts(logits: torch.Tensor, states: list[RequestState], rows: list[int],

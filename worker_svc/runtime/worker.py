@@ -164,6 +164,8 @@ class Worker:
         # A replayed graph would not keep the layers' hidden states an EAGLE-3 head reads.
         self.graphs = kernel_choice.decode_graphs(config, self.device, group, self.model, self.attention_backend,
                                             self.kv_caches, self.batch) if not self.model.aux_hidden_state_layers else None
+        if isinstance(self.drafter, DraftModel):
+            self.drafter.capture_graphs(self.batch)
 
     def _no_kv_cache(self) -> None:
         """An encoder's blocks hold nothing: they only count, for the scheduler, the tokens of
@@ -389,7 +391,8 @@ class Worker:
             list(plan.num_scheduled_tokens.values()), inputs.token_requests) is not None
         # A captured graph knows no adapter: a step with one runs eagerly.
         graphs = self.graphs if not adapters else None
-        hidden = graphs.forward(inputs) if graphs else None
+        hidden = (graphs.forward(inputs.input_ids, inputs.positions, inputs.layout, inputs.row_starts) if graphs
+                  else None)
         if self.encoder:
             hidden = self.model(inputs.input_ids, inputs.positions, token_type_ids(plan, self.requests, self.device),
                                 list(plan.num_scheduled_tokens.values()))

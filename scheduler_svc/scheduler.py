@@ -207,6 +207,8 @@ class Scheduler:
         # After a preemption memory is short: admitting new work would only thrash.
         if self.num_preemptions == preemptions_before:
             self._schedule_waiting(plan, budget, max_requests)
+        if self.speculation is not None:
+            plan.draft_probes = self.speculation.probes(plan)
         self.drops.take(plan)
         if self.connector is not None:
             plan.kv_host_saves, plan.kv_file_saves = self.connector.take_saves()

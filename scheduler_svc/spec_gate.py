@@ -131,6 +131,10 @@ class SpecGate:
         estimate.acceptance += ALPHA * (hit - estimate.acceptance)
         self.prior += PRIOR_ALPHA * (hit - self.prior)
 
+    def holds_back(self, request_id: str) -> bool:
+        """Whether the request's drafts are held back while its estimate stays below MIN_ACCEPTANCE."""
+        return self.acceptance(request_id) < MIN_ACCEPTANCE
+
     def acceptance(self, request_id: str) -> float:
         estimate = self._estimates.get(request_id)
         return self.prior if estimate is None else estimate.acceptance

@@ -9,6 +9,8 @@ from scheduler_svc.scheduler_config import SchedulerConfig
 from scheduler_svc.spec_gate import SpecGate
 from scheduler_svc.spec_proposer import make_proposer
 from scheduler_svc.spec_step_cost import SpecStepCosts
+from services.messages import StepPlan
+from services.speculative_config import WORKER_METHODS
 
 
 class Speculation:
@@ -35,6 +37,14 @@ class Speculation:
     def drafts(self, request: Request, budget: int) -> list[int]:
         """The drafts the request verifies in the step being planned, within its token budget."""
         return self._drafts.get(request.request_id, [])[:budget - 1]
+
+    def probes(self, plan: StepPlan) -> list[str]:
+        """With a worker's draft model or EAGLE head: the plan's requests the gate holds back.
+        The worker drafts only their first token after the step (what the gate judges them
+        by, so that they may speculate again), not k forwards of the draft in vain."""
+        if self.spec.method not in WORKER_METHODS:
+            return []  # the scheduler's proposers cost next to nothing
+        return [request_id for request_id in plan.num_scheduled_tokens if self.gate.holds_back(request_id)]
 
     @staticmethod
     def may_draft(request: Request) -> bool:

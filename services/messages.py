@@ -92,6 +92,10 @@ class StepPlan(msgspec.Struct, **_HOT):
     # to its inputs. Its num_scheduled_tokens counts them; the worker verifies them and
     # returns the accepted ones plus one token in sampled_token_ids.
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Speculative decoding by the worker's draft model or EAGLE head: the requests whose
+    # drafts the scheduler holds back (scheduler_svc/spec_gate.py), for which the worker
+    # drafts one token after this step, the first draft they are judged by, not k.
+    draft_probes: list[str] = []
     # Prefill/decode handoffs (docs/disaggregation.md): blocks now held for a consumer, per
     # request, which the worker may serve; and holds that ended (fetched, or timed out),
     # whose blocks it must serve no more (they go back to the pool with this plan).

@@ -434,6 +434,30 @@ def test_a_draft_model_drafts_on_a_group_s_sampling_rank(layout, llm, draft, mak
     assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
 
 
+def test_a_held_back_request_gets_one_draft_from_the_draft_model(llm, draft_llm):
+    """A request whose drafts the gate holds back is drafted only its first token (the one
+    the gate judges it by), not k: the plan names it in draft_probes. Started held back
+    (a prior of 0), the requests speculate again once their first drafts pass, and are
+    drafted 3 tokens then; the tokens are the plain ones."""
+    engine = draft_llm.engine
+    prompts, params = [COPY, REPEATS], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = _tokens(llm, prompts, params)
+    execute, steps = engine.worker.execute, []
+    engine.worker.execute = lambda plan: (result := execute(plan), steps.append((plan, result)))[0]
+    gate, prior = engine.scheduler.speculation.gate, engine.scheduler.speculation.gate.prior
+    gate.prior = 0.0
+    try:
+        assert _tokens(draft_llm, prompts, params) == plain
+    finally:
+        engine.worker.execute, gate.prior = execute, prior
+    probed = [len(drafts) for plan, result in steps for request_id, drafts in result.draft_token_ids.items()
+              if request_id in plan.draft_probes]
+    full = [len(drafts) for plan, result in steps for request_id, drafts in result.draft_token_ids.items()
+            if request_id not in plan.draft_probes]
+    assert probed and set(probed) == {1}, probed
+    assert full.count(3) >= 4, full
+
+
 def test_no_drafts_while_disable_by_batch_size_requests_run(suffix_llm):
     """vLLM's disable_by_batch_size: no step with 6 requests running verifies drafts; with
     fewer, the same answers draft from one another's outputs (in how many steps depends on

@@ -76,16 +76,17 @@ class DraftModel:
         the tokens only, not the plan's order or the target's hidden states an EAGLE head reads)."""
         self._forward(inputs.input_ids, inputs.positions, inputs.layout, inputs.row_starts)
 
-    def propose(self, emitted: dict[str, list[int]], requests: dict[str, RequestState],
-                batch: InputBatch) -> dict[str, list[int]]:
+    def propose(self, emitted: dict[str, list[int]], requests: dict[str, RequestState], batch: InputBatch,
+                probes: set[str]) -> dict[str, list[int]]:
         """Per request that emitted tokens this step and may speculate: up to k drafts to
-        follow them, as far as its blocks reach (the scheduler's lookahead slots)."""
+        follow them, as far as its blocks reach (the scheduler's lookahead slots); one for
+        the `probes` (StepPlan.draft_probes)."""
         ids, rows, tokens, starts, counts = [], [], [], [], []
         for request_id, sampled in emitted.items():
             state = requests[request_id]
             state.draft_token_ids = state.draft_probs = None
             position = len(state.token_ids) + state.num_sampled_ahead - 1  # of its newest token
-            count = draft_count(self.k, state, position, batch)
+            count = draft_count(1 if request_id in probes else self.k, state, position, batch)
             if count > 0:
                 ids.append(request_id)
                 rows.append(state.row)

@@ -93,10 +93,11 @@ class EagleDrafter:
         self._step = (plan, inputs, features)
 
     @torch.inference_mode()
-    def propose(self, emitted: dict[str, list[int]], requests: dict[str, RequestState],
-                batch: InputBatch) -> dict[str, list[int]]:
+    def propose(self, emitted: dict[str, list[int]], requests: dict[str, RequestState], batch: InputBatch,
+                probes: set[str]) -> dict[str, list[int]]:
         """The head over the step's rows, then per request that emitted tokens and may
-        speculate, up to k drafts to follow them (as far as its blocks reach)."""
+        speculate, up to k drafts to follow them (as far as its blocks reach); one for the
+        `probes` (StepPlan.draft_probes)."""
         plan, inputs, features = self._step
         self._step = None
         next_ids: list[int] = []  # per row: the token after its position
@@ -115,7 +116,7 @@ class EagleDrafter:
             if not sampled:
                 continue
             newest = len(tokens) + len(sampled) - 1
-            if (drafts := draft_count(self.k, state, newest, batch)) > 0:
+            if (drafts := draft_count(1 if request_id in probes else self.k, state, newest, batch)) > 0:
                 ids.append(request_id)
                 first_rows.append(start + newest - 1 - computed)
                 rows.append(state.row)

@@ -417,7 +417,8 @@ class Worker:
                 except Exception as exc:  # this step fails on every rank alike
                     outcome = exc
         if self.drafter is not None and isinstance(outcome, StepResult):
-            outcome.draft_token_ids = self.drafter.propose(outcome.sampled_token_ids, self.requests, self.batch)
+            outcome.draft_token_ids = self.drafter.propose(outcome.sampled_token_ids, self.requests, self.batch,
+                                                           set(plan.draft_probes))
         emitted = outcome.sampled_token_ids if isinstance(outcome, StepResult) else {}
         for request_id, count in plan.num_scheduled_tokens.items():
             state = self.requests[request_id]

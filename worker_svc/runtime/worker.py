@@ -26,7 +26,7 @@ from worker_svc.model.q4_linear import Q4Linear
 from worker_svc.model.q8_linear import Q8Linear
 from worker_svc.model.weights import load_weights
 from worker_svc.runtime import kernel_choice
-from worker_svc.runtime.batch import InputBatch, RequestState
+from worker_svc.runtime.batch import InputBatch
 from worker_svc.runtime.device import kv_cache_dtype, runs_q4_as_stored, torch_device, torch_dtype
 from worker_svc.runtime.draft_model import DraftModel
 from worker_svc.runtime.eagle_drafter import EagleDrafter
@@ -37,6 +37,7 @@ from worker_svc.runtime.lora_manager import LoraManager
 from worker_svc.runtime.plan_check import check_plan
 from worker_svc.runtime.pooler import Pooler, resolve_pooler, token_type_ids
 from worker_svc.runtime.preflight import check_model
+from worker_svc.runtime.request_table import RequestTable
 from worker_svc.runtime.sampling.step_outputs import StepOutputs
 
 if TYPE_CHECKING:
@@ -90,8 +91,10 @@ class Worker:
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()  # CompileGrammar calls come on several threads
         self.block_size = config.block_size
-        self.requests: dict[str, RequestState] = {}
         self.batch = InputBatch(-(-self.max_model_len // self.block_size), self.block_size, self.device)
+        self.table = RequestTable(self.batch, self.device, group.shard.samples, lambda: self.grammars,
+                                  self.lora is not None)
+        self.requests = self.table.requests  # the table's, read by the step's every part
         self.outputs = StepOutputs(self.model, self.model_config, self.batch, lambda: self.grammars)
         self.pooler_config = resolve_pooler(config, self.model_config,
                                             pooling_defaults(self.source.path) if self.encoder else {})
@@ -311,7 +314,7 @@ class Worker:
         requests here (their state goes now)."""
         self.group_lost = reason
         with self._state_lock:
-            self._drop_requests()
+            self.table.clear()
 
     def close(self) -> None:
         """A group's leader tells its followers to exit, once; then it takes no more plans."""
@@ -354,7 +357,7 @@ class Worker:
         with self._state_lock:
             if self.requests:
                 logger.warning("dropping the state of %d requests: %s", len(self.requests), reason)
-                self._drop_requests()
+                self.table.clear()
             if self.kv_transfer is not None:
                 self.kv_transfer.end_holds()
 
@@ -419,23 +422,11 @@ class Worker:
         if self.drafter is not None and isinstance(outcome, StepResult):
             outcome.draft_token_ids = self.drafter.propose(outcome.sampled_token_ids, self.requests, self.batch,
                                                            set(plan.draft_probes))
-        emitted = outcome.sampled_token_ids if isinstance(outcome, StepResult) else {}
-        for request_id, count in plan.num_scheduled_tokens.items():
-            state = self.requests[request_id]
-            if drafts := plan.scheduled_spec_decode_tokens.get(request_id):
-                if request_id in emitted:
-                    # Only the last token and the accepted drafts are computed: the rejected
-                    # drafts' KV is overwritten by the next step's tokens.
-                    count = len(emitted[request_id])
-                elif not shard.samples:  # the sampling rank verified them: the next plan says
-                    state.unverified_drafts = len(drafts)
-            state.num_computed_tokens += count
+        self.table.count_computed(plan, outcome.sampled_token_ids if isinstance(outcome, StepResult) else {})
         return outcome
 
     def _apply_deltas(self, plan: StepPlan) -> None:
-        for request_id in plan.finished_request_ids:
-            if (state := self.requests.pop(request_id, None)) is not None:
-                self.batch.remove(state)
+        self.table.end(plan.finished_request_ids)
         copy_blocks(plan.blocks_to_copy, self.kv_caches, self.kv_caches)
         if self.drafter is not None:  # a forked request's partly filled block, in the draft's cache too
             copy_blocks(plan.blocks_to_copy, self.drafter.kv_caches, self.drafter.kv_caches)
@@ -443,53 +434,7 @@ class Worker:
         copy_blocks(plan.blocks_to_swap_in, self.host_kv_caches, self.kv_caches)
         if self.kv_transfer is not None:
             self.kv_transfer.apply(plan)
-        samples = self.group.shard.samples  # sampling state lives on the rank that samples
-        for new in plan.new_requests:
-            generator = None
-            if samples and new.sampling_params.seed is not None:
-                generator = torch.Generator(self.device).manual_seed(new.sampling_params.seed)
-            constraint = new.sampling_params.structured_outputs
-            if new.lora_request is not None and self.lora is None:
-                raise RuntimeError(f"{new.request_id} names adapter {new.lora_request.lora_name!r}, and this worker "
-                                   "runs without --enable-lora")
-            state = RequestState(
-                list(new.token_ids),
-                new.num_prompt_tokens,
-                new.num_computed_tokens,
-                new.sampling_params,
-                generator,
-                self.grammars.request_grammar(constraint, new.token_ids[new.num_prompt_tokens:])
-                if constraint and samples else None,
-                lora_request=new.lora_request,
-            )
-            self._add_request(new.request_id, state, list(new.block_ids))
-        for cached in plan.cached_requests:
-            state = self.requests[cached.request_id]
-            rejected = state.num_computed_tokens - cached.num_computed_tokens
-            if 0 < rejected <= state.unverified_drafts:  # drafts the sampling rank rejected
-                state.num_computed_tokens = cached.num_computed_tokens
-            state.unverified_drafts = 0
-            if state.num_computed_tokens != cached.num_computed_tokens:
-                raise RuntimeError(
-                    f"worker out of sync on {cached.request_id}: has {state.num_computed_tokens} "
-                    f"computed tokens, the scheduler says {cached.num_computed_tokens}"
-                )
-            self.batch.append_blocks(state.row, list(cached.new_block_ids))
-            state.token_ids.extend(cached.new_token_ids)
-            if samples:
-                state.num_sampled_ahead -= len(cached.new_token_ids)
-
-    def _add_request(self, request_id: str, state: RequestState, block_ids: list[int]) -> None:
-        """A request the plan brings (again, after a preemption by recompute: its old row is freed)."""
-        if (old := self.requests.pop(request_id, None)) is not None:
-            self.batch.remove(old)
-        self.requests[request_id] = state
-        self.batch.add(state, block_ids)
-
-    def _drop_requests(self) -> None:
-        for state in self.requests.values():
-            self.batch.remove(state)
-        self.requests.clear()
+        self.table.apply(plan)
 
 
 def _settled(run: Callable[[StepPlan], StepResult], plan: StepPlan) -> Future[StepResult]:

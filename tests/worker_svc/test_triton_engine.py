@@ -8,11 +8,14 @@ import pytest
 import torch
 
 from kvfleet import SamplingParams
+from services.model_source import resolve_model
 from worker_svc.attention.gpu import TritonAttentionBackend
 from worker_svc.model.ops import TritonOps
+from worker_svc.model.weights import load_weights
 from worker_svc.runtime.cuda_graphs import DecodeGraphs
 
 from conftest import hf_greedy, save_tiny_llama
+from eagle_heads import write_eagle_head
 
 LADDER = (1, 2, 4, 8)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -101,9 +104,9 @@ def test_verification_steps_replayed_through_the_graph_buffers_give_the_same_tok
     replayed = []  # (rows per request, rows, requests) of each step that replayed; None: eager
     forward = graphs.forward
 
-    def recorded(input_ids, positions, layout, row_starts):
-        out = forward(input_ids, positions, layout, row_starts)
-        replayed.append((layout.max_query_len, len(input_ids), len(row_starts)) if out is not None else None)
+    def recorded(inputs, positions, layout, row_starts):
+        out = forward(inputs, positions, layout, row_starts)
+        replayed.append((layout.max_query_len, len(positions), len(row_starts)) if out is not None else None)
         return out
 
     graphs.forward = recorded
@@ -115,3 +118,30 @@ def test_verification_steps_replayed_through_the_graph_buffers_give_the_same_tok
     assert sum(out is not None for out in draft_replays) > len(verifying)  # the draft's decodes replayed too
     counts = llm.engine.scheduler.spec_decoding
     assert counts.num_accepted_tokens == counts.num_draft_tokens > 0
+
+
+def test_an_eagle_head_s_drafts_replay_its_own_graphs(tiny_llama, prompts_and_expected, make_llm, tmp_path) -> None:
+    """The EAGLE test head (tests/eagle_heads.py) drafts the newest token, then repeats it:
+    its layer's output projections are zero, so each further draft is its own last one again.
+    Those further drafts come from the head's graphs (one row a request, its embeddings and
+    hidden states through the static buffers): a row's inputs or positions mixed up there
+    would draft something else. The tokens are transformers'."""
+    path, _ = tiny_llama
+    prompts, expected = prompts_and_expected
+    config, weights = load_weights(resolve_model(str(path)), torch.float32)
+    head = write_eagle_head(tmp_path, "eagle", config, weights)
+    llm = make_llm(str(path), **PRESSURE, speculative_config={"method": "eagle", "model": str(head),
+                                                                 "num_speculative_tokens": 3})
+    worker = llm.engine.worker
+    drafter = worker.drafter
+    row = (torch.float32, (config.hidden_size,))
+    drafter.graphs = DecodeGraphs(drafter.model, drafter.backend, drafter.kv_caches, LADDER, worker.batch.max_blocks,
+                                  worker.block_size, worker.device, inputs=(row, row))
+    replayed, drafts = [], []
+    forward, execute = drafter.graphs.forward, worker.execute
+    drafter.graphs.forward = lambda *args: replayed.append(out := forward(*args)) or out
+    worker.execute = lambda plan: (result := execute(plan), drafts.extend(result.draft_token_ids.values()))[0]
+    assert _generate(llm, prompts) == expected
+    assert sum(out is not None for out in replayed) >= 4
+    assert sum(len(tokens) == 3 for tokens in drafts) >= 4
+    assert all(tokens == tokens[:1] * len(tokens) for tokens in drafts), drafts

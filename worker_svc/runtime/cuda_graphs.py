@@ -28,23 +28,31 @@ import torch
 
 from worker_svc.attention.backend import BatchLayout
 from worker_svc.attention.gpu import TritonAttentionBackend
-from worker_svc.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
+
+# What a model's forward takes before its positions, per row: a dtype and the shape of a row.
+RowInputs = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+TOKEN_IDS: RowInputs = ((torch.long, ()),)  # a decoder's: one token id a row
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 
 
 class DecodeGraphs:
     def __init__(
-        self, model: LlamaForCausalLM, backend: TritonAttentionBackend, kv_caches: list[torch.Tensor],
+        self, model: Callable[..., Outputs], backend: TritonAttentionBackend, kv_caches: list[torch.Tensor],
         sizes: tuple[int, ...], max_blocks: int, block_size: int, device: torch.device, spec_tokens: int = 0,
+        inputs: RowInputs = TOKEN_IDS,
     ) -> None:
-        """`spec_tokens`: the drafts a request verifies at most (0: no speculative decoding)."""
+        """`model(*inputs, positions, kv_caches, metadata)` gives the rows' hidden states (or a
+        tuple of such); `inputs` says what it takes before the positions (a decoder: token ids;
+        an EAGLE head: embeddings and hidden states). `spec_tokens`: the drafts a request
+        verifies at most (0: no speculative decoding)."""
         self.sizes = sorted(sizes)
         self.widths = (1, 1 + spec_tokens) if spec_tokens else (1,)
         rows = self.sizes[-1] * self.widths[-1]
         self.device = device
         with torch.device(device):
-            self.input_ids = torch.zeros(rows, dtype=torch.long)
+            self.inputs = [torch.zeros((rows, *shape), dtype=dtype) for dtype, shape in inputs]
             self.positions = torch.zeros(rows, dtype=torch.long)
             self.slot_mapping = torch.full((rows,), -1, dtype=torch.long)
             self.seq_lens = torch.zeros(self.sizes[-1], dtype=torch.int32)
@@ -62,7 +70,7 @@ class DecodeGraphs:
                 metadata = backend.build_metadata(layout)
                 self.replays[size, width], pool = _capture(
                     lambda rows=size * width, metadata=metadata: model(
-                        self.input_ids[:rows], self.positions[:rows], kv_caches, metadata
+                        *(buffer[:rows] for buffer in self.inputs), self.positions[:rows], kv_caches, metadata
                     ),
                     device, pool,
                 )
@@ -71,11 +79,11 @@ class DecodeGraphs:
                         len(self.sizes), " ".join(map(str, self.sizes)), " and ".join(map(str, self.widths)),
                         time.perf_counter() - started)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
-                row_starts: list[int]) -> torch.Tensor | None:
-        """The step's hidden states from a replayed graph; None for a step graphs do not cover.
+    def forward(self, inputs: tuple[torch.Tensor, ...], positions: torch.Tensor, layout: BatchLayout,
+                row_starts: list[int]) -> Outputs | None:
+        """The model's outputs from a replayed graph; None for a step graphs do not cover.
         `row_starts`: each request's first row."""
-        requests, count = len(row_starts), len(input_ids)
+        requests, count = len(row_starts), len(positions)
         width = next((width for width in self.widths if width >= layout.max_query_len), None)
         if width is None or requests > self.sizes[-1]:
             return None
@@ -93,15 +101,15 @@ class DecodeGraphs:
             # Each request's length counts its padding rows, so its real rows keep their positions.
             self.seq_lens[:requests].add_(width - layout.query_lens.to(torch.int32))
         self.slot_mapping[:size * width].fill_(-1)
-        self.input_ids[rows] = input_ids
+        for buffer, given in zip(self.inputs, inputs):
+            buffer[rows] = given
         self.positions[rows] = positions
         self.slot_mapping[rows] = layout.slot_mapping
-        return self.replays[size, width]()[rows]
+        out = self.replays[size, width]()
+        return out[rows] if isinstance(out, torch.Tensor) else tuple(part[rows] for part in out)
 
 
-def _capture(
-    run: Callable[[], torch.Tensor], device: torch.device, pool: object
-) -> tuple[Callable[[], torch.Tensor], object]:
+def _capture(run: Callable[[], Outputs], device: torch.device, pool: object) -> tuple[Callable[[], Outputs], object]:
     """A replay of `run`, and the memory pool the next (smaller) capture shares."""
     if device.type != "cuda":
         return run, pool
@@ -111,7 +119,7 @@ def _capture(
     with torch.cuda.graph(graph, pool=pool):
         out = run()
 
-    def replay() -> torch.Tensor:
+    def replay() -> Outputs:
         graph.replay()
         return out
 

@@ -68,8 +68,8 @@ class DraftModel:
         """CUDA graphs of the draft's own, as the target's (a GPU, the Triton kernels, not
         --enforce-eager): its decodes, and its run over a step of decodes with their drafts.
         Captured on a worker group too: the draft runs on one rank, with no collective."""
-        self.graphs = kernel_choice.decode_graphs(self.draft_config, self.device, RankGroup(), self.model, self.backend,
-                                                  self.kv_caches, batch)
+        self.graphs = kernel_choice.decode_graphs(self.draft_config, self.device, RankGroup(), self.model,
+                                                  self.backend, self.kv_caches, batch)
 
     def run(self, plan: StepPlan, inputs: StepInputs, hidden: torch.Tensor) -> None:
         """The step's tokens through the draft: its KV at their slots (a draft model reads
@@ -117,7 +117,7 @@ class DraftModel:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
                  row_starts: list[int]) -> torch.Tensor:
-        hidden = self.graphs.forward(input_ids, positions, layout, row_starts) if self.graphs else None
+        hidden = self.graphs.forward((input_ids,), positions, layout, row_starts) if self.graphs else None
         if hidden is None:
             hidden = self.model(input_ids, positions, self.kv_caches, self.backend.build_metadata(layout))
         return hidden

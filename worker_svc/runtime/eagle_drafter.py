@@ -32,12 +32,15 @@ from safetensors.torch import load_file
 from services.config import EngineConfig
 from services.messages import StepPlan
 from services.model_source import ModelSource
+from worker_svc.attention.backend import BatchLayout
 from worker_svc.formats.eagle_head import EagleHead
+from worker_svc.group.rank_group import RankGroup
 from worker_svc.model.eagle import EagleHeadModel
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.weights import load_vocab_weights
 from worker_svc.runtime import kernel_choice
 from worker_svc.runtime.batch import InputBatch, RequestState, StepInputs
+from worker_svc.runtime.cuda_graphs import DecodeGraphs
 from worker_svc.runtime.draft_model import decode_layout, draft_count, draw_drafts, keep_drafts
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block
 
@@ -47,9 +50,9 @@ Vocabulary = Callable[[torch.Tensor], torch.Tensor] | None  # an embedding looku
 class EagleDrafter:
     def __init__(self, config: EngineConfig, head: EagleHead, target: LlamaForCausalLM, source: ModelSource,
                  device: torch.device, dtype: torch.dtype, max_model_len: int) -> None:
-        self.k = config.speculative.num_speculative_tokens
+        self.config, self.k = config, config.speculative.num_speculative_tokens
         self.head = head
-        self.target, self.device = target, device
+        self.target, self.device, self.dtype = target, device, dtype
         self.embed, self.target_lm_head = self._vocabulary(source, dtype)
         self.backend = kernel_choice.attention_backend(config, device, self.head.config, dtype)
         self.model = EagleHeadModel(self.head, self.backend, target.ops, max_model_len, device)
@@ -60,6 +63,7 @@ class EagleDrafter:
         self.model.load_weights(weights)
         self.model.eval()
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: DecodeGraphs | None = None
         self._step: tuple[StepPlan, StepInputs, torch.Tensor] | None = None
 
     def _vocabulary(self, source: ModelSource, dtype: torch.dtype) -> tuple[Vocabulary, Vocabulary]:
@@ -76,6 +80,13 @@ class EagleDrafter:
         lm_head = weights.get("lm_head.weight", embedding)  # tied: the embedding
         return (partial(F.embedding, weight=embedding) if not self.head.has_embedding else None,
                 partial(F.linear, weight=lm_head) if not self.head.has_lm_head else None)
+
+    def capture_graphs(self, batch: InputBatch) -> None:
+        """CUDA graphs of the head's forwards after its first (one row a request: a draft from
+        its own last one), as the target's (a GPU, the Triton kernels, not --enforce-eager)."""
+        row = (self.dtype, (self.head.config.hidden_size,))
+        self.graphs = kernel_choice.decode_graphs(self.config, self.device, RankGroup(), self.model, self.backend,
+                                                  self.kv_caches, batch, inputs=(row, row), verifies=False)
 
     def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
         return bytes_per_block(self.head.config, block_size, kv_dtype)
@@ -142,10 +153,17 @@ class EagleDrafter:
             live = [live[j] for j in keep]
             tokens = torch.tensor([new[j] for j in keep], device=self.device)
             position, layout = decode_layout([rows[i] for i in live], [positions[i] + step for i in live], batch)
-            hidden, out = self.model(self._embed(tokens), hidden[keep], position, self.kv_caches,
-                                     self.backend.build_metadata(layout))
+            hidden, out = self._draft(self._embed(tokens), hidden[keep], position, layout)
         keep_drafts(requests, drafts, proposals)
         return drafts
+
+    def _draft(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+               layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's next forward, one row a request: replayed from a graph where one covers it."""
+        outputs = (self.graphs.forward((embeds, hidden), positions, layout, list(range(len(positions))))
+                   if self.graphs else None)
+        return outputs if outputs is not None else self.model(embeds, hidden, positions, self.kv_caches,
+                                                              self.backend.build_metadata(layout))
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The head's own embedding (some EAGLE-3 heads), else the target's, shared as vLLM does."""

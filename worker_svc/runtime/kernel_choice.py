@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -17,10 +18,9 @@ from worker_svc.group.rank_group import RankGroup
 from worker_svc.kernels.cpu import paged_decode, paged_prefill
 from worker_svc.kernels.cpu.decoder_ops import DecoderKernel
 from worker_svc.kernels.cpu.decoder_ops import load as load_decoder_kernel
-from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.ops import CpuOps, Ops, TorchOps, TritonOps
 from worker_svc.runtime.batch import InputBatch
-from worker_svc.runtime.cuda_graphs import DecodeGraphs
+from worker_svc.runtime.cuda_graphs import TOKEN_IDS, DecodeGraphs, Outputs, RowInputs
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +61,11 @@ def _enabled(attention: str) -> bool:
     return os.environ.get(f"KVFLEET_{attention}_KERNEL", "1") != "0"
 
 
-def decode_graphs(config: EngineConfig, device: torch.device, group: RankGroup, model: LlamaForCausalLM,
-                  backend: AttentionBackend, kv_caches: list[torch.Tensor], batch: InputBatch) -> DecodeGraphs | None:
-    """CUDA graphs for decode steps (and verification steps, with speculative decoding), on a
-    GPU running the Triton kernels, unless --enforce-eager."""
+def decode_graphs(config: EngineConfig, device: torch.device, group: RankGroup, model: Callable[..., Outputs],
+                  backend: AttentionBackend, kv_caches: list[torch.Tensor], batch: InputBatch,
+                  inputs: RowInputs = TOKEN_IDS, verifies: bool = True) -> DecodeGraphs | None:
+    """CUDA graphs for decode steps (and, with speculative decoding, verification steps unless
+    not `verifies`), on a GPU running the Triton kernels, unless --enforce-eager."""
     if device.type != "cuda":
         if config.enforce_eager:
             logger.info("--enforce-eager has no effect on %s: only CUDA steps replay graphs", device)
@@ -75,5 +76,6 @@ def decode_graphs(config: EngineConfig, device: torch.device, group: RankGroup, 
     if group.distributed:
         logger.info("worker groups run eagerly: their collectives are not captured in CUDA graphs yet")
         return None
-    spec_tokens = config.speculative.num_speculative_tokens if config.speculative is not None else 0
-    return DecodeGraphs(model, backend, kv_caches, sizes, batch.max_blocks, batch.block_size, device, spec_tokens)
+    spec_tokens = config.speculative.num_speculative_tokens if config.speculative is not None and verifies else 0
+    return DecodeGraphs(model, backend, kv_caches, sizes, batch.max_blocks, batch.block_size, device, spec_tokens,
+                        inputs)

@@ -167,7 +167,7 @@ class Worker:
         # A replayed graph would not keep the layers' hidden states an EAGLE-3 head reads.
         self.graphs = kernel_choice.decode_graphs(config, self.device, group, self.model, self.attention_backend,
                                             self.kv_caches, self.batch) if not self.model.aux_hidden_state_layers else None
-        if isinstance(self.drafter, DraftModel):
+        if self.drafter is not None:
             self.drafter.capture_graphs(self.batch)
 
     def _no_kv_cache(self) -> None:
@@ -394,7 +394,7 @@ class Worker:
             list(plan.num_scheduled_tokens.values()), inputs.token_requests) is not None
         # A captured graph knows no adapter: a step with one runs eagerly.
         graphs = self.graphs if not adapters else None
-        hidden = (graphs.forward(inputs.input_ids, inputs.positions, inputs.layout, inputs.row_starts) if graphs
+        hidden = (graphs.forward((inputs.input_ids,), inputs.positions, inputs.layout, inputs.row_starts) if graphs
                   else None)
         if self.encoder:
             hidden = self.model(inputs.input_ids, inputs.positions, token_type_ids(plan, self.requests, self.device),

@@ -12,8 +12,8 @@ verification steps a request before it was held back, 14-20% of its tokens/s; fr
 prior, such a request starts held back, and a request of a workload whose drafts pass
 starts speculating. Below MIN_ACCEPTANCE its drafts are held back: it decodes one token
 per step, while the proposer still proposes (free for ngram and suffix; a worker's draft
-model or EAGLE head drafts only the first token, StepPlan.draft_probes) and each held-back first draft is compared with the token the step
-then produces, so the estimate keeps moving; once it is back at MIN_ACCEPTANCE the request
+model or EAGLE head drafts only the first token, StepPlan.draft_probes) and each held-back
+first draft is compared with the token the step then produces, so the estimate keeps moving; once it is back at MIN_ACCEPTANCE the request
 speculates again. Held-back drafts are never verified and count in no metric.
 
 Drafts: a verification row is not free where the weights' kernels are compute-bound (on a

@@ -14,7 +14,8 @@ starts speculating. Below MIN_ACCEPTANCE its drafts are held back: it decodes on
 per step, while the proposer still proposes (free for ngram and suffix; a worker's draft
 model or EAGLE head drafts only the first token, StepPlan.draft_probes) and each held-back
 first draft is compared with the token the step then produces, so the estimate keeps
-moving; once it is back at MIN_ACCEPTANCE the request speculates again. Held-back drafts are never verified and count in no metric.
+moving; once it is back at MIN_ACCEPTANCE the request speculates again. Held-back drafts
+are never verified and count in no metric.
 
 Drafts: a verification row is not free where the weights' kernels are compute-bound (on a
 2-core Xeon a step of 8 decode rows took 12 ms, of 12 rows 18), and every request in the

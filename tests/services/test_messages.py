@@ -96,6 +96,7 @@ PLAN = StepPlan(
     worker_instance_id="4f1c",
     scheduler_instance_id="9e2a",
     scheduled_spec_decode_tokens={"z": [11, 12]},
+    draft_probes=["y"],
     kv_holds={"p1": [3, 4]},
     kv_hold_ends=["p0"],
 )

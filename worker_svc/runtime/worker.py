@@ -22,8 +22,6 @@ from worker_svc.group.rank_group import RankGroup
 from worker_svc.kernels.cpu.threads import step_threads
 from worker_svc.model.bert import BertModel
 from worker_svc.model.llama import LlamaForCausalLM
-from worker_svc.model.q4_linear import Q4Linear
-from worker_svc.model.q8_linear import Q8Linear
 from worker_svc.model.weights import load_weights
 from worker_svc.runtime import kernel_choice
 from worker_svc.runtime.batch import InputBatch
@@ -39,6 +37,7 @@ from worker_svc.runtime.pooler import Pooler, resolve_pooler, token_type_ids
 from worker_svc.runtime.preflight import check_model
 from worker_svc.runtime.request_table import RequestTable
 from worker_svc.runtime.sampling.step_outputs import StepOutputs
+from worker_svc.runtime.worker_summary import summary_lines
 
 if TYPE_CHECKING:
     from worker_svc.runtime.sampling.grammar import Grammars
@@ -179,36 +178,7 @@ class Worker:
 
     def summary(self) -> list[str]:
         """The start-up summary's lines on the model and its KV cache."""
-        model, dtype = self.model_config, str(self.dtype).removeprefix("torch.")
-        if self.runs_q4:
-            int16 = [module.vnni for module in self.model.modules()
-                     if isinstance(module, (Q4Linear, Q8Linear)) and module.panels is not None]
-            isa = "AVX-512 VNNI, AMX from 48 rows" if int16 and int16[0].amx else "AVX-512 VNNI"
-            activations = f" against int16 activations ({isa})" if int16 else ""
-            stored = (f"{model.quantization}, its 4-bit projections and 8-bit embedding run as stored{activations}, "
-                      f"the rest in {dtype}")
-        else:
-            stored = f"{model.quantization} dequantized to {dtype}" if model.quantization else dtype
-        if self.encoder:
-            return [f"model {self.config.model}: {self.source.path} ({model.architecture} encoder, "
-                    f"{model.num_hidden_layers} layers), pooling {self.pooler_config.pooling_type}"
-                    f"{' normalized' if self.pooler_config.normalize else ''}, inputs up to {self.max_model_len} tokens",
-                    f"weights: {dtype} on {self.device}, {self.weights_bytes / 1e9:.2f} GB, loaded in "
-                    f"{self.load_seconds:.1f} s; no KV cache (an encoder)"]
-        kv_tokens = self.num_blocks * self.block_size
-        kv_bytes = self.num_blocks * bytes_per_block(self.local_config, self.block_size, self.kv_dtype)
-        shard, local = self.group.shard, self.local_config
-        rank = [f"rank {shard.rank} of {shard.tp_size} TP x {shard.pp_size} PP: {local.num_hidden_layers} layers, "
-                f"{local.num_attention_heads} heads, {local.num_key_value_heads} KV heads"] if self.group.distributed else []
-        return [
-            f"model {self.config.model}: {self.source.path} ({model.architecture}, {model.num_hidden_layers} layers)",
-            *rank,
-            f"weights: {stored} on {self.device}, {self.weights_bytes / 1e9:.2f} GB, loaded in {self.load_seconds:.1f} s",
-            f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens = {kv_tokens} tokens "
-            f"({kv_bytes / 2**30:.2f} GiB of {str(self.kv_dtype).removeprefix('torch.')}); maximum concurrency at "
-            f"max_model_len {self.max_model_len}: {kv_tokens / self.max_model_len:.1f}x",
-            *([self.kv_transfer.describe()] if self.config.has_kv_connector else []),
-        ]
+        return summary_lines(self)
 
     @property
     def num_requests(self) -> int:

@@ -1,6 +1,6 @@
 """The prepared GPU device check: Triton kernel accuracy, greedy parity with
-transformers, decode-kernel speed and engine speed, in one run of at most 8 minutes
-on one H200. Run it through check.sh (it sets the import path up on a machine where
+transformers, decode-kernel speed, engine speed and speculative decoding, in one run of
+at most 9 minutes on one H200. Run it through check.sh (it sets the import path up on a machine where
 kvfleet is not installed); --dry-run runs every code path on a CPU, with tiny shapes,
 through Triton's interpreter, where its numbers mean nothing.
 
@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 import triton  # noqa: E402
 
-from benchmarks.gpu import engine_speed, kernel_accuracy, kernel_speed, parity  # noqa: E402
+from benchmarks.gpu import engine_speed, kernel_accuracy, kernel_speed, parity, speculative  # noqa: E402
 from benchmarks.gpu.common import DRY_RUN, GPU, Profile, free_device  # noqa: E402
 from worker_svc.kernels.cpu.threads import configure_torch_threads  # noqa: E402
 
@@ -44,6 +44,7 @@ SECTIONS: dict[str, Callable[[Profile, Path], dict[str, Any]]] = {
     "greedy_parity": parity.run,
     "kernel_speed": lambda profile, _: kernel_speed.run(profile),
     "engine_speed": engine_speed.run,
+    "speculative": speculative.run,
 }
 
 

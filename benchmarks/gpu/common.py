@@ -50,7 +50,9 @@ class Profile:
     workload_output_range: tuple[int, int]
     hf_requests: int  # the workload's first requests, run through transformers too
     hf_batch_size: int
-    # Time caps (s) that keep the whole check inside its 8 minutes should a run be slow:
+    # section 5: concurrent requests of the speculative decoding measurements
+    spec_concurrency: tuple[int, ...]
+    # Time caps (s) that keep the whole check inside its 9 minutes should a run be slow:
     # transformers starts no batch past hf_cap_s, kvfleet stops its whole workload at
     # engine_cap_s and the like-for-like subset at half that.
     hf_cap_s: float
@@ -82,7 +84,7 @@ GPU = Profile(
                       tie_word_embeddings=False),
     engine_dtype=torch.bfloat16, single_prompt_len=128, single_new_tokens=256,
     workload_requests=256, workload_prompt_range=(128, 2048), workload_output_range=(64, 512),
-    hf_requests=64, hf_batch_size=32, hf_cap_s=60, engine_cap_s=100,
+    hf_requests=64, hf_batch_size=32, spec_concurrency=(1, 8), hf_cap_s=60, engine_cap_s=100,
 )
 
 # Every code path of the GPU run, on this CPU through Triton's interpreter, in well under a minute.
@@ -98,7 +100,7 @@ DRY_RUN = Profile(
     engine_model=dict(llama_config_fields(64, 96, 2, 4, 2, 512, 512), tie_word_embeddings=False),
     engine_dtype=torch.float32, single_prompt_len=8, single_new_tokens=4,
     workload_requests=4, workload_prompt_range=(4, 24), workload_output_range=(2, 5),
-    hf_requests=2, hf_batch_size=2, hf_cap_s=60, engine_cap_s=60,
+    hf_requests=2, hf_batch_size=2, spec_concurrency=(1, 2), hf_cap_s=60, engine_cap_s=60,
 )
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SECTIONS = ["kernel_accuracy", "greedy_parity", "kernel_speed", "engine_speed"]
+SECTIONS = ["kernel_accuracy", "greedy_parity", "kernel_speed", "engine_speed", "speculative"]
 KERNELS = ["reshape_and_cache", "paged_decode", "paged_decode_1_split", "paged_decode_16_splits",
            "paged_prefill_mixed", "rms_norm", "rms_norm_residual", "rotary_", "silu_and_mul"]
 
@@ -38,7 +38,7 @@ def test_every_section_runs_without_error(run) -> None:
         assert section["error"] is None, f"{name}: {section['error']}"
         assert section["targets"], name
     assert stdout == (out / "gpu_check_dry_run.txt").read_text()
-    assert "4 sections ran, 0 crashed" in stdout
+    assert "5 sections ran, 0 crashed" in stdout
 
 
 def test_every_kernel_is_within_tolerance_in_both_dtypes(run) -> None:
@@ -73,3 +73,8 @@ def test_the_speed_sections_measure_everything_they_report(run) -> None:
     assert engine["kvfleet_full"]["useful_tokens"] == workload["output_tokens"]
     assert engine["transformers_subset"]["useful_tokens"] == engine["kvfleet_subset"]["useful_tokens"]
     assert engine["throughput_ratio_full_vs_transformers_subset"] > 0
+    speculative = sections["speculative"]
+    assert set(speculative["verification_steps"]) == set(speculative["ratios"]) == {"1", "2"}
+    for step in speculative["verification_steps"].values():
+        assert step["decode_ms"] > 0 and step["verify_ms"] > 0
+    assert all(rate > 0 for rates in speculative["tokens_per_s"].values() for rate in rates.values())

@@ -59,7 +59,7 @@ class DecodeGraphs:
             # A padding row may attend past a request's last block: its columns exist, and name real blocks.
             self.block_tables = torch.zeros((self.sizes[-1], max_blocks + -(-spec_tokens // block_size)),
                                             dtype=torch.int32)
-        self.replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        self.replays: dict[tuple[int, int], Callable[[], Outputs]] = {}
         started = time.perf_counter()
         pool = None
         for width in reversed(self.widths):  # largest first: the smaller graphs fit in its memory pool
@@ -93,6 +93,7 @@ class DecodeGraphs:
         self.block_tables[:requests, :layout.block_tables.shape[1]].copy_(layout.block_tables)
         if width == 1:
             rows: torch.Tensor | slice = slice(0, count)
+            self.slot_mapping[count:size].fill_(-1)
         else:
             ends = [*row_starts[1:], count]
             padded = [request * width + row for request, (start, end) in enumerate(zip(row_starts, ends))
@@ -100,7 +101,7 @@ class DecodeGraphs:
             rows = torch.tensor(padded, dtype=torch.long).to(self.device, non_blocking=True)
             # Each request's length counts its padding rows, so its real rows keep their positions.
             self.seq_lens[:requests].add_(width - layout.query_lens.to(torch.int32))
-        self.slot_mapping[:size * width].fill_(-1)
+            self.slot_mapping[:size * width].fill_(-1)
         for buffer, given in zip(self.inputs, inputs):
             buffer[rows] = given
         self.positions[rows] = positions

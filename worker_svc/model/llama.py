@@ -199,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
             width = self.config.hidden_size
             received = self.group.receive_hidden(len(input_ids), width * (1 + earlier), self.dtype, positions.device)
             hidden = received[:, :width].contiguous() if earlier else received
-            self.aux_hidden_states = list(received[:, width:].split(width, dim=1))
+            self.aux_hidden_states = list(received[:, width:].split(width, dim=1)) if earlier else []
         rope = self.ops.rope(self.rotary, positions, hidden.dtype)
         if self.layer_loop is not None and self.layer_loop.takes(metadata):
             hidden, residual = self.layer_loop(hidden, rope, kv_caches, metadata)

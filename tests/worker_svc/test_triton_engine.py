@@ -121,11 +121,13 @@ def test_verification_steps_replayed_through_the_graph_buffers_give_the_same_tok
 
 
 def test_an_eagle_head_s_drafts_replay_its_own_graphs(tiny_llama, prompts_and_expected, make_llm, tmp_path) -> None:
-    """The EAGLE test head (tests/eagle_heads.py) drafts the newest token, then repeats it:
-    its layer's output projections are zero, so each further draft is its own last one again.
-    Those further drafts come from the head's graphs (one row a request, its embeddings and
-    hidden states through the static buffers): a row's inputs or positions mixed up there
-    would draft something else. The tokens are transformers'."""
+    """The EAGLE test head (tests/eagle_heads.py) drafts the newest token (the target's own
+    prediction at the row before it, passed through), then repeats it: its layer's output
+    projections are zero, so each further draft is its own last one again. Its forward over
+    a step of decodes with their drafts (1 + k rows a request) and its further drafts (one
+    row) replay the head's graphs, its embeddings and hidden states through the static
+    buffers: a row's inputs mixed up there would draft something else. The tokens are
+    transformers'."""
     path, _ = tiny_llama
     prompts, expected = prompts_and_expected
     config, weights = load_weights(resolve_model(str(path)), torch.float32)
@@ -136,12 +138,20 @@ def test_an_eagle_head_s_drafts_replay_its_own_graphs(tiny_llama, prompts_and_ex
     drafter = worker.drafter
     row = (torch.float32, (config.hidden_size,))
     drafter.graphs = DecodeGraphs(drafter.model, drafter.backend, drafter.kv_caches, LADDER, worker.batch.max_blocks,
-                                  worker.block_size, worker.device, inputs=(row, row))
-    replayed, drafts = [], []
+                                  worker.block_size, worker.device, spec_tokens=3, inputs=(row, row))
+    replayed, results = [], []
     forward, execute = drafter.graphs.forward, worker.execute
-    drafter.graphs.forward = lambda *args: replayed.append(out := forward(*args)) or out
-    worker.execute = lambda plan: (result := execute(plan), drafts.extend(result.draft_token_ids.values()))[0]
+
+    def recorded(inputs, positions, layout, row_starts):
+        out = forward(inputs, positions, layout, row_starts)
+        replayed.append(layout.max_query_len if out is not None else None)
+        return out
+
+    drafter.graphs.forward = recorded
+    worker.execute = lambda plan: (result := execute(plan), results.append(result))[0]
     assert _generate(llm, prompts) == expected
-    assert sum(out is not None for out in replayed) >= 4
-    assert sum(len(tokens) == 3 for tokens in drafts) >= 4
-    assert all(tokens == tokens[:1] * len(tokens) for tokens in drafts), drafts
+    assert replayed.count(1) >= 4 and {2, 3, 4} & set(replayed), replayed  # further drafts; verification steps
+    drafts = [(result.sampled_token_ids[request_id][-1], tokens) for result in results
+              for request_id, tokens in result.draft_token_ids.items()]
+    assert sum(len(tokens) == 3 for _, tokens in drafts) >= 4
+    assert all(tokens == [newest] * len(tokens) for newest, tokens in drafts), drafts

@@ -82,11 +82,12 @@ class EagleDrafter:
                 partial(F.linear, weight=lm_head) if not self.head.has_lm_head else None)
 
     def capture_graphs(self, batch: InputBatch) -> None:
-        """CUDA graphs of the head's forwards after its first (one row a request: a draft from
-        its own last one), as the target's (a GPU, the Triton kernels, not --enforce-eager)."""
+        """CUDA graphs of the head's own, as the target's (a GPU, the Triton kernels, not
+        --enforce-eager): its forward over a step of decodes with their drafts, and each
+        further draft's (one row a request)."""
         row = (self.dtype, (self.head.config.hidden_size,))
         self.graphs = kernel_choice.decode_graphs(self.config, self.device, RankGroup(), self.model, self.backend,
-                                                  self.kv_caches, batch, inputs=(row, row), verifies=False)
+                                                  self.kv_caches, batch, inputs=(row, row))
 
     def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
         return bytes_per_block(self.head.config, block_size, kv_dtype)
@@ -133,8 +134,8 @@ class EagleDrafter:
                 rows.append(state.row)
                 positions.append(newest)
                 counts.append(drafts)
-        prenorm, out = self.model(self._embed(torch.tensor(next_ids, device=self.device)), features,
-                                  inputs.positions, self.kv_caches, self.backend.build_metadata(inputs.layout))
+        prenorm, out = self._forward(self._embed(torch.tensor(next_ids, device=self.device)), features,
+                                     inputs.positions, inputs.layout, inputs.row_starts)
         drafts: dict[str, list[int]] = {request_id: [] for request_id in ids}
         proposals: dict[str, list[torch.Tensor]] = {request_id: [] for request_id in ids}
         live = list(range(len(ids)))
@@ -153,15 +154,14 @@ class EagleDrafter:
             live = [live[j] for j in keep]
             tokens = torch.tensor([new[j] for j in keep], device=self.device)
             position, layout = decode_layout([rows[i] for i in live], [positions[i] + step for i in live], batch)
-            hidden, out = self._draft(self._embed(tokens), hidden[keep], position, layout)
+            hidden, out = self._forward(self._embed(tokens), hidden[keep], position, layout, list(range(len(live))))
         keep_drafts(requests, drafts, proposals)
         return drafts
 
-    def _draft(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head's next forward, one row a request: replayed from a graph where one covers it."""
-        outputs = (self.graphs.forward((embeds, hidden), positions, layout, list(range(len(positions))))
-                   if self.graphs else None)
+    def _forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
+                 row_starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over the rows (`row_starts`: each request's first): replayed from a graph where one covers them."""
+        outputs = self.graphs.forward((embeds, hidden), positions, layout, row_starts) if self.graphs else None
         return outputs if outputs is not None else self.model(embeds, hidden, positions, self.kv_caches,
                                                               self.backend.build_metadata(layout))
 

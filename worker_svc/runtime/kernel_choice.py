@@ -63,9 +63,9 @@ def _enabled(attention: str) -> bool:
 
 def decode_graphs(config: EngineConfig, device: torch.device, group: RankGroup, model: Callable[..., Outputs],
                   backend: AttentionBackend, kv_caches: list[torch.Tensor], batch: InputBatch,
-                  inputs: RowInputs = TOKEN_IDS, verifies: bool = True) -> DecodeGraphs | None:
-    """CUDA graphs for decode steps (and, with speculative decoding, verification steps unless
-    not `verifies`), on a GPU running the Triton kernels, unless --enforce-eager."""
+                  inputs: RowInputs = TOKEN_IDS) -> DecodeGraphs | None:
+    """CUDA graphs for decode steps (and verification steps, with speculative decoding), on a
+    GPU running the Triton kernels, unless --enforce-eager."""
     if device.type != "cuda":
         if config.enforce_eager:
             logger.info("--enforce-eager has no effect on %s: only CUDA steps replay graphs", device)
@@ -76,6 +76,6 @@ def decode_graphs(config: EngineConfig, device: torch.device, group: RankGroup, 
     if group.distributed:
         logger.info("worker groups run eagerly: their collectives are not captured in CUDA graphs yet")
         return None
-    spec_tokens = config.speculative.num_speculative_tokens if config.speculative is not None and verifies else 0
+    spec_tokens = config.speculative.num_speculative_tokens if config.speculative is not None else 0
     return DecodeGraphs(model, backend, kv_caches, sizes, batch.max_blocks, batch.block_size, device, spec_tokens,
                         inputs)

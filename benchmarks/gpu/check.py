@@ -1,8 +1,8 @@
 """The prepared GPU device check: Triton kernel accuracy, greedy parity with
 transformers, decode-kernel speed, engine speed and speculative decoding, in one run of
-at most 9 minutes on one H200. Run it through check.sh (it sets the import path up on a machine where
-kvfleet is not installed); --dry-run runs every code path on a CPU, with tiny shapes,
-through Triton's interpreter, where its numbers mean nothing.
+at most 9 minutes on one H200. Run it through check.sh (it sets the import path up on a
+machine where kvfleet is not installed); --dry-run runs every code path on a CPU, with
+tiny shapes, through Triton's interpreter, where its numbers mean nothing.
 
 Each section runs on its own: one that crashes is recorded with its error and the
 others still run. Targets are reported, not enforced: the exit status is 1 only when

@@ -104,6 +104,11 @@ DRY_RUN = Profile(
 )
 
 
+# Batch sizes of the CUDA-graph buffers the sections attach on a CPU, where the worker
+# captures no graphs: the static buffers and their padding run eagerly.
+CPU_LADDER = (1, 2, 4)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

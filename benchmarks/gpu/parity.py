@@ -18,14 +18,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu.common import Profile, free_device, target
+from benchmarks.gpu.common import CPU_LADDER, Profile, free_device, target
 from benchmarks.gpu.models import random_llama, random_prompts, save_checkpoint
 from kvfleet import SamplingParams
 from kvfleet.llm import LLM
 from worker_svc.runtime.cuda_graphs import DecodeGraphs
 
 MAX_NUM_SEQS = 4  # below the prompt count: requests wait, and decode batches take odd sizes
-CPU_LADDER = (1, 2, 4)
 
 
 def hf_greedy(model: Any, prompt: list[int], new_tokens: int) -> list[int]:

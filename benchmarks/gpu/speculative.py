@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu.common import Profile, free_device, target, time_calls
+from benchmarks.gpu.common import CPU_LADDER, Profile, free_device, target, time_calls
 from benchmarks.gpu.models import random_llama, random_prompts, save_checkpoint
 from kvfleet import SamplingParams
 from kvfleet.llm import LLM
@@ -35,7 +35,6 @@ from worker_svc.attention.backend import BatchLayout
 from worker_svc.runtime.cuda_graphs import DecodeGraphs
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
-CPU_LADDER = (1, 2, 4)
 
 
 def _checkpoint(profile: Profile, workdir: Path) -> Path:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from worker_svc.attention.backend import BatchLayout
+from worker_svc.attention.backend import AttentionBackend, BatchLayout
 from worker_svc.attention.gpu import TritonAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -108,6 +108,15 @@ class DecodeGraphs:
         self.slot_mapping[rows] = layout.slot_mapping
         out = self.replays[size, width]()
         return out[rows] if isinstance(out, torch.Tensor) else tuple(part[rows] for part in out)
+
+
+def forward_rows(graphs: DecodeGraphs | None, model: Callable[..., Outputs], backend: AttentionBackend,
+                 kv_caches: list[torch.Tensor], inputs: tuple[torch.Tensor, ...], positions: torch.Tensor,
+                 layout: BatchLayout, row_starts: list[int]) -> Outputs:
+    """`model(*inputs, positions, kv_caches, metadata)` over a step's rows: replayed from
+    `graphs` where one covers them, else run eagerly."""
+    outputs = graphs.forward(inputs, positions, layout, row_starts) if graphs is not None else None
+    return outputs if outputs is not None else model(*inputs, positions, kv_caches, backend.build_metadata(layout))
 
 
 def _capture(run: Callable[[], Outputs], device: torch.device, pool: object) -> tuple[Callable[[], Outputs], object]:

@@ -31,7 +31,7 @@ from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.weights import load_weights
 from worker_svc.runtime import kernel_choice
 from worker_svc.runtime.batch import InputBatch, RequestState, StepInputs
-from worker_svc.runtime.cuda_graphs import DecodeGraphs
+from worker_svc.runtime.cuda_graphs import DecodeGraphs, forward_rows
 from worker_svc.runtime.device import runs_q4_as_stored
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block
 from worker_svc.runtime.sampling.sampler import SamplingBatch, argmax, draw, probabilities
@@ -117,10 +117,8 @@ class DraftModel:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
                  row_starts: list[int]) -> torch.Tensor:
-        hidden = self.graphs.forward((input_ids,), positions, layout, row_starts) if self.graphs else None
-        if hidden is None:
-            hidden = self.model(input_ids, positions, self.kv_caches, self.backend.build_metadata(layout))
-        return hidden
+        return forward_rows(self.graphs, self.model, self.backend, self.kv_caches, (input_ids,), positions, layout,
+                            row_starts)
 
 
 def draw_drafts(logits: torch.Tensor, states: list[RequestState], rows: list[int],

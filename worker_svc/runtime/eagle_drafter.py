@@ -40,7 +40,7 @@ from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.weights import load_vocab_weights
 from worker_svc.runtime import kernel_choice
 from worker_svc.runtime.batch import InputBatch, RequestState, StepInputs
-from worker_svc.runtime.cuda_graphs import DecodeGraphs
+from worker_svc.runtime.cuda_graphs import DecodeGraphs, forward_rows
 from worker_svc.runtime.draft_model import decode_layout, draft_count, draw_drafts, keep_drafts
 from worker_svc.runtime.kv_cache import allocate_kv_cache, bytes_per_block
 
@@ -160,10 +160,9 @@ class EagleDrafter:
 
     def _forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
                  row_starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over the rows (`row_starts`: each request's first): replayed from a graph where one covers them."""
-        outputs = self.graphs.forward((embeds, hidden), positions, layout, row_starts) if self.graphs else None
-        return outputs if outputs is not None else self.model(embeds, hidden, positions, self.kv_caches,
-                                                              self.backend.build_metadata(layout))
+        """The head over the rows (`row_starts`: each request's first)."""
+        return forward_rows(self.graphs, self.model, self.backend, self.kv_caches, (embeds, hidden), positions, layout,
+                            row_starts)
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The head's own embedding (some EAGLE-3 heads), else the target's, shared as vLLM does."""

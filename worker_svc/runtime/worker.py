@@ -24,7 +24,8 @@ from worker_svc.model.bert import BertModel
 from worker_svc.model.llama import LlamaForCausalLM
 from worker_svc.model.weights import load_weights
 from worker_svc.runtime import kernel_choice
-from worker_svc.runtime.batch import InputBatch
+from worker_svc.runtime.batch import InputBatch, RequestState
+from worker_svc.runtime.cuda_graphs import forward_rows
 from worker_svc.runtime.device import kv_cache_dtype, runs_q4_as_stored, torch_device, torch_dtype
 from worker_svc.runtime.draft_model import DraftModel
 from worker_svc.runtime.eagle_drafter import EagleDrafter
@@ -93,7 +94,6 @@ class Worker:
         self.batch = InputBatch(-(-self.max_model_len // self.block_size), self.block_size, self.device)
         self.table = RequestTable(self.batch, self.device, group.shard.samples, lambda: self.grammars,
                                   self.lora is not None)
-        self.requests = self.table.requests  # the table's, read by the step's every part
         self.outputs = StepOutputs(self.model, self.model_config, self.batch, lambda: self.grammars)
         self.pooler_config = resolve_pooler(config, self.model_config,
                                             pooling_defaults(self.source.path) if self.encoder else {})
@@ -179,6 +179,11 @@ class Worker:
     def summary(self) -> list[str]:
         """The start-up summary's lines on the model and its KV cache."""
         return summary_lines(self)
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """The requests whose state this worker holds, by id (the table's)."""
+        return self.table.requests
 
     @property
     def num_requests(self) -> int:
@@ -362,16 +367,12 @@ class Worker:
         adapters = self.lora is not None and self.lora.step(
             [self.requests[request_id].lora_request for request_id in plan.num_scheduled_tokens],
             list(plan.num_scheduled_tokens.values()), inputs.token_requests) is not None
-        # A captured graph knows no adapter: a step with one runs eagerly.
-        graphs = self.graphs if not adapters else None
-        hidden = (graphs.forward((inputs.input_ids,), inputs.positions, inputs.layout, inputs.row_starts) if graphs
-                  else None)
         if self.encoder:
             hidden = self.model(inputs.input_ids, inputs.positions, token_type_ids(plan, self.requests, self.device),
                                 list(plan.num_scheduled_tokens.values()))
-        elif hidden is None:
-            metadata = self.attention_backend.build_metadata(inputs.layout)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
+        else:  # a captured graph knows no adapter: a step with one runs eagerly
+            hidden = forward_rows(self.graphs if not adapters else None, self.model, self.attention_backend,
+                                  self.kv_caches, (inputs.input_ids,), inputs.positions, inputs.layout, inputs.row_starts)
         if self.drafter is not None:
             self.drafter.run(plan, inputs, hidden)
         outcome: StepResult | Exception | None = None

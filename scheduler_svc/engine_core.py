@@ -302,19 +302,22 @@ class EngineCore:
             return []
         ended = self.scheduler.forget_worker()
         self._worker_lost = True
-        try:
-            self._reconnect()
+        try:  # what it just described, not a second call: that one could miss it while its channel flaps
+            self._take_up(described)
         except EngineUnavailable:  # another shape: requests stay refused, saying why
             pass
         return ended
 
     def _reconnect(self) -> None:
-        """Takes up a worker that came back after a loss, if it has the shape the
-        scheduler's block pool was sized for; until then requests are refused."""
+        """Takes up a worker that came back after a loss; until then requests are refused."""
         try:
             described = self.worker.describe()
         except Exception as exc:
             raise EngineUnavailable(f"the worker is unavailable: {exc}") from exc
+        self._take_up(described)
+
+    def _take_up(self, described: WorkerDescription) -> None:
+        """The worker `described`, if it has the shape the scheduler's block pool was sized for."""
         if msgspec.structs.replace(described, instance_id="") != msgspec.structs.replace(self.description, instance_id=""):
             raise EngineUnavailable(
                 f"the worker came back with another shape ({described}, was {self.description}); "

@@ -69,18 +69,10 @@ class ReplicaSet:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._kv_index: KvIndex | None = None
-        # Whether the registry lists a scheduler whose worker is up, and a tokenizer.
-        self._listed_ready = False
         # Replaced (never mutated) by the poller, so any thread may read them.
+        self.ready = False
         self.info: EngineInfo | None = None
         self.loras: dict[str, LoRARequest] = {}  # the cluster's adapters by name, as the registry holds them
-
-    @property
-    def ready(self) -> bool:
-        """A replica can take a request now: read live, so a replica lost between polls
-        (its stream failed) turns the gateway not ready at once, not a poll later."""
-        with self.lock:
-            return self._listed_ready and any(replica.routable for replica in self._replicas.values())
 
     @property
     def running(self) -> bool:
@@ -211,7 +203,8 @@ class ReplicaSet:
         ]
         for replica, call, health in calls:
             self._poll(replica, call, health, view.scheduler_ready(replica.member), asked_at)
-        self._listed_ready = view.gateway_ready
+        with self.lock:
+            self.ready = view.gateway_ready and any(replica.routable for replica in replicas)
 
     def _retire(self, replica: Replica, request_ids: list[str]) -> None:
         """A replica whose lease lapsed past the grace: its requests end here, and it is

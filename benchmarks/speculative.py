@@ -1,8 +1,10 @@
 """Speculative decoding (ngram, suffix, and draft_model given a draft) against plain decoding, side by side.
 
-Two workloads, each at 1 and 8 concurrent requests, greedy, on the same weights and
+Workloads, each at 1 and 8 concurrent requests, greedy, on the same weights and
 threads: (a) copy-heavy, code-editing prompts ("rename this variable in the following
-function") whose answers copy the prompt; (b) random-token prompts, greedy (this small
+function") whose answers copy the prompt; (a') the issue's whole copy-heavy mix: those
+renames, summaries asked to quote their source, and multi-turn chats (in the model's chat
+template) whose last turn asks for an earlier answer again with a change; (b) random-token prompts, greedy (this small
 model soon repeats itself on them, so drafts do match) and sampled at temperature 1
 (they rarely match: what proposing costs when it finds little). For each: output tokens per
 second with and without speculation, their ratio, the acceptance rate (accepted draft
@@ -36,7 +38,8 @@ SPECULATIVE_CONFIGS = {
     # Suffix decoding with vLLM's defaults (up to 24 drafts, as the match warrants).
     "suffix": {"method": "suffix"},
 }
-WORKLOADS = {"copy_heavy": "copy-heavy", "random": "random", "random_sampled": "random sampled"}
+WORKLOADS = {"copy_heavy": "copy-heavy", "copy_heavy_mixed": "copy-heavy mixed", "random": "random",
+             "random_sampled": "random sampled"}
 TOKEN_RANGE = (1000, 40000)  # plain vocabulary ids
 
 FUNCTIONS = [
@@ -69,6 +72,64 @@ def copy_heavy_prompts() -> list[str]:
             f"Here is the function with `{old}` renamed to `{new}`:\n\n```python\n" for old, new, code in FUNCTIONS]
 
 
+PASSAGES = [
+    "The city council met on Tuesday to discuss the new bicycle lanes. The lanes will run along Main Street "
+    "from the station to the river. Construction starts in March and should take six weeks. The mayor said "
+    "that the lanes will make the street safer for children who ride to school. Some shop owners worry that "
+    "they will lose parking spaces in front of their stores. The council will vote on the final plan next month.",
+    "Honey bees live in colonies of up to sixty thousand bees. Each colony has one queen, who lays all of the "
+    "eggs. Worker bees collect nectar and pollen from flowers and bring it back to the hive. They turn the nectar "
+    "into honey and store it in wax cells. In winter the bees stay inside and keep warm by clustering together. "
+    "A healthy colony can produce more honey than it needs, which is why people keep bees.",
+    "The library will change its opening hours from the first of June. On weekdays it will open at nine in the "
+    "morning and close at eight in the evening. On Saturdays it will close at five. The library will stay closed "
+    "on Sundays. Members can still return books at any time through the slot by the front door. The reading room "
+    "upstairs will be repainted during June, so it will be closed for two weeks.",
+    "Our team finished the database migration last night. All customer records were copied to the new servers "
+    "without errors. The old servers will stay online for one more week in case we need to roll back. Search is "
+    "now about three times faster than before. Two reports still read from the old database and will be moved on "
+    "Friday. Please tell the support team if you see any missing or duplicated records.",
+]
+
+# Earlier turns of a chat: the user's request and the assistant's answer, then the request
+# that asks for that answer again, changed a little.
+CHATS = [
+    ("Write a Python function that returns the largest number in a list.",
+     "Here is a function that returns the largest number in a list:\n\n```python\ndef largest(numbers):\n"
+     "    best = numbers[0]\n    for number in numbers[1:]:\n        if number > best:\n            best = number\n"
+     "    return best\n```\n\nIt starts with the first number and keeps the largest one it has seen.",
+     "Add a docstring to that function and show the whole function again."),
+    ("Write a Python function that counts the vowels in a string.",
+     "Here is a function that counts the vowels in a string:\n\n```python\ndef count_vowels(text):\n"
+     "    count = 0\n    for letter in text.lower():\n        if letter in \"aeiou\":\n            count += 1\n"
+     "    return count\n```\n\nIt lowers the text and counts each letter that is a vowel.",
+     "Rename the function to vowel_count and show the whole function again."),
+    ("Give me a short packing list for a weekend camping trip.",
+     "Here is a short packing list for a weekend camping trip:\n\n1. A tent and a sleeping bag\n"
+     "2. A flashlight with spare batteries\n3. Water bottles and a water filter\n4. Food for two days and a small "
+     "stove\n5. A first aid kit\n6. Warm clothes and a rain jacket",
+     "Repeat the list and add sunscreen at the end."),
+    ("What are the steps to make a cup of tea?",
+     "Here are the steps to make a cup of tea:\n\n1. Boil fresh water in a kettle.\n2. Put a tea bag in a cup.\n"
+     "3. Pour the hot water over the tea bag.\n4. Let it steep for three to five minutes.\n5. Take out the tea "
+     "bag and add milk or sugar if you like.",
+     "Write the same steps again, but for green tea, which should steep for only two minutes."),
+]
+
+
+def copy_heavy_mixed_prompts(llm: LLM) -> list:
+    """The issue's copy-heavy kinds: the renames, then, in the model's chat template (as
+    token ids), summaries quoting their source and chats whose last turn asks for an
+    earlier answer again."""
+    summaries = [[{"role": "user", "content": f"Summarize the following text in a few sentences, quoting its most "
+                   f"important sentences word for word.\n\n{passage}"}] for passage in PASSAGES]
+    chats = [[{"role": "user", "content": ask}, {"role": "assistant", "content": answer},
+              {"role": "user", "content": again}] for ask, answer, again in CHATS]
+    tokenizer = llm.get_tokenizer()
+    return [*copy_heavy_prompts(),
+            *(tokenizer.apply_chat_template(chat, add_generation_prompt=True) for chat in summaries + chats)]
+
+
 def random_prompts(rng: random.Random, count: int, length: int) -> list[list[int]]:
     return [[rng.randint(*TOKEN_RANGE) for _ in range(length)] for _ in range(count)]
 
@@ -78,9 +139,7 @@ def run(llm: LLM, prompts: list, params: SamplingParams, concurrency: int) -> tu
     outputs: list[list[int]] = []
     began = time.perf_counter()
     for start in range(0, len(prompts), concurrency):
-        group = prompts[start:start + concurrency]
-        if isinstance(group[0], list):
-            group = [{"prompt_token_ids": p} for p in group]
+        group = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts[start:start + concurrency]]
         outputs += [list(o.outputs[0].token_ids) for o in llm.generate(group, params, use_tqdm=False)]
     return time.perf_counter() - began, outputs
 
@@ -154,7 +213,9 @@ def main() -> None:
     sampled_params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True)
     for llm in (plain, *specs.values()):  # warm-up
         llm.generate(copy_prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    workloads = {"copy_heavy": (copy_prompts, copy_params), "random": (noise, noise_params),
+    mixed_prompts = copy_heavy_mixed_prompts(plain)[:: 8 if args.quick else 1]
+    workloads = {"copy_heavy": (copy_prompts, copy_params), "copy_heavy_mixed": (mixed_prompts, copy_params),
+                 "random": (noise, noise_params),
                  "random_sampled": (noise, sampled_params)}
     report = {
         "threads": int(os.environ["KVFLEET_NUM_THREADS"]),

@@ -29,7 +29,7 @@ os.environ["KVFLEET_NUM_THREADS"] = "2"
 import argparse  # noqa: E402
 import json  # noqa: E402
 
-from benchmarks.speculative import SPECULATIVE_CONFIGS, copy_heavy_prompts  # noqa: E402
+from benchmarks.speculative import SPECULATIVE_CONFIGS, copy_heavy_mixed_prompts, copy_heavy_prompts  # noqa: E402
 from kvfleet import LLM, SamplingParams  # noqa: E402
 from scheduler_svc.request import Request  # noqa: E402
 from scheduler_svc.spec_gate import SpecGate  # noqa: E402
@@ -137,14 +137,18 @@ def _longest_copied_run(context: list[int], future: list[int], sources: list[lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step-costs", default=STEP_COSTS, help="rows:relative worker time, comma-separated")
+    parser.add_argument("--workload", choices=("copy_heavy", "copy_heavy_mixed"), default="copy_heavy",
+                        help="speculative.py's renames, or the issue's whole copy-heavy mix")
     args = parser.parse_args()
     costs = parse_costs(args.step_costs)
     llm = LLM("smollm2", dtype="float32")
-    prompts = copy_heavy_prompts()
+    prompts = copy_heavy_prompts() if args.workload == "copy_heavy" else copy_heavy_mixed_prompts(llm)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    sequences = [(llm.tokenizer.encode(prompt), list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids))
-                 for prompt in prompts]
-    report: dict = {"step_costs": args.step_costs, "output_tokens": sum(len(o) for _, o in sequences)}
+    token_ids = [llm.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    sequences = [(ids, list(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids))
+                 for ids in token_ids]
+    report: dict = {"workload": args.workload, "step_costs": args.step_costs,
+                    "output_tokens": sum(len(o) for _, o in sequences)}
     configs = {**SPECULATIVE_CONFIGS, "suffix_uncut": SPECULATIVE_CONFIGS["suffix"]}
     for name, config in configs.items():
         spec = parse_speculative_config(config)

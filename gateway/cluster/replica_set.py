@@ -69,7 +69,8 @@ class ReplicaSet:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._kv_index: KvIndex | None = None
-        # Replaced (never mutated) by the poller, so any thread may read them.
+        # Replaced (never mutated) by the poller, so any thread may read them; lost() may
+        # also lower `ready`.
         self.ready = False
         self.info: EngineInfo | None = None
         self.loras: dict[str, LoRARequest] = {}  # the cluster's adapters by name, as the registry holds them
@@ -237,6 +238,10 @@ class ReplicaSet:
         with self.lock:
             replica.routable = False
             replica.superseded |= superseded
+            # Not ready from now if it was the last routable one, not from the next poll: a
+            # client that sees /health answer 200 must not get a 503 for its next request.
+            # Only the poller makes it ready again, once a replica's health says so.
+            self.ready = self.ready and any(r.routable for r in self._replicas.values())
             request_ids = [i for i, r in self.placed.items() if r is replica]
         if request_ids:
             message = f"scheduler {replica.member.id} at {replica.member.address} {why}"

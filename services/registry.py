@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import uuid
@@ -210,14 +211,18 @@ class RegistryContinuity:
     """Since when the registry has answered every read from one keyspace. A lease missing
     sooner than a TTL after Redis came back, or after it lost its keyspace (a new epoch,
     with no failed read to show for it when it restarted between two reads), may only be
-    waiting for its member's next beat: it is evidence about the member only after that."""
+    waiting for its member's next beat: it is evidence about the member only after that.
+    The first answer holds at once: a keyspace lost before it took nothing this reader
+    listed, so a member gone right after a reader starts is gone for it at once too."""
 
     def __init__(self) -> None:
         self._since: float | None = None
         self._epoch: str | None = None
 
     def answered(self, epoch: str, now: float) -> None:
-        if self._since is None or epoch != self._epoch:
+        if self._epoch is None:
+            self._since = -math.inf
+        elif self._since is None or epoch != self._epoch:
             self._since = now
         self._epoch = epoch
 

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from services.registry import ClusterView, Lease, Member, Registry
+from services.registry import ClusterView, Lease, Member, Registry, RegistryContinuity
 
 from servers import redis_url  # noqa: F401  (fixture)
 
@@ -100,3 +100,15 @@ def test_readiness_follows_the_leases(redis_url: str) -> None:
                 wait_until(lambda: ClusterView.read(registry).gateway_ready, 5)
         assert ClusterView.read(registry).ready_schedulers == []  # its worker left
     registry.close()
+
+
+def test_continuity_holds_from_a_readers_first_answer_and_restarts_after_a_gap() -> None:
+    continuity = RegistryContinuity()
+    assert not continuity.held_for(3.0, 0.0)  # nothing read yet
+    continuity.answered("epoch-1", 0.0)
+    assert continuity.held_for(3.0, 0.0)  # no earlier read of its own can be stale
+    continuity.failed()
+    continuity.answered("epoch-1", 10.0)  # back after a failed read: a TTL before it holds again
+    assert not continuity.held_for(3.0, 12.0) and continuity.held_for(3.0, 13.0)
+    continuity.answered("epoch-2", 20.0)  # Redis lost its keyspace between two reads
+    assert not continuity.held_for(3.0, 22.0) and continuity.held_for(3.0, 23.0)

@@ -63,11 +63,13 @@ class KvFetchRequest(msgspec.Struct, omit_defaults=True):
 
 class KvBlock(msgspec.Struct, array_like=True):
     """One block's KV, every layer's keys and values: [layer][k|v][token][head][dim]. Over
-    NIXL only its place: the consumer reads the bytes from the producer's memory itself."""
+    NIXL only the places of a run of blocks, every one the producer holds at that moment
+    from `index` on: the consumer reads their bytes from the producer's memory itself, in
+    one READ."""
 
     index: int  # its position in KvFetchRequest.block_ids; -1: the NixlAgentInfo, in the payload
     payload: bytes  # the block's bytes (empty over NIXL)
-    block: int = -1  # over NIXL: the producer's block that holds it, to read
+    blocks: list[int] = []  # over NIXL: the producer's blocks that hold positions index, index + 1, ...
 
 
 class NixlAgentInfo(msgspec.Struct, array_like=True):

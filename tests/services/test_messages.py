@@ -135,7 +135,7 @@ MESSAGES = [
     TokenizeBatchResponse([TokenizeResult(TOKENIZED, "messages: must not be empty")]), TOKENIZED,
     DetokenizeRequest([1, 2], False, False), DetokenizeResponse("hi"), TokenizerDescription("m", 49152, 2, 1, True),
     TokenizerChunk(b"zip", "0" * 64),
-    KvFetchRequest("p1", [3, 4], "float32:30x2x16x3x64", True, True), KvBlock(1, b"\x09" * 8, 7),
+    KvFetchRequest("p1", [3, 4], "float32:30x2x16x3x64", True, True), KvBlock(1, b"\x09" * 8, [7, 2]),
     NixlAgentInfo("kvfleet-a", b"\x0a" * 8, "DRAM", 0, 512, [2**40, 2**40 + 2**20]),
 ]
 

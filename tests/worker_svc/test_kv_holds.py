@@ -75,31 +75,53 @@ def test_a_gone_schedulers_holds_end_for_its_successor() -> None:
 
 def test_blocks_read_over_nixl_are_the_producers_and_a_hold_ends_once_they_are_read() -> None:
     """The consumer reads the blocks the stream names straight from the producer's cache
-    into its own (two NIXL agents, UCX over this host); the producer's hold ends only
-    once the reads are done (their notifications came), and a block named but never
-    read holds it at most _SETTLE_S."""
+    into its own (two NIXL agents, UCX over this host): every block held when the fetch
+    comes, named in one message and read in one READ. The producer's hold ends only
+    once the reads are done (their notifications came), and a run named but never read
+    holds it at most _SETTLE_S."""
     caches = [torch.randn(2, NUM_BLOCKS, 4, 2, 3) for _ in range(3)]
     nixl = NixlBlocks(caches)
     transfer = KvTransfer(caches, [], [], GrpcKvBlocks(caches, 30.0, nixl))
-    transfer.apply(StepPlan(step_id=1, kv_holds={"r": [6, 1, 4]}))
+    transfer.apply(StepPlan(step_id=1, kv_holds={"r": [6, 1, 4], "s": [2]}))
     layout = GrpcKvBlocks(caches, 30.0).layout
     header, *named = transfer.serve(KvFetchRequest("r", [6, 1, 4], layout, nixl=True))
-    assert header.index == -1 and [(b.index, b.payload, b.block) for b in named] == [(0, b"", 6), (1, b"", 1),
-                                                                                      (2, b"", 4)]
+    assert header.index == -1 and [(b.index, b.payload, b.blocks) for b in named] == [(0, b"", [6, 1, 4])]
     producer = msgspec.msgpack.decode(header.payload, type=NixlAgentInfo)
     mine = [torch.zeros_like(cache) for cache in caches]
     consumer = NixlBlocks(mine)
     reads = consumer.reads(producer, timeout_s=5.0)
-    for block, target in zip(named[:2], (0, 5)):
-        reads.post(block.block, target, f"r:{block.index}")
-    assert reads.finish() == 2 and reads.failed is None
+    reads.post(named[0].blocks, [0, 5, 3], "r:0")
+    assert reads.finish() == 3 and reads.failed is None
     for cache, copy in zip(caches, mine):
-        assert torch.equal(copy[:, 0], cache[:, 6]) and torch.equal(copy[:, 5], cache[:, 1])
-        assert not copy[:, 1:5].any()  # nothing else written
+        for source, target in ((6, 0), (1, 5), (4, 3)):
+            assert torch.equal(copy[:, target], cache[:, source])
+        assert not copy[:, [1, 2, 4, 6, 7]].any()  # nothing else written
     started = time.monotonic()
-    transfer.apply(StepPlan(step_id=2, kv_hold_ends=["r"]))  # the third block was named, never read
-    assert 1.5 < time.monotonic() - started < 5.0
-    transfer.apply(StepPlan(step_id=3, kv_holds={"s": [2]}))  # nothing named: nothing to wait for
-    started = time.monotonic()
-    transfer.apply(StepPlan(step_id=4, kv_hold_ends=["s"]))
+    transfer.apply(StepPlan(step_id=2, kv_hold_ends=["r"]))  # read: nothing to wait for
     assert time.monotonic() - started < 0.5
+    _, unread = transfer.serve(KvFetchRequest("s", [2], layout, nixl=True))
+    assert unread.blocks == [2]
+    started = time.monotonic()
+    transfer.apply(StepPlan(step_id=3, kv_hold_ends=["s"]))  # named, never read
+    assert 1.5 < time.monotonic() - started < 5.0
+    transfer.apply(StepPlan(step_id=4, kv_holds={"t": [2]}))  # nothing named: nothing to wait for
+    started = time.monotonic()
+    transfer.apply(StepPlan(step_id=5, kv_hold_ends=["t"]))
+    assert time.monotonic() - started < 0.5
+
+
+def test_a_fetch_by_position_over_nixl_names_each_published_run_once() -> None:
+    """Blocks published together (a prefill chunk's) are named in one message, those
+    published later in the next."""
+    caches = [torch.randn(2, NUM_BLOCKS, 4, 2, 3)]
+    transfer = KvTransfer(caches, [], [], GrpcKvBlocks(caches, 30.0, NixlBlocks(caches)))
+    layout = GrpcKvBlocks(caches, 30.0).layout
+    transfer.apply(StepPlan(step_id=1, kv_holds={"r": [5, 2]}))
+    messages: list = []
+    fetch = threading.Thread(target=lambda: messages.extend(
+        transfer.serve(KvFetchRequest("r", [0, 1, 2, 3], layout, by_position=True, nixl=True))))
+    fetch.start()
+    time.sleep(0.3)
+    transfer.apply(StepPlan(step_id=2, kv_holds={"r": [5, 2, 7, 3]}))  # the next chunk published two blocks
+    fetch.join(5)
+    assert [(m.index, m.blocks) for m in messages[1:]] == [(0, [5, 2]), (2, [7, 3])]

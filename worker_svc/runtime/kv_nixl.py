@@ -1,13 +1,14 @@
 """KV blocks read over NIXL (NVIDIA's transfer library: what vLLM's NixlConnector, Dynamo
 and llm-d move KV with), one agent per worker, made at its first use.
 
-The consumer reads each block straight from the producer's memory into its own KV cache
-(one-sided READs: RDMA or NVLink between GPUs, UCX's shared memory or TCP between hosts);
-the gRPC fetch stream (kv_peer.py) only tells it which block holds each place, once
-the producer holds it. A READ is not seen by the producer, so the producer lends each
-block it names until the consumer's READ of it completes (the READ's notification
-says so), and a hold that ends waits for its lent blocks (`settle`) before the step that
-may write them again: a block is never rewritten while a consumer reads it.
+The consumer reads the blocks straight from the producer's memory into its own KV cache
+(one-sided READs: RDMA or NVLink between GPUs, UCX's shared memory or TCP between hosts),
+one READ for each run of blocks the gRPC fetch stream (kv_peer.py) names: which blocks
+hold the next places, as soon as the producer holds them (a prefill chunk's, or all of a
+finished prefill's). A READ is not seen by the producer, so the producer lends each run
+it names until the consumer's READ of it completes (the READ's notification says so),
+and a hold that ends waits for its lent runs (`settle`) before the step that may write
+them again: a block is never rewritten while a consumer reads it.
 
 The agents run without NIXL's progress thread, which spins a core: on a 2-core host it
 halved the prefill replica's step rate. The consumer progresses its own READs as it
@@ -47,7 +48,7 @@ class NixlBlocks:
         self._agent = None
         self._made = threading.Lock()
         self._peers: set[str] = set()  # producers' agents added
-        self._lent: dict[str, set[int]] = {}  # per held request, the places a consumer still reads
+        self._lent: dict[str, set[int]] = {}  # per held request, the first places of the runs a consumer still reads
         self._lent_changed = threading.Condition()
         self._progressing = False
 
@@ -78,7 +79,7 @@ class NixlBlocks:
             self._layer_addresses))
 
     def lend(self, request_id: str, index: int) -> None:
-        """The block at `index` of the request's fetch is named to its consumer: lent until read."""
+        """The run of blocks from `index` of the request's fetch is named to its consumer: lent until read."""
         with self._lent_changed:
             self._lent.setdefault(request_id, set()).add(index)
             if not self._progressing:
@@ -128,51 +129,53 @@ class NixlBlocks:
                 self._peers.add(producer.name)
         return NixlReads(self, agent, producer, timeout_s)
 
-    def regions(self, layer_addresses: list[int], num_blocks: int, block: int, device_id: int
+    def regions(self, layer_addresses: list[int], num_blocks: int, blocks: list[int], device_id: int
                 ) -> list[tuple[int, int, int]]:
-        """Each layer's keys, then values, of `block`: (address, bytes, device)."""
+        """Each block's layers' keys, then values: (address, bytes, device)."""
         return [(address + (kv * num_blocks + block) * self._region_bytes, self._region_bytes, device_id)
-                for address in layer_addresses for kv in (0, 1)]
+                for block in blocks for address in layer_addresses for kv in (0, 1)]
 
-    def local_regions(self, block: int) -> list[tuple[int, int, int]]:
-        return self.regions(self._layer_addresses, self._num_blocks, block, self._device_id)
+    def local_regions(self, blocks: list[int]) -> list[tuple[int, int, int]]:
+        return self.regions(self._layer_addresses, self._num_blocks, blocks, self._device_id)
 
 
 class NixlReads:
-    """One fetch's READs, each posted as its block is named and completed in order: the
-    next block's READ runs while the stream brings the one after."""
+    """One fetch's READs, one a run of blocks, each posted as its run is named and
+    completed in order: the next run's READ runs while the stream brings the one after."""
 
     def __init__(self, blocks: NixlBlocks, agent, producer: NixlAgentInfo, timeout_s: float) -> None:
         self._blocks, self._agent, self._producer, self._timeout_s = blocks, agent, producer, timeout_s
-        self._posted: list = []  # handles, in the blocks' order
-        self.num_done = 0  # leading READs completed
+        self._posted: list[tuple[object, int]] = []  # (handle, blocks it reads), in the blocks' order
+        self._num_completed = 0  # leading READs completed
+        self.num_done = 0  # the blocks they read
         self.failed: str | None = None
 
-    def post(self, block: int, target: int, tag: str) -> None:
-        """Reads the producer's `block` into this worker's block `target`; `tag`
-        ("request:index") is the notification that tells the producer it was read."""
+    def post(self, blocks: list[int], targets: list[int], tag: str) -> None:
+        """Reads the producer's `blocks` into this worker's `targets`, in one READ; `tag`
+        ("request:index", the run's first place) is the notification that tells the
+        producer they were read."""
         producer = self._producer
         remote = self._agent.get_xfer_descs(
-            self._blocks.regions(producer.layer_addresses, producer.num_blocks, block, producer.device_id),
+            self._blocks.regions(producer.layer_addresses, producer.num_blocks, blocks, producer.device_id),
             producer.mem_type)
-        local = self._agent.get_xfer_descs(self._blocks.local_regions(target), self._blocks.mem_type)
+        local = self._agent.get_xfer_descs(self._blocks.local_regions(targets), self._blocks.mem_type)
         try:
             handle = self._agent.initialize_xfer("READ", local, remote, producer.name, tag.encode())
             self._agent.transfer(handle)
-        except Exception as exc:  # the producer disconnected: this block and those after it are recomputed
+        except Exception as exc:  # the producer disconnected: these blocks and those after them are recomputed
             self._collect(wait=True)
-            self.failed = self.failed or f"the NIXL read of block {len(self._posted)} could not start: {exc}"
+            self.failed = self.failed or f"the NIXL read of blocks from {tag} could not start: {exc}"
             return
-        self._posted.append(handle)
+        self._posted.append((handle, len(blocks)))
         self._collect(wait=False)
 
     def finish(self) -> int:
         """Waits for every posted READ (at most the timeout each; those after a failed one
         too, so that none lands in a block the scheduler has the worker recompute);
-        returns how many leading ones completed. A READ still running then is left to the
-        agent: its handle cannot be released."""
+        returns how many leading blocks they completed. A READ still running then is left
+        to the agent: its handle cannot be released."""
         self._collect(wait=True)
-        for handle in self._posted[self.num_done + 1:]:
+        for handle, _ in self._posted[self._num_completed + 1:]:
             if self._wait(handle) != "PROC":
                 self._release(handle)
         return self.num_done
@@ -193,17 +196,19 @@ class NixlReads:
 
     def _collect(self, wait: bool) -> None:
         """Counts the leading READs completed; with `wait`, waits for each in turn."""
-        while self.num_done < len(self._posted) and self.failed is None:
-            handle = self._posted[self.num_done]
+        while self._num_completed < len(self._posted) and self.failed is None:
+            handle, count = self._posted[self._num_completed]
             state = self._wait(handle) if wait else self._state(handle)
             if state == "PROC" and not wait:
                 return
             if state != "PROC":  # ended: its handle goes back (one still running cannot)
                 self._release(handle)
             if state == "DONE":
-                self.num_done += 1
+                self._num_completed += 1
+                self.num_done += count
             else:
-                self.failed = f"the NIXL read of block {self.num_done} {'failed' if state == 'ERR' else 'timed out'}"
+                self.failed = (f"the NIXL read of blocks {self.num_done} to {self.num_done + count - 1} "
+                               f"{'failed' if state == 'ERR' else 'timed out'}")
                 logger.warning("%s from %s", self.failed, self._producer.name)
 
     def _release(self, handle) -> None:

@@ -2,13 +2,14 @@
 transport behind the KV connector's remote loads.
 
 A producer's worker serves `FetchKvBlocks`: the blocks its scheduler holds for a
-consumer, in the order asked, one gRPC message per block: its bytes
+consumer, in the order asked, as it holds them: a gRPC message per block with its bytes
 ([layer][k|v][token][head][dim], the same bytes the file tiers store), or, when the
-consumer reads over NIXL (kv_nixl.py: vLLM's NixlConnector named in its config), only
-which of the producer's blocks holds it, the first message saying where the producer's
-KV memory is. A consumer's worker, told by a KvLoad whose `remote` is set, fetches them
-on a loader thread and lands each in its own block as it arrives (copies the bytes in,
-or reads them over NIXL), so landing overlaps the stream. Which blocks and where they
+consumer reads over NIXL (kv_nixl.py: vLLM's NixlConnector named in its config), a
+message per run of blocks held together (a prefill chunk's, or all of a finished
+prefill's) naming the producer's blocks that hold them, the first message saying where
+the producer's KV memory is. A consumer's worker, told by a KvLoad whose `remote` is set,
+fetches them on a loader thread and lands each message's blocks as it arrives (copies the
+bytes in, or reads the run over NIXL in one READ), so landing overlaps the stream. Which blocks and where they
 go is the schedulers' business; this moves bytes and says how many arrived whole.
 """
 from __future__ import annotations
@@ -37,12 +38,13 @@ class KvBlockSource(Protocol):
         """Fetches the producer's `sources` in order into this worker's blocks `targets`,
         each as it arrives; returns how many leading blocks arrived whole."""
 
-    def serve(self, request: KvFetchRequest, held: Callable[[int], AbstractContextManager[int]]
+    def serve(self, request: KvFetchRequest, held: Callable[[int, int], AbstractContextManager[list[int]]]
               ) -> Iterator[KvBlock]:
         """The blocks a consumer asked of this worker, in its order; each read (or lent)
-        inside `held(entry)`, which gives the block to read (`entry` is one, or its place
-        in the prompt) and raises (ValueError) unless it is held for the request: a block
-        that is not may be rewritten meanwhile."""
+        inside `held(first, most)`, which gives the blocks that hold the request's entries
+        from `first` on (waiting for the first, then at most `most` held already) and raises
+        (ValueError) unless the first is held for the request: a block that is not may be
+        rewritten meanwhile."""
 
     def settle(self, request_ids: Iterable[str]) -> None:
         """Their holds ended: returns once no consumer still reads their blocks."""
@@ -73,7 +75,7 @@ class GrpcKvBlocks:
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
 
-    def serve(self, request: KvFetchRequest, held: Callable[[int], AbstractContextManager[int]]
+    def serve(self, request: KvFetchRequest, held: Callable[[int, int], AbstractContextManager[list[int]]]
               ) -> Iterator[KvBlock]:
         if request.layout != self.layout:
             raise ValueError(f"the consumer's KV layout {request.layout} is not this worker's {self.layout}")
@@ -81,14 +83,18 @@ class GrpcKvBlocks:
             if self._nixl is None:
                 raise ValueError("this worker has no NIXL (pip install nixl) to serve a read over it")
             yield KvBlock(-1, self._nixl.info())
-        for index, entry in enumerate(request.block_ids):
-            with held(entry) as block:
-                if request.nixl:  # named, not copied: lent until the consumer has read it
+        index = 0
+        while index < len(request.block_ids):
+            # Over NIXL every block held now, named in one message for one READ; else one block's bytes.
+            with held(index, len(request.block_ids) - index if request.nixl else 1) as blocks:
+                if request.nixl:  # named, not copied: lent until the consumer has read them
                     self._nixl.lend(request.request_id, index)
-                    named = KvBlock(index, b"", block)
+                    message = KvBlock(index, b"", blocks)
                 else:  # a copy (stack), taken while nothing can write the block
-                    stacked = torch.stack([cache[:, block] for cache in self.kv_caches]).cpu()
-            yield named if request.nixl else KvBlock(index, stacked.contiguous().view(torch.uint8).numpy().tobytes())
+                    stacked = torch.stack([cache[:, blocks[0]] for cache in self.kv_caches]).cpu()
+                    message = KvBlock(index, stacked.contiguous().view(torch.uint8).numpy().tobytes())
+            yield message
+            index += len(blocks)
 
     def settle(self, request_ids: Iterable[str]) -> None:
         if self._nixl is not None:
@@ -123,12 +129,16 @@ class GrpcKvBlocks:
                 if block.index != count:
                     raise ValueError(f"block {block.index} came where block {count} was due")
                 if reads is not None:
-                    reads.post(block.block, targets[count], f"{remote.request_id}:{count}")
+                    if not block.blocks or count + len(block.blocks) > len(targets):
+                        raise ValueError(f"a run of {len(block.blocks)} blocks named at block {count} of "
+                                         f"{len(targets)}")
+                    reads.post(block.blocks, targets[count:count + len(block.blocks)], f"{remote.request_id}:{count}")
                     if reads.failed:
                         raise ValueError(reads.failed)
+                    count += len(block.blocks)
                 else:
                     self._land(block.payload, targets[count])
-                count += 1
+                    count += 1
         except (grpc.RpcError, ValueError) as exc:  # whatever arrived whole counts; the rest is recomputed
             details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             logger.warning("KV fetch of %s from %s stopped after %d of %d blocks: %s", remote.request_id,

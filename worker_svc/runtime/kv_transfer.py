@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from itertools import takewhile
 
 import torch
 
@@ -134,20 +135,24 @@ class KvTransfer:
             self._load_finished.wait_for(lambda: request.request_id in self._holds, _HOLD_WAIT_S)
 
         @contextmanager
-        def held(entry: int) -> Iterator[int]:
-            """The block to read, held while it is read; `entry` a block id, or with
-            by_position its place in the prompt, waited for until the prefill publishes it."""
+        def held(first: int, most: int) -> Iterator[list[int]]:
+            """The blocks to read for entries first, first + 1, ... of the request (at most
+            `most`: the first, waited for, and those after it held already), held while
+            they are read. An entry is a block id, or with by_position a place in the
+            prompt, waited for until the prefill publishes it."""
+            entries = request.block_ids[first:first + most]
             with self._load_finished:
                 if request.by_position:
-                    self._wait_for_publish(request.request_id, entry)
-                    blocks = self._holds.get(request.request_id, [])
-                    block = blocks[entry] if entry < len(blocks) else -1
+                    self._wait_for_publish(request.request_id, entries[0])
+                    published = self._holds.get(request.request_id, [])
+                    blocks = [published[entry] for entry in takewhile(lambda e: e < len(published), entries)]
                 else:
-                    block = entry if entry in self._holds.get(request.request_id, ()) else -1
-                if block < 0:
-                    raise ValueError(f"block {entry} is not held here for request {request.request_id!r} (its "
+                    holds = self._holds.get(request.request_id, ())
+                    blocks = list(takewhile(lambda e: e in holds, entries))
+                if not blocks:
+                    raise ValueError(f"block {entries[0]} is not held here for request {request.request_id!r} (its "
                                      "hold ended, or never began)")
-                yield block
+                yield blocks
 
         try:
             yield from self.peer.serve(request, held)

@@ -97,10 +97,14 @@ class WorkerServicer:
         if transfer is None or transfer.peer is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker hands no KV over: a worker of "
                           "several ranks (-tp, -pp) does not yet")
+        ended_here = threading.Event()  # by this worker: the consumer may still read what it was lent
+        context.add_callback(lambda: ended_here.is_set() or transfer.abandon(request.request_id))
         try:
             yield from transfer.serve(request)
         except ValueError as exc:
+            ended_here.set()
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        ended_here.set()
 
     def CompileGrammar(self, params: StructuredOutputsParams, context: grpc.ServicerContext) -> Empty:
         try:

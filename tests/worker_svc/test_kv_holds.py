@@ -77,8 +77,9 @@ def test_blocks_read_over_nixl_are_the_producers_and_a_hold_ends_once_they_are_r
     """The consumer reads the blocks the stream names straight from the producer's cache
     into its own (two NIXL agents, UCX over this host): every block held when the fetch
     comes, named in one message and read in one READ. The producer's hold ends only
-    once the reads are done (their notifications came), and a run named but never read
-    holds it at most _SETTLE_S."""
+    once the reads are done (their notifications came), or the consumer ended the stream
+    (a consumer ends it early only once its READs ended; a dead one reads nothing), and a
+    run named but never read while the stream stands holds it at most _SETTLE_S."""
     caches = [torch.randn(2, NUM_BLOCKS, 4, 2, 3) for _ in range(3)]
     nixl = NixlBlocks(caches)
     transfer = KvTransfer(caches, [], [], GrpcKvBlocks(caches, 30.0, nixl))
@@ -104,9 +105,20 @@ def test_blocks_read_over_nixl_are_the_producers_and_a_hold_ends_once_they_are_r
     started = time.monotonic()
     transfer.apply(StepPlan(step_id=3, kv_hold_ends=["s"]))  # named, never read
     assert 1.5 < time.monotonic() - started < 5.0
-    transfer.apply(StepPlan(step_id=4, kv_holds={"t": [2]}))  # nothing named: nothing to wait for
+    transfer.apply(StepPlan(step_id=4, kv_holds={"t": [2], "u": [3]}))  # nothing named: nothing to wait for
     started = time.monotonic()
     transfer.apply(StepPlan(step_id=5, kv_hold_ends=["t"]))
+    assert time.monotonic() - started < 0.5
+    transfer.apply(StepPlan(step_id=6, kv_holds={"v": [4]}))
+    early = transfer.serve(KvFetchRequest("u", [3], layout, nixl=True))
+    next(early), next(early)  # named, never read: then the consumer ends the stream (it stopped, or died)
+    transfer.abandon("u")  # what the worker's server does when a stream ends before the worker ends it
+    later = transfer.serve(KvFetchRequest("v", [4], layout, nixl=True))
+    next(later)
+    transfer.abandon("v")  # ended while the worker had yet to name its block: named into a dead stream
+    next(later)
+    started = time.monotonic()
+    transfer.apply(StepPlan(step_id=7, kv_hold_ends=["u", "v"]))
     assert time.monotonic() - started < 0.5
 
 

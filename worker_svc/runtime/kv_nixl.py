@@ -49,6 +49,7 @@ class NixlBlocks:
         self._made = threading.Lock()
         self._peers: set[str] = set()  # producers' agents added
         self._lent: dict[str, set[int]] = {}  # per held request, the first places of the runs a consumer still reads
+        self._abandoned: set[str] = set()  # held requests whose consumer ended the fetch early
         self._lent_changed = threading.Condition()
         self._progressing = False
 
@@ -81,6 +82,8 @@ class NixlBlocks:
     def lend(self, request_id: str, index: int) -> None:
         """The run of blocks from `index` of the request's fetch is named to its consumer: lent until read."""
         with self._lent_changed:
+            if request_id in self._abandoned:
+                return  # named into a stream nobody reads
             self._lent.setdefault(request_id, set()).add(index)
             if not self._progressing:
                 self._progressing = True
@@ -103,6 +106,15 @@ class NixlBlocks:
                     return
             time.sleep(_POLL_S)
 
+    def forget(self, request_id: str) -> None:
+        """The consumer ended the request's fetch stream early: it reads none of the runs
+        it was lent and has not read (a live consumer ends it only once every READ it posted
+        has ended; a dead one reads nothing), nor any named after."""
+        with self._lent_changed:
+            self._lent.pop(request_id, None)
+            self._abandoned.add(request_id)
+            self._lent_changed.notify_all()
+
     def settle(self, request_ids: Iterable[str]) -> None:
         """Returns once no consumer reads a block of these requests (their holds ended, so
         their blocks may be written again), or after _SETTLE_S."""
@@ -117,6 +129,7 @@ class NixlBlocks:
                 self._lent_changed.wait(deadline - time.monotonic())
             for request_id in request_ids:
                 self._lent.pop(request_id, None)
+                self._abandoned.discard(request_id)
 
     # -- consumer ------------------------------------------------------------------------
 
@@ -149,6 +162,7 @@ class NixlReads:
         self._num_completed = 0  # leading READs completed
         self.num_done = 0  # the blocks they read
         self.failed: str | None = None
+        self._finished = False
 
     def post(self, blocks: list[int], targets: list[int], tag: str) -> None:
         """Reads the producer's `blocks` into this worker's `targets`, in one READ; `tag`
@@ -173,11 +187,13 @@ class NixlReads:
         """Waits for every posted READ (at most the timeout each; those after a failed one
         too, so that none lands in a block the scheduler has the worker recompute);
         returns how many leading blocks they completed. A READ still running then is left
-        to the agent: its handle cannot be released."""
-        self._collect(wait=True)
-        for handle, _ in self._posted[self._num_completed + 1:]:
-            if self._wait(handle) != "PROC":
-                self._release(handle)
+        to the agent: its handle cannot be released. Called again, it only says that."""
+        if not self._finished:
+            self._finished = True
+            self._collect(wait=True)
+            for handle, _ in self._posted[self._num_completed + 1:]:
+                if self._wait(handle) != "PROC":
+                    self._release(handle)
         return self.num_done
 
     def _state(self, handle) -> str:

@@ -49,6 +49,10 @@ class KvBlockSource(Protocol):
     def settle(self, request_ids: Iterable[str]) -> None:
         """Their holds ended: returns once no consumer still reads their blocks."""
 
+    def abandon(self, request_id: str) -> None:
+        """The consumer ended the request's fetch stream before the producer did: it stopped
+        (once every READ it posted had ended), or it died. It reads nothing more."""
+
 
 def _armed(blocks: Iterator[KvBlock], arm: Callable[[], None] | None) -> Iterator[KvBlock]:
     """`blocks`, with `arm` called before waiting for each (a watchdog restarted)."""
@@ -100,26 +104,44 @@ class GrpcKvBlocks:
         if self._nixl is not None:
             self._nixl.settle(request_ids)
 
+    def abandon(self, request_id: str) -> None:
+        if self._nixl is not None:
+            self._nixl.forget(request_id)
+
     def fetch(self, remote: RemoteBlocks, sources: list[int], targets: list[int]) -> int:
         """The timeout bounds the whole fetch of held blocks; a streamed fetch (by position,
         beside the producer's prefill) lasts as long as that prefill, so there it bounds the
         wait for each next block instead."""
         count = 0
         over_nixl = remote.nixl and self._nixl is not None  # else the bytes in the stream: NIXL is not installed here
+        # No gRPC deadline: a live consumer ends the stream early only once every READ it
+        # posted has ended (end_early, and the end below), since the producer then takes
+        # back what it lent (kv_nixl.py). `ending` keeps a READ from being posted meanwhile.
         blocks = self._stub(remote.address).FetchKvBlocks(
-            KvFetchRequest(remote.request_id, sources, self.layout, remote.by_position, over_nixl),
-            timeout=None if remote.by_position else self._timeout_s)
+            KvFetchRequest(remote.request_id, sources, self.layout, remote.by_position, over_nixl))
         watchdog: threading.Timer | None = None
         reads: NixlReads | None = None  # over NIXL, once the producer said where its blocks are
+        ending = threading.Lock()
+        expired = False
+
+        def end_early() -> None:
+            nonlocal expired
+            with ending:
+                expired = True
+                if reads is not None:
+                    reads.finish()
+                blocks.cancel()
 
         def arm() -> None:
             nonlocal watchdog
             if watchdog is not None:
                 watchdog.cancel()
-            watchdog = threading.Timer(self._timeout_s, blocks.cancel)
+            watchdog = threading.Timer(self._timeout_s, end_early)
             watchdog.daemon = True
             watchdog.start()
 
+        if not remote.by_position:
+            arm()  # once, for the whole fetch
         try:
             for block in _armed(blocks, arm if remote.by_position else None):
                 if block.index < 0 and over_nixl:
@@ -132,7 +154,11 @@ class GrpcKvBlocks:
                     if not block.blocks or count + len(block.blocks) > len(targets):
                         raise ValueError(f"a run of {len(block.blocks)} blocks named at block {count} of "
                                          f"{len(targets)}")
-                    reads.post(block.blocks, targets[count:count + len(block.blocks)], f"{remote.request_id}:{count}")
+                    with ending:
+                        if expired:
+                            raise ValueError(f"the fetch took over {self._timeout_s:.0f} s")
+                        reads.post(block.blocks, targets[count:count + len(block.blocks)],
+                                   f"{remote.request_id}:{count}")
                     if reads.failed:
                         raise ValueError(reads.failed)
                     count += len(block.blocks)
@@ -146,8 +172,11 @@ class GrpcKvBlocks:
         finally:
             if watchdog is not None:
                 watchdog.cancel()
-        # Over NIXL the blocks named are whole once their READs are: none may land after this returns.
-        return reads.finish() if reads is not None else count
+        with ending:
+            # Over NIXL the blocks named are whole once their READs are: none may land after this returns.
+            whole = reads.finish() if reads is not None else count
+            blocks.cancel()  # a no-op on a stream that ended; else only now that no READ runs
+        return whole
 
     def _land(self, payload: bytes, target: int) -> None:
         block = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv_caches[0].dtype)

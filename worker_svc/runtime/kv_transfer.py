@@ -162,6 +162,14 @@ class KvTransfer:
                 self._sent.append(request.request_id)
                 self._load_finished.notify_all()
 
+    def abandon(self, request_id: str) -> None:
+        """The consumer ended its fetch of the request's blocks early (it stopped, or died):
+        what it was lent and has not read is the hold's again, for the hold's end not to
+        wait for READs that will not come."""
+        with self._load_finished:
+            if request_id in self._holds:  # else its end settled it already
+                self.peer.abandon(request_id)
+
     def _wait_for_publish(self, request_id: str, entry: int) -> None:
         """Until the prefill has published block `entry` of the prompt, its hold ended, or
         the scheduler that runs it is gone (then the consumer recomputes at once rather

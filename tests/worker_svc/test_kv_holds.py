@@ -77,9 +77,10 @@ def test_blocks_read_over_nixl_are_the_producers_and_a_hold_ends_once_they_are_r
     """The consumer reads the blocks the stream names straight from the producer's cache
     into its own (two NIXL agents, UCX over this host): every block held when the fetch
     comes, named in one message and read in one READ. The producer's hold ends only
-    once the reads are done (their notifications came), or the consumer ended the stream
-    (a consumer ends it early only once its READs ended; a dead one reads nothing), and a
-    run named but never read while the stream stands holds it at most _SETTLE_S."""
+    once the reads are done (their notifications came), or at most _ABANDONED_SETTLE_S after
+    the stream ended early (a consumer ends it early only once its READs ended; a dead one
+    reads nothing), and a run named but never read while the stream stands holds it at
+    most _SETTLE_S."""
     caches = [torch.randn(2, NUM_BLOCKS, 4, 2, 3) for _ in range(3)]
     nixl = NixlBlocks(caches)
     transfer = KvTransfer(caches, [], [], GrpcKvBlocks(caches, 30.0, nixl))
@@ -118,7 +119,7 @@ def test_blocks_read_over_nixl_are_the_producers_and_a_hold_ends_once_they_are_r
     transfer.abandon("v")  # ended while the worker had yet to name its block: named into a dead stream
     next(later)
     started = time.monotonic()
-    transfer.apply(StepPlan(step_id=7, kv_hold_ends=["u", "v"]))
+    transfer.apply(StepPlan(step_id=7, kv_hold_ends=["u", "v"]))  # u's run unread: a short wait, not _SETTLE_S
     assert time.monotonic() - started < 0.5
 
 

@@ -17,6 +17,7 @@ progress too, runs a thread of its own that does, only while it has blocks lent.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -33,6 +34,10 @@ logger = logging.getLogger(__name__)
 # How long a hold that ends waits for its consumer's READs to complete: a READ of a block
 # takes about a millisecond; one still running after this is a consumer that died.
 _SETTLE_S = 2.0
+# As long from when its fetch stream ended early (the consumer stopped or died): a live
+# consumer's READs ended before it ended the stream, but a stream that failed on its own
+# may leave some running a moment (a 24-block run took about 15 ms here, over UCX's TCP).
+_ABANDONED_SETTLE_S = 0.25
 _POLL_S = 0.0005  # how often a READ's state, and the producer's notifications, are looked at
 
 
@@ -49,9 +54,13 @@ class NixlBlocks:
         self._made = threading.Lock()
         self._peers: set[str] = set()  # producers' agents added
         self._lent: dict[str, set[int]] = {}  # per held request, the first places of the runs a consumer still reads
-        self._abandoned: set[str] = set()  # held requests whose consumer ended the fetch early
+        self._abandoned: dict[str, float] = {}  # held requests whose fetch stream ended early: when
         self._lent_changed = threading.Condition()
-        self._progressing = False
+        self._progress_thread: threading.Thread | None = None
+        self._exiting = False
+        # A thread still polling the agent while the interpreter exits aborts the process
+        # (std::terminate): it stops first.
+        atexit.register(self._stop_progress)
 
     def agent(self):
         """The agent, made and its KV caches registered at the first call (about 0.5 s)."""
@@ -85,9 +94,10 @@ class NixlBlocks:
             if request_id in self._abandoned:
                 return  # named into a stream nobody reads
             self._lent.setdefault(request_id, set()).add(index)
-            if not self._progressing:
-                self._progressing = True
-                threading.Thread(target=self._progress, name="kvfleet-nixl-progress", daemon=True).start()
+            if self._progress_thread is None and not self._exiting:
+                self._progress_thread = threading.Thread(target=self._progress, name="kvfleet-nixl-progress",
+                                                         daemon=True)
+                self._progress_thread.start()
 
     def _progress(self) -> None:
         """While blocks are lent: progresses the agent, so that consumers' READs complete,
@@ -101,35 +111,45 @@ class NixlBlocks:
                         request_id, _, index = message.decode().rpartition(":")
                         self._lent.get(request_id, set()).discard(int(index))
                 self._lent_changed.notify_all()
-                if not any(self._lent.values()):
-                    self._progressing = False
+                if not any(self._lent.values()) or self._exiting:
+                    self._progress_thread = None
                     return
             time.sleep(_POLL_S)
 
-    def forget(self, request_id: str) -> None:
-        """The consumer ended the request's fetch stream early: it reads none of the runs
-        it was lent and has not read (a live consumer ends it only once every READ it posted
-        has ended; a dead one reads nothing), nor any named after."""
+    def _stop_progress(self) -> None:
         with self._lent_changed:
-            self._lent.pop(request_id, None)
-            self._abandoned.add(request_id)
+            self._exiting = True
+            thread = self._progress_thread
+        if thread is not None:
+            thread.join(1.0)
+
+    def forget(self, request_id: str) -> None:
+        """The request's fetch stream ended before the producer ended it: its consumer
+        stopped (once every READ it posted had ended) or died. It reads none of the runs
+        named after, and what it was lent is waited for only _ABANDONED_SETTLE_S."""
+        with self._lent_changed:
+            self._abandoned.setdefault(request_id, time.monotonic())
             self._lent_changed.notify_all()
 
     def settle(self, request_ids: Iterable[str]) -> None:
         """Returns once no consumer reads a block of these requests (their holds ended, so
-        their blocks may be written again), or after _SETTLE_S."""
+        their blocks may be written again), or after _SETTLE_S (_ABANDONED_SETTLE_S from
+        its end for a request whose fetch stream ended early)."""
         request_ids = list(request_ids)
-        deadline = time.monotonic() + _SETTLE_S
+        started = time.monotonic()
         with self._lent_changed:
             while reading := [request_id for request_id in request_ids if self._lent.get(request_id)]:
+                deadline = max(self._abandoned[request_id] + _ABANDONED_SETTLE_S if request_id in self._abandoned
+                               else started + _SETTLE_S for request_id in reading)
                 if time.monotonic() >= deadline:
-                    logger.warning("NIXL: reads of the blocks of %s did not complete in %.0f s; their holds end",
-                                   reading, _SETTLE_S)
+                    if not all(request_id in self._abandoned for request_id in reading):
+                        logger.warning("NIXL: reads of the blocks of %s did not complete in %.0f s; their holds "
+                                       "end", reading, _SETTLE_S)
                     break
                 self._lent_changed.wait(deadline - time.monotonic())
             for request_id in request_ids:
                 self._lent.pop(request_id, None)
-                self._abandoned.discard(request_id)
+                self._abandoned.pop(request_id, None)
 
     # -- consumer ------------------------------------------------------------------------
 

@@ -199,10 +199,6 @@ def main() -> None:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8], help="concurrent requests to measure")
     parser.add_argument("--configs", nargs="+", choices=SPECULATIVE_CONFIGS, default=list(SPECULATIVE_CONFIGS),
                         help="measure only these speculative configurations")
-    parser.add_argument("--warmup-rounds", type=int, default=0,
-                        help="untimed rounds of 8 random 256-token prompts (64 tokens out) through every engine "
-                             "first: prompts of other text, so no tree learns the timed answers (plain decoding's "
-                             "first timed round was its slower one after the default 8-token warm-up)")
     args = parser.parse_args()
     configs = {name: SPECULATIVE_CONFIGS[name] for name in args.configs}
     if args.draft_model:
@@ -217,10 +213,6 @@ def main() -> None:
     sampled_params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True)
     for llm in (plain, *specs.values()):  # warm-up
         llm.generate(copy_prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    warmup_prompts = random_prompts(random.Random(1), 8, 256)
-    for _ in range(args.warmup_rounds):
-        for llm in (plain, *specs.values()):
-            run(llm, warmup_prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), 1)
     mixed_prompts = copy_heavy_mixed_prompts(plain)[:: 8 if args.quick else 1]
     workloads = {"copy_heavy": (copy_prompts, copy_params), "copy_heavy_mixed": (mixed_prompts, copy_params),
                  "random": (noise, noise_params),
@@ -230,7 +222,6 @@ def main() -> None:
         "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
         "speculative_configs": configs,
         "cpu_count": os.cpu_count(),
-        "warmup_rounds": args.warmup_rounds,
     }
     for name in args.workloads:
         prompts, params = workloads[name]

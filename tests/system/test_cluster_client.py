@@ -382,6 +382,9 @@ def test_a_killed_scheduler_ends_its_requests_within_a_second(cluster, nats, red
                 # Its channel fails at once: no waiting for its lease to lapse, and never a hang.
                 with pytest.raises(RequestFailed, match="unreachable"):
                     await asyncio.wait_for(drain(), TTL_S + 5)
+                # Its only scheduler lost, the gateway says so at once, not a poll later:
+                # /health must not answer 200 to a request it would turn away.
+                assert not client.is_ready()
                 return time.monotonic() - killed
 
         assert asyncio.run(main()) < 1.0

@@ -113,9 +113,9 @@ def run(profile: Profile, workdir: Path) -> dict[str, Any]:
             _tokens_per_s(llm, prompts[:1], 4)  # warm-up: kernels compiled, nothing timed
             rates[engine][requests], outputs[engine][requests] = _tokens_per_s(llm, prompts, new_tokens)
         if engine == "ngram":
-            counts = llm.engine.scheduler.spec_decoding
-            counts = {"drafts": counts.num_drafts, "draft_tokens": counts.num_draft_tokens,
-                      "accepted_tokens": counts.num_accepted_tokens}
+            spec = llm.engine.scheduler.spec_decoding
+            counts = {"drafts": spec.num_drafts, "draft_tokens": spec.num_draft_tokens,
+                      "accepted_tokens": spec.num_accepted_tokens}
         worker.close()
         del llm, worker
         free_device()

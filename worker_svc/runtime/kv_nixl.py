@@ -123,7 +123,7 @@ class NixlBlocks:
         if thread is not None:
             thread.join(1.0)
 
-    def forget(self, request_id: str) -> None:
+    def abandon(self, request_id: str) -> None:
         """The request's fetch stream ended before the producer ended it: its consumer
         stopped (once every READ it posted had ended) or died. It reads none of the runs
         named after, and what it was lent is waited for only _ABANDONED_SETTLE_S."""

@@ -106,7 +106,7 @@ class GrpcKvBlocks:
 
     def abandon(self, request_id: str) -> None:
         if self._nixl is not None:
-            self._nixl.forget(request_id)
+            self._nixl.abandon(request_id)
 
     def fetch(self, remote: RemoteBlocks, sources: list[int], targets: list[int]) -> int:
         """The timeout bounds the whole fetch of held blocks; a streamed fetch (by position,
@@ -156,7 +156,7 @@ class GrpcKvBlocks:
                                          f"{len(targets)}")
                     with ending:
                         if expired:
-                            raise ValueError(f"the fetch took over {self._timeout_s:.0f} s")
+                            raise ValueError(f"its watchdog ended the fetch after {self._timeout_s:.0f} s")
                         reads.post(block.blocks, targets[count:count + len(block.blocks)],
                                    f"{remote.request_id}:{count}")
                     if reads.failed:

@@ -147,7 +147,7 @@ class KvTransfer:
                     published = self._holds.get(request.request_id, [])
                     blocks = [published[entry] for entry in takewhile(lambda e: e < len(published), entries)]
                 else:
-                    holds = self._holds.get(request.request_id, ())
+                    holds = set(self._holds.get(request.request_id, ()))
                     blocks = list(takewhile(lambda e: e in holds, entries))
                 if not blocks:
                     raise ValueError(f"block {entries[0]} is not held here for request {request.request_id!r} (its "

@@ -4,6 +4,7 @@ children that die with their launcher. Used by `cluster up` and by the tests, wh
 start their own servers."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -146,16 +147,37 @@ def write_secret_file(path: Path, text: str) -> Path:
 
 
 def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Until `process` itself listens there. Another process that took the port between
+    our pick and our start would answer too; ours then fails to bind and exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"{process.args[0]} exited with {_exit_status(process.returncode)}")
         try:
             socket.create_connection((host, port), timeout=1.0).close()
-            return
+            if _listens(process.pid, port):
+                return
         except OSError:
-            time.sleep(0.05)
+            pass
+        time.sleep(0.05)
     raise RuntimeError(f"{process.args[0]} is not listening on {host}:{port} after {timeout_s} s")
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether a socket listening on `port` is one of the process's; true where /proc
+    cannot tell (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return True
+    listeners = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()  # local address, remote address, state, ..., inode
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    listeners.add(f"socket:[{fields[9]}]")
+    with contextlib.suppress(OSError):  # OSError: it exited meanwhile, or an fd closed as we looked
+        return any(os.readlink(fd) in listeners for fd in Path(f"/proc/{pid}/fd").iterdir())
+    return False
 
 
 START_ATTEMPTS = 3

@@ -51,6 +51,23 @@ def test_a_server_that_dies_before_it_listens_is_started_again_on_another_port(
 
 
 @pytest.mark.parametrize("server", SERVERS)
+def test_another_process_listening_on_the_port_is_not_taken_for_the_server(server: str, tmp_path: Path) -> None:
+    """Another launcher's server may take the port between our pick and our start: it
+    answers there at once, before ours fails to bind, and must not pass for ours."""
+    with socket.socket() as other:
+        other.bind((HOST, 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        ports = iter([taken, free_port(HOST)])
+        started = start_listening(SERVERS[server], HOST, tmp_path / f"{server}.log", pick_port=lambda: next(ports))
+    try:
+        assert started.port != taken
+        assert started.process.poll() is None
+    finally:
+        stop(started.process, grace_s=5.0)
+
+
+@pytest.mark.parametrize("server", SERVERS)
 def test_a_server_that_never_listens_fails_with_its_log_tail(server: str, taken_port: int, tmp_path: Path) -> None:
     log = tmp_path / f"{server}.log"
     with pytest.raises(ServerStartError, match="(?is)exited with 1 before listening, 2 times.*address already in use"):

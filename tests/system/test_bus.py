@@ -83,10 +83,15 @@ class Spy:
         self.counts[msg.subject] += 1
         self.arrived.set()
 
-    async def wait_for(self, gateways: list[str], count: int) -> None:
+    async def wait_for(self, gateways: list[str], count: int, publisher: OutputPublisher) -> None:
         while min(self.counts[subject(g)] for g in gateways) < count:
             self.arrived.clear()
-            await asyncio.wait_for(self.arrived.wait(), 10)
+            try:
+                await asyncio.wait_for(self.arrived.wait(), 10)
+            except TimeoutError:
+                numbered = {g: len(publisher.window.after(g, 0) or ()) for g in gateways}
+                raise AssertionError(f"NATS carried {dict(self.counts)} of {count} each; the publisher numbered "
+                                     f"{numbered}, connected: {publisher.nats.connected}") from None
 
     async def close(self) -> None:
         await self._nc.close()
@@ -114,7 +119,7 @@ def test_one_message_per_step_per_gateway_demultiplexed(nats) -> None:
         for step in range(STEPS):
             # Lockstep, so the publisher never has two steps queued to merge.
             await loop.run_in_executor(None, publisher.publish, step_batches(step))
-            await spy.wait_for(list(REQUESTS), step + 1)
+            await spy.wait_for(list(REQUESTS), step + 1, publisher)
         results = {r: await task for r, task in readers.items()}
         await spy.close()
 

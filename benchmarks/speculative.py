@@ -171,6 +171,9 @@ def measure(plain: LLM, specs: dict[str, LLM], name: str, prompts: list, params:
             "speedup": rate[config] / rate["plain"],
             # Round 1 alone: in later rounds suffix's global tree holds the same prompts' earlier
             # outputs (its use case, repeated requests, but not a comparison with the others).
+            # Earlier measurements of the same run feed that tree too (the engines are shared:
+            # the mix holds the renames), so this is round 1 on unseen prompts only for the
+            # run's first measurement, e.g. with one workload and one concurrency.
             "first_round_speedup": seconds["plain"][0] / seconds[config][0],
             "round_seconds": seconds[config],
             "identical": outputs[config] == outputs["plain"] if params.temperature == 0 else None,

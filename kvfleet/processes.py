@@ -165,19 +165,26 @@ def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: fl
 
 def _listens(pid: int, port: int) -> bool:
     """Whether a socket listening on `port` is one of the process's; true where /proc
-    cannot tell (not Linux)."""
+    cannot tell (not Linux, or not readable to us)."""
     if not sys.platform.startswith("linux"):
         return True
+    try:
+        tables = [Path(table).read_text() for table in ("/proc/net/tcp", "/proc/net/tcp6") if Path(table).exists()]
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except PermissionError:
+        return True
+    except OSError:  # it exited meanwhile
+        return False
     listeners = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                fields = line.split()  # local address, remote address, state, ..., inode
-                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
-                    listeners.add(f"socket:[{fields[9]}]")
-    with contextlib.suppress(OSError):  # OSError: it exited meanwhile, or an fd closed as we looked
-        return any(os.readlink(fd) in listeners for fd in Path(f"/proc/{pid}/fd").iterdir())
-    return False
+    for line in (line for table in tables for line in table.splitlines()[1:]):
+        fields = line.split()  # local address, remote address, state, ..., inode
+        if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+            listeners.add(f"socket:[{fields[9]}]")
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed as we looked
+            if os.readlink(fd) in listeners:
+                return True
+    return not tables
 
 
 START_ATTEMPTS = 3

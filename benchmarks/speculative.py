@@ -172,8 +172,7 @@ def measure(plain: LLM, specs: dict[str, LLM], name: str, prompts: list, params:
             # Round 1 alone: in later rounds suffix's global tree holds the same prompts' earlier
             # outputs (its use case, repeated requests, but not a comparison with the others).
             # Earlier measurements of the same run feed that tree too (the engines are shared:
-            # the mix holds the renames), so this is round 1 on unseen prompts only for the
-            # run's first measurement, e.g. with one workload and one concurrency.
+            # the mix holds the renames; see "measured_before").
             "first_round_speedup": seconds["plain"][0] / seconds[config][0],
             "round_seconds": seconds[config],
             "identical": outputs[config] == outputs["plain"] if params.temperature == 0 else None,
@@ -226,9 +225,17 @@ def main() -> None:
         "speculative_configs": configs,
         "cpu_count": os.cpu_count(),
     }
+    earlier: list[str] = []
     for name in args.workloads:
         prompts, params = workloads[name]
-        report[name] = [measure(plain, specs, WORKLOADS[name], prompts, params, c, args.rounds) for c in args.concurrency]
+        report[name] = []
+        for concurrency in args.concurrency:
+            result = measure(plain, specs, WORKLOADS[name], prompts, params, concurrency, args.rounds)
+            # What these engines ran before, whose outputs suffix's tree holds: its round 1
+            # is on unseen prompts only when this is empty.
+            result["measured_before"] = list(earlier)
+            report[name].append(result)
+            earlier.append(f"{name} x{concurrency}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -294,21 +295,38 @@ def test_structured_outputs_check_each_draft_against_the_grammar(llm, spec_llm):
     assert counts.num_accepted_tokens - accepted_before >= 12
 
 
-def test_suffix_drafts_from_past_outputs(llm, suffix_llm):
+def _recording(calls: list, method: Callable) -> Callable:
+    """`method`, each of its results also appended to `calls`."""
+    def record(*args: object) -> object:
+        calls.append(result := method(*args))
+        return result
+    return record
+
+
+def test_suffix_drafts_from_past_outputs(llm, suffix_llm, monkeypatch):
     """A prompt asked again (a retry, an agent's loop) is drafted from the first answer,
     kept in the global tree: nearly every draft accepted, the same tokens. The steps' worker
     times reach the step costs that price the drafts (scheduler_svc/spec_step_cost.py)."""
     prompt = "Write a short poem about the sea."
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    counts = suffix_llm.engine.scheduler.spec_decoding
+    scheduler = suffix_llm.engine.scheduler
+    counts, speculation = scheduler.spec_decoding, scheduler.speculation
+    # What was proposed and chosen, for the failure's message (it failed once in CI with no draft verified).
+    proposed: list[tuple[list[int], list[float]]] = []
+    chosen: list[dict[str, list[int]]] = []
+    monkeypatch.setattr(speculation.proposer, "propose", _recording(proposed, speculation.proposer.propose))
+    monkeypatch.setattr(speculation.gate, "choose", _recording(chosen, speculation.gate.choose))
     plain = _tokens(llm, [prompt], params)
     rates = []
     for _ in range(2):
         before = counts.num_draft_tokens, counts.num_accepted_tokens
         assert _tokens(suffix_llm, [prompt], params) == plain
         rates.append((counts.num_accepted_tokens - before[1]) / max(1, counts.num_draft_tokens - before[0]))
-    assert rates[0] < 0.5 < 0.9 < rates[1], rates
-    prices = suffix_llm.engine.scheduler.spec_step_costs.prices(4)
+    prices = scheduler.spec_step_costs.prices(4)
+    assert rates[0] < 0.5 < 0.9 < rates[1], (
+        f"rates {rates}; drafts proposed {[len(drafts) for drafts, _ in proposed]}, chosen "
+        f"{[sum(map(len, drafts.values())) for drafts in chosen]}; the gate's prior {speculation.gate.prior}; "
+        f"prices {prices}")
     assert prices is not None and all(0 < seconds < 10 for seconds in prices), prices
 
 

@@ -12,17 +12,27 @@ row count never measured is priced as the next smaller one measured (optimistic,
 tried and then measured; one below every measured count as the smallest); since a step of
 more rows never costs less, a measurement above a larger row count's (a step slowed by the
 machine's other load) is read as that one.
+
+A row count's price is forgotten STALE_S after its last measurement, and priced as unmeasured
+again: a price too high to pay is never measured again otherwise. Batches measured while
+the machine was busy had priced every draft of a lone request out for good: it decoded one
+token a step, whose 1-row steps were all it measured from then on.
 """
 from __future__ import annotations
+
+import time
 
 from services.messages import StepPlan
 
 ALPHA = 0.2  # weight of a new measurement in a row count's moving average
+# Against one exploratory step a second, at most, for a row count that does not pay.
+STALE_S = 1.0
 
 
 class SpecStepCosts:
     def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}  # rows -> moving average of the worker's seconds
+        # rows -> the moving average of the worker's seconds, and when it was last measured (monotonic)
+        self._seconds: dict[int, tuple[float, float]] = {}
 
     def record(self, plan: StepPlan, seconds: float) -> None:
         """A step's worker time, kept when every request in it decoded (with or without drafts)."""
@@ -32,21 +42,28 @@ class SpecStepCosts:
                 return  # a prompt chunk: its cost says nothing about drafts
             rows += num_tokens
         if rows:
-            old = self._seconds.get(rows)
-            self._seconds[rows] = seconds if old is None else old + ALPHA * (seconds - old)
+            now = time.monotonic()
+            old, at = self._seconds.get(rows, (seconds, now))
+            self._seconds[rows] = (old + ALPHA * (seconds - old) if now - at <= STALE_S else seconds), now
 
     def prices(self, max_rows: int) -> list[float] | None:
         """The expected seconds of a step of 1..max_rows decode rows (index rows - 1); None
-        before any step is measured."""
-        if not self._seconds:
+        while no step has been measured in the last STALE_S."""
+        fresh = self._fresh(time.monotonic())
+        if not fresh:
             return None
-        measured = sorted(self._seconds)
+        measured = sorted(fresh)
         envelope = {}  # rows -> the least time measured at these rows or more
         least = float("inf")
         for rows in reversed(measured):
-            least = envelope[rows] = min(least, self._seconds[rows])
+            least = envelope[rows] = min(least, fresh[rows])
         prices, last = [], envelope[measured[0]]  # fewer rows than any measured: priced as those
         for rows in range(1, max_rows + 1):
             last = envelope.get(rows, last)  # unmeasured: the next smaller measured count's
             prices.append(last)
         return prices
+
+    def _fresh(self, now: float) -> dict[int, float]:
+        """The prices measured in the last STALE_S, by rows."""
+        return {rows: seconds for rows, (seconds, at) in self._seconds.items() if now - at <= STALE_S}
+

@@ -3,9 +3,13 @@ being rejected stops getting drafts, its held-back drafts still judged against t
 it produces, and speculates again once they would have been accepted; a new request starts
 from what the requests before it saw; a step's drafts are cut for the least mean time a
 token over its requests at the measured step costs, alone and in a batch, where a draft's
-row lengthens every request's step; no drafts while disable_by_batch_size requests run."""
+row lengthens every request's step, and a price not measured for a while is tried again; no
+drafts while disable_by_batch_size requests run."""
 from __future__ import annotations
 
+import pytest
+
+from scheduler_svc import spec_step_cost
 from scheduler_svc.spec_gate import MIN_ACCEPTANCE, SpecGate
 from scheduler_svc.spec_step_cost import SpecStepCosts
 from services.messages import StepPlan
@@ -80,6 +84,21 @@ def test_alone_drafts_are_cut_to_the_length_with_the_most_tokens_a_second() -> N
     acceptance = gate.acceptance("r")
     gate.observe("r", 0, [2])
     assert gate.acceptance("r") < acceptance  # the held-back draft was judged: a miss
+
+
+def test_a_price_too_high_to_pay_is_forgotten_and_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches timed while the machine was busy priced every draft of a lone request out,
+    and its 1-row steps never measured them again: stale prices go, and drafts are tried."""
+    now = [100.0]
+    monkeypatch.setattr(spec_step_cost.time, "monotonic", lambda: now[0])
+    costs = _costs({rows: 0.020 * rows for rows in range(2, 9)} | {1: 0.010})  # each row costs two quiet steps
+    gate = SpecGate(disable_by_batch_size=None, step_costs=costs)
+    for _ in range(3):  # alone, sure drafts: none pays; only 1-row steps are measured
+        assert _admit(gate, "r", [1, 2, 3], 1, [1.0, 1.0, 1.0]) == []
+        now[0] += 0.4
+        costs.record(StepPlan(step_id=1, num_scheduled_tokens={"r": 1}), 0.010)
+    assert _admit(gate, "r", [1, 2, 3], 1, [1.0, 1.0, 1.0]) == [1, 2, 3]  # unmeasured now: priced as 1 row
+    assert costs.prices(4) == [0.010] * 4
 
 
 def test_without_probabilities_the_request_s_acceptance_prices_its_drafts() -> None:

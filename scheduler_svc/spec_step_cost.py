@@ -13,10 +13,13 @@ tried and then measured; one below every measured count as the smallest); since 
 more rows never costs less, a measurement above a larger row count's (a step slowed by the
 machine's other load) is read as that one.
 
-A row count's price is forgotten STALE_S after its last measurement, and priced as unmeasured
-again: a price too high to pay is never measured again otherwise. Batches measured while
-the machine was busy had priced every draft of a lone request out for good: it decoded one
-token a step, whose 1-row steps were all it measured from then on.
+A row count's price is forgotten once no step of that many rows or more has been measured
+for STALE_S, and the count is priced as unmeasured again: a price too high to pay is never
+measured again otherwise. Batches measured while the machine was busy had priced every
+draft of a lone request out for good: it decoded one token a step, whose 1-row steps were
+all it measured from then on. (A batch's steps, of many row counts, keep the counts below
+their own: those are capped by the envelope above anyway, and dropping them only made the
+gate try them again.)
 """
 from __future__ import annotations
 
@@ -64,6 +67,13 @@ class SpecStepCosts:
         return prices
 
     def _fresh(self, now: float) -> dict[int, float]:
-        """The prices measured in the last STALE_S, by rows."""
-        return {rows: seconds for rows, (seconds, at) in self._seconds.items() if now - at <= STALE_S}
+        """The prices of the row counts that a step of as many rows or more was measured at
+        in the last STALE_S, by rows."""
+        fresh, newest = {}, float("-inf")
+        for rows in sorted(self._seconds, reverse=True):
+            seconds, at = self._seconds[rows]
+            newest = max(newest, at)
+            if now - newest <= STALE_S:
+                fresh[rows] = seconds
+        return fresh
 

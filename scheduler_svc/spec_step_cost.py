@@ -52,28 +52,24 @@ class SpecStepCosts:
     def prices(self, max_rows: int) -> list[float] | None:
         """The expected seconds of a step of 1..max_rows decode rows (index rows - 1); None
         while no step has been measured in the last STALE_S."""
-        fresh = self._fresh(time.monotonic())
-        if not fresh:
+        envelope = self._envelope(time.monotonic())
+        if not envelope:
             return None
-        measured = sorted(fresh)
-        envelope = {}  # rows -> the least time measured at these rows or more
-        least = float("inf")
-        for rows in reversed(measured):
-            least = envelope[rows] = min(least, fresh[rows])
-        prices, last = [], envelope[measured[0]]  # fewer rows than any measured: priced as those
+        prices, last = [], envelope[min(envelope)]  # fewer rows than any measured: priced as those
         for rows in range(1, max_rows + 1):
             last = envelope.get(rows, last)  # unmeasured: the next smaller measured count's
             prices.append(last)
         return prices
 
-    def _fresh(self, now: float) -> dict[int, float]:
-        """The prices of the row counts that a step of as many rows or more was measured at
-        in the last STALE_S, by rows."""
-        fresh, newest = {}, float("-inf")
+    def _envelope(self, now: float) -> dict[int, float]:
+        """Rows -> the least time measured at these rows or more, for the row counts that a
+        step of as many rows or more was measured at in the last STALE_S. Walked from the
+        most rows down, the stale counts come first: the envelope holds only fresh times."""
+        envelope: dict[int, float] = {}
+        newest, least = float("-inf"), float("inf")
         for rows in sorted(self._seconds, reverse=True):
             seconds, at = self._seconds[rows]
             newest = max(newest, at)
             if now - newest <= STALE_S:
-                fresh[rows] = seconds
-        return fresh
-
+                least = envelope[rows] = min(least, seconds)
+        return envelope

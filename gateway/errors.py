@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from gateway.protocol import ErrorInfo, ErrorResponse
+from gateway.responses import ErrorInfo, ErrorResponse
 from services.engine_client import EngineOverloaded, EngineUnavailable, RequestFailed, RequestLost
 from services.invalid_parameter import InvalidParameter
 

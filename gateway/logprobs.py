@@ -6,13 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from gateway.protocol import (
-    ChatTokenLogprob,
-    CompletionLogprobs,
-    PromptLogprob,
-    PromptLogprobs,
-    TopLogprob,
-)
+from gateway.responses import ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob
 from tokenizer_svc.tokenizer import Tokenizer
 
 

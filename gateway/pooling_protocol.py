@@ -8,13 +8,13 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
-from gateway.protocol import TokenId, _Request
+from gateway.request_body import RequestModel, TokenId
 
 # Text, texts, token ids, or token-id lists: what OpenAI's embeddings input takes.
 EmbeddingInput = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
-class _PoolingInputs(_Request):
+class _PoolingInputs(RequestModel):
     """What every request that pools its inputs one by one takes."""
 
     model: str | None = None
@@ -101,7 +101,7 @@ class ClassificationResponse(_PoolingList[ClassificationData]):
     id: str = _new_id("classify")
 
 
-class _ScoringFields(_Request):
+class _ScoringFields(RequestModel):
     model: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     use_activation: bool | None = None

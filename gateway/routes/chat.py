@@ -24,11 +24,12 @@ from gateway.errors import bad_request
 from gateway.generation import prime
 from gateway.json_body import OffLoopJsonRoute
 from gateway.logprobs import chat_logprobs, prompt_logprobs
-from gateway.protocol import (
+from gateway.protocol import ChatCompletionRequest
+from gateway.response_options import StreamUsage
+from gateway.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatMessage,
@@ -40,7 +41,6 @@ from gateway.protocol import (
     ToolCallOut,
     Usage,
 )
-from gateway.response_options import StreamUsage
 from gateway.sampling import response_format_constraint, to_sampling_params
 from gateway.sse import DONE, event, sse_response
 from gateway.tool_calls import OutputReader, StreamingOutputReader

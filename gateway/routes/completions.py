@@ -22,16 +22,16 @@ from gateway.errors import bad_request
 from gateway.generation import merge, prime_all
 from gateway.json_body import OffLoopJsonRoute
 from gateway.logprobs import CompletionLogprobsBuilder, prompt_logprobs
-from gateway.protocol import (
+from gateway.protocol import CompletionRequest
+from gateway.response_options import StreamUsage
+from gateway.responses import (
     CompletionChoice,
     CompletionChunk,
     CompletionChunkChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     Usage,
 )
-from gateway.response_options import StreamUsage
 from gateway.sampling import to_sampling_params
 from gateway.sse import DONE, event, sse_response
 from services.kv_transfer_messages import KvTransferParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from gateway.context import GatewayContext, get_context
-from gateway.protocol import ModelCard, ModelList
+from gateway.responses import ModelCard, ModelList
 
 router = APIRouter()
 

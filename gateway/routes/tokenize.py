@@ -12,12 +12,8 @@ from gateway.chat_messages import message_dicts, tool_dicts
 from gateway.context import GatewayContext, get_context
 from gateway.errors import bad_request
 from gateway.json_body import OffLoopJsonRoute
-from gateway.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from gateway.protocol import DetokenizeRequest, TokenizeRequest
+from gateway.responses import DetokenizeResponse, TokenizeResponse
 from services.tokenizer_api import ChatPrompt
 from tokenizer_svc.tokenizer import Tokenizer
 

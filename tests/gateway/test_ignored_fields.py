@@ -18,7 +18,7 @@ CHAT = [{"role": "user", "content": "Say hello."}]
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [record.getMessage() for record in caplog.records
-            if record.name == "gateway.protocol" and record.levelno == logging.WARNING]
+            if record.name == "gateway.request_body" and record.levelno == logging.WARNING]
 
 
 def test_a_request_without_unknown_fields_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:

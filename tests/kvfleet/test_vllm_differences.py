@@ -68,6 +68,6 @@ def test_the_fields_listed_as_dropped_are_logged_as_ignored(caplog: pytest.LogCa
         for endpoint in difference.where.split(", "):
             model, body = bodies[endpoint]
             caplog.clear()
-            with caplog.at_level(logging.WARNING, logger="gateway.protocol"):
+            with caplog.at_level(logging.WARNING, logger="gateway.request_body"):
                 model.model_validate({**body, difference.name: 1})
             assert f"'{difference.name}'" in caplog.text, (endpoint, difference)

@@ -53,7 +53,7 @@ class GatewayContext:
     @property
     def tokenizer(self) -> Tokenizer:
         """The tokenizer the gateway detokenizes with."""
-        if not self.encoder.is_ready():
+        if not self.encoder.is_started():
             raise OpenAIError(503, "the tokenizer service is not ready")
         return self.encoder.decoder
 
@@ -103,7 +103,7 @@ class GatewayContext:
     def check_ready(self) -> None:
         if not self.engine.is_ready():
             raise OpenAIError(503, "the engine is not ready")
-        if not self.encoder.is_ready():
+        if not self.encoder.is_started():  # a started one away for a while is waited for
             raise OpenAIError(503, "the tokenizer service is not ready")
 
     def generate(

@@ -33,7 +33,11 @@ class EncodedPrompt(msgspec.Struct, frozen=True):
 
 
 class PromptEncoder(Protocol):
-    def is_ready(self) -> bool: ...
+    def is_ready(self) -> bool:
+        """It can encode now (the gateway's /health)."""
+
+    def is_started(self) -> bool:
+        """It takes requests: while it is not ready, they wait for it, a bounded while."""
 
     @property
     def decoder(self) -> Any:

@@ -25,6 +25,9 @@ class InProcessEncoder:
     def is_ready(self) -> bool:
         return True
 
+    def is_started(self) -> bool:
+        return True
+
     @property
     def decoder(self) -> Tokenizer:
         return self._tokenizer

@@ -4,9 +4,12 @@ Requests that arrive together (in one pass of the event loop) go out as one
 TokenizeBatch call, on an asyncio channel of the caller's loop: tokenization is on
 every request's path to its first token. At start-up a thread fetches the tokenizer's files from the role
 (GetTokenizer) for local detokenization, so the gateway needs no model files; until
-then, and while no tokenizer replica can be reached, the encoder is not ready (503).
-A replica that fails a call is passed over for the next one; with none left the
-request gets EngineUnavailable, which clients see as a 503.
+then the encoder takes no request (503), and while no tokenizer replica can be reached
+it is not ready (/health). A replica that fails a call is passed over for the next one.
+When every one is unreachable (a lone tokenizer restarting), the call waits for one to
+come back, for a lease TTL at most: tokenizing holds no state, so a request need not fail
+for a restart it can outlast. After that it gets EngineUnavailable, which clients see as
+a 503.
 
 As with schedulers, a replica is dropped on evidence only: its connection failing (a
 dead process, within milliseconds: /health follows at once), or its lease missing for
@@ -49,6 +52,9 @@ _CALL_TIMEOUT_S = 30.0
 _IDS_PER_SLICE = 8192
 # Health answers from memory, on threads of its own (services/transport/server.py).
 _PROBE_TIMEOUT_S = 1.0
+# How often a call that found every replica unreachable tries them again: channels
+# reconnect within a second (services/transport/channel.py).
+_RETRY_INTERVAL_S = 0.1
 
 
 class RemoteTokenizer:
@@ -90,6 +96,9 @@ class RemoteTokenizer:
     def is_ready(self) -> bool:
         return self._decoder is not None and any(a not in self._unreachable for a in self._addresses)
 
+    def is_started(self) -> bool:
+        return self._decoder is not None
+
     @property
     def decoder(self) -> Tokenizer:
         if self._decoder is None:
@@ -116,9 +125,22 @@ class RemoteTokenizer:
                 for result in reply.results]
 
     async def _call_any(self, request: TokenizeBatchRequest) -> TokenizeBatchResponse:
+        """The call on one replica, taken in turns; while none can be reached, tried again
+        until one comes back or a lease TTL has passed."""
+        give_up_at = time.monotonic() + self._lease_ttl_s
+        while True:
+            failures = await self._call_each(request)
+            if not isinstance(failures, list):
+                return failures
+            if time.monotonic() >= give_up_at:
+                raise EngineUnavailable(f"the tokenizer service is unavailable ({'; '.join(failures)})")
+            await asyncio.sleep(_RETRY_INTERVAL_S)
+
+    async def _call_each(self, request: TokenizeBatchRequest) -> TokenizeBatchResponse | list[str]:
+        """The first replica's answer, or why each failed: a bad request is the request's error."""
         addresses = self._addresses
         if not addresses:
-            raise EngineUnavailable("no tokenizer service is listed in the registry")
+            return ["no tokenizer service is listed in the registry"]
         first = next(self._turn)
         turn = [addresses[(first + i) % len(addresses)] for i in range(len(addresses))]
         failures = []
@@ -130,7 +152,7 @@ class RemoteTokenizer:
                 if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
                     raise invalid_argument(exc.details() or "") from exc
                 failures.append(f"{address}: {exc.code().name}: {exc.details()}")
-        raise EngineUnavailable(f"the tokenizer service is unavailable ({'; '.join(failures)})")
+        return failures
 
     def _async_stub(self, address: str) -> Stub:
         key = (asyncio.get_running_loop(), address)

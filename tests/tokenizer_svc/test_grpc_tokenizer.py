@@ -182,14 +182,43 @@ def test_a_dead_replica_is_passed_over_and_none_left_is_unavailable(tokenizer) -
     with serving(tokenizer, dead) as (client, _):
         for _ in range(3):  # whichever replica a batch tries first, it is served
             assert asyncio.run(client.encode(["hi"])) == [tokenizer.encode("hi")]
-    nobody = RemoteTokenizer(lambda: [dead])
+    nobody = RemoteTokenizer(lambda: [dead], lease_ttl_s=0.5)
     nobody.start()
     try:
         assert not nobody.is_ready()
+        began = time.monotonic()
         with pytest.raises(EngineUnavailable, match="no tokenizer service is listed|the tokenizer service is unavailable"):
             asyncio.run(nobody.encode(["hi"]))
+        assert time.monotonic() - began >= 0.5, "a call gave up before a lease TTL had passed"
     finally:
         nobody.close()
+
+
+def test_a_call_outlasts_the_restart_of_the_only_replica(tokenizer) -> None:
+    """Tokenizing holds no state: a request that comes while the one tokenizer restarts
+    waits for it (a lease TTL at most) instead of failing."""
+    address = f"127.0.0.1:{free_port()}"
+    server = start_tokenizer_server(tokenizer, address)
+    client = RemoteTokenizer(lambda: [address], refresh_interval_s=0.1, lease_ttl_s=5.0)
+    client.start()
+    try:
+        wait_ready(client)
+        server.stop(0)
+        while client.is_ready():
+            time.sleep(0.02)
+
+        async def encode_meanwhile() -> list[list[int]]:
+            call = asyncio.ensure_future(client.encode(["hi"]))
+            await asyncio.sleep(0.5)  # the call is trying the dead replica again and again
+            assert not call.done(), call
+            nonlocal server
+            server = start_tokenizer_server(tokenizer, address)
+            return await call
+
+        assert asyncio.run(encode_meanwhile()) == [tokenizer.encode("hi")]
+    finally:
+        client.close()
+        server.stop(0)
 
 
 def test_a_registry_away_for_longer_than_a_lease_takes_no_replica_away(tokenizer) -> None:

@@ -12,18 +12,24 @@ producer's blocks and the consumer reading them over NIXL.
 """
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+
+# What a client may send: a port a socket can have, block ids a pool can have.
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+BlockId = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class KvTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
     do_remote_prefill: bool = False
     do_remote_decode: bool = False
     remote_engine_id: str | None = None
-    remote_block_ids: list[int] | None = None
+    remote_block_ids: list[BlockId] | None = None
     remote_host: str | None = None
-    remote_port: int | None = None
+    remote_port: Port | None = None
     remote_request_id: str | None = None
-    tp_size: int = 1
+    tp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
     # kvfleet's, not vLLM's: the producer is still computing the prompt and publishes its
     # full blocks as each prefill chunk ends; the consumer fetches them by their place in
     # the prompt while the next chunk computes (no remote_block_ids: they are not all known).

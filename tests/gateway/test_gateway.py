@@ -299,6 +299,11 @@ def _oversized() -> list[tuple[str, dict, str]]:
         ({"max_tokens": 0}, "max_tokens"),
         ({"top_p": 0}, "top_p"),
         ({"repetition_penalty": 2.5}, "repetition_penalty"),
+        # A port no socket has (gRPC would take it modulo 65536) and a block id no pool has.
+        ({"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 10**9,
+                                 "remote_block_ids": [0]}}, "kv_transfer_params"),
+        ({"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5000,
+                                 "remote_block_ids": [-5]}}, "kv_transfer_params"),
     ]
     chat_only = [({"top_logprobs": 21, "logprobs": True}, "top_logprobs")]
     cases = [("/v1/completions", {"model": MODEL, "prompt": "Hi", **extra}, param) for extra, param in bounds]

@@ -104,8 +104,7 @@ class ClusterEngineClient:
             return self._streams.place(request_id, prompt_token_ids, params, cache_salt, resumed, tried, handoff, pool,
                                        lora_request)
 
-        async with aclosing(migrating(attempt, request_id, params, self._migration_limit,
-                                            self._lease_ttl_s)) as deltas:
+        async with aclosing(migrating(attempt, request_id, params, self._migration_limit)) as deltas:
             async for delta in deltas:
                 yield delta
 

@@ -1,10 +1,8 @@
 """A cluster of real role processes (tokenizer, worker, scheduler, gateway, with real
-nats-server and Redis) losing its only worker to SIGKILL. Restarted at once, as a
-supervisor would, it takes up the stream in flight, which completes with the text of an
-uninterrupted run. Not restarted: the gateway's /health turns 503 within a second, a
-stream in flight ends with an explicit error once no replica came back for a lease TTL,
-and once a worker is back on its address the gateway serves again, with the same greedy
-output as before (the old worker's cached prefixes are not reused)."""
+nats-server and Redis) losing its worker to SIGKILL: a stream in flight ends with an
+explicit error at once, the gateway's /health turns 503 within a second,
+and once a worker is back on its address the gateway serves again, with the same
+greedy output as before (the old worker's cached prefixes are not reused)."""
 from __future__ import annotations
 
 import time
@@ -21,7 +19,7 @@ from servers import RoleProcess, nats, redis_url  # noqa: F401  (fixtures)
 # Latency bounds under a second: run alone (see pyproject's markers).
 pytestmark = pytest.mark.serial
 
-LEASE_TTL_S = 8.0  # what a lost stream waits: long enough for a worker to restart on a busy machine
+LEASE_TTL_S = 2.0
 ENGINE_FLAGS = ["--dtype", "float32", "--num-gpu-blocks-override", "16", "--max-model-len", "256"]
 PROMPT = "The history of the printing press begins in"
 GREEDY = dict(model="smollm2", temperature=0, extra_body={"ignore_eos": True})
@@ -73,27 +71,21 @@ def test_a_killed_worker_fails_its_requests_and_a_restarted_one_serves(nats, red
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     expected = client.completions.create(prompt=PROMPT, max_tokens=8, **GREEDY).choices[0].text
 
-    uninterrupted = client.completions.create(prompt=PROMPT, max_tokens=64, **GREEDY).choices[0].text
-    stream = iter(client.completions.create(prompt=PROMPT, max_tokens=64, stream=True, **GREEDY))
-    text = next(stream).choices[0].text
-    worker.kill()
-    worker = start_worker()
-    text += "".join(chunk.choices[0].text for chunk in stream)
-    assert text == uninterrupted
-
-    stream = iter(client.completions.create(prompt=PROMPT, max_tokens=200, stream=True, **GREEDY))
-    assert next(stream).choices[0].text
+    stream = client.completions.create(prompt=PROMPT, max_tokens=200, stream=True, **GREEDY)
+    first = next(iter(stream))
+    assert first.choices[0].text
     worker.kill()
     killed = time.monotonic()
+    with pytest.raises(openai.APIError) as failure:
+        for _ in stream:
+            pass
+    assert time.monotonic() - killed < 5.0
+    assert "unreachable" in str(failure.value), failure.value
+
     # The scheduler sees its worker link break at once and says it is not ready; the
     # gateway polls twice a second: no waiting for the worker's lease to lapse.
     wait_for(lambda: health(url) == 503, LEASE_TTL_S + 2.0, "/health is not 503", roles)
     assert time.monotonic() - killed <= 1.0
-    with pytest.raises(openai.APIError) as failure:
-        for _ in stream:
-            pass
-    assert LEASE_TTL_S - 0.5 <= time.monotonic() - killed < LEASE_TTL_S + 5.0
-    assert "unreachable" in str(failure.value), failure.value
     with pytest.raises(openai.APIStatusError) as refused:
         client.completions.create(prompt=PROMPT, max_tokens=8, **GREEDY)
     assert refused.value.status_code == 503

@@ -8,6 +8,9 @@ worker, scheduler, gateway), with witness streams in flight through each fault:
 - nats-server killed and restarted mid-stream: every stream completes with exactly the
   text of an uninterrupted run (what NATS lost is replayed by the scheduler), and a
   request that arrives while NATS is away is served too;
+- each process paused (SIGSTOP) for half a lease TTL mid-stream, one after another
+  (Redis, NATS, the tokenizer, the worker, the scheduler, the gateway): a late heartbeat,
+  not a death; every stream completes whole and a request sent during the pause is served;
 - a scheduler killed and restarted at once on its address, its old lease still standing:
   the successor takes the new requests, and the old lease lapsing fails none of them;
 - a scheduler killed mid-stream: its clients hear of it within a second (its channel
@@ -152,6 +155,22 @@ def test_a_nats_restart_loses_no_token(cluster: Cluster) -> None:
     for stream in streams:  # greedy: an uninterrupted run gives the same text
         reply = client.chat.completions.create(**stream.request)
         assert stream.text == reply.choices[0].message.content, stream.request
+    wait_for(cluster.scheduler_idle, 10, "requests still run on the scheduler", list(cluster.roles.values()))
+
+
+@pytest.mark.parametrize("paused", ["redis", "nats", "tokenizer", "worker", "scheduler", "gateway"])
+def test_a_process_paused_for_half_a_lease_fails_no_stream(cluster: Cluster, paused: str) -> None:
+    """Half a TTL: however late its last renewal came before the pause (a third of a TTL
+    at most), its lease still stands when it resumes."""
+    streams = witnesses(cluster.url, count=4)
+    process = {"redis": cluster.redis, "nats": cluster.nats}.get(paused) or cluster.roles[paused].process
+    process.send_signal(signal.SIGSTOP)
+    try:
+        streams.append(StreamedChat(cluster.url, witness_request(len(streams))))  # arrives during the pause
+        time.sleep(LEASE_TTL_S / 2)
+    finally:
+        process.send_signal(signal.SIGCONT)
+    assert all(stream.completed() for stream in streams), ([(s.error, s.tokens) for s in streams], cluster.logs())
     wait_for(cluster.scheduler_idle, 10, "requests still run on the scheduler", list(cluster.roles.values()))
 
 

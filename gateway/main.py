@@ -22,6 +22,7 @@ from gateway.cluster.migration import DEFAULT_MIGRATION_LIMIT
 from gateway.cluster.routing import ROUTING_POLICIES
 from services.cli_args import (
     add_http_args,
+    add_migration_wait_arg,
     add_nats_arg,
     add_registry_args,
     add_tls_args,
@@ -69,6 +70,7 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--migration-limit", type=at_least(0), default=DEFAULT_MIGRATION_LIMIT,
                         help="how many times a request whose replica dies is resubmitted to another, its stream "
                         "going on where it was (0: never; the client gets the error) (default: %(default)s)")
+    add_migration_wait_arg(parser)
     parser.add_argument("--routing-policy", choices=ROUTING_POLICIES, default="prefix",
                         help="which scheduler replica takes a request: where its prompt's prefix is cached, "
                         "balanced with load (prefix), the least loaded, or each in turn (default: %(default)s)")
@@ -126,6 +128,7 @@ def build_gateway(args: argparse.Namespace, registry: Registry) -> GatewayModels
         client = ClusterEngineClient(args.redis_url, args.nats_url, gateway_name=args.gateway_name,
                                      lease_ttl_s=args.lease_ttl, routing_policy=args.routing_policy,
                                      migration_limit=args.migration_limit,
+                                     migration_wait_s=args.migration_wait,
                                      pd_min_prefill_tokens=args.pd_min_prefill_tokens, serves=serves)
         encoder = RemoteTokenizer(lambda: [m.address for m in registry.members("tokenizer") if serves(m)],
                                   lease_ttl_s=args.lease_ttl)

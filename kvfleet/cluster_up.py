@@ -51,6 +51,7 @@ from services.cli_args import (
     add_engine_args,
     add_http_args,
     add_lease_ttl_arg,
+    add_migration_wait_arg,
     engine_args,
     engine_argv,
     gateway_argv,
@@ -71,6 +72,7 @@ def add_cluster_up_args(parser: argparse.ArgumentParser) -> None:
     add_api_server_count_arg(parser, "gateway processes on the one port (or --uds socket), each serving the whole "
                              "API; /metrics, whichever answers, sums their counters")
     add_lease_ttl_arg(parser)
+    add_migration_wait_arg(parser)
     add_data_parallel_arg(parser)
     parser.add_argument("--extra-model", action="append", type=extra_model_arg, default=[], metavar='"MODEL [FLAGS]"',
                         help="another model the gateway serves beside --model, with a tokenizer, worker and scheduler "
@@ -149,6 +151,7 @@ def run_cluster_up(args: argparse.Namespace) -> int:
         # --host and --port are then only what the gateway's registry entry says.
         gateway = ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port), *nats, *cluster,
                    "--listen-fd", str(listener.fileno()), *gateway_argv(args),
+                   "--migration-wait", str(args.migration_wait),
                    *(f"--extra-model={extra.name}" for extra in args.extra_model)]
         # The API key and the cluster token travel in the environment, never on a command
         # line others can read; a token of this cluster's own when none is given.

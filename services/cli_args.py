@@ -321,6 +321,21 @@ def add_tls_args(parser: argparse.ArgumentParser) -> None:
                         help="serve only callers whose certificate chains to --tls-ca-file (mutual TLS)")
 
 
+def add_migration_wait_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--migration-wait", type=non_negative_seconds, default=0.0, metavar="SECONDS",
+                        help="how long a request whose replica died waits for a replica to take it when no other "
+                        "can, its own included once restarted (0: the client gets the error at once) "
+                        "(default: %(default)s)")
+
+
+def non_negative_seconds(text: str) -> float:
+    """An argparse type: seconds, 0 or more."""
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def add_lease_ttl_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-ttl", type=float, default=DEFAULT_TTL_S,
                         help="seconds a dead process stays listed in the registry (default: %(default)s)")

@@ -45,6 +45,7 @@ class ClusterEngineClient:
         lease_ttl_s: float = DEFAULT_TTL_S,
         routing_policy: str = "prefix",
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+        migration_wait_s: float = 0.0,
         pd_min_prefill_tokens: int = DEFAULT_PD_MIN_PREFILL_TOKENS,
         serves: Callable[[Member], bool] | None = None,
     ) -> None:
@@ -56,6 +57,7 @@ class ClusterEngineClient:
         self._nats_url = nats_url
         self._lease_ttl_s = lease_ttl_s
         self._migration_limit = migration_limit
+        self._migration_wait_s = migration_wait_s
         self._replicas = ReplicaSet(redis_url, poll_interval_s, lease_ttl_s, serves)
         self._placement = Placement(self._replicas, routing_policy, submit_timeout_s)
         self._streams = RequestStreams(self.gateway_id, self._replicas, self._placement, submit_timeout_s,
@@ -104,7 +106,8 @@ class ClusterEngineClient:
             return self._streams.place(request_id, prompt_token_ids, params, cache_salt, resumed, tried, handoff, pool,
                                        lora_request)
 
-        async with aclosing(migrating(attempt, request_id, params, self._migration_limit)) as deltas:
+        async with aclosing(migrating(attempt, request_id, params, self._migration_limit,
+                                            self._migration_wait_s)) as deltas:
             async for delta in deltas:
                 yield delta
 

@@ -2,7 +2,9 @@
 nats-server and Redis) losing its worker to SIGKILL: a stream in flight ends with an
 explicit error at once, the gateway's /health turns 503 within a second,
 and once a worker is back on its address the gateway serves again, with the same
-greedy output as before (the old worker's cached prefixes are not reused)."""
+greedy output as before (the old worker's cached prefixes are not reused). Through a
+gateway started with --migration-wait, a stream in flight outlasts the worker's kill and
+immediate restart (as a supervisor does it) and ends with the uninterrupted text."""
 from __future__ import annotations
 
 import time
@@ -20,6 +22,7 @@ from servers import RoleProcess, nats, redis_url  # noqa: F401  (fixtures)
 pytestmark = pytest.mark.serial
 
 LEASE_TTL_S = 2.0
+MIGRATION_WAIT_S = 20.0  # a worker restarts within it, even on a busy machine
 ENGINE_FLAGS = ["--dtype", "float32", "--num-gpu-blocks-override", "16", "--max-model-len", "256"]
 PROMPT = "The history of the printing press begins in"
 GREEDY = dict(model="smollm2", temperature=0, extra_body={"ignore_eos": True})
@@ -66,7 +69,11 @@ def test_a_killed_worker_fails_its_requests_and_a_restarted_one_serves(nats, red
     roles.append(RoleProcess("scheduler", *ENGINE_FLAGS, "--port", "0", "--worker-address", worker_address,
                              "--nats-url", nats.url, *registry))
     roles.append(RoleProcess("gateway", "--port", str(gateway_port), "--nats-url", nats.url, *registry))
-    wait_for(lambda: health(url) == 200, 180, "the cluster is not healthy", roles)
+    waiting_port = free_port()
+    roles.append(RoleProcess("gateway", "--port", str(waiting_port), "--nats-url", nats.url, *registry,
+                             "--migration-wait", str(MIGRATION_WAIT_S)))
+    waiting_url = f"http://127.0.0.1:{waiting_port}"
+    wait_for(lambda: health(url) == 200 and health(waiting_url) == 200, 180, "the cluster is not healthy", roles)
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     expected = client.completions.create(prompt=PROMPT, max_tokens=8, **GREEDY).choices[0].text
@@ -90,7 +97,17 @@ def test_a_killed_worker_fails_its_requests_and_a_restarted_one_serves(nats, red
         client.completions.create(prompt=PROMPT, max_tokens=8, **GREEDY)
     assert refused.value.status_code == 503
 
-    start_worker()
+    worker = start_worker()
     wait_for(lambda: health(url) == 200, 120, "/health is not 200 after the restart", roles)
     again = client.completions.create(prompt=PROMPT, max_tokens=8, **GREEDY)
     assert again.choices[0].text == expected
+
+    wait_for(lambda: health(waiting_url) == 200, 10, "/health is not 200 after the restart", roles)
+    waiting = openai.OpenAI(base_url=f"{waiting_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    uninterrupted = waiting.completions.create(prompt=PROMPT, max_tokens=64, **GREEDY).choices[0].text
+    stream = iter(waiting.completions.create(prompt=PROMPT, max_tokens=64, stream=True, **GREEDY))
+    text = next(stream).choices[0].text
+    worker.kill()
+    start_worker()
+    text += "".join(chunk.choices[0].text for chunk in stream)
+    assert text == uninterrupted

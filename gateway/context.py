@@ -44,6 +44,7 @@ class GatewayContext:
     loras: LoraAdapters | None = None  # the LoRA adapters served (docs/lora.md); set by build_app
     # The other models this gateway fronts (gateway/model_router.py), each with its own engine and tokenizer.
     others: tuple[GatewayContext, ...] = ()
+    every_model_served: bool = field(default=False, init=False)  # every one could serve at once, some time
 
     @property
     def served_model_name(self) -> str:
@@ -96,9 +97,16 @@ class GatewayContext:
         return model if self.lora(model) is not None else self.served_model_name
 
     def is_ready(self) -> bool:
-        """Every model it fronts can serve."""
-        return (self.engine.is_ready() and self.encoder.is_ready() and self.engine.engine_info() is not None
-                and all(other.is_ready() for other in self.others))
+        """Every model it fronts can serve; once every one could, any of them: one model's
+        outage must not take the gateway, and the other models' traffic, out of a load
+        balancer (that model's requests get a 503 naming what is missing)."""
+        serving = [model.can_serve() for model in (self, *self.others)]
+        self.every_model_served |= all(serving)
+        return all(serving) or (self.every_model_served and any(serving))
+
+    def can_serve(self) -> bool:
+        """This model's replicas and tokenizer are there."""
+        return self.engine.is_ready() and self.encoder.is_ready() and self.engine.engine_info() is not None
 
     def check_ready(self) -> None:
         if not self.engine.is_ready():

@@ -169,7 +169,9 @@ def test_a_lost_event_message_is_recovered_from_a_snapshot(nats, monkeypatch) ->
 def test_one_gateway_serves_the_chat_model_and_an_embedding_model_each_on_its_replicas(
         replicas, tokenizer, nats, redis_url) -> None:
     """`kvfleet gateway --extra-model`: requests go to the replicas and tokenizer of the model
-    they name; /v1/models lists both; a model nobody serves is a 404 naming it."""
+    they name; /v1/models lists both; a model nobody serves is a 404 naming it. When one
+    model's replicas are gone, the gateway stays ready for the other's traffic, and the
+    gone model's requests get a 503."""
     registry = Registry(redis_url)
     server = start_tokenizer_server(Tokenizer.load(resolve_model(EMBEDDER)), "127.0.0.1:0")
     lease = Lease(registry, Member("tokenizer", "minilm", server.address, {"model": EMBEDDER}), TTL_S).start()
@@ -205,6 +207,21 @@ def test_one_gateway_serves_the_chat_model_and_an_embedding_model_each_on_its_re
         assert metrics.count("# TYPE vllm:request_success_total counter") == 1
         assert 'vllm:request_success_total{finished_reason="length",model_name="smollm2"} 1.0' in metrics
         assert f'vllm:request_success_total{{finished_reason="stop",model_name="{EMBEDDER}"}} 2.0' in metrics
+
+        embedder.close()
+        context = gateway.app.state.gateway
+        wait_until(lambda: not context.others[0].can_serve(), "the embedder's replica is still counted", 3 * TTL_S)
+        assert context.is_ready()
+
+        async def after() -> tuple[int, int]:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway.app), base_url="http://gateway",
+                                         timeout=60) as http:
+                chat = await http.post("/v1/chat/completions", json={
+                    "model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4})
+                vectors = await http.post("/v1/embeddings", json={"model": EMBEDDER, "input": "Hi"})
+                return chat.status_code, vectors.status_code
+
+        assert asyncio.run(after()) == (200, 503)
     finally:
         gateway.close()
         embedder.close()

@@ -60,17 +60,13 @@ async def migrating(attempt: Attempt, request_id: str, params: SamplingParams, l
                 emitted.extend(delta.new_token_ids)
                 yield delta
             return
-        except EngineUnavailable as refused:
+        except (EngineUnavailable, InvalidParameter) as refused:
             if failure is None or started:
                 raise
-            if time.monotonic() - lost_at >= wait_s:
-                raise failure from refused  # no replica came to take it: the original error
-            await asyncio.sleep(_RETRY_INTERVAL_S)
-            continue
-        except InvalidParameter as refused:
-            if failure is None or started:
-                raise
-            raise failure from refused  # no room is left for it: the original error
+            if isinstance(refused, EngineUnavailable) and time.monotonic() - lost_at < wait_s:
+                await asyncio.sleep(_RETRY_INTERVAL_S)  # no replica can take it yet: one may come
+                continue
+            raise failure from refused  # no replica can take it (or no room is left): the original error
         except RequestLost as exc:  # what carried it failed (its worker or scheduler), not the request
             if migrations >= limit or num_children(params) > 1:
                 raise

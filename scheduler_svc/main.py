@@ -85,6 +85,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     from scheduler_svc.gateway_watch import GatewayWatch
     from scheduler_svc.nats_publisher import NatsOutputHub
     from scheduler_svc.output_hub import OutputHub
+    from scheduler_svc.pool_move import follow_move_requests
     from scheduler_svc.server import start_scheduler_server
     from scheduler_svc.step_loop import StepLoop
     from scheduler_svc.worker_client import RemoteWorker
@@ -123,6 +124,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
         with registered(args, lambda: _scheduler_lease(args, server.port, loop, hub)) as lease:
             if lease is not None:  # the planner scales down by asking a replica to drain
                 follow_drain_requests(lease, server, loop)
+                if lease.member.metadata["kv_pool"]:  # and moves one that can serve either pool
+                    follow_move_requests(lease)
             serve_until_signalled(server, args.shutdown_timeout)
     finally:
         if engine_server is not None:  # after the drain, so its streams got their final messages
@@ -166,11 +169,16 @@ def lease_metadata(worker_address: str, model: str, core: EngineCore, max_queued
     up), what they must know of its engine before they can validate requests, and the
     process's instance, which they name in their calls (a successor on the same address
     refuses what was meant for this one)."""
+    kv_transfer = core.config.kv_transfer
+    kv_pool = (kv_transfer.pool if kv_transfer is not None else None) or ""
     return {"worker": worker_address, "model": model, "max_model_len": str(core.max_model_len),
             "eos_token_ids": ",".join(map(str, core.eos_token_ids)), "instance_id": core.instance_id,
             "block_size": str(core.scheduler.config.block_size),
             # Its side of prefill/decode disaggregation: gateways keep a prefill and a decode pool.
-            "kv_role": core.config.kv_transfer.kv_role if core.config.kv_transfer is not None else "",
+            "kv_role": kv_transfer.kv_role if kv_transfer is not None else "",
+            # A kv_both replica's pool, until the planner moves it (scheduler_svc/pool_move.py),
+            # and its first: its pod's Deployment's, which the planner scales. "" otherwise.
+            "kv_pool": kv_pool, "kv_home_pool": kv_pool,
             "max_queued_requests": "" if max_queued_requests is None else str(max_queued_requests),
             # How it pools (docs/pooling.md), as JSON; "" when it does not.
             "pooler": "" if core.description.pooler is None else msgspec.json.encode(core.description.pooler).decode()}

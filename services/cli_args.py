@@ -77,7 +77,8 @@ _ENGINE_HELP = {
     "kv_transfer_config": "prefill/decode disaggregation, vLLM's JSON: {\"kv_connector\": \"KvfleetConnector\", "
                           "\"kv_role\": \"kv_producer\"} (a prefill replica), kv_consumer (a decode replica) or "
                           "kv_both; optional kv_ip (the host other workers dial for this worker's blocks) and "
-                          "kv_connector_extra_config {\"abort_timeout_s\", \"fetch_timeout_s\"} "
+                          "kv_connector_extra_config {\"abort_timeout_s\", \"fetch_timeout_s\", \"pool\"} (pool: "
+                          "prefill or decode, the one pool a kv_both replica serves in until the planner moves it) "
                           "(docs/disaggregation.md)",
     "runner": "auto: generate with a decoder model, pool with an encoder (BERT); pooling: serve embeddings "
               "(/v1/embeddings, /pooling) rather than text; generate: serve text",

@@ -7,6 +7,10 @@ pool), `kv_both` replicas do either. `kv_connector` names the transport of a con
 fetches, worker to worker: `KvfleetConnector`, the blocks' bytes in kvfleet's gRPC block
 stream; vLLM's `NixlConnector`, the consumer reading them over NIXL (the stream only
 names them; services/kv_transfer_messages.py). A producer serves either.
+
+kvfleet's `kv_connector_extra_config` key `pool` (`prefill` or `decode`, kv_both only)
+puts a replica that can do either in one pool, its pod's Deployment's, until the planner
+moves it to the other (docs/planner.md); without it, a kv_both replica is in both.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ CONNECTORS = ("KvfleetConnector", "NixlConnector")
 _ACCEPTED_KEYS = ("engine_id", "kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_port",
                   "kv_connector_module_path")
 _KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_connector_extra_config", *_ACCEPTED_KEYS)
-_EXTRA_KEYS = ("abort_timeout_s", "fetch_timeout_s")
+_EXTRA_KEYS = ("abort_timeout_s", "fetch_timeout_s", "pool")
+POOLS = ("prefill", "decode")
 # How long a producer holds a finished prefill's blocks for its consumer (vLLM's
 # VLLM_NIXL_ABORT_REQUEST_TIMEOUT is 480 s; a fetch here starts within one gateway round
 # trip of the prefill's end, so a minute is ample and frees a lost handoff's blocks sooner).
@@ -47,6 +52,7 @@ class KvTransferConfig:
     kv_ip: str | None = None  # the host other replicas' workers dial to fetch from this one's worker
     abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S
     fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
+    pool: str | None = None  # kv_both: the pool it serves in until moved (None: both)
 
     @property
     def reads_over_nixl(self) -> bool:
@@ -61,9 +67,10 @@ class KvTransferConfig:
         return self.kv_role in ("kv_consumer", "kv_both")
 
     def to_json(self) -> str:
-        value = {"kv_connector": self.kv_connector, "kv_role": self.kv_role,
-                 "kv_connector_extra_config": {"abort_timeout_s": self.abort_timeout_s,
-                                               "fetch_timeout_s": self.fetch_timeout_s}}
+        extra = {"abort_timeout_s": self.abort_timeout_s, "fetch_timeout_s": self.fetch_timeout_s}
+        if self.pool is not None:
+            extra["pool"] = self.pool
+        value = {"kv_connector": self.kv_connector, "kv_role": self.kv_role, "kv_connector_extra_config": extra}
         if self.kv_ip is not None:
             value["kv_ip"] = self.kv_ip
         return json.dumps(value)
@@ -92,7 +99,7 @@ def parse_kv_transfer_config(value: str | dict) -> KvTransferConfig:
         raise KvTransferConfigError(f"kv_connector_extra_config {', '.join(unknown)}: not supported; kvfleet "
                                     f"takes {', '.join(_EXTRA_KEYS)}")
     timeouts = {}
-    for key, default in zip(_EXTRA_KEYS, (DEFAULT_ABORT_TIMEOUT_S, DEFAULT_FETCH_TIMEOUT_S)):
+    for key, default in (("abort_timeout_s", DEFAULT_ABORT_TIMEOUT_S), ("fetch_timeout_s", DEFAULT_FETCH_TIMEOUT_S)):
         seconds = extra.get(key, default)
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
             raise KvTransferConfigError(f"kv_connector_extra_config {key} {seconds!r}: give a positive number "
@@ -101,4 +108,8 @@ def parse_kv_transfer_config(value: str | dict) -> KvTransferConfig:
     kv_ip = value.get("kv_ip")
     if kv_ip is not None and (not isinstance(kv_ip, str) or not kv_ip):
         raise KvTransferConfigError(f"kv_ip {kv_ip!r}: give a host name or address")
-    return KvTransferConfig(connector, role, kv_ip, **timeouts)
+    pool = extra.get("pool")
+    if pool is not None and (role != "kv_both" or pool not in POOLS):
+        raise KvTransferConfigError(f"kv_connector_extra_config pool {pool!r}: give prefill or decode, with kv_role "
+                                    "kv_both (a replica that can serve either pool)")
+    return KvTransferConfig(connector, role, kv_ip, **timeouts, pool=pool)

@@ -18,7 +18,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import redis
 
@@ -29,6 +29,8 @@ LORA_KEY = "kvfleet:lora_adapters"
 # The planner's requests that a replica drain and leave (docs/planner.md): one key per
 # member, `kvfleet:drain:<role>:<id>`, under a TTL, so a planner that dies leaves none for good.
 DRAIN_PREFIX = "kvfleet:drain"
+# The planner's requests that a replica serve in another pool (docs/planner.md), likewise.
+MOVE_PREFIX = "kvfleet:move"
 # The keyspace's generation: a random id written once, with no TTL, by the first reader
 # to find it missing. A Redis that restarted empty (or was flushed) has lost it, so a
 # new one tells readers that missing leases may only be waiting for their next beat.
@@ -135,6 +137,18 @@ class Registry:
     def clear_drain(self, role: str, member_id: str) -> None:
         self._redis.delete(f"{DRAIN_PREFIX}:{role}:{member_id}")
 
+    # A move request: the planner sets it, the member (a kv_both scheduler) serves in the
+    # named pool from then on, says so in its lease and clears the request.
+    def request_move(self, role: str, member_id: str, pool: str, ttl_s: float) -> None:
+        self._redis.set(f"{MOVE_PREFIX}:{role}:{member_id}", pool, px=max(1, round(ttl_s * 1000)))
+
+    def move_requested(self, member: Member) -> str | None:
+        """The pool `member` is asked to serve in, if it is."""
+        return self._redis.get(f"{MOVE_PREFIX}:{member.role}:{member.id}")
+
+    def clear_move(self, member: Member) -> None:
+        self._redis.delete(f"{MOVE_PREFIX}:{member.role}:{member.id}")
+
     def epoch(self) -> str:
         """The keyspace's generation (EPOCH_KEY), written here if it is missing."""
         pipeline = self._redis.pipeline()
@@ -186,6 +200,11 @@ class Lease:
 
     def __enter__(self) -> Lease:
         return self.start()
+
+    def update(self, **metadata: str) -> None:
+        """Changes what the lease says, at once where Redis answers (else at the next beat)."""
+        self.member = replace(self.member, metadata={**self.member.metadata, **metadata})
+        self._beat()
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()

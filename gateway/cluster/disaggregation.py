@@ -1,7 +1,9 @@
 """Prefill/decode disaggregation, the gateway's part (docs/disaggregation.md).
 
 Replicas register their side (`kv_role` in their lease, from --kv-transfer-config): the
-prefill pool is the kv_producer and kv_both replicas, the decode pool every other one.
+prefill pool is the kv_producer and kv_both replicas, the decode pool every other one; a
+kv_both replica given a pool (`kv_pool` in its lease, which the planner may change) is in
+that one only.
 For each request the decode replica is chosen first, by the routing policy, as any
 request is placed. If that replica can fetch KV (kv_consumer, kv_both) and the part of
 the prompt it does not hold (its device pool and offload tiers, as the prefix index
@@ -65,11 +67,11 @@ Place = Callable[..., AsyncIterator[TokenDelta]]
 
 def decodes(replica: Replica) -> bool:
     """In the decode pool: every replica but a prefill-only one."""
-    return replica.kv_role != "kv_producer"
+    return replica.kv_role != "kv_producer" and replica.kv_pool != "prefill"
 
 
 def prefills(replica: Replica) -> bool:
-    return replica.kv_role in PREFILL_ROLES
+    return replica.kv_role in PREFILL_ROLES and replica.kv_pool != "decode"
 
 
 class PrefillLeg:

@@ -49,6 +49,12 @@ class Replica:
         return self.member.metadata.get("kv_role", "")
 
     @property
+    def kv_pool(self) -> str:
+        """The one pool a kv_both replica serves in, where it was given one (the planner may
+        move it: scheduler_svc/pool_move.py); "" for both, or where its kv_role decides."""
+        return self.member.metadata.get("kv_pool", "")
+
+    @property
     def block_size(self) -> int:
         return int(self.member.metadata.get("block_size", "16"))
 

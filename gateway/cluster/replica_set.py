@@ -181,6 +181,8 @@ class ReplicaSet:
             self.info = engine_info(view.schedulers)
         with self.lock:
             gone = [self._replicas.pop(i) for i in list(self._replicas) if i not in leased]
+            for member_id, replica in self._replicas.items():  # what a lease says may change (its kv_pool)
+                replica.member = leased[member_id]
             orphans = [(replica, [i for i, r in self.placed.items() if r is replica]) for replica in gone]
             opened = [self._replicas.setdefault(member_id, Replica.open(member, self.lost))
                       for member_id, member in leased.items() if member_id not in self._replicas]

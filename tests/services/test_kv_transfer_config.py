@@ -22,6 +22,11 @@ def test_vllm_configs_are_taken_and_kept_as_canonical_json() -> None:
     assert (both.kv_transfer.kv_ip, both.kv_transfer.abort_timeout_s) == ("10.0.0.7", 5.0)
     assert config(both.kv_transfer_config).kv_transfer == both.kv_transfer  # what the roles' argv carries
     assert config(None).kv_transfer is None and not config(None).has_kv_connector
+    # kvfleet's pool for a kv_both replica the planner may move (docs/planner.md)
+    pooled = config({"kv_connector": "KvfleetConnector", "kv_role": "kv_both",
+                     "kv_connector_extra_config": {"pool": "prefill"}})
+    assert pooled.kv_transfer.pool == "prefill" and both.kv_transfer.pool is None
+    assert config(pooled.kv_transfer_config).kv_transfer == pooled.kv_transfer
 
 
 @pytest.mark.parametrize(("value", "engine", "message"), [
@@ -33,6 +38,10 @@ def test_vllm_configs_are_taken_and_kept_as_canonical_json() -> None:
     ('{"kv_connector": "KvfleetConnector", "kv_role": "kv_both", "kv_lookup": 1}', {}, "kv_lookup: not supported"),
     ('{"kv_connector": "KvfleetConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"abort_timeout_s": 0}}',
      {}, "abort_timeout_s 0: give a positive number of seconds"),
+    ('{"kv_connector": "KvfleetConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"pool": "prefill"}}',
+     {}, "pool 'prefill': give prefill or decode, with kv_role kv_both"),
+    ('{"kv_connector": "KvfleetConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"pool": "both"}}',
+     {}, "pool 'both': give prefill or decode"),
     ('{"kv_connector": "KvfleetConnector", "kv_role": "kv_both"}', {"tensor_parallel_size": 2}, "one-rank workers"),
     ('{"kv_connector": "KvfleetConnector", "kv_role": "kv_both"}', {"async_scheduling": True},
      "with --async-scheduling is not supported yet"),

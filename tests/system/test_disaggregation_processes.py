@@ -1,8 +1,10 @@
 """Prefill/decode disaggregation as an operator starts it (real processes: nats-server,
 Redis, a tokenizer, one prefill replica and two decode replicas, each a `kvfleet worker`
 and a `kvfleet scheduler` given `--kv-transfer-config` with vLLM's NixlConnector, so the
-decode workers read the blocks over NIXL, and two gateways), and its faults as kill -9
-leaves them (docs/disaggregation.md):
+decode workers read the blocks over NIXL, and two gateways), its faults as kill -9
+leaves them, and the planner's moves (docs/disaggregation.md, docs/planner.md). The
+prefill replica is kv_both, given the prefill pool, as the chart starts it for the
+planner:
 
 - every parity prompt gives, split, the text the decode replicas give it computed
   there (the `local` gateway never splits: a combined replica's answer), and the decode
@@ -12,6 +14,10 @@ leaves them (docs/disaggregation.md):
   stream to the decode side: the decode side recomputes what did not arrive at once (not
   after its fetch timeout), the client gets the undisturbed text, and no block stays held
   or taken on either side;
+- the prefill replica moved to the decode pool while split streams decode (what the
+  planner asks when the prompts leave it idle): they finish with the undisturbed text,
+  and it then decodes requests itself, with the text the decode replicas give; moved
+  back, it prefills for them again;
 - a decode replica's worker killed while split streams decode there: they migrate and
   finish with the undisturbed text.
 They run in this order on one cluster; each killed role is started again after it, but
@@ -49,14 +55,16 @@ FETCH_TIMEOUT_S = 30.0
 ENGINE_FLAGS = ["--dtype", "float32", "--quantization", "none", "--max-model-len", "512",
                 "--kv-cache-memory", str(256 * 2**20)]
 PREFILL_STEP_TOKENS = 32
-REPLICAS = {"prefill": "kv_producer", "decode-a": "kv_consumer", "decode-b": "kv_consumer"}
+REPLICAS = {"prefill": "kv_both", "decode-a": "kv_consumer", "decode-b": "kv_consumer"}
 
 
 def transfer_config(kv_role: str) -> str:
     # The decode replicas read the blocks over NIXL (tests/system/test_disaggregation.py's
-    # pair moves them in the gRPC stream): vLLM's connector, as its users name it.
+    # pair moves them in the gRPC stream): vLLM's connector, as its users name it. The
+    # kv_both replica serves the prefill pool until the planner moves it.
+    pool = {"pool": "prefill"} if kv_role == "kv_both" else {}
     return json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role,
-                       "kv_connector_extra_config": {"fetch_timeout_s": FETCH_TIMEOUT_S}})
+                       "kv_connector_extra_config": {"fetch_timeout_s": FETCH_TIMEOUT_S, **pool}})
 
 
 class Cluster(RoleCluster):
@@ -70,7 +78,7 @@ class Cluster(RoleCluster):
             config = ["--kv-transfer-config", transfer_config(kv_role)]
             self.roles[f"worker-{name}"] = RoleProcess("worker", *ENGINE_FLAGS, *config, "--port", str(worker_port),
                                                        *registry)
-            chunks = ["--max-num-batched-tokens", str(PREFILL_STEP_TOKENS)] if kv_role == "kv_producer" else []
+            chunks = ["--max-num-batched-tokens", str(PREFILL_STEP_TOKENS)] if name == "prefill" else []
             self.roles[f"scheduler-{name}"] = RoleProcess(
                 "scheduler", *ENGINE_FLAGS, *config, *chunks, "--port", str(free_port()),
                 "--worker-address", f"{HOST}:{worker_port}", "--metrics-port", str(metrics_port),
@@ -176,24 +184,76 @@ def test_a_prefill_replica_killed_mid_transfer_changes_no_token(cluster: Cluster
     wait_for(cluster.settled, 30, "a block stayed taken or held", list(cluster.roles.values()))
 
 
+class SplitStreams:
+    """Each prompt a split request of 32 tokens through the `split` gateway, all at once
+    on threads of their own."""
+
+    def __init__(self, cluster: Cluster, prompts: list[list[int]], salt: str) -> None:
+        self.results: dict[int, str] = {}
+
+        def run(index: int) -> None:
+            self.results[index] = complete(cluster.urls["split"], prompts[index], salt, 32)
+
+        self.threads = [threading.Thread(target=run, args=(index,)) for index in range(len(prompts))]
+        for thread in self.threads:
+            thread.start()
+
+    def texts(self) -> list[str | None]:
+        """Each one's text, once all ended."""
+        for thread in self.threads:
+            thread.join(300)
+        return [self.results.get(index) for index in range(len(self.threads))]
+
+
+def leased_pool(cluster: Cluster, member_id: str) -> str | None:
+    return next((m.metadata["kv_pool"] for m in cluster.registry.members("scheduler") if m.id == member_id), None)
+
+
+def move(cluster: Cluster, member_id: str, pool: str) -> None:
+    """What the planner's actuator asks (planner/actuator.py), and until every gateway has
+    seen the scheduler's lease say it (they read the registry every half second)."""
+    cluster.registry.request_move("scheduler", member_id, pool, ttl_s=60)
+    wait_for(lambda: leased_pool(cluster, member_id) == pool, 10, f"the replica never moved to {pool}",
+             list(cluster.roles.values()))
+    time.sleep(1.5)
+
+
+def test_the_prefill_replica_moved_to_the_decode_pool_decodes_and_its_split_streams_finish(
+        cluster: Cluster, prompts: list[list[int]]) -> None:
+    long_prompts = [p for p in prompts if len(p) > 4 * BLOCK]
+    local = complete_all(cluster.urls["local"], long_prompts, "local-move", max_tokens=32)
+    (prefill,) = [m for m in cluster.registry.members("scheduler") if m.metadata["kv_home_pool"] == "prefill"]
+    assert prefill.metadata["kv_pool"] == "prefill"
+    streams = SplitStreams(cluster, long_prompts, "move")
+    wait_for(lambda: cluster.metric("decode-a", "vllm:num_requests_running")
+             + cluster.metric("decode-b", "vllm:num_requests_running") > 0, 120,
+             "the split requests never decoded", list(cluster.roles.values()))
+    move(cluster, prefill.id, "decode")
+    assert streams.texts() == local, cluster.logs()
+    # In the decode pool, with no prefill pool left to split with: each prompt is computed
+    # whole where it decodes, on the moved replica too.
+    before = {name: cluster.prompt_tokens(name)["local_compute"] for name in REPLICAS}
+    assert complete_all(cluster.urls["split"], long_prompts, "moved", max_tokens=32) == local, cluster.logs()
+    computed = {name: cluster.prompt_tokens(name)["local_compute"] - before[name] for name in REPLICAS}
+    assert sum(computed.values()) == sum(len(p) for p in long_prompts) and computed["prefill"] > 0, computed
+    # Moved back, it prefills for the decode replicas again.
+    move(cluster, prefill.id, "prefill")
+    before = cluster.decode_tokens()
+    assert complete(cluster.urls["split"], long_prompts[-1], "moved-back", 32) == local[-1]
+    assert cluster.decode_tokens()["external_kv_transfer"] - before["external_kv_transfer"] == moved_tokens(
+        len(long_prompts[-1]))
+    wait_for(cluster.settled, 30, "a block stayed taken or held", list(cluster.roles.values()))
+
+
 def test_a_decode_replica_killed_mid_stream_migrates_its_split_streams(cluster: Cluster,
                                                                        prompts: list[list[int]]) -> None:
     long_prompts = [p for p in prompts if len(p) > 4 * BLOCK]
     local = complete_all(cluster.urls["local"], long_prompts, "local-decode-death", max_tokens=32)
     migrated = sum("migrating it with" in line for line in cluster.roles["split"].log)
-    results: dict[int, str] = {}
-
-    def run(index: int) -> None:
-        results[index] = complete(cluster.urls["split"], long_prompts[index], "decode-death", 32)
-
-    streams = [threading.Thread(target=run, args=(index,)) for index in range(len(long_prompts))]
-    for stream in streams:
-        stream.start()
+    streams = SplitStreams(cluster, long_prompts, "decode-death")
     # Both decode replicas decoding split requests.
     wait_for(lambda: all(cluster.metric(name, "vllm:num_requests_running") > 0 for name in ("decode-a", "decode-b")),
              120, "the split requests did not decode on both decode replicas", list(cluster.roles.values()))
     cluster.roles["worker-decode-a"].process.send_signal(signal.SIGKILL)  # last: the cluster ends with it
-    for stream in streams:
-        stream.join(300)
-    assert [results.get(index) for index in range(len(long_prompts))] == local, cluster.logs()
+    assert streams.texts() == local, cluster.logs()
     assert sum("migrating it with" in line for line in cluster.roles["split"].log) > migrated

@@ -5,6 +5,13 @@ registry, and only then is the Deployment's scale patched down: its controller r
 the drained pods, which fail readiness, before any ready one. Pods still loading (not
 yet registered) serve nothing: those go by a patch alone.
 
+A replica that can serve either pool (kv_both, given a pool) moves from the prefill pool
+to the decode pool when the decision says so (`Decision.moves`): a move request in the
+registry, which the replica follows within a second (scheduler_svc/pool_move.py). Its
+pod stays in its Deployment: each pool's count is then its Deployment's, less the pods
+serving in the other pool, plus the other Deployment's pods serving in this one; and a
+drained replica's own Deployment is scaled down, whichever pool it served in.
+
 With `--dry-run` (no Deployments) each action is logged instead of taken."""
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ import logging
 from collections import Counter
 
 from planner.decision import Decision
-from planner.fleet import Replica
+from planner.fleet import Replica, home_of, pool_of
 from planner.kube import Deployments
 from services.registry import Member, Registry
 
@@ -21,6 +28,8 @@ logger = logging.getLogger(__name__)
 # How long a drain request outlives the drain's own timeout: a planner that dies mid-drain
 # leaves no request in Redis for good (the replica, drained, waits idle to be removed).
 DRAIN_REQUEST_SLACK_S = 300.0
+# A move request is followed within a second; one nobody follows (its replica died) lapses.
+MOVE_REQUEST_TTL_S = 60.0
 
 
 class Actuator:
@@ -31,17 +40,25 @@ class Actuator:
         self._deployments = deployments
         self._names = names
         self._drain_timeout_s = drain_timeout_s
-        self.draining: dict[str, str] = {}  # member id -> its pool, until its pool is scaled down
+        self.draining: dict[str, str] = {}  # member id -> its home pool, until that pool is scaled down
         self._resumed = False
 
-    def counts(self, members: list[Member], pool_of: dict[str, str]) -> dict[str, int]:
-        """Each managed pool's replicas: its Deployment's count less those draining
-        (dry run: the registered replicas not draining)."""
-        draining = Counter(self.draining.values())
+    def counts(self, members: list[Member]) -> dict[str, int]:
+        """Each managed pool's replicas: its Deployment's count less those draining, less
+        its pods serving in another pool, plus other pools' pods serving in it (dry run:
+        the registered replicas not draining)."""
+        serving = [m for m in members if m.id not in self.draining]
         if self._deployments is None:
-            up = Counter(pool_of[m.id] for m in members if m.id not in self.draining)
+            up = Counter(pool_of(m) for m in serving)
             return {pool: up[pool] for pool in self._names}
-        return {pool: self._deployments.replicas(name) - draining[pool] for pool, name in self._names.items()}
+        draining = Counter(self.draining.values())
+        moved = Counter()
+        for member in serving:
+            if pool_of(member) != home_of(member):
+                moved[pool_of(member)] += 1
+                moved[home_of(member)] -= 1
+        return {pool: self._deployments.replicas(name) - draining[pool] + moved[pool]
+                for pool, name in self._names.items()}
 
     def resume_drains(self) -> None:
         """Once, at the first round that reaches Redis: takes up the drains a planner
@@ -73,20 +90,41 @@ class Actuator:
                 self._registry.clear_drain("scheduler", member_id)
 
     def apply(self, decision: Decision, replicas: list[Replica], counts: dict[str, int]) -> None:
-        for pool, target in decision.replicas.items():
+        targets, counts = dict(decision.replicas), dict(counts)
+        moved = self._move_to_decode(decision.moves, replicas) if decision.moves else 0
+        if moved:  # they count in the decode pool now, and the prefill pool does not replace them
+            counts["prefill"] -= moved
+            counts["decode"] += moved
+            targets["prefill"] = min(targets["prefill"], counts["prefill"])
+        for pool, target in targets.items():
             current = counts[pool]
             if target > current:
                 self._patch(pool, lambda spec, more=target - current: spec + more, f"{current} -> {target}")
             elif target < current:
-                self._scale_down(pool, current - target, [r for r in replicas if r.pool == pool
-                                                          and r.member.id not in self.draining])
+                self._scale_down(pool, current - target, replicas)
 
-    def _scale_down(self, pool: str, fewer: int, serving: list[Replica]) -> None:
+    def _move_to_decode(self, wanted: int, replicas: list[Replica]) -> int:
+        """Asks up to `wanted` prefill replicas that can move, the least loaded, to serve
+        decode; one prefill replica stays. How many were asked."""
+        prefill = [r for r in replicas if r.pool == "prefill" and r.member.id not in self.draining]
+        movable = sorted((r for r in prefill if r.movable), key=lambda r: (r.load, r.member.id))
+        chosen = movable[:max(0, min(wanted, len(prefill) - 1))]
+        for replica in chosen:
+            logger.info("moving prefill replica %s (load %d) to the decode pool%s", replica.member.id, replica.load,
+                        " (dry run: not asked)" if self._deployments is None else "")
+            if self._deployments is not None:
+                self._registry.request_move("scheduler", replica.member.id, "decode", MOVE_REQUEST_TTL_S)
+        return len(chosen) if self._deployments is not None else 0
+
+    def _scale_down(self, pool: str, fewer: int, replicas: list[Replica]) -> None:
+        # (A replica whose Deployment the planner does not manage is not its to remove.)
+        serving = [r for r in replicas if r.pool == pool and r.home in self._names and r.member.id not in self.draining]
         # Pods not registered yet (loading their model) serve nothing: they go first, by a
         # patch alone (the controller removes pods that are not ready before ready ones).
+        registered = sum(1 for r in replicas if r.home == pool and r.member.id not in self.draining)
         loading = 0 if self._deployments is None else max(
             0, self._deployments.replicas(self._names[pool]) - sum(1 for p in self.draining.values() if p == pool)
-            - len(serving))
+            - registered)
         unregistered = min(fewer, loading)
         if unregistered:
             self._patch(pool, lambda spec: spec - unregistered, f"{unregistered} replica(s) not yet serving")
@@ -94,9 +132,10 @@ class Actuator:
             logger.info("%s pool: %s replica %s (load %d) to drain", pool,
                         "would ask" if self._deployments is None else "asking", replica.member.id, replica.load)
             if self._deployments is not None:
+                # Its own Deployment is scaled down once it left, whichever pool it served in.
                 self._registry.request_drain("scheduler", replica.member.id, self._drain_timeout_s,
-                                             ttl_s=self._drain_timeout_s + DRAIN_REQUEST_SLACK_S, pool=pool)
-                self.draining[replica.member.id] = pool
+                                             ttl_s=self._drain_timeout_s + DRAIN_REQUEST_SLACK_S, pool=replica.home)
+                self.draining[replica.member.id] = replica.home
 
     def _patch(self, pool: str, new_count, why: str) -> None:
         name = self._names[pool]

@@ -46,6 +46,11 @@ estimate that ratcheted on them would drift off for good. (A first version did r
 both ways: on the simulator's day it sat at half the prefill capacity, over-provisioning
 that pool twice over; docs/planner.md has both runs.)
 
+Where the decode pool needs more replicas and the prefill pool's demand leaves some of
+its replicas idle, the decode pool takes those first (`Decision.moves`; the replicas that
+can serve either pool move, planner/actuator.py): they serve decode at once, where a new
+replica loads its model first.
+
 Then bounds (min and max per pool), a cooldown after any change, and hysteresis on the
 way down: a pool scales down only to the highest count any decision asked for during
 the last `scale_down_window_s`, and only after `cooldown_s` since its last change, so a
@@ -172,6 +177,9 @@ class Decision:
     wanted: dict[str, int]  # what the rule asked for, before the cooldown and hysteresis
     capacity: Capacity  # the estimate the rule used
     reasons: dict[str, str]  # one line per pool, for the log
+    # Prefill replicas the decode pool takes, of those the prefill pool's demand leaves
+    # idle, before new ones are added (those that can move: planner/actuator.py).
+    moves: int = 0
 
 
 @dataclass
@@ -293,4 +301,19 @@ def decide(config: PlannerConfig, state: PlannerState, seen: Observation, now_s:
             state.last_change_s[name] = now_s
         replicas[name] = target
         reasons[name] = f"{why} -> {count} wanted, {current} now, {target} decided"
-    return Decision(now_s, replicas, asked, replace(state.capacity), reasons)
+    return Decision(now_s, replicas, asked, replace(state.capacity), reasons, idle_prefill_for_decode(seen, replicas, asked))
+
+
+def idle_prefill_for_decode(seen: Observation, replicas: dict[str, int], asked: dict[str, int]) -> int:
+    """How many prefill replicas the decode pool should take before adding its own: as
+    many as it lacks serving now, of those the prefill pool has beyond what its demand
+    asks for. A moved replica serves at once, where a new one loads its model first (a
+    pod still loading is then removed before it serves): when the prompts shrink as the
+    answers grow (a chat fleet turning to long generations), the prefill pool idles just
+    as the decode pool runs short. Never the other way: a decode replica's sequences
+    would share their steps with prompts, the stall that disaggregation removes."""
+    if "prefill" not in replicas or "decode" not in replicas:
+        return 0
+    idle = seen.pools["prefill"].replicas - asked["prefill"]
+    short = replicas["decode"] - seen.pools["decode"].up
+    return max(0, min(idle, short))

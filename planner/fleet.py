@@ -1,5 +1,5 @@
 """What the planner sees of the fleet each interval: the replicas in the registry and
-their pools (from the `kv_role` in each scheduler's lease), each one's queue from its
+their pools (from the `kv_role` and `kv_pool` in each scheduler's lease), each one's queue from its
 Stats, and the latencies and rates (requests, generated tokens), either scraped from the gateways' /metrics (the
 difference between two scrapes) or asked of Prometheus (`--prometheus-url`)."""
 from __future__ import annotations
@@ -34,10 +34,17 @@ HTTP_TIMEOUT_S = 5.0
 
 
 def pool_of(member: Member) -> str:
-    """A scheduler's pool, from its lease: kv_producer replicas prefill; kv_consumer and
-    kv_both decode (gateways send them requests to decode); the others are combined."""
+    """A scheduler's pool, from its lease: a kv_both replica given one (`kv_pool`) is in
+    that one; otherwise kv_producer replicas prefill, kv_consumer and kv_both decode
+    (gateways send them requests to decode), and the others are combined."""
     role = member.metadata.get("kv_role", "")
-    return "prefill" if role == "kv_producer" else "decode" if role in ("kv_consumer", "kv_both") else "combined"
+    return member.metadata.get("kv_pool") or (
+        "prefill" if role == "kv_producer" else "decode" if role in ("kv_consumer", "kv_both") else "combined")
+
+
+def home_of(member: Member) -> str:
+    """The pool whose Deployment holds the replica's pod: the pool it was started in."""
+    return member.metadata.get("kv_home_pool") or pool_of(member)
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,15 @@ class Replica:
     @property
     def load(self) -> int:
         return self.stats.num_requests_running + self.stats.num_requests_waiting if self.stats else 0
+
+    @property
+    def home(self) -> str:
+        return home_of(self.member)
+
+    @property
+    def movable(self) -> bool:
+        """It can serve in either pool (kv_both, given one: scheduler_svc/pool_move.py)."""
+        return bool(self.member.metadata.get("kv_pool"))
 
 
 @dataclass(frozen=True)

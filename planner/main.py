@@ -24,7 +24,7 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prometheus-url", default=None,
                         help="read latencies and rates from this Prometheus (e.g. http://prometheus:9090) instead of "
                         "scraping the gateways' /metrics (queues always come from the replicas' Stats)")
-    parser.add_argument("--interval", type=float, default=30.0, help="seconds between decisions (default: %(default)s)")
+    parser.add_argument("--interval", type=float, default=15.0, help="seconds between decisions (default: %(default)s)")
     parser.add_argument("--ttft-target-ms", type=float, required=True, help="time to first token to hold, at p90")
     parser.add_argument("--itl-target-ms", type=float, required=True, help="inter-token latency to hold, at p90")
     parser.add_argument("--prefill-tokens-per-s", type=float, required=True,
@@ -91,7 +91,7 @@ def run_planner(args: argparse.Namespace) -> int:
 
     from planner.actuator import Actuator
     from planner.decision import PlannerState, decide
-    from planner.fleet import FleetReader, pool_of
+    from planner.fleet import FleetReader
     from planner.kube import Deployments
     from services.registry import Registry
     from services.telemetry import configure_logging
@@ -117,7 +117,7 @@ def run_planner(args: argparse.Namespace) -> int:
             if now >= next_decision:
                 next_decision = now + config.interval_s
                 replicas = reader.replicas()
-                counts = actuator.counts([r.member for r in replicas], {m.id: pool_of(m) for m in members})
+                counts = actuator.counts([r.member for r in replicas])
                 seen = reader.observe(replicas, counts, now, config.interval_s)
                 decision = decide(config, state, seen, now)
                 for pool, reason in decision.reasons.items():

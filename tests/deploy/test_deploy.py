@@ -761,6 +761,16 @@ def test_the_planner_scales_each_pool_with_a_role_limited_to_their_scale():
     paths = allowed_paths(rendered)
     assert ("grpc", "gateway+planner") in paths["replica"] and ("http", "planner") in paths["gateway"]
     assert ("redis", "gateway+planner+replica+tokenizer") in paths["redis"] and "planner" not in paths
+    # The prefill replicas can serve either pool, the prefill pool until the planner moves them.
+    transfer = {}
+    for name in ("replica", "prefill"):
+        scheduler = next(c for c in rendered.one("Deployment", f"{RELEASE}-{name}")["spec"]["template"]["spec"][
+            "containers"] if c["name"] == "scheduler")
+        (config,) = [a.split("=", 1)[1] for a in scheduler["args"] if a.startswith("--kv-transfer-config=")]
+        config = json.loads(config)
+        transfer[name] = config["kv_role"], config["kv_connector_extra_config"].get("pool")
+    assert transfer == {"replica": ("kv_consumer", None), "prefill": ("kv_both", "prefill")}
+    assert "--interval=15" in args
     # Off by default, with nothing of it rendered; combined replicas without disaggregation.
     assert not [m for m in render("default").manifests if "planner" in m["metadata"]["name"]]
     combined = render_values({"planner": {"enabled": True}})

@@ -99,6 +99,27 @@ def test_a_combined_pool_adds_both_shares():
     assert decision.replicas == {"combined": 2}  # (2000/5000 + 20/40) / 0.8 = 1.125 -> 2
 
 
+def test_a_short_decode_pool_takes_the_prefill_replicas_the_prompts_leave_idle():
+    # Prompts shrank: 5000 tok/s ask for 2 of the 6 prefill replicas; 300 sequences ask for
+    # 10 decode replicas where 2 serve. 4 move at once, 4 more are added.
+    decision = decide(config(), PlannerState(CAPACITY), seen(5_000, (6, 0, 0), (2, 300, 0)), now_s=0)
+    assert decision.wanted == {"prefill": 2, "decode": 10} and decision.moves == 4
+    # (hysteresis holds the prefill pool's count; what moves leaves it all the same)
+    assert decision.replicas["prefill"] == 6
+    # As many as the decode pool lacks, no more; none where no prefill replica idles.
+    assert decide(config(), PlannerState(CAPACITY), seen(5_000, (6, 0, 0), (9, 300, 0)), now_s=0).moves == 1
+    # Pods still loading serve only later: the idle replicas stand in for them now.
+    loading = Observation(0.5, 0.03, 5.0, 5_000, {"prefill": PoolObservation(6, 0, 0),
+                                                  "decode": PoolObservation(10, 300, 0, serving=7)})
+    assert decide(config(), PlannerState(CAPACITY), loading, now_s=0).moves == 3
+    assert decide(config(), PlannerState(CAPACITY), seen(8_000, (2, 0, 0), (2, 300, 0)), now_s=0).moves == 0
+    # Never a decode replica into the prefill pool: its sequences would share steps with prompts.
+    assert decide(config(), PlannerState(CAPACITY), seen(40_000, (2, 0, 0), (9, 30, 0)), now_s=0).moves == 0
+    # Nor in a fleet without both pools.
+    combined = Observation(0.5, 0.03, 5.0, 1_000, {"combined": PoolObservation(2, 10, 0)})
+    assert decide(config(bounds={"combined": Bounds(1, 10)}), PlannerState(CAPACITY), combined, now_s=0).moves == 0
+
+
 def test_bounds_hold_both_ways():
     config_ = config(bounds={"prefill": Bounds(2, 3), "decode": Bounds(1, 2)})
     decision = decide(config_, PlannerState(CAPACITY), seen(100_000, (3, 0, 0), (1, 0, 0)), now_s=0)

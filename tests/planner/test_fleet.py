@@ -1,7 +1,7 @@
 """What the planner reads of the fleet (planner/fleet.py): with --prometheus-url, the
 queries it sends a Prometheus (a small fake of its HTTP query API), and its answers
-taken as the interval's p90s and request rate. The gateways' /metrics path is exercised
-against real gateways in tests/system/test_migration.py."""
+taken as the interval's p90s and request rate; each replica's pool, from its lease. The
+gateways' /metrics path is exercised against real gateways in tests/system/test_migration.py."""
 from __future__ import annotations
 
 import json
@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from planner.fleet import FleetReader, parse_gateway_metrics
-from services.registry import Registry
+from planner.fleet import FleetReader, home_of, parse_gateway_metrics, pool_of
+from services.registry import Member, Registry
 
 from servers import redis_url  # noqa: F401  (fixtures)
 
@@ -77,3 +77,14 @@ vllm:generation_tokens_total{model_name="n"} 30.0
     scrape = parse_gateway_metrics(text)
     assert scrape.ttft == {0.1: 3.0, math.inf: 5.0} and scrape.itl == {} and scrape.requests == 6.0
     assert scrape.generation_tokens == 150.0
+
+
+def test_a_replicas_pool_is_its_kv_role_s_unless_it_was_given_one():
+    def member(**metadata: str) -> Member:
+        return Member("scheduler", "s", "10.0.0.1:50052", metadata)
+
+    assert [pool_of(member(kv_role=role)) for role in ("kv_producer", "kv_consumer", "kv_both", "")] == [
+        "prefill", "decode", "decode", "combined"]
+    moved = member(kv_role="kv_both", kv_pool="decode", kv_home_pool="prefill")
+    assert (pool_of(moved), home_of(moved)) == ("decode", "prefill")
+    assert home_of(member(kv_role="kv_consumer")) == "decode"

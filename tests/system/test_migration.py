@@ -235,7 +235,7 @@ def test_the_planner_drains_a_replica_under_load_and_every_stream_finishes(clust
         reader.observe(reader.replicas(), {"combined": 2}, time.monotonic(), 30.0)  # the scrape to count from
         streams = greedy_streams(cluster.urls["gateway"])
         replicas = reader.replicas()
-        counts = actuator.counts([r.member for r in replicas], {r.member.id: r.pool for r in replicas})
+        counts = actuator.counts([r.member for r in replicas])
         assert counts == {"combined": 2}
         actuator.apply(Decision(0.0, {"combined": 1}, {"combined": 1}, Capacity(1, 1), {}), replicas, counts)
         (victim,) = actuator.draining

@@ -12,7 +12,9 @@ A prefill/decode fleet, simulated by events (virtual time):
   its output tokens. Each goes to the serving replica with the fewest sequences.
 - A replica serves STARTUP_S after it is added (loading its model) and is paid for
   from then; one removed drains: it takes no new request and is paid for until its
-  last one ends.
+  last one ends. A prefill replica moved to the decode pool (kv_both replicas, as the
+  chart starts them for the planner: planner/actuator.py) decodes MOVE_S after the
+  prompts queued on it are computed, with no start-up.
 - The trace: a day compressed to DAY_S; requests arrive as a Poisson process whose rate
   rises from BASE_RATE to 5x at midday and falls back; the morning (the first half) is
   prefill-heavy (long prompts, short answers), the afternoon decode-heavy (short
@@ -25,7 +27,9 @@ Policies:
   p90 of the ITLs of requests that ended in it, rates, the tokens generated, as
   vllm:generation_tokens_total counts them, each pool's queue), with the capacity a
   profile of one replica gives (PREFILL_TOKENS_PER_S; the sequences whose step stays
-  within the ITL target), and STARTUP_S as its start-up time. Scale-down drains, as planner/actuator.py does.
+  within the ITL target), and STARTUP_S as its start-up time. Scale-down drains, and
+  the decode pool takes the idle prefill replicas the decision names
+  (`Decision.moves`) before new ones, as planner/actuator.py does.
 - keda: one ScaledObject per pool on its own vllm:num_requests_waiting (the chart's
   defaults: threshold 5, polled every 15 s), scaled as the HPA does (desired =
   ceil(waiting / threshold), at once up, down to the highest desired count of the last
@@ -42,6 +46,8 @@ Policies:
   raised before the afternoon; what forecasting the switch perfectly could buy.
 - decode_floors (not policies): the planner with a decode floor all day, told the
   afternoon's need but not its hour; what insuring against the switch costs.
+- the planner with prefill replicas that cannot move (kv_producer), and the planner
+  deciding every 30 s (its default before moves).
 - planner with a season (--season, a day): measured on the day after a day of the same
   shape (other requests), its forecast at least what each demand was over the coming
   horizon the day before; and the control, the same two days without a season.
@@ -89,10 +95,11 @@ STEP_BASE_S = 0.012
 STEP_PER_SEQ_S = 0.00035
 MAX_NUM_SEQS = 256
 STARTUP_S = 90.0
+MOVE_S = 2.0  # a replica moved between pools serves in its new one this long after (the gateways' next look)
 TTFT_TARGET_S = 2.0
 ITL_TARGET_S = 0.040
 MAX_REPLICAS = 16
-PLANNER_INTERVAL_S = 30.0
+PLANNER_INTERVAL_S = 15.0  # the planner's default --interval
 KEDA_POLL_S = 15.0
 KEDA_THRESHOLD = 5
 HPA_DOWN_WINDOW_S = 300.0
@@ -208,6 +215,7 @@ class Fleet:
         self.order = 0
         self.queue: deque[Request] = deque()  # waiting for a decode slot
         self.now = 0.0
+        self.moves = 0  # prefill replicas moved into the decode pool
         # What a gateway would have seen since the last look.
         self.window_ttfts: list[float] = []
         self.window_itls: list[float] = []
@@ -278,8 +286,26 @@ class Fleet:
 
     # -- sizing ------------------------------------------------------------------------
 
-    def resize(self, prefill: int, decode: int) -> None:
-        """Adds or drains replicas until each pool has the count (draining ones not counted)."""
+    def move_to_decode(self, count: int) -> int:
+        """Moves up to `count` serving prefill replicas, the least loaded, into the decode
+        pool, keeping one that serves prefill: each decodes MOVE_S after the prompts queued
+        on it are computed, and is paid for from when it was added, as before. How many moved."""
+        serving = sorted((r for r in self.prefill if not r.draining and r.ready <= self.now),
+                         key=lambda r: max(r.free_at - self.now, 0))
+        moved = serving[:max(0, min(count, len(serving) - 1))]
+        for replica in moved:
+            self.prefill.remove(replica)
+            ready = max(replica.free_at, self.now) + MOVE_S
+            self.decode.append(DecodeReplica(replica.added, ready))
+            self.push(ready, "ready", None)
+        self.moves += len(moved)
+        return len(moved)
+
+    def resize(self, prefill: int, decode: int, moves: int = 0) -> None:
+        """Moves up to `moves` prefill replicas into the decode pool, then adds or drains
+        replicas until each pool has the count (draining ones not counted)."""
+        moved = self.move_to_decode(moves)
+        prefill = max(1, min(prefill, sum(1 for r in self.prefill if not r.draining))) if moved else prefill
         for pool, target, make in ((self.prefill, prefill, PrefillReplica), (self.decode, decode, DecodeReplica)):
             live = [r for r in pool if not r.draining]
             for _ in range(target - len(live)):
@@ -356,30 +382,35 @@ def run(trace: list[Request], policy, start: tuple[int, int], tick_s: float | No
         "met_ttft_share": round(sum(r.ttft <= TTFT_TARGET_S for r in requests) / len(requests), 4),
         "met_itl_share": round(sum(r.itl <= ITL_TARGET_S for r in requests) / len(requests), 4),
         "replica_hours": round(fleet.bill.hours, 2),
+        **({"moved_to_decode": fleet.moves} if fleet.moves else {}),
     }
 
 
-def planner_config(decode_min: int = 1, season_s: float = 0.0) -> PlannerConfig:
+def planner_config(decode_min: int = 1, season_s: float = 0.0, interval_s: float = PLANNER_INTERVAL_S) -> PlannerConfig:
     """The planner's defaults (utilization, cooldown, scale-down window, forecast window),
     with the simulated fleet's targets, measured capacity, bounds and start-up time."""
     return PlannerConfig(
         ttft_target_s=TTFT_TARGET_S, itl_target_s=ITL_TARGET_S,
         capacity=Capacity(PREFILL_TOKENS_PER_S, DECODE_CAPACITY),
         bounds={"prefill": Bounds(1, MAX_REPLICAS), "decode": Bounds(decode_min, MAX_REPLICAS)},
-        interval_s=PLANNER_INTERVAL_S, startup_s=STARTUP_S, season_s=season_s)
+        interval_s=interval_s, startup_s=STARTUP_S, season_s=season_s)
 
 
-def planner_policy(decode_min: int = 1, season_s: float = 0.0):
-    config = planner_config(decode_min, season_s)
+def planner_policy(decode_min: int = 1, season_s: float = 0.0, interval_s: float = PLANNER_INTERVAL_S,
+                   moves: bool = True):
+    """The planner's decisions. With `moves` (replicas that can serve either pool, as
+    the chart starts them for the planner), the decode pool first takes the prefill
+    replicas the decision says the prefill pool leaves idle (Decision.moves)."""
+    config = planner_config(decode_min, season_s, interval_s)
     state = PlannerState(config.capacity)
 
-    def policy(seen: dict, now: float) -> tuple[int, int]:
-        observation = Observation(seen["ttft_p90"], seen["itl_p90"], seen["requests"] / PLANNER_INTERVAL_S,
-                                  seen["prompt_tokens"] / PLANNER_INTERVAL_S,
+    def policy(seen: dict, now: float) -> tuple[int, ...]:
+        observation = Observation(seen["ttft_p90"], seen["itl_p90"], seen["requests"] / interval_s,
+                                  seen["prompt_tokens"] / interval_s,
                                   {"prefill": seen["prefill"], "decode": seen["decode"]},
-                                  generation_tokens_rate=seen["generated_tokens"] / PLANNER_INTERVAL_S)
+                                  generation_tokens_rate=seen["generated_tokens"] / interval_s)
         decision = decide(config, state, observation, now)
-        return decision.replicas["prefill"], decision.replicas["decode"]
+        return decision.replicas["prefill"], decision.replicas["decode"], decision.moves if moves else 0
 
     return policy
 
@@ -458,9 +489,9 @@ def reactive_bound(trace: list[Request]) -> dict:
     planner = planner_policy()
     switch = DAY_S / 2
 
-    def policy(seen: dict, now: float) -> tuple[int, int]:
-        prefill, decode = planner(seen, now)
-        return prefill, MAX_REPLICAS if switch < now <= switch + HPA_DOWN_WINDOW_S else decode
+    def policy(seen: dict, now: float) -> tuple[int, int, int]:
+        prefill, decode, moves = planner(seen, now)
+        return prefill, MAX_REPLICAS if switch < now <= switch + HPA_DOWN_WINDOW_S else decode, moves
 
     return run(trace, policy, (1, 1), PLANNER_INTERVAL_S)
 
@@ -476,11 +507,11 @@ def told_in_advance_bound(trace: list[Request]) -> dict:
     per_replica = DECODE_CAPACITY / ITL_TARGET_S  # tokens a second at the ITL target
     need = math.ceil(5 * BASE_RATE * PHASES["decode-heavy"][1] / per_replica / planner_config().utilization)
 
-    def policy(seen: dict, now: float) -> tuple[int, int]:
-        prefill, decode = planner(seen, now)
+    def policy(seen: dict, now: float) -> tuple[int, int, int]:
+        prefill, decode, moves = planner(seen, now)
         if switch - STARTUP_S - PLANNER_INTERVAL_S <= now <= switch + HPA_DOWN_WINDOW_S:
             decode = max(decode, need)
-        return prefill, decode
+        return prefill, decode, moves
 
     return run(trace, policy, (1, 1), PLANNER_INTERVAL_S)
 
@@ -528,6 +559,24 @@ def bar_against_every_fixed_pair(planner: dict, as_good: dict) -> dict:
             "their_least_replica_hours": least, "planner_over_that": ratio, "met": ratio <= 0.75}
 
 
+def bar_against_each_swept_pair(planner: dict, swept: list[dict]) -> dict:
+    """The bar against every fixed pair the run swept, one by one: those it holds against,
+    and those it does not, each with why (more requests meeting the targets there, or
+    fewer than 4/3 of the planner's replica-hours)."""
+    held, not_held = [], []
+    for pair in sorted(swept, key=lambda r: (r["prefill"], r["decode"])):
+        name = f"{pair['prefill']}+{pair['decode']}"
+        result = bar(planner, pair)
+        if result["met"]:
+            held.append(name)
+        else:
+            why = "more requests meet the targets" if not result["met_for_as_many_requests"] else \
+                "under 4/3 of the planner's replica-hours"
+            not_held.append({"pair": name, "met_both_share": pair["met_both_share"],
+                             "replica_hours": pair["replica_hours"], "why": why})
+    return {"held": held, "not_held": not_held}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/planner_sim.json")
@@ -550,12 +599,20 @@ def main() -> None:
     highest = fixed(MAX_REPLICAS, MAX_REPLICAS)
     highest_cheapest = cheapest_fixed(fixed, highest["met_both_share"])
     log(f"highest fixed: {highest}; the cheapest that high: {highest_cheapest}")
+    # Every pair around the cheapest ones as well, for the bar pair by pair.
+    for prefill in range(4, 9):
+        for decode in range(3, 9):
+            fixed(prefill, decode)
     bound = reactive_bound(trace)
     log(f"reactive bound: {bound}")
     told = told_in_advance_bound(trace)
     log(f"told in advance: {told}")
     floors = decode_floors(trace)
     log(f"decode floors: {floors}")
+    unmoved = run(trace, planner_policy(moves=False), (1, 1), PLANNER_INTERVAL_S)
+    log(f"planner, prefill replicas that cannot move: {unmoved}")
+    slower = run(trace, planner_policy(interval_s=2 * PLANNER_INTERVAL_S), (1, 1), 2 * PLANNER_INTERVAL_S)
+    log(f"planner every {2 * PLANNER_INTERVAL_S:g} s: {slower}")
     with_season, control = seasonal(trace)
     log(f"planner with a season, the day after: {with_season}; the same days without: {control}")
     season_as_good = cheapest_fixed(fixed, with_season["met_both_share"])
@@ -569,12 +626,14 @@ def main() -> None:
         "highest_fixed": highest, "cheapest_fixed_at_highest": highest_cheapest,
         "fixed_swept": sorted(fixed.swept, key=lambda r: (r["prefill"], r["decode"])),
         "reactive_bound": bound, "told_in_advance_bound": told, "decode_floors": floors,
+        "planner_without_moves": unmoved, f"planner_every_{2 * PLANNER_INTERVAL_S:g}_s": slower,
         "planner_with_season": with_season, "planner_day_after_without_season": control,
         "cheapest_fixed_at_or_above_planner_with_season": season_as_good,
         "bar": {"vs_every_fixed_pair_at_or_above_planner": bar_against_every_fixed_pair(planner, as_good),
                 "vs_cheapest_fixed_at_or_above_planner": bar(planner, as_good),
                 "vs_cheapest_fixed_at_highest": bar(planner, highest_cheapest),
                 "vs_keda": bar(planner, keda),
+                "vs_each_swept_fixed_pair": bar_against_each_swept_pair(planner, fixed.swept),
                 "with_season": {"vs_every_fixed_pair_at_or_above": bar_against_every_fixed_pair(with_season,
                                                                                                 season_as_good),
                                 "vs_cheapest_fixed_at_or_above_planner_without_season": bar(with_season, as_good),

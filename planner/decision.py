@@ -102,7 +102,7 @@ class PlannerConfig:
     itl_target_s: float
     capacity: Capacity
     bounds: dict[str, Bounds]  # per pool the fleet has
-    interval_s: float = 30.0
+    interval_s: float = 15.0
     # The share of a replica's capacity the rule plans to use.
     utilization: float = 0.8
     cooldown_s: float = 120.0  # after a change, no scale-down of that pool for this long

@@ -79,6 +79,10 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         "more tokens than this not cached on the decode replica chosen for it is prefilled on a "
                         "prefill replica, its KV moved worker to worker (docs/disaggregation.md) "
                         "(default: %(default)s)")
+    parser.add_argument("--pd-max-prefill-queue", type=at_least(1), default=None, metavar="N",
+                        help="with prefill replicas: split a prompt only while some prefill replica has fewer than "
+                        "N requests waiting; past that, the decode replica computes it itself, as NVIDIA Dynamo's "
+                        "conditional disaggregation does (default: no bound)")
     parser.add_argument("--listen-fd", type=int, metavar="FD",
                         help="serve on this inherited listening socket (TCP or Unix) instead of binding one, taking "
                         "its connections only once the cluster can serve them: how `cluster up --api-server-count N` "
@@ -129,7 +133,8 @@ def build_gateway(args: argparse.Namespace, registry: Registry) -> GatewayModels
                                      lease_ttl_s=args.lease_ttl, routing_policy=args.routing_policy,
                                      migration_limit=args.migration_limit,
                                      migration_wait_s=args.migration_wait,
-                                     pd_min_prefill_tokens=args.pd_min_prefill_tokens, serves=serves)
+                                     pd_min_prefill_tokens=args.pd_min_prefill_tokens,
+                                     pd_max_prefill_queue=args.pd_max_prefill_queue, serves=serves)
         encoder = RemoteTokenizer(lambda: [m.address for m in registry.members("tokenizer") if serves(m)],
                                   lease_ttl_s=args.lease_ttl)
         built.clients.append(client)

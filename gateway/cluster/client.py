@@ -47,11 +47,13 @@ class ClusterEngineClient:
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         migration_wait_s: float = 0.0,
         pd_min_prefill_tokens: int = DEFAULT_PD_MIN_PREFILL_TOKENS,
+        pd_max_prefill_queue: int | None = None,
         serves: Callable[[Member], bool] | None = None,
     ) -> None:
         """`pd_min_prefill_tokens`: with prefill replicas in the fleet, a prompt with more
         tokens than this uncached where it decodes is prefilled on one of them
-        (docs/disaggregation.md). `serves`: the leases of the one model this client routes
+        (docs/disaggregation.md), unless every prefill replica has `pd_max_prefill_queue`
+        requests waiting or more. `serves`: the leases of the one model this client routes
         to, for a gateway fronting several (gateway/cluster/served_models.py); None: all."""
         self.gateway_id = gateway_id or new_gateway_id(gateway_name)
         self._nats_url = nats_url
@@ -61,7 +63,7 @@ class ClusterEngineClient:
         self._replicas = ReplicaSet(redis_url, poll_interval_s, lease_ttl_s, serves)
         self._placement = Placement(self._replicas, routing_policy, submit_timeout_s)
         self._streams = RequestStreams(self.gateway_id, self._replicas, self._placement, submit_timeout_s,
-                                       Disaggregation(pd_min_prefill_tokens))
+                                       Disaggregation(pd_min_prefill_tokens, max_prefill_queue=pd_max_prefill_queue))
 
     def start(self) -> None:
         if self._replicas.started:

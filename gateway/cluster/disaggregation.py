@@ -7,8 +7,9 @@ that one only.
 For each request the decode replica is chosen first, by the routing policy, as any
 request is placed. If that replica can fetch KV (kv_consumer, kv_both) and the part of
 the prompt it does not hold (its device pool and offload tiers, as the prefix index
-sees them) is more than `--pd-min-prefill-tokens`, a prefill replica is chosen the same
-way among the prefill pool, and asked to compute the prompt's KV and hold it (vLLM's
+sees them) is more than `--pd-min-prefill-tokens`, and (with `--pd-max-prefill-queue`)
+some prefill replica has fewer requests waiting than that, a prefill replica is chosen
+the same way among the prefill pool, and asked to compute the prompt's KV and hold it (vLLM's
 `do_remote_decode`, one token asked); its `kv_transfer_params` go with the request to
 the decode replica, whose worker fetches the full blocks it lacks straight from the
 prefill replica's worker. The blocks move as they are computed (kvfleet's
@@ -96,15 +97,23 @@ class PrefillLeg:
 
 
 class Disaggregation:
-    def __init__(self, min_prefill_tokens: int, stream_blocks: bool = True) -> None:
+    def __init__(self, min_prefill_tokens: int, stream_blocks: bool = True, max_prefill_queue: int | None = None
+                 ) -> None:
         self.min_prefill_tokens = min_prefill_tokens
+        # Past this many requests waiting on every prefill replica, the decode replica
+        # computes the prompt itself (NVIDIA Dynamo's conditional disaggregation): a queue
+        # that long costs the time to first token more than the prompt's compute costs the
+        # decode replica's other streams. None: no bound.
+        self.max_prefill_queue = max_prefill_queue
         # Blocks move as the prefill computes them, not after it (remote_streamed).
         self.stream_blocks = stream_blocks
 
     def wants_prefill(self, decode: Replica, uncached_tokens: int, prefill_pool: list[Replica],
                       params: SamplingParams) -> bool:
         return (decode.kv_role in CONSUMER_ROLES and uncached_tokens > self.min_prefill_tokens
-                and any(replica is not decode for replica in prefill_pool)
+                and any(replica is not decode and (self.max_prefill_queue is None
+                                                   or replica.waiting < self.max_prefill_queue)
+                        for replica in prefill_pool)
                 and num_children(params) == 1 and params.prompt_logprobs is None
                 # a pooling request needs every prompt position's hidden state where it pools
                 and params.pooling is None)

@@ -693,6 +693,11 @@ def test_disaggregation_runs_a_prefill_and_a_decode_pool():
     gateway = next(c for d in rendered.find("Deployment") if d["metadata"]["name"].startswith(f"{RELEASE}-gateway")
                    for c in containers(d["spec"]["template"]["spec"]))
     assert "--pd-min-prefill-tokens=16" in gateway["args"]
+    assert not [a for a in gateway["args"] if a.startswith("--pd-max-prefill-queue")]  # unbounded by default
+    bounded = render_values({"disaggregation": {"enabled": True, "maxPrefillQueue": 4}})
+    assert "--pd-max-prefill-queue=4" in next(
+        c for d in bounded.find("Deployment") if d["metadata"]["name"].startswith(f"{RELEASE}-gateway")
+        for c in containers(d["spec"]["template"]["spec"]))["args"]
     default = render("default")
     assert not default.find("Deployment", f"{RELEASE}-prefill") and "kv-transfer-config" not in str(default.manifests)
     # Over NIXL: vLLM's connector named, and replica pods reach each other on UCX's ports, any of them.

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.app import build_app
 from gateway.cluster.client import ClusterEngineClient
-from gateway.cluster.disaggregation import Disaggregation
+from gateway.cluster.disaggregation import Disaggregation, decodes, prefills
 from gateway.cluster.replica import Replica as Placed
 from gateway.metrics import GatewayMetrics
 from services.kv_transfer_messages import KvTransferParams
@@ -463,6 +463,30 @@ def test_a_pooling_request_is_never_split() -> None:
     split = Disaggregation(BLOCK)
     assert split.wants_prefill(decode, 8 * BLOCK, [prefill], SamplingParams(max_tokens=1))
     assert not split.wants_prefill(decode, 8 * BLOCK, [prefill], SamplingParams(pooling=PoolingParams()))
+
+
+def test_past_the_prefill_queue_bound_the_decode_replica_computes_the_prompt() -> None:
+    """--pd-max-prefill-queue (Dynamo's conditional disaggregation): split only while some
+    prefill replica has fewer requests waiting than the bound."""
+    busy, idle, decode = (Placed(Member("scheduler", name, "127.0.0.1:1", {"kv_role": role}), None, None, None)
+                          for name, role in (("busy", "kv_producer"), ("idle", "kv_producer"), ("d", "kv_consumer")))
+    busy.waiting, idle.waiting = 3, 2
+    params = SamplingParams(max_tokens=1)
+    bounded = Disaggregation(BLOCK, max_prefill_queue=3)
+    assert bounded.wants_prefill(decode, 8 * BLOCK, [busy, idle], params)
+    assert not bounded.wants_prefill(decode, 8 * BLOCK, [busy], params)
+    assert Disaggregation(BLOCK).wants_prefill(decode, 8 * BLOCK, [busy], params)  # no bound
+
+
+def test_a_kv_both_replica_given_a_pool_is_in_that_one_only() -> None:
+    def replica(**metadata: str) -> Placed:
+        return Placed(Member("scheduler", "r", "127.0.0.1:1", metadata), None, None, None)
+
+    pools = [(prefills(r), decodes(r)) for r in (
+        replica(kv_role="kv_both"), replica(kv_role="kv_both", kv_pool="prefill"),
+        replica(kv_role="kv_both", kv_pool="decode"), replica(kv_role="kv_producer"), replica(kv_role="kv_consumer"),
+        replica())]
+    assert pools == [(True, True), (True, False), (False, True), (True, False), (False, True), (False, True)]
 
 
 def test_a_prefill_replica_that_died_is_recomputed_on_the_decode_side(pair, client, tokenizer) -> None:

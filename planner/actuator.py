@@ -110,11 +110,11 @@ class Actuator:
         movable = sorted((r for r in prefill if r.movable), key=lambda r: (r.load, r.member.id))
         chosen = movable[:max(0, min(wanted, len(prefill) - 1))]
         for replica in chosen:
-            logger.info("moving prefill replica %s (load %d) to the decode pool%s", replica.member.id, replica.load,
-                        " (dry run: not asked)" if self._deployments is None else "")
+            logger.info("%s prefill replica %s (load %d) to the decode pool",
+                        "would move" if self._deployments is None else "moving", replica.member.id, replica.load)
             if self._deployments is not None:
                 self._registry.request_move("scheduler", replica.member.id, "decode", MOVE_REQUEST_TTL_S)
-        return len(chosen) if self._deployments is not None else 0
+        return len(chosen)  # a dry run logs the rest of its decision as if they had moved
 
     def _scale_down(self, pool: str, fewer: int, replicas: list[Replica]) -> None:
         # (A replica whose Deployment the planner does not manage is not its to remove.)

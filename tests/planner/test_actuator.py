@@ -224,3 +224,19 @@ def test_a_moved_replica_stands_in_for_a_pod_still_loading_which_goes(api, regis
     assert registry.move_requested(members[0]) == "decode"
     assert [c for c in api.calls if c.method == "PATCH"] == [
         Call("PATCH", scale("kvfleet-replica"), MERGE_PATCH, {"spec": {"replicas": 2}})]
+
+
+def test_a_dry_run_logs_its_moves_and_asks_for_none(registry, caplog):
+    actuator = Actuator(registry, None, {"prefill": "kvfleet-prefill", "decode": "kvfleet-replica"}, 60.0)
+    movable = {"kv_role": "kv_both", "kv_pool": "prefill", "kv_home_pool": "prefill"}
+    members = [Member("scheduler", f"p{i}", f"10.0.0.{i}:50052", movable) for i in range(2)] + [
+        Member("scheduler", "d0", "10.0.1.0:50052", {"kv_role": "kv_consumer"})]
+    replicas = [Replica(m, pool_of(m), stats(1)) for m in members]
+    with caplog.at_level("INFO", logger="planner.actuator"):
+        actuator.apply(Decision(0.0, {"prefill": 2, "decode": 3}, {"prefill": 1, "decode": 3}, Capacity(1, 1), {},
+                                moves=1), replicas, actuator.counts(members))
+    assert registry.move_requested(members[0]) is None and registry.move_requested(members[1]) is None
+    assert "would move prefill replica p0 (load 1) to the decode pool" in caplog.text
+    # The rest of the decision as if it had moved: one more decode replica, none less in prefill.
+    assert "would scale Deployment kvfleet-replica (2 -> 3)" in caplog.text
+    assert "kvfleet-prefill" not in caplog.text

@@ -183,6 +183,8 @@ class Lease:
         self._healthy = healthy
         self._on_registered = on_registered
         self._stop = threading.Event()
+        # One beat at a time: an update's must not be overwritten by a beat that read the member before it.
+        self._beating = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"kvfleet-lease-{member.role}", daemon=True)
 
     def start(self) -> Lease:
@@ -203,7 +205,8 @@ class Lease:
 
     def update(self, **metadata: str) -> None:
         """Changes what the lease says, at once where Redis answers (else at the next beat)."""
-        self.member = replace(self.member, metadata={**self.member.metadata, **metadata})
+        with self._beating:
+            self.member = replace(self.member, metadata={**self.member.metadata, **metadata})
         self._beat()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -218,7 +221,9 @@ class Lease:
 
     def _beat(self) -> None:
         try:
-            if self._healthy() and self.registry.put(self.member, self.ttl_s):
+            with self._beating:
+                registered = self._healthy() and self.registry.put(self.member, self.ttl_s)
+            if registered:
                 self._on_registered()
         except redis.RedisError as exc:  # Redis may come back before the lease runs out
             logger.warning("could not renew %s: %s", self.member.key, exc)

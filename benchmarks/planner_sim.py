@@ -586,9 +586,10 @@ def other_traces(pairs: list[tuple[int, int]]) -> list[dict]:
     rows = []
     for seed in (12, 13, 14):
         trace = make_trace(seed)
+        fixed = FixedPools(trace)
         row = {"seed": seed, "planner": run(trace, planner_policy(), (1, 1), PLANNER_INTERVAL_S)}
         for prefill, decode in pairs:
-            row[f"fixed_{prefill}+{decode}"] = run(trace, lambda seen, now: (0, 0), (prefill, decode), None)
+            row[f"fixed_{prefill}+{decode}"] = fixed(prefill, decode)
         rows.append(row)
     return rows
 
